@@ -1,0 +1,480 @@
+//! Placement: which expert each slot of each node holds, for one layer.
+//!
+//! A placement is the paper's plan matrix `T ∈ [E]^{c×N}` stored node-major: `grid[node][slot]`.
+//! Every policy fills every slot and honours every expert's replica count exactly; both are
+//! asserted on construction ([`LayerPlacement::from_grid`]). Slots within a node are kept sorted
+//! by expert id, so duplicates of one expert sit on the same GPU (a GPU holding two replicas of
+//! an expert simply takes twice the share of its tokens, §4.1).
+
+use crate::allocate::ascending_order_by;
+use crate::error::PlanError;
+use rand::SeedableRng;
+use rand::rngs::Xoshiro256PlusPlus;
+use rand::seq::SliceRandom;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// Which placement rule to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum PlacePolicy {
+    /// Maximum-Rank-Overlap (§4.1, App. A.2): nested node sets inside groups of `c` experts.
+    Mro,
+    /// Round-robin over nodes: each expert's replicas on distinct consecutive nodes (§6.3).
+    Spread,
+    /// Each expert on as few nodes as possible (§6.3).
+    Compact,
+    /// Uniformly random arrangement of the replica multiset, from a seed.
+    Random { seed: u64 },
+}
+
+impl PlacePolicy {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Mro => "mro",
+            Self::Spread => "spread",
+            Self::Compact => "compact",
+            Self::Random { .. } => "random",
+        }
+    }
+}
+
+impl fmt::Display for PlacePolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Random { seed } => write!(f, "random:{seed}"),
+            p => f.write_str(p.name()),
+        }
+    }
+}
+
+impl FromStr for PlacePolicy {
+    type Err = String;
+    /// `mro`, `spread`, `compact`, `random` (seed 0) or `random:SEED`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "mro" => Ok(Self::Mro),
+            "spread" => Ok(Self::Spread),
+            "compact" => Ok(Self::Compact),
+            "random" => Ok(Self::Random { seed: 0 }),
+            _ => match s.strip_prefix("random:").map(str::parse::<u64>) {
+                Some(Ok(seed)) => Ok(Self::Random { seed }),
+                _ => Err(format!(
+                    "unknown placement {s:?} (expected mro, spread, compact, random or random:SEED)"
+                )),
+            },
+        }
+    }
+}
+
+/// One layer's placement: `grid[node][slot]` = expert id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerPlacement {
+    experts: usize,
+    grid: Vec<Vec<u32>>,
+}
+
+impl LayerPlacement {
+    /// Builds a placement from a grid, checking that every node has the same number of slots,
+    /// every slot holds a valid expert, and (when given) each expert's count matches `replicas`.
+    pub fn from_grid(
+        grid: Vec<Vec<u32>>,
+        experts: usize,
+        replicas: Option<&[usize]>,
+    ) -> Result<Self, PlanError> {
+        if grid.is_empty() {
+            return Err(PlanError::NoNodes(0));
+        }
+        let c = grid[0].len();
+        if c == 0 {
+            return Err(PlanError::NoSlots(0));
+        }
+        let mut counts = vec![0usize; experts];
+        for node in &grid {
+            if node.len() != c {
+                return Err(PlanError::ReplicaSum {
+                    expected: c * grid.len(),
+                    got: grid.iter().map(Vec::len).sum(),
+                });
+            }
+            for &e in node {
+                let e = e as usize;
+                if e >= experts {
+                    return Err(PlanError::LoadCount {
+                        expected: experts,
+                        got: e + 1,
+                    });
+                }
+                counts[e] += 1;
+            }
+        }
+        if let Some(r) = replicas {
+            if r.len() != experts {
+                return Err(PlanError::LoadCount {
+                    expected: experts,
+                    got: r.len(),
+                });
+            }
+            if counts != r {
+                return Err(PlanError::ReplicaSum {
+                    expected: r.iter().sum(),
+                    got: counts.iter().sum(),
+                });
+            }
+        }
+        Ok(Self { experts, grid })
+    }
+
+    pub fn nodes(&self) -> usize {
+        self.grid.len()
+    }
+    pub fn slots_per_node(&self) -> usize {
+        self.grid[0].len()
+    }
+    pub fn experts(&self) -> usize {
+        self.experts
+    }
+    /// `grid[node][slot]` = expert id.
+    pub fn grid(&self) -> &[Vec<u32>] {
+        &self.grid
+    }
+
+    /// Replica count per expert.
+    pub fn replicas(&self) -> Vec<usize> {
+        let mut r = vec![0; self.experts];
+        self.grid.iter().flatten().for_each(|&e| r[e as usize] += 1);
+        r
+    }
+
+    /// `replicas[e][node]`: replicas of expert `e` held by `node`.
+    pub fn replica_matrix(&self) -> Vec<Vec<u32>> {
+        let mut m = vec![vec![0u32; self.nodes()]; self.experts];
+        for (n, node) in self.grid.iter().enumerate() {
+            for &e in node {
+                m[e as usize][n] += 1;
+            }
+        }
+        m
+    }
+
+    /// Distinct nodes holding each expert (`S_e`), ascending.
+    pub fn node_sets(&self) -> Vec<Vec<usize>> {
+        let mut s: Vec<Vec<usize>> = vec![Vec::new(); self.experts];
+        for (n, node) in self.grid.iter().enumerate() {
+            for &e in node {
+                let set = &mut s[e as usize];
+                if set.last() != Some(&n) {
+                    set.push(n);
+                }
+            }
+        }
+        s
+    }
+
+    /// Returns the placement with node `q` moved to position `perm[q]`.
+    pub fn permute_nodes(&self, perm: &[usize]) -> Self {
+        let mut grid = vec![Vec::new(); self.nodes()];
+        for (q, &to) in perm.iter().enumerate() {
+            grid[to] = self.grid[q].clone();
+        }
+        Self {
+            experts: self.experts,
+            grid,
+        }
+    }
+}
+
+/// Places `replicas[e]` copies of each expert on `nodes × slots_per_node` slots.
+/// `Σ replicas` must equal `nodes · slots_per_node` and every expert needs at least one replica.
+pub fn place(
+    policy: PlacePolicy,
+    replicas: &[usize],
+    nodes: usize,
+    slots_per_node: usize,
+) -> Result<LayerPlacement, PlanError> {
+    if nodes == 0 {
+        return Err(PlanError::NoNodes(nodes));
+    }
+    if slots_per_node == 0 {
+        return Err(PlanError::NoSlots(slots_per_node));
+    }
+    if replicas.is_empty() {
+        return Err(PlanError::NoExperts(0));
+    }
+    if let Some(expert) = replicas.iter().position(|&r| r == 0) {
+        return Err(PlanError::ZeroReplicas { expert });
+    }
+    let total: usize = replicas.iter().sum();
+    if total != nodes * slots_per_node {
+        return Err(PlanError::ReplicaSum {
+            expected: nodes * slots_per_node,
+            got: total,
+        });
+    }
+    let mut grid = match policy {
+        PlacePolicy::Mro => mro(replicas, nodes, slots_per_node),
+        PlacePolicy::Spread => spread(replicas, nodes, slots_per_node),
+        PlacePolicy::Compact => compact(replicas, nodes, slots_per_node),
+        PlacePolicy::Random { seed } => random(replicas, nodes, slots_per_node, seed),
+    };
+    for node in &mut grid {
+        node.sort_unstable();
+    }
+    // Invariants: every slot filled, every expert's count honoured.
+    LayerPlacement::from_grid(grid, replicas.len(), Some(replicas))
+}
+
+/// The MRO structure derived from the replica counts alone (§3.3 of our reference):
+/// experts sorted ascending by `(replicas, id)`, cut into groups of `c` consecutive experts;
+/// group `i` owns a block of `r_{rep(i)}` consecutive nodes (its representative — least
+/// replicated member — has that many replicas), the last block truncated by `N`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MroStructure {
+    /// Experts in rank order (ascending replicas, ties by id).
+    pub order: Vec<usize>,
+    /// Node-block length of each group, in node order starting at node 0.
+    pub block_sizes: Vec<usize>,
+    /// True when `E ≤ c`: one group, placed as nested prefixes `S_1 ⊂ S_2 ⊂ …`.
+    pub nested: bool,
+    /// True when the last block is shorter than its representative's replica count.
+    pub truncated: bool,
+}
+
+/// Computes the [`MroStructure`] for replica counts on `nodes × c` slots (`Σr = N·c`).
+pub fn mro_structure(replicas: &[usize], nodes: usize, c: usize) -> MroStructure {
+    let order = ascending_order_by(replicas);
+    let e = replicas.len();
+    if e <= c {
+        let r1 = replicas[order[0]];
+        return MroStructure {
+            order,
+            block_sizes: vec![r1.min(nodes)],
+            nested: true,
+            truncated: r1 > nodes,
+        };
+    }
+    let groups = e.div_ceil(c);
+    let mut block_sizes = Vec::with_capacity(groups);
+    let mut used = 0usize;
+    let mut truncated = false;
+    for g in 0..groups {
+        let want = replicas[order[g * c]];
+        // With Σr = N·c the first G−1 blocks always fit (each block node takes c replicas of
+        // its group, never more than the group owns); only the last can be cut by N.
+        let got = want.min(nodes - used);
+        truncated |= got < want;
+        block_sizes.push(got);
+        used += got;
+    }
+    MroStructure {
+        order,
+        block_sizes,
+        nested: false,
+        truncated,
+    }
+}
+
+/// The MRO construction.
+///
+/// * `E ≤ c`: expert `k` (rank order) on the first `min(r_k, N)` nodes — nested sets.
+/// * `E > c`: every node of block `i` holds one replica of each expert of group `i`.
+///
+/// **Fill rule for leftover replicas** (the paper says only "uniformly"): leftovers are taken
+/// hottest expert first (descending rank) and dealt round-robin over the nodes that still have
+/// free slots, starting at the first such node and skipping full ones, so one expert's
+/// leftovers land on distinct consecutive nodes and every node fills evenly. Leftovers never
+/// change recovery: recovery ⇔ every block keeps a live node, because each representative has
+/// no leftover replica outside its block (except in a truncated last block, whose free slots are
+/// the only free ones left).
+fn mro(replicas: &[usize], nodes: usize, c: usize) -> Vec<Vec<u32>> {
+    let s = mro_structure(replicas, nodes, c);
+    let mut grid: Vec<Vec<u32>> = vec![Vec::with_capacity(c); nodes];
+    let mut left: Vec<usize> = replicas.to_vec();
+    if s.nested {
+        for &e in &s.order {
+            for node in grid.iter_mut().take(replicas[e].min(nodes)) {
+                node.push(e as u32);
+            }
+            left[e] -= replicas[e].min(nodes);
+        }
+    } else {
+        let mut start = 0;
+        for (g, &len) in s.block_sizes.iter().enumerate() {
+            let members = &s.order[g * c..((g + 1) * c).min(s.order.len())];
+            for node in &mut grid[start..start + len] {
+                for &e in members {
+                    node.push(e as u32);
+                    left[e] -= 1;
+                }
+            }
+            start += len;
+        }
+    }
+    let leftovers = s
+        .order
+        .iter()
+        .rev()
+        .flat_map(|&e| std::iter::repeat_n(e as u32, left[e]));
+    deal_round_robin(&mut grid, c, leftovers);
+    grid
+}
+
+/// Deals replicas round-robin over the nodes with free slots (see [`mro`]'s fill rule).
+fn deal_round_robin(grid: &mut [Vec<u32>], c: usize, items: impl Iterator<Item = u32>) {
+    let mut open: Vec<usize> = (0..grid.len()).filter(|&n| grid[n].len() < c).collect();
+    let mut cursor = 0;
+    for e in items {
+        assert!(!open.is_empty(), "more replicas than slots");
+        if cursor >= open.len() {
+            cursor = 0;
+        }
+        let n = open[cursor];
+        grid[n].push(e);
+        if grid[n].len() == c {
+            open.remove(cursor);
+        } else {
+            cursor += 1;
+        }
+    }
+}
+
+/// Spread: all replicas listed expert by expert (id order) and dealt to node `t mod N` — each
+/// node receives exactly `c`, and an expert with `r ≤ N` replicas lands on `r` distinct nodes.
+fn spread(replicas: &[usize], nodes: usize, c: usize) -> Vec<Vec<u32>> {
+    let mut grid = vec![Vec::with_capacity(c); nodes];
+    let mut t = 0;
+    for (e, &r) in replicas.iter().enumerate() {
+        for _ in 0..r {
+            grid[t % nodes].push(e as u32);
+            t += 1;
+        }
+    }
+    grid
+}
+
+/// Compact: experts in descending replica order (ties by id); each first takes whole empty
+/// nodes (`⌊r/c⌋` of them), then its remainder goes to the node with the fewest free slots that
+/// still fits it whole (best fit); only if none fits is it split, filling the emptiest nodes.
+fn compact(replicas: &[usize], nodes: usize, c: usize) -> Vec<Vec<u32>> {
+    let mut grid: Vec<Vec<u32>> = vec![Vec::with_capacity(c); nodes];
+    let mut order: Vec<usize> = (0..replicas.len()).collect();
+    order.sort_by_key(|&e| (std::cmp::Reverse(replicas[e]), e));
+    for e in order {
+        let mut left = replicas[e];
+        while left >= c {
+            match grid.iter().position(Vec::is_empty) {
+                Some(n) => {
+                    grid[n].extend(std::iter::repeat_n(e as u32, c));
+                    left -= c;
+                }
+                None => break,
+            }
+        }
+        while left > 0 {
+            let best_fit = (0..nodes)
+                .filter(|&n| c - grid[n].len() >= left)
+                .min_by_key(|&n| (c - grid[n].len(), n));
+            let n = best_fit.unwrap_or_else(|| {
+                (0..nodes)
+                    .max_by_key(|&n| (c - grid[n].len(), std::cmp::Reverse(n)))
+                    .expect("nodes > 0")
+            });
+            let take = left.min(c - grid[n].len());
+            grid[n].extend(std::iter::repeat_n(e as u32, take));
+            left -= take;
+        }
+    }
+    grid
+}
+
+/// Random: the replica multiset shuffled with a seeded, portable generator (xoshiro256++),
+/// then cut into nodes of `c` slots.
+fn random(replicas: &[usize], nodes: usize, c: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut all: Vec<u32> = replicas
+        .iter()
+        .enumerate()
+        .flat_map(|(e, &r)| std::iter::repeat_n(e as u32, r))
+        .collect();
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    all.shuffle(&mut rng);
+    let grid: Vec<Vec<u32>> = all.chunks(c).map(<[u32]>::to_vec).collect();
+    debug_assert_eq!(grid.len(), nodes);
+    grid
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mro_nested_when_e_le_c() {
+        // Fig. 4 plan B shape: 4 experts, 5 nodes, 4 slots, r_1 = 2.
+        let p = place(PlacePolicy::Mro, &[2, 4, 6, 8], 5, 4).unwrap();
+        let s = p.node_sets();
+        assert_eq!(s[0], vec![0, 1]);
+        assert!(s[0].iter().all(|n| s[1].contains(n)));
+        assert!(s[1].iter().all(|n| s[2].contains(n)));
+        assert!(s[2].iter().all(|n| s[3].contains(n)));
+    }
+
+    #[test]
+    fn mro_blocks_when_e_gt_c() {
+        // §10 vector: r = [2×15, 30], N = 10, c = 6 → three blocks of 2 nodes.
+        let mut r = vec![2usize; 15];
+        r.push(30);
+        let st = mro_structure(&r, 10, 6);
+        assert_eq!(st.block_sizes, vec![2, 2, 2]);
+        assert!(!st.truncated);
+        let p = place(PlacePolicy::Mro, &r, 10, 6).unwrap();
+        // Nodes 0,1 hold experts 0..6; nodes 2,3 hold 6..12; nodes 4,5 hold 12,13,14,15 (+ fill).
+        for n in 0..2 {
+            assert_eq!(p.grid()[n], vec![0, 1, 2, 3, 4, 5]);
+        }
+        for n in 4..6 {
+            for e in 12..16 {
+                assert!(p.grid()[n].contains(&e));
+            }
+        }
+        // Expert 15's leftovers fill everything else.
+        assert_eq!(p.replicas()[15], 30);
+    }
+
+    #[test]
+    fn spread_and_compact_shapes() {
+        let r = [3, 3, 2, 4];
+        let s = place(PlacePolicy::Spread, &r, 4, 3).unwrap();
+        assert!(s.node_sets().iter().zip(&r).all(|(s, &r)| s.len() == r));
+        let c = place(PlacePolicy::Compact, &r, 4, 3).unwrap();
+        let sets = c.node_sets();
+        assert_eq!(sets[0].len(), 1);
+        assert_eq!(sets[1].len(), 1);
+        assert!(sets[3].len() <= 2);
+    }
+
+    #[test]
+    fn random_is_seeded() {
+        let r = [3, 3, 2, 4];
+        let a = place(PlacePolicy::Random { seed: 7 }, &r, 4, 3).unwrap();
+        let b = place(PlacePolicy::Random { seed: 7 }, &r, 4, 3).unwrap();
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn bad_inputs_are_errors() {
+        assert!(matches!(
+            place(PlacePolicy::Mro, &[1, 1], 1, 3),
+            Err(PlanError::ReplicaSum { .. })
+        ));
+        assert!(matches!(
+            place(PlacePolicy::Mro, &[0, 2], 1, 2),
+            Err(PlanError::ZeroReplicas { expert: 0 })
+        ));
+        assert!(place(PlacePolicy::Mro, &[1], 0, 1).is_err());
+        assert!("random:x".parse::<PlacePolicy>().is_err());
+        assert_eq!(
+            "random:5".parse::<PlacePolicy>().unwrap(),
+            PlacePolicy::Random { seed: 5 }
+        );
+    }
+}
