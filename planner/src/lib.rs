@@ -23,3 +23,5 @@ pub use error::PlanError;
 pub use place::{LayerPlacement, PlacePolicy, place};
 pub use recovery::RecoveryEstimate;
 pub use spec::{Aggregation, ClusterSpec, LoadHistory, ModelSpec};
+pub mod model;
+pub use model::{Alignment, ModelPlan, plan_model};

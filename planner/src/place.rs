@@ -239,10 +239,40 @@ pub struct MroStructure {
     pub nested: bool,
     /// True when the last block is shorter than its representative's replica count.
     pub truncated: bool,
+    /// True when the paper's construction would leave some expert on fewer distinct nodes than
+    /// the smallest replica count (only possible when `truncated`), breaking the guarantee that
+    /// fewer than `f` failures are always survivable; [`place`] then uses spread instead and
+    /// the closed form does not apply.
+    pub spread_fallback: bool,
 }
 
 /// Computes the [`MroStructure`] for replica counts on `nodes × c` slots (`Σr = N·c`).
 pub fn mro_structure(replicas: &[usize], nodes: usize, c: usize) -> MroStructure {
+    let mut s = mro_blocks(replicas, nodes, c);
+    if s.truncated {
+        let guaranteed = replicas.iter().min().copied().unwrap_or(0).min(nodes);
+        s.spread_fallback = min_distinct_nodes(&mro_grid(&s, replicas, nodes, c)) < guaranteed;
+    }
+    s
+}
+
+/// Fewest distinct nodes any expert sits on.
+fn min_distinct_nodes(grid: &[Vec<u32>]) -> usize {
+    let experts = grid.iter().flatten().map(|&e| e as usize + 1).max().unwrap_or(0);
+    let mut seen = vec![usize::MAX; experts];
+    let mut count = vec![0usize; experts];
+    for (n, node) in grid.iter().enumerate() {
+        for &e in node {
+            if seen[e as usize] != n {
+                seen[e as usize] = n;
+                count[e as usize] += 1;
+            }
+        }
+    }
+    count.into_iter().min().unwrap_or(0)
+}
+
+fn mro_blocks(replicas: &[usize], nodes: usize, c: usize) -> MroStructure {
     let order = ascending_order_by(replicas);
     let e = replicas.len();
     if e <= c {
@@ -252,6 +282,7 @@ pub fn mro_structure(replicas: &[usize], nodes: usize, c: usize) -> MroStructure
             block_sizes: vec![r1.min(nodes)],
             nested: true,
             truncated: r1 > nodes,
+            spread_fallback: false,
         };
     }
     let groups = e.div_ceil(c);
@@ -272,6 +303,7 @@ pub fn mro_structure(replicas: &[usize], nodes: usize, c: usize) -> MroStructure
         block_sizes,
         nested: false,
         truncated,
+        spread_fallback: false,
     }
 }
 
@@ -287,8 +319,22 @@ pub fn mro_structure(replicas: &[usize], nodes: usize, c: usize) -> MroStructure
 /// change recovery: recovery ⇔ every block keeps a live node, because each representative has
 /// no leftover replica outside its block (except in a truncated last block, whose free slots are
 /// the only free ones left).
+///
+/// **Guard (our addition).** Theorem 1 is only true when the last block is not truncated: brute
+/// force over all placements of tiny clusters finds counterexamples among truncated cases only
+/// (test `theorem1_fails_when_last_block_is_truncated`: N=3, c=2, r=[2,2,2] gives 2/3 at one
+/// failure where a cyclic plan gives 1). When truncation would put an expert on fewer distinct
+/// nodes than the smallest replica count — losing the "< f failures always recover" guarantee —
+/// the layer is placed with spread instead ([`MroStructure::spread_fallback`]).
 fn mro(replicas: &[usize], nodes: usize, c: usize) -> Vec<Vec<u32>> {
     let s = mro_structure(replicas, nodes, c);
+    if s.spread_fallback {
+        return spread(replicas, nodes, c);
+    }
+    mro_grid(&s, replicas, nodes, c)
+}
+
+fn mro_grid(s: &MroStructure, replicas: &[usize], nodes: usize, c: usize) -> Vec<Vec<u32>> {
     let mut grid: Vec<Vec<u32>> = vec![Vec::with_capacity(c); nodes];
     let mut left: Vec<usize> = replicas.to_vec();
     if s.nested {

@@ -1,0 +1,146 @@
+//! Whole-model plans on real gate loads (SmartMoE trace, read from `../shared`): aligning the
+//! layers' MRO blocks keeps model-level recovery near the weakest layer's, far above an
+//! independent per-layer mapping.
+
+use lazarus_planner::place::mro_structure;
+use lazarus_planner::recovery::exact;
+use lazarus_planner::{
+    AllocPolicy, Alignment, ClusterSpec, ModelSpec, PlacePolicy, PlanError, plan_model,
+};
+
+/// Per-layer loads for a GPT-L-like model (E = 16, 12 layers) from the SmartMoE global counts at
+/// one iteration: layers 0..12 of the 24, the 16 most-loaded of the 32 experts (reference
+/// `../shared/traces/routing/README.md`, "Using it with Lazarus-style models").
+fn smartmoe_loads(iter: u64, layers: usize, experts: usize) -> Vec<Vec<u64>> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/traces/routing/smartmoe/derived/global_expert_counts.csv"
+    );
+    let text = std::fs::read_to_string(path).expect("SmartMoE trace in ../shared/traces/routing");
+    let mut out = Vec::new();
+    for line in text.lines().skip(1) {
+        let v: Vec<u64> = line.split(',').map(|x| x.trim().parse().unwrap()).collect();
+        if v[0] == iter && (v[1] as usize) < layers {
+            let mut counts = v[2..].to_vec();
+            counts.sort_unstable_by(|a, b| b.cmp(a));
+            counts.truncate(experts);
+            out.push(counts);
+        }
+    }
+    assert_eq!(out.len(), layers);
+    out
+}
+
+fn model_recovery(plan: &lazarus_planner::ModelPlan, k: usize) -> f64 {
+    exact(&plan.layers, k).unwrap()
+}
+
+#[test]
+fn aligned_layers_beat_independent_mapping() {
+    let cluster = ClusterSpec::new(10, 6);
+    let model = ModelSpec {
+        experts: 16,
+        layers: 12,
+        f: 2,
+    };
+    let loads = smartmoe_loads(2001, 12, 16);
+    let aligned = plan_model(
+        &cluster,
+        &model,
+        &loads,
+        AllocPolicy::Lazarus,
+        PlacePolicy::Mro,
+        Alignment::Aligned,
+    )
+    .unwrap();
+    for k in 2..=6 {
+        let weakest = aligned
+            .layers
+            .iter()
+            .map(|l| exact(std::slice::from_ref(l), k).unwrap())
+            .fold(1.0, f64::min);
+        let a = model_recovery(&aligned, k);
+        let mut independent = 0.0;
+        let seeds = 5;
+        for seed in 0..seeds {
+            let p = plan_model(
+                &cluster,
+                &model,
+                &loads,
+                AllocPolicy::Lazarus,
+                PlacePolicy::Mro,
+                Alignment::Independent { seed },
+            )
+            .unwrap();
+            independent += model_recovery(&p, k) / seeds as f64;
+        }
+        eprintln!("k={k}: weakest layer {weakest:.4}, aligned model {a:.4}, independent {independent:.4}");
+        assert!(a <= weakest + 1e-12);
+        // On this trace the aligned blocks nest completely: the model is exactly as robust as
+        // its weakest layer.
+        assert!((a - weakest).abs() < 1e-12, "k={k}: aligned {a} vs weakest {weakest}");
+        assert!(a >= independent, "k={k}: aligned {a} < independent {independent}");
+        if k >= 2 && weakest < 1.0 {
+            assert!(a > independent, "k={k}: alignment should strictly help");
+        }
+    }
+}
+
+#[test]
+fn identical_block_sizes_make_model_equal_to_one_layer() {
+    // Same loads in every layer ⇒ same blocks ⇒ model recovery = layer recovery when aligned.
+    let cluster = ClusterSpec::new(10, 6);
+    let model = ModelSpec {
+        experts: 16,
+        layers: 4,
+        f: 2,
+    };
+    let loads = vec![smartmoe_loads(3001, 1, 16).remove(0); 4];
+    let p = plan_model(
+        &cluster,
+        &model,
+        &loads,
+        AllocPolicy::Lazarus,
+        PlacePolicy::Mro,
+        Alignment::Aligned,
+    )
+    .unwrap();
+    let blocks = mro_structure(&p.allocations[0].replicas, 10, 6).block_sizes;
+    for k in 0..=10 {
+        let one = lazarus_planner::recovery::mro_closed_form(&blocks, 10, k);
+        assert!((model_recovery(&p, k) - one).abs() < 1e-12);
+    }
+}
+
+#[test]
+fn bad_model_inputs_are_errors() {
+    let cluster = ClusterSpec::new(2, 2);
+    let model = ModelSpec {
+        experts: 5,
+        layers: 1,
+        f: 1,
+    };
+    let r = plan_model(
+        &cluster,
+        &model,
+        &[vec![1; 5]],
+        AllocPolicy::Lazarus,
+        PlacePolicy::Mro,
+        Alignment::Aligned,
+    );
+    assert!(matches!(r, Err(PlanError::TooFewSlots { .. })));
+    let model = ModelSpec {
+        experts: 2,
+        layers: 2,
+        f: 1,
+    };
+    let r = plan_model(
+        &cluster,
+        &model,
+        &[vec![1; 2]],
+        AllocPolicy::Lazarus,
+        PlacePolicy::Mro,
+        Alignment::Aligned,
+    );
+    assert!(matches!(r, Err(PlanError::LayerCount { .. })));
+}

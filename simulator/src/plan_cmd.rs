@@ -1,0 +1,139 @@
+//! `lzsim plan`.
+
+use crate::SpecArgs;
+use clap::Args;
+use lazarus_planner::place::mro_structure;
+use lazarus_planner::{ModelPlan, PlacePolicy, plan_model};
+use serde_json::{Value, json};
+use std::fmt::Write;
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub spec: SpecArgs,
+    /// Placement: mro, spread, compact, random (seeded by --seed).
+    #[arg(long, default_value = "mro")]
+    pub place: String,
+    /// Output format.
+    #[arg(long, default_value = "text", value_parser = ["text", "json"])]
+    pub format: String,
+}
+
+pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
+    let spec = &args.spec;
+    spec.validate()?;
+    let mut place: PlacePolicy = args.place.parse().map_err(anyhow::Error::msg)?;
+    if let PlacePolicy::Random { seed: 0 } = place {
+        place = PlacePolicy::Random { seed: spec.seed };
+    }
+    let loads = spec.loads()?;
+    let plan = plan_model(
+        &spec.cluster(),
+        &spec.model(),
+        &loads,
+        spec.alloc,
+        place,
+        spec.alignment(),
+    )?;
+    if args.format == "json" {
+        println!("{}", serde_json::to_string_pretty(&to_json(&plan, &loads))?);
+    } else {
+        print!("{}", to_text(&plan, &loads));
+    }
+    Ok(())
+}
+
+fn layer_json(plan: &ModelPlan, loads: &[Vec<u64>], l: usize) -> Value {
+    let p = &plan.layers[l];
+    json!({
+        "layer": l,
+        "loads": loads[l],
+        "f_effective": plan.allocations[l].f_effective,
+        "replicas": plan.allocations[l].replicas,
+        "placement": p.grid(),
+        "replicas_per_node": p.replica_matrix(),
+    })
+}
+
+/// One layer: the layer's keys at top level. Several: the same under `"layers"`.
+pub fn to_json(plan: &ModelPlan, loads: &[Vec<u64>]) -> Value {
+    let mut v = json!({
+        "nodes": plan.cluster.nodes,
+        "slots": plan.cluster.slots_per_node,
+        "experts": plan.model.experts,
+        "f": plan.model.f,
+        "alloc": plan.alloc.name(),
+        "place": plan.place.name(),
+    });
+    let obj = v.as_object_mut().expect("object");
+    if plan.layers.len() == 1 {
+        if let Value::Object(layer) = layer_json(plan, loads, 0) {
+            obj.extend(layer.into_iter().filter(|(k, _)| k != "layer"));
+        }
+    } else {
+        obj.insert(
+            "layers".into(),
+            Value::Array(
+                (0..plan.layers.len())
+                    .map(|l| layer_json(plan, loads, l))
+                    .collect(),
+            ),
+        );
+    }
+    v
+}
+
+/// EPLB-style picture: one row per node, one cell per slot.
+pub fn to_text(plan: &ModelPlan, loads: &[Vec<u64>]) -> String {
+    let mut s = String::new();
+    let e = plan.model.experts;
+    let w = (e.saturating_sub(1)).to_string().len().max(2);
+    let _ = writeln!(
+        s,
+        "{} nodes x {} slots, {} experts, {} layer(s), f = {}, alloc = {}, place = {}",
+        plan.cluster.nodes,
+        plan.cluster.slots_per_node,
+        e,
+        plan.layers.len(),
+        plan.model.f,
+        plan.alloc,
+        plan.place
+    );
+    for (l, p) in plan.layers.iter().enumerate() {
+        let a = &plan.allocations[l];
+        let _ = writeln!(s, "\nlayer {l}  (f effective = {})", a.f_effective);
+        let _ = writeln!(s, "  expert  {:>12}  {:>8}  nodes", "load", "replicas");
+        let sets = p.node_sets();
+        for x in 0..e {
+            let _ = writeln!(
+                s,
+                "  {:>6}  {:>12}  {:>8}  {}",
+                x,
+                loads[l][x],
+                a.replicas[x],
+                sets[x].len()
+            );
+        }
+        let _ = writeln!(s);
+        for (n, row) in p.grid().iter().enumerate() {
+            let cells: Vec<String> = row.iter().map(|x| format!("{x:>w$}")).collect();
+            let _ = writeln!(s, "  node {n:>3} | {} |", cells.join(" "));
+        }
+        if plan.place == PlacePolicy::Mro {
+            let st = mro_structure(&a.replicas, plan.cluster.nodes, plan.cluster.slots_per_node);
+            let _ = writeln!(
+                s,
+                "  MRO blocks (nodes per group, from node 0): {:?}{}",
+                st.block_sizes,
+                if st.spread_fallback {
+                    "  [last block truncated below the minimum replica count: placed with spread]"
+                } else if st.truncated {
+                    "  [last block truncated by N]"
+                } else {
+                    ""
+                }
+            );
+        }
+    }
+    s
+}

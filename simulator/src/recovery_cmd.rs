@@ -1,0 +1,194 @@
+//! `lzsim recovery`.
+
+use crate::SpecArgs;
+use anyhow::{Context, bail};
+use clap::Args;
+use lazarus_planner::place::mro_structure;
+use lazarus_planner::recovery::{exact, exact_domains, monte_carlo, mro_closed_form};
+use lazarus_planner::{PlacePolicy, RecoveryEstimate, plan_model};
+use serde::Serialize;
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct RecoveryArgs {
+    #[command(flatten)]
+    pub spec: SpecArgs,
+    /// Placements to compare, comma-separated: mro, spread, compact, random[:SEED].
+    #[arg(long, default_value = "mro,spread,compact")]
+    pub place: String,
+    /// Simultaneous failures: `0..6` (inclusive), `4`, or `1,2,5`. Default 0..min(units, 6).
+    #[arg(long)]
+    pub failed: Option<String>,
+    /// exact: enumerate every failure set (≤ 64 units); closed: MRO closed form (one layer);
+    /// mc: Monte Carlo with a 95 % Wilson interval.
+    #[arg(long, default_value = "exact", value_parser = ["exact", "closed", "mc"])]
+    pub method: String,
+    /// Monte Carlo trials per (placement, k).
+    #[arg(long, default_value_t = 100_000)]
+    pub trials: u64,
+    /// Failure-domain mode: node j is in rack j mod R, and --failed counts whole racks.
+    #[arg(long)]
+    pub racks: Option<usize>,
+    /// Output format.
+    #[arg(long, default_value = "csv", value_parser = ["csv", "json"])]
+    pub format: String,
+    /// Also draw probability vs. failures to this file (.png or .svg).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub place: String,
+    pub failed: usize,
+    pub probability: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ci_low: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ci_high: Option<f64>,
+}
+
+/// `0..6` (inclusive), `4`, `1,2,5`.
+pub fn parse_failed(text: &str) -> anyhow::Result<Vec<usize>> {
+    let bad = || format!("--failed {text:?}: expected A..B, a number, or a comma list");
+    if let Some((a, b)) = text.split_once("..") {
+        let a: usize = a.trim().parse().with_context(bad)?;
+        let b: usize = b.trim().trim_start_matches('=').parse().with_context(bad)?;
+        if a > b {
+            bail!("--failed {text:?}: the range is empty");
+        }
+        return Ok((a..=b).collect());
+    }
+    text.split(',')
+        .map(|x| x.trim().parse::<usize>().with_context(bad))
+        .collect()
+}
+
+pub fn run(args: &RecoveryArgs) -> anyhow::Result<()> {
+    let spec = &args.spec;
+    spec.validate()?;
+    let places: Vec<PlacePolicy> = args
+        .place
+        .split(',')
+        .map(|p| p.trim().parse::<PlacePolicy>().map_err(anyhow::Error::msg))
+        .collect::<Result<_, _>>()?;
+    let domains: Option<Vec<usize>> = match args.racks {
+        Some(0) => bail!("--racks must be at least 1"),
+        Some(r) if r > spec.nodes => bail!("--racks {r} exceeds --nodes {}", spec.nodes),
+        Some(r) => Some((0..spec.nodes).map(|j| j % r).collect()),
+        None => None,
+    };
+    let units = args.racks.unwrap_or(spec.nodes);
+    let failed = match &args.failed {
+        Some(t) => parse_failed(t)?,
+        None => (0..=units.min(6)).collect(),
+    };
+    if let Some(&k) = failed.iter().find(|&&k| k > units) {
+        bail!(
+            "--failed {k} exceeds the {units} {}",
+            if args.racks.is_some() {
+                "racks"
+            } else {
+                "nodes"
+            }
+        );
+    }
+    if args.method == "closed" && (spec.layers != 1 || domains.is_some()) {
+        bail!("--method closed needs --layers 1 and no --racks (use exact or mc)");
+    }
+    if args.method == "mc" && args.trials == 0 {
+        bail!("--trials must be at least 1");
+    }
+    let loads = spec.loads()?;
+    let mut rows = Vec::new();
+    for place in places {
+        let place = match place {
+            PlacePolicy::Random { seed: 0 } => PlacePolicy::Random { seed: spec.seed },
+            p => p,
+        };
+        let plan = plan_model(
+            &spec.cluster(),
+            &spec.model(),
+            &loads,
+            spec.alloc,
+            place,
+            spec.alignment(),
+        )?;
+        for &k in &failed {
+            let est = match args.method.as_str() {
+                "closed" => {
+                    if place != PlacePolicy::Mro {
+                        bail!("--method closed applies to --place mro only (got {place})");
+                    }
+                    let st = mro_structure(&plan.allocations[0].replicas, spec.nodes, spec.slots);
+                    if st.spread_fallback {
+                        bail!("this layer fell back to spread placement; use --method exact");
+                    }
+                    RecoveryEstimate::exact(mro_closed_form(&st.block_sizes, spec.nodes, k))
+                }
+                "mc" => monte_carlo(
+                    &plan.layers,
+                    domains.as_deref(),
+                    k,
+                    args.trials,
+                    spec.seed.wrapping_add(k as u64),
+                )?,
+                _ => RecoveryEstimate::exact(match &domains {
+                    Some(d) => exact_domains(&plan.layers, d, k)?,
+                    None => exact(&plan.layers, k)?,
+                }),
+            };
+            rows.push(Row {
+                place: place.name().to_string(),
+                failed: k,
+                probability: est.probability,
+                ci_low: est.ci_low,
+                ci_high: est.ci_high,
+            });
+        }
+    }
+    if let Some(path) = &args.plot {
+        let title = format!(
+            "{} nodes x {} slots, {} experts, {} layer(s), f={} ({})",
+            spec.nodes, spec.slots, spec.experts, spec.layers, spec.f, args.method
+        );
+        let x_label = if args.racks.is_some() {
+            "failed racks"
+        } else {
+            "failed nodes"
+        };
+        crate::plot::recovery_chart(path, &title, x_label, &rows)?;
+    }
+    if args.format == "json" {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        println!("place,failed,probability,ci_low,ci_high");
+        for r in &rows {
+            let opt = |x: Option<f64>| x.map(|v| format!("{v:.6}")).unwrap_or_default();
+            println!(
+                "{},{},{:.6},{},{}",
+                r.place,
+                r.failed,
+                r.probability,
+                opt(r.ci_low),
+                opt(r.ci_high)
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_syntax() {
+        assert_eq!(parse_failed("0..3").unwrap(), vec![0, 1, 2, 3]);
+        assert_eq!(parse_failed("0..=2").unwrap(), vec![0, 1, 2]);
+        assert_eq!(parse_failed("4").unwrap(), vec![4]);
+        assert_eq!(parse_failed("1, 5").unwrap(), vec![1, 5]);
+        assert!(parse_failed("3..1").is_err());
+        assert!(parse_failed("a..2").is_err());
+    }
+}
