@@ -24,4 +24,5 @@ pub use place::{LayerPlacement, PlacePolicy, place};
 pub use recovery::RecoveryEstimate;
 pub use spec::{Aggregation, ClusterSpec, LoadHistory, ModelSpec};
 pub mod model;
-pub use model::{Alignment, ModelPlan, plan_model};
+pub use model::{Alignment, ModelPlan, ReplanError, ReplanOptions, plan_model, replan};
+pub use place::mro_structure;

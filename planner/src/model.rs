@@ -17,6 +17,7 @@
 
 use crate::allocate::{AllocPolicy, Allocation, allocate};
 use crate::error::PlanError;
+use crate::migrate::{MappingMethod, MigrateError, MigrationPlan, PhysicalNode, map_nodes};
 use crate::place::{LayerPlacement, PlacePolicy, place};
 use crate::spec::{ClusterSpec, ModelSpec};
 use rand::SeedableRng;
@@ -125,4 +126,69 @@ pub fn plan_model(
         layers,
         node_map: (0..cluster.nodes as u32).collect(),
     })
+}
+
+impl ModelPlan {
+    /// What each physical node holds once this plan is in force: `[PhysicalNode]` in plan-node
+    /// order, ready to be the `physical` input of the next [`replan`].
+    pub fn physical_nodes(&self) -> Vec<PhysicalNode> {
+        self.plan_node_contents()
+            .into_iter()
+            .zip(&self.node_map)
+            .map(|(holdings, &id)| PhysicalNode { id, holdings })
+            .collect()
+    }
+}
+
+/// Why a replan failed: a planning error, or a migration error (notably
+/// [`MigrateError::ExpertLost`], which means the caller must restore from a checkpoint).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ReplanError {
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error(transparent)]
+    Migrate(#[from] MigrateError),
+}
+
+/// What a reconfiguration needs besides the nodes and loads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplanOptions {
+    pub alloc: AllocPolicy,
+    pub place: PlacePolicy,
+    pub mapping: MappingMethod,
+    /// Parameters + optimizer state of one expert replica (e.g. 63 MB for GPT-S, §5.4).
+    pub bytes_per_expert: u64,
+}
+
+/// Reconfiguration (§4.3, §5): a fresh whole-model plan for exactly the usable `physical`
+/// nodes (survivors of a failure, plus any new empty nodes on scale-out), then the mapping of
+/// its plan nodes onto those physical nodes that moves the fewest expert states. The returned
+/// plan's `node_map` and `version` (`previous_version + 1`) are set.
+pub fn replan(
+    physical: &[PhysicalNode],
+    slots_per_node: usize,
+    model: &ModelSpec,
+    loads: &[Vec<u64>],
+    options: &ReplanOptions,
+    previous_version: u64,
+) -> Result<(ModelPlan, MigrationPlan), ReplanError> {
+    let cluster = ClusterSpec::new(physical.len(), slots_per_node);
+    let mut plan = plan_model(
+        &cluster,
+        model,
+        loads,
+        options.alloc,
+        options.place,
+        Alignment::Aligned,
+    )?;
+    let migration = map_nodes(
+        &plan.plan_node_contents(),
+        physical,
+        model.experts,
+        options.mapping,
+        options.bytes_per_expert,
+    )?;
+    plan.node_map = migration.plan_to_physical.clone();
+    plan.version = previous_version + 1;
+    Ok((plan, migration))
 }

@@ -11,7 +11,7 @@ use lazarus_planner::{
 /// Per-layer loads for a GPT-L-like model (E = 16, 12 layers) from the SmartMoE global counts at
 /// one iteration: layers 0..12 of the 24, the 16 most-loaded of the 32 experts (reference
 /// `../shared/traces/routing/README.md`, "Using it with Lazarus-style models").
-fn smartmoe_loads(iter: u64, layers: usize, experts: usize) -> Vec<Vec<u64>> {
+pub(crate) fn smartmoe_loads(iter: u64, layers: usize, experts: usize) -> Vec<Vec<u64>> {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../shared/traces/routing/smartmoe/derived/global_expert_counts.csv"
@@ -143,4 +143,105 @@ fn bad_model_inputs_are_errors() {
         Alignment::Aligned,
     );
     assert!(matches!(r, Err(PlanError::LayerCount { .. })));
+}
+
+mod reconfiguration {
+    use super::smartmoe_loads;
+    use lazarus_planner::migrate::{MappingMethod, MigrateError};
+    use lazarus_planner::{
+        AllocPolicy, Alignment, ClusterSpec, ModelSpec, PlacePolicy, ReplanError, ReplanOptions,
+        plan_model, replan,
+    };
+
+    fn options(mapping: MappingMethod) -> ReplanOptions {
+        ReplanOptions {
+            alloc: AllocPolicy::Lazarus,
+            place: PlacePolicy::Mro,
+            mapping,
+            bytes_per_expert: 112_000_000,
+        }
+    }
+
+    #[test]
+    fn failure_then_scale_out_moves_few_states() {
+        let model = ModelSpec {
+            experts: 16,
+            layers: 12,
+            f: 2,
+        };
+        let loads = smartmoe_loads(2001, 12, 16);
+        let start = plan_model(
+            &ClusterSpec::new(10, 6),
+            &model,
+            &loads,
+            AllocPolicy::Lazarus,
+            PlacePolicy::Mro,
+            Alignment::Aligned,
+        )
+        .unwrap();
+        // Nodes 3 and 7 fail (neither holds a whole MRO block of every layer alone).
+        let survivors: Vec<_> = start
+            .physical_nodes()
+            .into_iter()
+            .filter(|n| n.id != 3 && n.id != 7)
+            .collect();
+        let (opt_plan, opt) = replan(&survivors, 6, &model, &loads, &options(MappingMethod::Optimal), 0).unwrap();
+        let (_, greedy) = replan(&survivors, 6, &model, &loads, &options(MappingMethod::Greedy), 0).unwrap();
+        assert_eq!(opt_plan.version, 1);
+        assert!(opt.new_replicas <= greedy.new_replicas);
+        assert_eq!(opt.bytes, opt.new_replicas * 112_000_000);
+        // A full replan from scratch would move far more: every (layer, expert) a node lacks.
+        let total_distinct: usize = opt_plan
+            .plan_node_contents()
+            .iter()
+            .flatten()
+            .map(|l| {
+                let mut v = l.clone();
+                v.dedup();
+                v.len()
+            })
+            .sum();
+        assert!((opt.new_replicas as usize) < total_distinct / 2, "{} of {total_distinct}", opt.new_replicas);
+        eprintln!(
+            "2 of 10 nodes failed: optimal mapping moves {} expert states, greedy {}",
+            opt.new_replicas, greedy.new_replicas
+        );
+        // Scale out: two new empty nodes join.
+        let mut grown = opt_plan.physical_nodes();
+        for id in [10, 11] {
+            grown.push(lazarus_planner::migrate::PhysicalNode { id, holdings: vec![Vec::new(); 12] });
+        }
+        let (grown_plan, m) = replan(&grown, 6, &model, &loads, &options(MappingMethod::Optimal), opt_plan.version).unwrap();
+        assert_eq!(grown_plan.version, 2);
+        assert_eq!(grown_plan.cluster.nodes, 10);
+        // Every transfer's source holds the expert now.
+        for t in &m.transfers {
+            let src = grown.iter().find(|n| n.id == t.src).unwrap();
+            assert!(src.holdings[t.layer as usize].contains(&t.expert));
+        }
+        assert!(m.transfers.iter().any(|t| t.dst == 10 || t.dst == 11));
+    }
+
+    #[test]
+    fn losing_every_replica_is_expert_lost() {
+        let model = ModelSpec {
+            experts: 16,
+            layers: 1,
+            f: 2,
+        };
+        let loads = vec![smartmoe_loads(2001, 1, 16).remove(0)];
+        let start = plan_model(
+            &ClusterSpec::new(10, 6),
+            &model,
+            &loads,
+            AllocPolicy::Lazarus,
+            PlacePolicy::Mro,
+            Alignment::Aligned,
+        )
+        .unwrap();
+        // MRO's first block is nodes {0, 1}: losing both loses its representative.
+        let survivors: Vec<_> = start.physical_nodes().into_iter().filter(|n| n.id >= 2).collect();
+        let r = replan(&survivors, 6, &model, &loads, &options(MappingMethod::Optimal), 0);
+        assert!(matches!(r, Err(ReplanError::Migrate(MigrateError::ExpertLost { layer: 0, .. }))));
+    }
 }

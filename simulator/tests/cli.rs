@@ -1,0 +1,163 @@
+//! End-to-end tests of the `lzsim` binary: output formats, golden numbers, and bad input
+//! (one clear line on stderr, exit code 2, no panic).
+
+use serde_json::Value;
+use std::process::{Command, Output};
+
+fn lzsim(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lzsim"))
+        .args(args)
+        .output()
+        .expect("run lzsim")
+}
+
+fn stdout_json(args: &[&str]) -> Value {
+    let out = lzsim(args);
+    assert!(
+        out.status.success(),
+        "lzsim {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("valid JSON")
+}
+
+#[test]
+fn plan_json_golden_allocation() {
+    let v = stdout_json(&[
+        "plan", "--nodes", "10", "--slots", "6", "--experts", "8", "--f", "2", "--loads",
+        "1,1,1,1,2,4,10,20", "--format", "json",
+    ]);
+    assert_eq!(v["nodes"], 10);
+    assert_eq!(v["slots"], 6);
+    assert_eq!(v["experts"], 8);
+    assert_eq!(v["f"], 2);
+    assert_eq!(
+        v["replicas"],
+        serde_json::json!([2, 2, 2, 2, 2, 5, 15, 30])
+    );
+    let placement = v["placement"].as_array().unwrap();
+    assert_eq!(placement.len(), 10);
+    let mut counts = [0u64; 8];
+    for node in placement {
+        let slots = node.as_array().unwrap();
+        assert_eq!(slots.len(), 6);
+        for e in slots {
+            counts[e.as_u64().unwrap() as usize] += 1;
+        }
+    }
+    assert_eq!(counts, [2, 2, 2, 2, 2, 5, 15, 30]);
+}
+
+#[test]
+fn plan_json_lists_layers_when_more_than_one() {
+    let v = stdout_json(&["plan", "--layers", "3", "--zipf", "1.0", "--format", "json"]);
+    let layers = v["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 3);
+    for l in layers {
+        assert_eq!(l["replicas"].as_array().unwrap().len(), 16);
+        assert_eq!(l["placement"].as_array().unwrap().len(), 10);
+    }
+    assert!(v.get("replicas").is_none());
+}
+
+#[test]
+fn plan_text_shows_grid() {
+    let out = lzsim(&["plan", "--experts", "8", "--loads", "1,1,1,1,2,4,10,20"]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("node   0 |"));
+    assert!(text.contains("MRO blocks"));
+}
+
+#[test]
+fn recovery_json_matches_section10_table() {
+    // r = [2×15, 30] comes from loads where 15 experts are tiny and one is huge.
+    let mut loads = vec!["1"; 15];
+    loads.push("1000");
+    let loads = loads.join(",");
+    let v = stdout_json(&[
+        "recovery", "--nodes", "10", "--slots", "6", "--experts", "16", "--loads", &loads,
+        "--place", "mro", "--failed", "0..6", "--format", "json",
+    ]);
+    let rows = v.as_array().unwrap();
+    let want = [1.0, 1.0, 0.9333, 0.8, 0.6143, 0.4048, 0.2095];
+    assert_eq!(rows.len(), want.len());
+    for (row, w) in rows.iter().zip(want) {
+        assert_eq!(row["place"], "mro");
+        assert!((row["probability"].as_f64().unwrap() - w).abs() < 5e-5, "{row}");
+    }
+    // The closed form gives the same numbers.
+    let c = stdout_json(&[
+        "recovery", "--nodes", "10", "--slots", "6", "--experts", "16", "--loads", &loads,
+        "--place", "mro", "--failed", "0..6", "--format", "json", "--method", "closed",
+    ]);
+    for (a, b) in rows.iter().zip(c.as_array().unwrap()) {
+        assert!((a["probability"].as_f64().unwrap() - b["probability"].as_f64().unwrap()).abs() < 1e-9);
+    }
+}
+
+#[test]
+fn recovery_mc_has_confidence_interval_and_csv_has_header() {
+    let v = stdout_json(&[
+        "recovery", "--failed", "4", "--method", "mc", "--trials", "5000", "--format", "json",
+        "--place", "mro,spread",
+    ]);
+    for row in v.as_array().unwrap() {
+        let p = row["probability"].as_f64().unwrap();
+        assert!(row["ci_low"].as_f64().unwrap() <= p && p <= row["ci_high"].as_f64().unwrap());
+        assert_eq!(row["failed"], 4);
+    }
+    let out = lzsim(&["recovery", "--failed", "0..2"]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.starts_with("place,failed,probability,ci_low,ci_high\n"));
+    assert_eq!(text.lines().count(), 1 + 3 * 3);
+}
+
+#[test]
+fn recovery_plot_writes_png_and_svg() {
+    let dir = std::env::temp_dir().join(format!("lzsim-plot-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for ext in ["png", "svg"] {
+        let path = dir.join(format!("r.{ext}"));
+        let out = lzsim(&["recovery", "--failed", "0..3", "--plot", path.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(std::fs::metadata(&path).unwrap().len() > 1000);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn model_level_recovery_with_racks() {
+    let v = stdout_json(&[
+        "recovery", "--layers", "4", "--racks", "5", "--failed", "0..2", "--format", "json",
+        "--place", "mro",
+    ]);
+    assert_eq!(v.as_array().unwrap().len(), 3);
+    assert_eq!(v[0]["probability"], 1.0);
+}
+
+#[test]
+fn bad_arguments_exit_2_with_one_clear_line() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["plan", "--nodes", "2", "--slots", "2", "--experts", "5"], "exceeds"),
+        (&["plan", "--slots", "0"], "slots"),
+        (&["plan", "--experts", "3", "--loads", "1,x,3"], "not a non-negative integer"),
+        (&["plan", "--experts", "3", "--loads", "1,2"], "--loads has 2 values"),
+        (&["plan", "--place", "bogus"], "unknown placement"),
+        (&["plan", "--loads-file", "/nonexistent/loads.csv"], "cannot read loads file"),
+        (&["recovery", "--failed", "11"], "exceeds the 10 nodes"),
+        (&["recovery", "--failed", "5..2"], "empty"),
+        (&["recovery", "--method", "closed", "--place", "spread"], "mro only"),
+        (&["recovery", "--nodes", "70", "--failed", "3"], "at most 64 nodes"),
+        (&["recovery", "--zipf=-1"], "--zipf"),
+        (&["recovery", "--alloc", "nope"], "unknown allocation policy"),
+    ];
+    for (args, needle) in cases {
+        let out = lzsim(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: stderr {err:?} lacks {needle:?}");
+        assert!(!err.contains("panicked"), "{args:?} panicked");
+        assert!(out.stdout.is_empty(), "{args:?} wrote to stdout");
+    }
+}
