@@ -46,7 +46,9 @@ impl FromStr for AllocPolicy {
         Self::ALL
             .into_iter()
             .find(|p| p.name() == s)
-            .ok_or_else(|| format!("unknown allocation policy {s:?} (expected lazarus, eplb or uniform)"))
+            .ok_or_else(|| {
+                format!("unknown allocation policy {s:?} (expected lazarus, eplb or uniform)")
+            })
     }
 }
 
@@ -136,10 +138,10 @@ fn lazarus_eq1(loads: &[u64], total_slots: usize, f: usize) -> Vec<usize> {
         let t = loads[e] as u128;
         let share = if i + 1 == n {
             slots_left
-        } else if load_left == 0 {
-            slots_left / (n - i) as u128
         } else {
-            t * slots_left / load_left
+            (t * slots_left)
+                .checked_div(load_left)
+                .unwrap_or(slots_left / (n - i) as u128)
         };
         let r = share.max(f as u128).min(slots_left);
         replicas[e] = r as usize;
