@@ -12,7 +12,7 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use lazarus_planner::migrate::MappingMethod;
 use lazarus_planner::recovery::{exact, monte_carlo};
 use lazarus_planner::{
-    AllocPolicy, Alignment, ClusterSpec, ModelSpec, PlacePolicy, ReplanOptions, dispatch,
+    Alignment, AllocPolicy, ClusterSpec, ModelSpec, PlacePolicy, ReplanOptions, dispatch,
     plan_model, replan,
 };
 use rand::rngs::Xoshiro256PlusPlus;
@@ -136,11 +136,9 @@ fn bench_recovery(c: &mut Criterion) {
     let trials = 100_000u64;
     g.throughput(Throughput::Elements(trials));
     for (name, plan) in [("n32_l1", &small), ("n128_l58", &big)] {
-        g.bench_with_input(
-            BenchmarkId::new("monte_carlo_k6", name),
-            plan,
-            |b, plan| b.iter(|| monte_carlo(&plan.layers, None, 6, trials, 7).unwrap()),
-        );
+        g.bench_with_input(BenchmarkId::new("monte_carlo_k6", name), plan, |b, plan| {
+            b.iter(|| monte_carlo(&plan.layers, None, 6, trials, 7).unwrap())
+        });
     }
     g.finish();
 }

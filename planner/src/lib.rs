@@ -10,10 +10,10 @@
 //! Maximum-Rank-Overlap placement and its Theorem 1 (§4.1, App. A.2), the flexible token
 //! dispatcher (Alg. 1, §4.2) and reconfiguration with minimal migration (§4.3, §5).
 //! Where the paper is silent, each module documents the decision it takes.
-pub mod dispatch;
-pub mod migrate;
 pub mod allocate;
+pub mod dispatch;
 pub mod error;
+pub mod migrate;
 pub mod place;
 pub mod recovery;
 pub mod spec;

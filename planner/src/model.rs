@@ -62,7 +62,10 @@ impl ModelPlan {
 
     /// Replicas per expert of each layer.
     pub fn replicas(&self) -> Vec<Vec<usize>> {
-        self.allocations.iter().map(|a| a.replicas.clone()).collect()
+        self.allocations
+            .iter()
+            .map(|a| a.replicas.clone())
+            .collect()
     }
 }
 

@@ -258,7 +258,12 @@ pub fn mro_structure(replicas: &[usize], nodes: usize, c: usize) -> MroStructure
 
 /// Fewest distinct nodes any expert sits on.
 fn min_distinct_nodes(grid: &[Vec<u32>]) -> usize {
-    let experts = grid.iter().flatten().map(|&e| e as usize + 1).max().unwrap_or(0);
+    let experts = grid
+        .iter()
+        .flatten()
+        .map(|&e| e as usize + 1)
+        .max()
+        .unwrap_or(0);
     let mut seen = vec![usize::MAX; experts];
     let mut count = vec![0usize; experts];
     for (n, node) in grid.iter().enumerate() {

@@ -395,7 +395,13 @@ mod tests {
 
     #[test]
     fn closed_form_matches_inclusion_exclusion() {
-        for blocks in [vec![2, 2, 2], vec![1, 3], vec![2, 3], vec![4], vec![1, 1, 1, 1]] {
+        for blocks in [
+            vec![2, 2, 2],
+            vec![1, 3],
+            vec![2, 3],
+            vec![4],
+            vec![1, 1, 1, 1],
+        ] {
             for n in blocks.iter().sum::<usize>()..12 {
                 for k in 0..=n {
                     let a = mro_closed_form(&blocks, n, k);

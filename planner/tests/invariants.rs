@@ -2,7 +2,7 @@
 
 use lazarus_planner::allocate::{ascending_order, effective_f};
 use lazarus_planner::place::{PlacePolicy, place};
-use lazarus_planner::{AllocPolicy, Aggregation, LoadHistory, allocate};
+use lazarus_planner::{Aggregation, AllocPolicy, LoadHistory, allocate};
 use proptest::prelude::*;
 
 fn policies() -> impl Strategy<Value = AllocPolicy> {

@@ -5,7 +5,7 @@
 use lazarus_planner::place::mro_structure;
 use lazarus_planner::recovery::exact;
 use lazarus_planner::{
-    AllocPolicy, Alignment, ClusterSpec, ModelSpec, PlacePolicy, PlanError, plan_model,
+    Alignment, AllocPolicy, ClusterSpec, ModelSpec, PlacePolicy, PlanError, plan_model,
 };
 
 /// Per-layer loads for a GPT-L-like model (E = 16, 12 layers) from the SmartMoE global counts at
@@ -74,12 +74,20 @@ fn aligned_layers_beat_independent_mapping() {
             .unwrap();
             independent += model_recovery(&p, k) / seeds as f64;
         }
-        eprintln!("k={k}: weakest layer {weakest:.4}, aligned model {a:.4}, independent {independent:.4}");
+        eprintln!(
+            "k={k}: weakest layer {weakest:.4}, aligned model {a:.4}, independent {independent:.4}"
+        );
         assert!(a <= weakest + 1e-12);
         // On this trace the aligned blocks nest completely: the model is exactly as robust as
         // its weakest layer.
-        assert!((a - weakest).abs() < 1e-12, "k={k}: aligned {a} vs weakest {weakest}");
-        assert!(a >= independent, "k={k}: aligned {a} < independent {independent}");
+        assert!(
+            (a - weakest).abs() < 1e-12,
+            "k={k}: aligned {a} vs weakest {weakest}"
+        );
+        assert!(
+            a >= independent,
+            "k={k}: aligned {a} < independent {independent}"
+        );
         if k >= 2 && weakest < 1.0 {
             assert!(a > independent, "k={k}: alignment should strictly help");
         }
@@ -149,7 +157,7 @@ mod reconfiguration {
     use super::smartmoe_loads;
     use lazarus_planner::migrate::{MappingMethod, MigrateError};
     use lazarus_planner::{
-        AllocPolicy, Alignment, ClusterSpec, ModelSpec, PlacePolicy, ReplanError, ReplanOptions,
+        Alignment, AllocPolicy, ClusterSpec, ModelSpec, PlacePolicy, ReplanError, ReplanOptions,
         plan_model, replan,
     };
 
@@ -185,8 +193,24 @@ mod reconfiguration {
             .into_iter()
             .filter(|n| n.id != 3 && n.id != 7)
             .collect();
-        let (opt_plan, opt) = replan(&survivors, 6, &model, &loads, &options(MappingMethod::Optimal), 0).unwrap();
-        let (_, greedy) = replan(&survivors, 6, &model, &loads, &options(MappingMethod::Greedy), 0).unwrap();
+        let (opt_plan, opt) = replan(
+            &survivors,
+            6,
+            &model,
+            &loads,
+            &options(MappingMethod::Optimal),
+            0,
+        )
+        .unwrap();
+        let (_, greedy) = replan(
+            &survivors,
+            6,
+            &model,
+            &loads,
+            &options(MappingMethod::Greedy),
+            0,
+        )
+        .unwrap();
         assert_eq!(opt_plan.version, 1);
         assert!(opt.new_replicas <= greedy.new_replicas);
         assert_eq!(opt.bytes, opt.new_replicas * 112_000_000);
@@ -201,7 +225,11 @@ mod reconfiguration {
                 v.len()
             })
             .sum();
-        assert!((opt.new_replicas as usize) < total_distinct / 2, "{} of {total_distinct}", opt.new_replicas);
+        assert!(
+            (opt.new_replicas as usize) < total_distinct / 2,
+            "{} of {total_distinct}",
+            opt.new_replicas
+        );
         eprintln!(
             "2 of 10 nodes failed: optimal mapping moves {} expert states, greedy {}",
             opt.new_replicas, greedy.new_replicas
@@ -209,9 +237,20 @@ mod reconfiguration {
         // Scale out: two new empty nodes join.
         let mut grown = opt_plan.physical_nodes();
         for id in [10, 11] {
-            grown.push(lazarus_planner::migrate::PhysicalNode { id, holdings: vec![Vec::new(); 12] });
+            grown.push(lazarus_planner::migrate::PhysicalNode {
+                id,
+                holdings: vec![Vec::new(); 12],
+            });
         }
-        let (grown_plan, m) = replan(&grown, 6, &model, &loads, &options(MappingMethod::Optimal), opt_plan.version).unwrap();
+        let (grown_plan, m) = replan(
+            &grown,
+            6,
+            &model,
+            &loads,
+            &options(MappingMethod::Optimal),
+            opt_plan.version,
+        )
+        .unwrap();
         assert_eq!(grown_plan.version, 2);
         assert_eq!(grown_plan.cluster.nodes, 10);
         // Every transfer's source holds the expert now.
@@ -240,8 +279,25 @@ mod reconfiguration {
         )
         .unwrap();
         // MRO's first block is nodes {0, 1}: losing both loses its representative.
-        let survivors: Vec<_> = start.physical_nodes().into_iter().filter(|n| n.id >= 2).collect();
-        let r = replan(&survivors, 6, &model, &loads, &options(MappingMethod::Optimal), 0);
-        assert!(matches!(r, Err(ReplanError::Migrate(MigrateError::ExpertLost { layer: 0, .. }))));
+        let survivors: Vec<_> = start
+            .physical_nodes()
+            .into_iter()
+            .filter(|n| n.id >= 2)
+            .collect();
+        let r = replan(
+            &survivors,
+            6,
+            &model,
+            &loads,
+            &options(MappingMethod::Optimal),
+            0,
+        );
+        assert!(matches!(
+            r,
+            Err(ReplanError::Migrate(MigrateError::ExpertLost {
+                layer: 0,
+                ..
+            }))
+        ));
     }
 }

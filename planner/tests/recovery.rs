@@ -33,7 +33,10 @@ fn section10_table_closed_form_and_enumeration() {
         let closed = mro_closed_form(&blocks, 10, k);
         let ie = mro_inclusion_exclusion(&blocks, 10, k);
         let enumerated = exact(std::slice::from_ref(&p), k).unwrap();
-        assert!((closed - want).abs() < 5e-5, "k={k}: closed {closed} vs {want}");
+        assert!(
+            (closed - want).abs() < 5e-5,
+            "k={k}: closed {closed} vs {want}"
+        );
         assert!((ie - closed).abs() < 1e-12);
         assert!((enumerated - closed).abs() < 1e-12, "k={k}");
     }
@@ -101,7 +104,10 @@ fn monte_carlo_agrees_with_exact_and_is_seeded() {
     let p = place(PlacePolicy::Mro, &r, 10, 6).unwrap();
     let want = exact(std::slice::from_ref(&p), 4).unwrap();
     let mc = monte_carlo(std::slice::from_ref(&p), None, 4, 20_000, 42).unwrap();
-    assert!(mc.ci_low.unwrap() <= want && want <= mc.ci_high.unwrap(), "{mc:?} vs {want}");
+    assert!(
+        mc.ci_low.unwrap() <= want && want <= mc.ci_high.unwrap(),
+        "{mc:?} vs {want}"
+    );
     assert_eq!(mc, monte_carlo(&[p], None, 4, 20_000, 42).unwrap());
 }
 
@@ -267,7 +273,10 @@ fn mro_is_optimal_against_all_placements_of_tiny_clusters() {
     // Theorem 1 holds whenever the last MRO block is not truncated by N; every counterexample
     // found is a truncated one (see `theorem1_fails_when_last_block_is_truncated`).
     assert!(checked > 150);
-    assert!(counterexamples.iter().all(|c| c.6), "untruncated MRO was beaten");
+    assert!(
+        counterexamples.iter().all(|c| c.6),
+        "untruncated MRO was beaten"
+    );
 }
 
 #[test]

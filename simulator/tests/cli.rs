@@ -24,17 +24,25 @@ fn stdout_json(args: &[&str]) -> Value {
 #[test]
 fn plan_json_golden_allocation() {
     let v = stdout_json(&[
-        "plan", "--nodes", "10", "--slots", "6", "--experts", "8", "--f", "2", "--loads",
-        "1,1,1,1,2,4,10,20", "--format", "json",
+        "plan",
+        "--nodes",
+        "10",
+        "--slots",
+        "6",
+        "--experts",
+        "8",
+        "--f",
+        "2",
+        "--loads",
+        "1,1,1,1,2,4,10,20",
+        "--format",
+        "json",
     ]);
     assert_eq!(v["nodes"], 10);
     assert_eq!(v["slots"], 6);
     assert_eq!(v["experts"], 8);
     assert_eq!(v["f"], 2);
-    assert_eq!(
-        v["replicas"],
-        serde_json::json!([2, 2, 2, 2, 2, 5, 15, 30])
-    );
+    assert_eq!(v["replicas"], serde_json::json!([2, 2, 2, 2, 2, 5, 15, 30]));
     let placement = v["placement"].as_array().unwrap();
     assert_eq!(placement.len(), 10);
     let mut counts = [0u64; 8];
@@ -76,31 +84,73 @@ fn recovery_json_matches_section10_table() {
     loads.push("1000");
     let loads = loads.join(",");
     let v = stdout_json(&[
-        "recovery", "--nodes", "10", "--slots", "6", "--experts", "16", "--loads", &loads,
-        "--place", "mro", "--failed", "0..6", "--format", "json",
+        "recovery",
+        "--nodes",
+        "10",
+        "--slots",
+        "6",
+        "--experts",
+        "16",
+        "--loads",
+        &loads,
+        "--place",
+        "mro",
+        "--failed",
+        "0..6",
+        "--format",
+        "json",
     ]);
     let rows = v.as_array().unwrap();
     let want = [1.0, 1.0, 0.9333, 0.8, 0.6143, 0.4048, 0.2095];
     assert_eq!(rows.len(), want.len());
     for (row, w) in rows.iter().zip(want) {
         assert_eq!(row["place"], "mro");
-        assert!((row["probability"].as_f64().unwrap() - w).abs() < 5e-5, "{row}");
+        assert!(
+            (row["probability"].as_f64().unwrap() - w).abs() < 5e-5,
+            "{row}"
+        );
     }
     // The closed form gives the same numbers.
     let c = stdout_json(&[
-        "recovery", "--nodes", "10", "--slots", "6", "--experts", "16", "--loads", &loads,
-        "--place", "mro", "--failed", "0..6", "--format", "json", "--method", "closed",
+        "recovery",
+        "--nodes",
+        "10",
+        "--slots",
+        "6",
+        "--experts",
+        "16",
+        "--loads",
+        &loads,
+        "--place",
+        "mro",
+        "--failed",
+        "0..6",
+        "--format",
+        "json",
+        "--method",
+        "closed",
     ]);
     for (a, b) in rows.iter().zip(c.as_array().unwrap()) {
-        assert!((a["probability"].as_f64().unwrap() - b["probability"].as_f64().unwrap()).abs() < 1e-9);
+        assert!(
+            (a["probability"].as_f64().unwrap() - b["probability"].as_f64().unwrap()).abs() < 1e-9
+        );
     }
 }
 
 #[test]
 fn recovery_mc_has_confidence_interval_and_csv_has_header() {
     let v = stdout_json(&[
-        "recovery", "--failed", "4", "--method", "mc", "--trials", "5000", "--format", "json",
-        "--place", "mro,spread",
+        "recovery",
+        "--failed",
+        "4",
+        "--method",
+        "mc",
+        "--trials",
+        "5000",
+        "--format",
+        "json",
+        "--place",
+        "mro,spread",
     ]);
     for row in v.as_array().unwrap() {
         let p = row["probability"].as_f64().unwrap();
@@ -119,8 +169,18 @@ fn recovery_plot_writes_png_and_svg() {
     std::fs::create_dir_all(&dir).unwrap();
     for ext in ["png", "svg"] {
         let path = dir.join(format!("r.{ext}"));
-        let out = lzsim(&["recovery", "--failed", "0..3", "--plot", path.to_str().unwrap()]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let out = lzsim(&[
+            "recovery",
+            "--failed",
+            "0..3",
+            "--plot",
+            path.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert!(std::fs::metadata(&path).unwrap().len() > 1000);
     }
     std::fs::remove_dir_all(&dir).ok();
@@ -139,24 +199,48 @@ fn model_level_recovery_with_racks() {
 #[test]
 fn bad_arguments_exit_2_with_one_clear_line() {
     let cases: &[(&[&str], &str)] = &[
-        (&["plan", "--nodes", "2", "--slots", "2", "--experts", "5"], "exceeds"),
+        (
+            &["plan", "--nodes", "2", "--slots", "2", "--experts", "5"],
+            "exceeds",
+        ),
         (&["plan", "--slots", "0"], "slots"),
-        (&["plan", "--experts", "3", "--loads", "1,x,3"], "not a non-negative integer"),
-        (&["plan", "--experts", "3", "--loads", "1,2"], "--loads has 2 values"),
+        (
+            &["plan", "--experts", "3", "--loads", "1,x,3"],
+            "not a non-negative integer",
+        ),
+        (
+            &["plan", "--experts", "3", "--loads", "1,2"],
+            "--loads has 2 values",
+        ),
         (&["plan", "--place", "bogus"], "unknown placement"),
-        (&["plan", "--loads-file", "/nonexistent/loads.csv"], "cannot read loads file"),
+        (
+            &["plan", "--loads-file", "/nonexistent/loads.csv"],
+            "cannot read loads file",
+        ),
         (&["recovery", "--failed", "11"], "exceeds the 10 nodes"),
         (&["recovery", "--failed", "5..2"], "empty"),
-        (&["recovery", "--method", "closed", "--place", "spread"], "mro only"),
-        (&["recovery", "--nodes", "70", "--failed", "3"], "at most 64 nodes"),
+        (
+            &["recovery", "--method", "closed", "--place", "spread"],
+            "mro only",
+        ),
+        (
+            &["recovery", "--nodes", "70", "--failed", "3"],
+            "at most 64 nodes",
+        ),
         (&["recovery", "--zipf=-1"], "--zipf"),
-        (&["recovery", "--alloc", "nope"], "unknown allocation policy"),
+        (
+            &["recovery", "--alloc", "nope"],
+            "unknown allocation policy",
+        ),
     ];
     for (args, needle) in cases {
         let out = lzsim(args);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
-        assert!(err.contains(needle), "{args:?}: stderr {err:?} lacks {needle:?}");
+        assert!(
+            err.contains(needle),
+            "{args:?}: stderr {err:?} lacks {needle:?}"
+        );
         assert!(!err.contains("panicked"), "{args:?} panicked");
         assert!(out.stdout.is_empty(), "{args:?} wrote to stdout");
     }
