@@ -60,6 +60,20 @@ impl ModelPlan {
             .collect()
     }
 
+    /// `R[e][rank]` of layer `layer` for the dispatcher ([`crate::dispatch::plan`]): ranks are
+    /// GPUs, numbered `plan_node · gpus_per_node + gpu`, and a node's slots are split over its
+    /// GPUs by [`ClusterSpec::gpu_of_slot`].
+    pub fn replicas_per_rank(&self, layer: usize) -> Vec<Vec<u32>> {
+        let g = self.cluster.gpus_per_node.max(1);
+        let mut r = vec![vec![0u32; self.cluster.nodes * g]; self.model.experts];
+        for (node, slots) in self.layers[layer].grid().iter().enumerate() {
+            for (slot, &e) in slots.iter().enumerate() {
+                r[e as usize][node * g + self.cluster.gpu_of_slot(slot)] += 1;
+            }
+        }
+        r
+    }
+
     /// Replicas per expert of each layer.
     pub fn replicas(&self) -> Vec<Vec<usize>> {
         self.allocations

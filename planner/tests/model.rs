@@ -301,3 +301,42 @@ mod reconfiguration {
         ));
     }
 }
+
+#[test]
+fn replicas_per_rank_splits_nodes_into_gpus() {
+    let cluster = ClusterSpec::new(4, 8).with_gpus_per_node(2);
+    let model = ModelSpec {
+        experts: 6,
+        layers: 1,
+        f: 2,
+    };
+    let p = plan_model(
+        &cluster,
+        &model,
+        &[vec![1, 2, 3, 4, 5, 60]],
+        AllocPolicy::Lazarus,
+        PlacePolicy::Mro,
+        Alignment::Aligned,
+    )
+    .unwrap();
+    let r = p.replicas_per_rank(0);
+    assert_eq!(r.len(), 6);
+    assert!(r.iter().all(|row| row.len() == 8));
+    // Every GPU holds 4 slots; every expert keeps its count.
+    for rank in 0..8 {
+        assert_eq!(r.iter().map(|row| row[rank]).sum::<u32>(), 4);
+    }
+    for (e, row) in r.iter().enumerate() {
+        assert_eq!(
+            row.iter().sum::<u32>() as usize,
+            p.allocations[0].replicas[e]
+        );
+    }
+    // The dispatcher accepts it and conserves tokens.
+    let tokens: Vec<Vec<u64>> = (0..6).map(|e| vec![10 * (e as u64 + 1); 8]).collect();
+    let d = lazarus_planner::dispatch::plan(&tokens, &r).unwrap();
+    for e in 0..6 {
+        let got: u64 = (0..8).map(|j| d.received(e, j)).sum();
+        assert_eq!(got, 80 * (e as u64 + 1));
+    }
+}
