@@ -1,0 +1,860 @@
+//! Migration mapping for reconfiguration (Lazarus, arXiv 2407.04656 §4.3 and §5.2).
+//!
+//! After a failure (or a scale-out) the planner computes a fresh whole-model placement for the
+//! `N` physical nodes that are usable now. That placement is written over *plan nodes*
+//! `0..N`: `plan_nodes[q][l]` is the multiset of expert ids plan node `q` must hold in MoE
+//! layer `l`. The placement is indifferent to which physical node plays which plan node, but the
+//! amount of state that must move is not: a physical node that already holds expert `(l, e)`
+//! keeps it for free. This module chooses the plan-node → physical-node mapping and the
+//! resulting point-to-point transfers. Everything here is a pure function of its arguments.
+//!
+//! # Decisions
+//!
+//! * **Cost.** Mapping plan node `q` to physical node `p` costs the number of *distinct*
+//!   `(layer, expert)` pairs that `q` needs and `p` does not hold now. Several replicas of one
+//!   expert on one node are filled by one network transfer plus local (intra-node) copies, so
+//!   they count once. Costs are computed with per-(node, layer) expert bitsets (`⌈E/64⌉` words)
+//!   as `popcount(need & !have)`.
+//! * **Greedy** ([`MappingMethod::Greedy`], paper §5.2: "repeatedly map a physical node to the
+//!   plan node that gives it the fewest newly assigned experts"): physical nodes are visited in
+//!   input order; each takes the still-free plan node of minimum cost, ties to the lowest plan
+//!   index.
+//! * **Optimal** ([`MappingMethod::Optimal`]): a minimum-total-cost perfect matching, found with
+//!   the Hungarian (Kuhn–Munkres) algorithm with potentials in `O(n³)`. Its total is never above
+//!   the greedy one.
+//! * **Transfers.** Every `(layer, expert)` newly needed at a physical node is fetched once, from
+//!   a node that holds it *now* (old holdings; a node does not forward what it is itself
+//!   receiving in this round). The source is the current holder with the fewest transfers
+//!   assigned so far (all transfers have the same size), ties to the lowest physical index.
+//!   Transfers are assigned most-constrained first — those with the fewest possible sources —
+//!   which keeps the busiest sender lighter than plain input order; within the same number of
+//!   holders the order is (layer, expert, destination index). The returned list is sorted by
+//!   (destination index, layer, expert).
+//! * **Lost experts.** If a needed expert has no surviving holder, [`map_nodes`] returns
+//!   [`MigrateError::ExpertLost`] (the smallest such `(layer, expert)`); the caller then falls
+//!   back to a checkpoint. [`lost_experts`] lists every such pair up front.
+//! * **Shapes.** All plan nodes must have the same number of layers `L`. A physical node's
+//!   `holdings` has either `L` entries or none at all (a blank node: new in a scale-out, or one
+//!   whose state was lost). Every expert id must be below `experts`. Physical ids must be
+//!   distinct. Violations are reported as [`MigrateError`]s, never as panics.
+
+use std::fmt;
+use std::ops::{Add, AddAssign, Sub, SubAssign};
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// How plan nodes are assigned to physical nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MappingMethod {
+    /// Paper §5.2 greedy: physical nodes in input order each take the cheapest free plan node.
+    Greedy,
+    /// Minimum-total-cost perfect matching (Hungarian algorithm).
+    Optimal,
+}
+
+impl fmt::Display for MappingMethod {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            MappingMethod::Greedy => "greedy",
+            MappingMethod::Optimal => "optimal",
+        })
+    }
+}
+
+/// Error from parsing a [`MappingMethod`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown mapping method {0:?} (expected \"greedy\" or \"optimal\")")]
+pub struct ParseMappingMethodError(pub String);
+
+impl FromStr for MappingMethod {
+    type Err = ParseMappingMethodError;
+
+    /// Accepts `greedy` and `optimal`, ASCII case-insensitively, surrounding whitespace ignored.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim();
+        if t.eq_ignore_ascii_case("greedy") {
+            Ok(MappingMethod::Greedy)
+        } else if t.eq_ignore_ascii_case("optimal") {
+            Ok(MappingMethod::Optimal)
+        } else {
+            Err(ParseMappingMethodError(s.to_owned()))
+        }
+    }
+}
+
+/// A usable physical node and the expert states it holds now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PhysicalNode {
+    /// Stable node id (distinct across the slice).
+    pub id: u32,
+    /// `holdings[l]`: expert ids held now in layer `l` (duplicates allowed). Either one entry
+    /// per layer or empty altogether (a blank node).
+    pub holdings: Vec<Vec<u32>>,
+}
+
+/// One expert state sent over the network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Transfer {
+    /// MoE layer.
+    pub layer: u32,
+    /// Expert id within the layer.
+    pub expert: u32,
+    /// Physical id of the sender (holds the expert now).
+    pub src: u32,
+    /// Physical id of the receiver.
+    pub dst: u32,
+}
+
+/// The chosen mapping and the state movement it implies.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigrationPlan {
+    /// Method used to choose the mapping.
+    pub method: MappingMethod,
+    /// Physical id playing each plan node.
+    pub plan_to_physical: Vec<u32>,
+    /// All network transfers, sorted by (destination index, layer, expert).
+    pub transfers: Vec<Transfer>,
+    /// Number of expert states fetched over the network (`transfers.len()`, equal to the total
+    /// mapping cost).
+    pub new_replicas: u64,
+    /// `new_replicas × bytes_per_expert` (saturating).
+    pub bytes: u64,
+    /// Bytes sent by each physical node, indexed like the `physical` input.
+    pub sent_bytes: Vec<u64>,
+    /// Bytes received by each physical node, indexed like the `physical` input.
+    pub recv_bytes: Vec<u64>,
+    /// Largest entry of `sent_bytes` (0 when there are no nodes).
+    pub max_sent_bytes: u64,
+    /// Largest entry of `recv_bytes` (0 when there are no nodes).
+    pub max_recv_bytes: u64,
+}
+
+/// Which side of the mapping a shape error refers to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum NodeSide {
+    /// A plan node, identified by its plan index.
+    Plan,
+    /// A physical node, identified by its physical id.
+    Physical,
+}
+
+impl fmt::Display for NodeSide {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            NodeSide::Plan => "plan node",
+            NodeSide::Physical => "physical node",
+        })
+    }
+}
+
+/// Invalid input to the migration planner, or an expert with no surviving copy.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MigrateError {
+    /// The plan is for a different number of nodes than are available.
+    #[error("plan has {plan_nodes} nodes but {physical} physical nodes are available")]
+    NodeCountMismatch { plan_nodes: usize, physical: usize },
+    /// A node's layer count differs from that of plan node 0.
+    #[error("{side} {node} has {found} layers, expected {expected}")]
+    LayerCountMismatch {
+        side: NodeSide,
+        /// Plan index or physical id, per `side`.
+        node: u32,
+        expected: usize,
+        found: usize,
+    },
+    /// An expert id is not below the number of experts per layer.
+    #[error("expert {expert} in layer {layer} is out of range (experts per layer: {experts})")]
+    ExpertOutOfRange {
+        layer: u32,
+        expert: u32,
+        experts: usize,
+    },
+    /// Two physical nodes share an id.
+    #[error("physical id {id} appears more than once")]
+    DuplicatePhysicalId { id: u32 },
+    /// A needed expert is held by no available node; restore it from a checkpoint.
+    #[error("expert {expert} of layer {layer} has no surviving holder")]
+    ExpertLost { layer: u32, expert: u32 },
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bitsets
+// ---------------------------------------------------------------------------------------------
+
+/// Largest id range indexed directly; sparser (absurdly large) ids are rank-compressed so that
+/// memory stays proportional to the input.
+const DENSE_LIMIT: usize = 1 << 16;
+
+/// Checked shape of an instance.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    nodes: usize,
+    layers: usize,
+    /// Bitset width in experts: one past the largest id present (≤ `experts`), or the number
+    /// of distinct ids present when they are sparse (see [`DENSE_LIMIT`]).
+    width: usize,
+    /// `width.div_ceil(64)`.
+    words: usize,
+}
+
+impl Dims {
+    /// Words per node (all layers).
+    fn stride(&self) -> usize {
+        self.layers * self.words
+    }
+}
+
+fn check_ids(
+    layer: usize,
+    ids: &[u32],
+    experts: usize,
+    max: &mut Option<u32>,
+) -> Result<(), MigrateError> {
+    let Some(&m) = ids.iter().max() else {
+        return Ok(());
+    };
+    if m as usize >= experts {
+        let &expert = ids.iter().find(|&&e| e as usize >= experts).unwrap_or(&m);
+        return Err(MigrateError::ExpertOutOfRange {
+            layer: layer as u32,
+            expert,
+            experts,
+        });
+    }
+    *max = Some(max.map_or(m, |x| x.max(m)));
+    Ok(())
+}
+
+/// Validates the instance; returns its shape and, when ids are sparse, the sorted distinct ids
+/// (column `i` of the bitsets is expert `ids[i]`).
+fn validate(
+    plan_nodes: &[Vec<Vec<u32>>],
+    physical: &[PhysicalNode],
+    experts: usize,
+) -> Result<(Dims, Option<Vec<u32>>), MigrateError> {
+    if plan_nodes.len() != physical.len() {
+        return Err(MigrateError::NodeCountMismatch {
+            plan_nodes: plan_nodes.len(),
+            physical: physical.len(),
+        });
+    }
+    let layers = plan_nodes.first().map_or(0, Vec::len);
+    let mut max = None;
+    for (q, node) in plan_nodes.iter().enumerate() {
+        if node.len() != layers {
+            return Err(MigrateError::LayerCountMismatch {
+                side: NodeSide::Plan,
+                node: q as u32,
+                expected: layers,
+                found: node.len(),
+            });
+        }
+        for (l, ids) in node.iter().enumerate() {
+            check_ids(l, ids, experts, &mut max)?;
+        }
+    }
+    for node in physical {
+        if !node.holdings.is_empty() && node.holdings.len() != layers {
+            return Err(MigrateError::LayerCountMismatch {
+                side: NodeSide::Physical,
+                node: node.id,
+                expected: layers,
+                found: node.holdings.len(),
+            });
+        }
+        for (l, ids) in node.holdings.iter().enumerate() {
+            check_ids(l, ids, experts, &mut max)?;
+        }
+    }
+    let mut ids: Vec<u32> = physical.iter().map(|p| p.id).collect();
+    ids.sort_unstable();
+    if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+        return Err(MigrateError::DuplicatePhysicalId { id: w[0] });
+    }
+    let mut width = max.map_or(0, |m| m as usize + 1);
+    let sparse = (width > DENSE_LIMIT).then(|| {
+        let all = plan_nodes
+            .iter()
+            .flatten()
+            .chain(physical.iter().flat_map(|p| &p.holdings));
+        let mut ids: Vec<u32> = all.flatten().copied().collect();
+        ids.sort_unstable();
+        ids.dedup();
+        width = ids.len();
+        ids
+    });
+    let dims = Dims {
+        nodes: plan_nodes.len(),
+        layers,
+        width,
+        words: width.div_ceil(64),
+    };
+    Ok((dims, sparse))
+}
+
+/// Flat bitsets, node-major: word `w` of layer `l` of node `i` is at `i*stride + l*words + w`.
+/// `layers_of(i)` must yield at most `dims.layers` layers of validated ids.
+fn build_bits<'a, F>(dims: &Dims, sparse: Option<&[u32]>, layers_of: F) -> Vec<u64>
+where
+    F: Fn(usize) -> &'a [Vec<u32>],
+{
+    let stride = dims.stride();
+    let mut bits = vec![0u64; dims.nodes * stride];
+    for i in 0..dims.nodes {
+        let node = &mut bits[i * stride..(i + 1) * stride];
+        for (l, ids) in layers_of(i).iter().enumerate() {
+            let layer = &mut node[l * dims.words..(l + 1) * dims.words];
+            for &e in ids {
+                let col = sparse.map_or(e as usize, |s| s.binary_search(&e).unwrap_or(0));
+                layer[col / 64] |= 1u64 << (col % 64);
+            }
+        }
+    }
+    bits
+}
+
+struct Instance {
+    dims: Dims,
+    /// Sorted distinct ids when rank-compressed, else `None` (column = id).
+    sparse: Option<Vec<u32>>,
+    need: Vec<u64>,
+    have: Vec<u64>,
+}
+
+impl Instance {
+    fn new(
+        plan_nodes: &[Vec<Vec<u32>>],
+        physical: &[PhysicalNode],
+        experts: usize,
+    ) -> Result<Self, MigrateError> {
+        let (dims, sparse) = validate(plan_nodes, physical, experts)?;
+        let need = build_bits(&dims, sparse.as_deref(), |q| &plan_nodes[q]);
+        let have = build_bits(&dims, sparse.as_deref(), |p| &physical[p].holdings);
+        Ok(Instance {
+            dims,
+            sparse,
+            need,
+            have,
+        })
+    }
+
+    /// `(layer, expert)` of key `layer*width + column`.
+    fn pair(&self, key: usize) -> (u32, u32) {
+        let col = key % self.dims.width;
+        let expert = self.sparse.as_ref().map_or(col as u32, |s| s[col]);
+        ((key / self.dims.width) as u32, expert)
+    }
+
+    fn node<'b>(&self, bits: &'b [u64], i: usize) -> &'b [u64] {
+        let s = self.dims.stride();
+        &bits[i * s..(i + 1) * s]
+    }
+
+    fn cost_matrix(&self) -> Vec<Vec<u64>> {
+        let n = self.dims.nodes;
+        (0..n)
+            .map(|q| {
+                let need = self.node(&self.need, q);
+                (0..n)
+                    .map(|p| {
+                        let have = self.node(&self.have, p);
+                        need.iter()
+                            .zip(have)
+                            .map(|(&a, &b)| u64::from((a & !b).count_ones()))
+                            .sum()
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+}
+
+/// Cost of every (plan node, physical node) pairing: `cost[q][p]` = number of distinct
+/// `(layer, expert)` pairs plan node `q` needs that physical node `p` (by index in `physical`)
+/// does not hold now.
+///
+/// # Errors
+/// Shape errors as described in the module docs; never [`MigrateError::ExpertLost`].
+pub fn cost_matrix(
+    plan_nodes: &[Vec<Vec<u32>>],
+    physical: &[PhysicalNode],
+    experts: usize,
+) -> Result<Vec<Vec<u64>>, MigrateError> {
+    Ok(Instance::new(plan_nodes, physical, experts)?.cost_matrix())
+}
+
+/// Total cost of an assignment (`assignment[q]` = column of row `q`), saturating.
+///
+/// # Panics
+/// If an assigned column is out of range for its row.
+pub fn assignment_cost(cost: &[Vec<u64>], assignment: &[usize]) -> u64 {
+    cost.iter()
+        .zip(assignment)
+        .fold(0u64, |acc, (row, &p)| acc.saturating_add(row[p]))
+}
+
+/// Every `(layer, expert)` with `layer < layers`, `expert < experts` held by none of `survivors`.
+/// Ids or layers out of range in the holdings are ignored. Sorted by (layer, expert).
+pub fn lost_experts(survivors: &[PhysicalNode], layers: usize, experts: usize) -> Vec<(u32, u32)> {
+    let mut held = vec![false; layers * experts];
+    for node in survivors {
+        for (l, ids) in node.holdings.iter().enumerate().take(layers) {
+            for &e in ids {
+                if (e as usize) < experts {
+                    held[l * experts + e as usize] = true;
+                }
+            }
+        }
+    }
+    held.iter()
+        .enumerate()
+        .filter(|(_, h)| !**h)
+        .map(|(i, _)| ((i / experts) as u32, (i % experts) as u32))
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Assignment
+// ---------------------------------------------------------------------------------------------
+
+/// Signed accumulator for the Hungarian algorithm.
+trait Acc: Copy + Ord + Add<Output = Self> + Sub<Output = Self> + AddAssign + SubAssign {
+    const ZERO: Self;
+    const INF: Self;
+    fn from_u64(x: u64) -> Self;
+}
+
+impl Acc for i64 {
+    const ZERO: Self = 0;
+    const INF: Self = i64::MAX / 2;
+    fn from_u64(x: u64) -> Self {
+        x as i64
+    }
+}
+
+impl Acc for i128 {
+    const ZERO: Self = 0;
+    const INF: Self = i128::MAX / 2;
+    fn from_u64(x: u64) -> Self {
+        i128::from(x)
+    }
+}
+
+/// Shortest-augmenting-path Hungarian algorithm with row/column potentials (rows ≤ columns).
+/// Returns the column of each row.
+fn hungarian<T: Acc>(cost: &[Vec<u64>], m: usize) -> Vec<usize> {
+    let n = cost.len();
+    // 1-based: index 0 of the column arrays is a virtual column; p[j] = row matched to column j.
+    let mut u = vec![T::ZERO; n + 1];
+    let mut v = vec![T::ZERO; m + 1];
+    let mut p = vec![0usize; m + 1];
+    let mut way = vec![0usize; m + 1];
+    let mut minv = vec![T::INF; m + 1];
+    let mut used = vec![false; m + 1];
+    for i in 1..=n {
+        p[0] = i;
+        let mut j0 = 0usize;
+        minv.fill(T::INF);
+        used.fill(false);
+        loop {
+            used[j0] = true;
+            let i0 = p[j0];
+            let row = &cost[i0 - 1];
+            let ui0 = u[i0];
+            let mut delta = T::INF;
+            let mut j1 = 0usize;
+            for j in 1..=m {
+                if !used[j] {
+                    let cur = T::from_u64(row[j - 1]) - ui0 - v[j];
+                    if cur < minv[j] {
+                        minv[j] = cur;
+                        way[j] = j0;
+                    }
+                    if minv[j] < delta {
+                        delta = minv[j];
+                        j1 = j;
+                    }
+                }
+            }
+            for j in 0..=m {
+                if used[j] {
+                    u[p[j]] += delta;
+                    v[j] -= delta;
+                } else {
+                    minv[j] -= delta;
+                }
+            }
+            j0 = j1;
+            if p[j0] == 0 {
+                break;
+            }
+        }
+        loop {
+            let j1 = way[j0];
+            p[j0] = p[j1];
+            j0 = j1;
+            if j0 == 0 {
+                break;
+            }
+        }
+    }
+    let mut ans = vec![0usize; n];
+    for j in 1..=m {
+        if p[j] != 0 {
+            ans[p[j] - 1] = j - 1;
+        }
+    }
+    ans
+}
+
+/// Checks the matrix is rectangular with rows ≤ columns; returns the column count.
+fn columns(cost: &[Vec<u64>]) -> usize {
+    let m = cost.first().map_or(0, Vec::len);
+    assert!(
+        cost.iter().all(|r| r.len() == m),
+        "cost matrix rows must all have the same length"
+    );
+    assert!(
+        cost.len() <= m || cost.is_empty(),
+        "cost matrix needs rows <= columns"
+    );
+    m
+}
+
+/// Minimum-total-cost assignment of rows (plan nodes) to distinct columns (physical nodes):
+/// returns the column for each row. Hungarian algorithm with potentials, `O(n²·m)`; exact for
+/// any `u64` costs (uses `i64` arithmetic when the costs are small enough to rule out overflow,
+/// `i128` otherwise). Deterministic.
+///
+/// # Panics
+/// If the rows have different lengths or there are more rows than columns.
+pub fn min_cost_assignment(cost: &[Vec<u64>]) -> Vec<usize> {
+    let m = columns(cost);
+    let max = cost.iter().flatten().copied().max().unwrap_or(0);
+    // Potentials and reduced costs stay within a few multiples of n·max.
+    let bound = (i64::MAX as u64 / 8) / (m as u64 + 1);
+    if max <= bound {
+        hungarian::<i64>(cost, m)
+    } else {
+        hungarian::<i128>(cost, m)
+    }
+}
+
+/// Paper §5.2 greedy: columns (physical nodes) in order each take the still-free row (plan
+/// node) of minimum cost, ties to the lowest row index, until every row is assigned. Returns
+/// the column for each row.
+///
+/// # Panics
+/// If the rows have different lengths or there are more rows than columns.
+pub fn greedy_assignment(cost: &[Vec<u64>]) -> Vec<usize> {
+    let m = columns(cost);
+    let n = cost.len();
+    let mut ans = vec![usize::MAX; n];
+    let mut free: Vec<usize> = (0..n).collect();
+    // Every column assigns one row, so only the first `n` columns take part.
+    for p in (0..m).take(n) {
+        let Some((k, _)) = free
+            .iter()
+            .enumerate()
+            .min_by_key(|&(k, &q)| (cost[q][p], k))
+        else {
+            break;
+        };
+        // `free` stays sorted, so the position tie-break is the lowest plan index.
+        let q = free.remove(k);
+        ans[q] = p;
+    }
+    ans
+}
+
+// ---------------------------------------------------------------------------------------------
+// Transfers
+// ---------------------------------------------------------------------------------------------
+
+/// Chooses the mapping with `method` and plans the transfers that realize it.
+///
+/// `plan_nodes[q][l]` is the multiset of experts plan node `q` needs in layer `l`; `physical`
+/// are the usable nodes with their current holdings; `experts` is the number of experts per
+/// layer. See the module docs for the cost, the tie-breaks and source selection.
+///
+/// # Errors
+/// [`MigrateError::NodeCountMismatch`], [`MigrateError::LayerCountMismatch`],
+/// [`MigrateError::ExpertOutOfRange`], [`MigrateError::DuplicatePhysicalId`] for bad input;
+/// [`MigrateError::ExpertLost`] (smallest `(layer, expert)`) when a needed expert has no holder.
+pub fn map_nodes(
+    plan_nodes: &[Vec<Vec<u32>>],
+    physical: &[PhysicalNode],
+    experts: usize,
+    method: MappingMethod,
+    bytes_per_expert: u64,
+) -> Result<MigrationPlan, MigrateError> {
+    let inst = Instance::new(plan_nodes, physical, experts)?;
+    let dims = inst.dims;
+    let n = dims.nodes;
+    let cost = inst.cost_matrix();
+    let plan_to_phys = match method {
+        MappingMethod::Greedy => greedy_assignment(&cost),
+        MappingMethod::Optimal => min_cost_assignment(&cost),
+    };
+    let mut phys_to_plan = vec![0usize; n];
+    for (q, &p) in plan_to_phys.iter().enumerate() {
+        phys_to_plan[p] = q;
+    }
+
+    // Holders of each (layer, expert) key `l*width + e`, in CSR form, ascending physical index.
+    let keys = dims.layers * dims.width;
+    let mut start = vec![0u32; keys + 1];
+    for_each_bit(&inst.have, dims, |_, key| start[key + 1] += 1);
+    for k in 0..keys {
+        start[k + 1] += start[k];
+    }
+    let mut fill = start.clone();
+    let mut holders = vec![0u32; start[keys] as usize];
+    for_each_bit(&inst.have, dims, |p, key| {
+        holders[fill[key] as usize] = p as u32;
+        fill[key] += 1;
+    });
+
+    // Needed-but-missing pairs, in (destination index, layer, expert) order.
+    struct Need {
+        dst: u32,
+        key: u32,
+    }
+    let mut needs: Vec<Need> =
+        Vec::with_capacity(usize::try_from(assignment_cost(&cost, &plan_to_phys)).unwrap_or(0));
+    let mut lost: Option<usize> = None;
+    for (p, &q) in phys_to_plan.iter().enumerate() {
+        let need = inst.node(&inst.need, q);
+        let have = inst.node(&inst.have, p);
+        for (i, (&a, &b)) in need.iter().zip(have).enumerate() {
+            let mut missing = a & !b;
+            while missing != 0 {
+                let key = bit_key(dims, i, missing.trailing_zeros() as usize);
+                missing &= missing - 1;
+                if start[key] == start[key + 1] {
+                    lost = Some(lost.map_or(key, |k| k.min(key)));
+                }
+                needs.push(Need {
+                    dst: p as u32,
+                    key: key as u32,
+                });
+            }
+        }
+    }
+    if let Some(key) = lost {
+        let (layer, expert) = inst.pair(key);
+        return Err(MigrateError::ExpertLost { layer, expert });
+    }
+
+    // Group the needs by key (stable counting sort: destinations stay in index order).
+    let mut need_start = vec![0u32; keys + 1];
+    for nd in &needs {
+        need_start[nd.key as usize + 1] += 1;
+    }
+    for k in 0..keys {
+        need_start[k + 1] += need_start[k];
+    }
+    let mut need_fill = need_start.clone();
+    let mut by_key = vec![0u32; needs.len()];
+    for (i, nd) in needs.iter().enumerate() {
+        let k = nd.key as usize;
+        by_key[need_fill[k] as usize] = i as u32;
+        need_fill[k] += 1;
+    }
+    // Most-constrained first: needed keys ordered by (number of holders, key).
+    let holder_count = |k: usize| (start[k + 1] - start[k]) as usize;
+    let needed = |k: usize| need_start[k] != need_start[k + 1];
+    let mut bucket = vec![0usize; n + 2];
+    for k in (0..keys).filter(|&k| needed(k)) {
+        bucket[holder_count(k) + 1] += 1;
+    }
+    for c in 0..=n {
+        bucket[c + 1] += bucket[c];
+    }
+    let mut key_order = vec![0u32; bucket[n + 1]];
+    for k in (0..keys).filter(|&k| needed(k)) {
+        let c = holder_count(k);
+        key_order[bucket[c]] = k as u32;
+        bucket[c] += 1;
+    }
+
+    let mut sent = vec![0u64; n];
+    let mut recv = vec![0u64; n];
+    let mut src = vec![0u32; needs.len()];
+    // Serving a key's destinations one by one from the least-loaded holder (ties to the lowest
+    // index) picks, in ascending order, the smallest pairs (s_c + t, c) over holders c with load
+    // s_c at the start of the key and t ≥ 0. So sweep levels v = min s_c, min s_c + 1, …, and at
+    // each level serve the holders with s_c ≤ v in index order (`cands` is ascending). Each
+    // level serves at least one destination; typically one or two levels suffice.
+    let mut snapshot: Vec<u64> = Vec::with_capacity(n);
+    for &k in &key_order {
+        let k = k as usize;
+        // Non-empty: lost keys were returned above.
+        let cands = &holders[start[k] as usize..start[k + 1] as usize];
+        let mut dsts = by_key[need_start[k] as usize..need_start[k + 1] as usize].iter();
+        snapshot.clear();
+        snapshot.extend(cands.iter().map(|&c| sent[c as usize]));
+        let mut level = snapshot.iter().copied().min().unwrap_or(0);
+        'serve: loop {
+            for (&c, &s) in cands.iter().zip(&snapshot) {
+                if s <= level {
+                    let Some(&i) = dsts.next() else {
+                        break 'serve;
+                    };
+                    sent[c as usize] += 1;
+                    recv[needs[i as usize].dst as usize] += 1;
+                    src[i as usize] = c;
+                }
+            }
+            level += 1;
+        }
+    }
+    let transfers: Vec<Transfer> = needs
+        .iter()
+        .zip(&src)
+        .map(|(nd, &s)| {
+            let (layer, expert) = inst.pair(nd.key as usize);
+            Transfer {
+                layer,
+                expert,
+                src: physical[s as usize].id,
+                dst: physical[nd.dst as usize].id,
+            }
+        })
+        .collect();
+    let to_bytes = |c: u64| c.saturating_mul(bytes_per_expert);
+    let sent_bytes: Vec<u64> = sent.into_iter().map(to_bytes).collect();
+    let recv_bytes: Vec<u64> = recv.into_iter().map(to_bytes).collect();
+    let new_replicas = transfers.len() as u64;
+    Ok(MigrationPlan {
+        method,
+        plan_to_physical: plan_to_phys.iter().map(|&p| physical[p].id).collect(),
+        new_replicas,
+        bytes: to_bytes(new_replicas),
+        max_sent_bytes: sent_bytes.iter().copied().max().unwrap_or(0),
+        max_recv_bytes: recv_bytes.iter().copied().max().unwrap_or(0),
+        sent_bytes,
+        recv_bytes,
+        transfers,
+    })
+}
+
+/// Key `layer*width + column` of bit `bit` in word `i` of a node's bitset.
+fn bit_key(dims: Dims, i: usize, bit: usize) -> usize {
+    let l = i / dims.words;
+    let e = (i % dims.words) * 64 + bit;
+    l * dims.width + e
+}
+
+/// Calls `f(node, key)` for every set bit of a flat node-major bitset array.
+fn for_each_bit(bits: &[u64], dims: Dims, mut f: impl FnMut(usize, usize)) {
+    let stride = dims.stride();
+    if stride == 0 {
+        return;
+    }
+    for (node, words) in bits.chunks_exact(stride).enumerate() {
+        for (i, &w) in words.iter().enumerate() {
+            let mut w = w;
+            while w != 0 {
+                f(node, bit_key(dims, i, w.trailing_zeros() as usize));
+                w &= w - 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(id: u32, holdings: Vec<Vec<u32>>) -> PhysicalNode {
+        PhysicalNode { id, holdings }
+    }
+
+    #[test]
+    fn parse_and_display_roundtrip() {
+        for m in [MappingMethod::Greedy, MappingMethod::Optimal] {
+            assert_eq!(m.to_string().parse::<MappingMethod>(), Ok(m));
+        }
+        assert_eq!(
+            " Optimal ".parse::<MappingMethod>(),
+            Ok(MappingMethod::Optimal)
+        );
+        assert!("best".parse::<MappingMethod>().is_err());
+    }
+
+    #[test]
+    fn duplicates_count_once() {
+        let plan = vec![vec![vec![1, 1, 2]]];
+        let phys = vec![node(7, vec![vec![2]])];
+        assert_eq!(cost_matrix(&plan, &phys, 3).unwrap(), vec![vec![1]]);
+    }
+
+    #[test]
+    fn hungarian_huge_costs_use_wide_path() {
+        let big = u64::MAX;
+        let cost = vec![vec![big, 1, big], vec![1, big, big], vec![big, big, 0]];
+        assert_eq!(min_cost_assignment(&cost), vec![1, 0, 2]);
+        // Diagonal: 2·big − 3; anti-diagonal: 2·big − 2.
+        let cost = vec![vec![big, big - 1], vec![big - 1, big - 3]];
+        assert_eq!(min_cost_assignment(&cost), vec![0, 1]);
+    }
+
+    #[test]
+    fn rectangular_and_empty() {
+        assert!(min_cost_assignment(&[]).is_empty());
+        assert!(greedy_assignment(&[]).is_empty());
+        let cost = vec![vec![5, 1, 3]];
+        assert_eq!(min_cost_assignment(&cost), vec![1]);
+        assert_eq!(greedy_assignment(&cost), vec![0]);
+    }
+
+    #[test]
+    fn blank_node_holdings_accepted() {
+        let plan = vec![vec![vec![0], vec![1]], vec![vec![1], vec![0]]];
+        let phys = vec![node(1, vec![vec![0, 1], vec![0, 1]]), node(2, vec![])];
+        let mp = map_nodes(&plan, &phys, 2, MappingMethod::Optimal, 10).unwrap();
+        assert_eq!(mp.new_replicas, 2);
+        assert_eq!(mp.recv_bytes, vec![0, 20]);
+        assert_eq!(mp.sent_bytes, vec![20, 0]);
+    }
+
+    #[test]
+    fn sparse_huge_ids_are_compressed() {
+        let big = u32::MAX;
+        let plan = vec![vec![vec![big, 5, 5]], vec![vec![1_000_000]]];
+        let phys = vec![node(0, vec![vec![1_000_000, 5]]), node(1, vec![vec![big]])];
+        assert_eq!(
+            cost_matrix(&plan, &phys, usize::MAX).unwrap(),
+            vec![vec![1, 1], vec![0, 1]]
+        );
+        let mp = map_nodes(&plan, &phys, usize::MAX, MappingMethod::Optimal, 3).unwrap();
+        assert_eq!(mp.plan_to_physical, vec![1, 0]);
+        let t = Transfer {
+            layer: 0,
+            expert: 5,
+            src: 0,
+            dst: 1,
+        };
+        assert_eq!(mp.transfers, vec![t]);
+        let plan = vec![vec![vec![4_000_000_000]], vec![vec![1_000_000]]];
+        assert_eq!(
+            map_nodes(&plan, &phys, usize::MAX, MappingMethod::Greedy, 3),
+            Err(MigrateError::ExpertLost {
+                layer: 0,
+                expert: 4_000_000_000
+            })
+        );
+    }
+
+    #[test]
+    fn lost_experts_lists_missing() {
+        let phys = vec![
+            node(0, vec![vec![0, 2], vec![]]),
+            node(1, vec![vec![9], vec![1]]),
+        ];
+        assert_eq!(lost_experts(&phys, 2, 3), vec![(0, 1), (1, 0), (1, 2)]);
+    }
+}
