@@ -82,6 +82,13 @@ fn bench_replan(c: &mut Criterion) {
             mapping,
             bytes_per_expert: 44_000_000,
         };
+        let (_, same) = replan(&survivors, slots, &model, &loads, &options, 0).unwrap();
+        let (_, drift) = replan(&survivors, slots, &model, &new_loads, &options, 0).unwrap();
+        eprintln!(
+            "1 of 128 nodes lost, {mapping} mapping: {} expert states move with unchanged loads, \
+             {} when every layer's hot set also changed",
+            same.new_replicas, drift.new_replicas
+        );
         g.bench_function(format!("deepseek_v3_{mapping}_128x32_e256_l58"), |b| {
             b.iter(|| {
                 replan(
