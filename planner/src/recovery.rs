@@ -169,6 +169,25 @@ fn check_failed(failed: usize, units: usize, unit: &'static str) -> Result<(), P
     Ok(())
 }
 
+/// Exact enumeration works on `u64` bitmasks of at most 64 failure units and gives up beyond
+/// [`EXACT_ENUMERATION_LIMIT`] failure sets.
+fn check_enumerable(units: usize, failed: usize, unit: &'static str) -> Result<(), PlanError> {
+    if units > 64 {
+        return Err(PlanError::TooManyNodesForExact(units));
+    }
+    check_failed(failed, units, unit)?;
+    let count = binomial(units, failed);
+    if count > EXACT_ENUMERATION_LIMIT {
+        return Err(PlanError::EnumerationTooLarge {
+            n: units,
+            k: failed,
+            count,
+            limit: EXACT_ENUMERATION_LIMIT,
+        });
+    }
+    Ok(())
+}
+
 /// Visits every `k`-subset of `n ≤ 64` bits (Gosper's hack), stopping early if `f` says so.
 fn for_each_subset(n: usize, k: usize, mut f: impl FnMut(u64)) {
     if k == 0 {
@@ -201,19 +220,7 @@ fn for_each_subset(n: usize, k: usize, mut f: impl FnMut(u64)) {
 pub fn exact_counts(layers: &[LayerPlacement], failed: usize) -> Result<(u64, u64), PlanError> {
     let critical = critical_sets(layers)?;
     let nodes = layers[0].nodes();
-    if nodes > 64 {
-        return Err(PlanError::TooManyNodesForExact(nodes));
-    }
-    check_failed(failed, nodes, "nodes")?;
-    let count = binomial(nodes, failed);
-    if count > EXACT_ENUMERATION_LIMIT {
-        return Err(PlanError::EnumerationTooLarge {
-            n: nodes,
-            k: failed,
-            count,
-            limit: EXACT_ENUMERATION_LIMIT,
-        });
-    }
+    check_enumerable(nodes, failed, "nodes")?;
     let masks: Vec<u64> = critical.iter().map(|m| m[0]).collect();
     let (mut ok, mut all) = (0u64, 0u64);
     for_each_subset(nodes, failed, |dead| {
@@ -265,19 +272,7 @@ pub fn exact_domains(
         });
     }
     let domains = domain_of_node.iter().max().map_or(0, |d| d + 1);
-    if domains > 64 {
-        return Err(PlanError::TooManyNodesForExact(domains));
-    }
-    check_failed(failed, domains, "failure domains")?;
-    let count = binomial(domains, failed);
-    if count > EXACT_ENUMERATION_LIMIT {
-        return Err(PlanError::EnumerationTooLarge {
-            n: domains,
-            k: failed,
-            count,
-            limit: EXACT_ENUMERATION_LIMIT,
-        });
-    }
+    check_enumerable(domains, failed, "failure domains")?;
     let dsets = domain_sets(domain_of_node, domains);
     let w = words_for(nodes);
     let (mut ok, mut all) = (0u64, 0u64);

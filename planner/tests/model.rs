@@ -31,6 +31,23 @@ pub(crate) fn smartmoe_loads(iter: u64, layers: usize, experts: usize) -> Vec<Ve
     out
 }
 
+/// Eq. 1 allocation + MRO placement for every layer.
+pub(crate) fn mro_plan(
+    cluster: &ClusterSpec,
+    model: &ModelSpec,
+    loads: &[Vec<u64>],
+    alignment: Alignment,
+) -> Result<lazarus_planner::ModelPlan, PlanError> {
+    plan_model(
+        cluster,
+        model,
+        loads,
+        AllocPolicy::Lazarus,
+        PlacePolicy::Mro,
+        alignment,
+    )
+}
+
 fn model_recovery(plan: &lazarus_planner::ModelPlan, k: usize) -> f64 {
     exact(&plan.layers, k).unwrap()
 }
@@ -44,15 +61,7 @@ fn aligned_layers_beat_independent_mapping() {
         f: 2,
     };
     let loads = smartmoe_loads(2001, 12, 16);
-    let aligned = plan_model(
-        &cluster,
-        &model,
-        &loads,
-        AllocPolicy::Lazarus,
-        PlacePolicy::Mro,
-        Alignment::Aligned,
-    )
-    .unwrap();
+    let aligned = mro_plan(&cluster, &model, &loads, Alignment::Aligned).unwrap();
     for k in 2..=6 {
         let weakest = aligned
             .layers
@@ -63,15 +72,7 @@ fn aligned_layers_beat_independent_mapping() {
         let mut independent = 0.0;
         let seeds = 5;
         for seed in 0..seeds {
-            let p = plan_model(
-                &cluster,
-                &model,
-                &loads,
-                AllocPolicy::Lazarus,
-                PlacePolicy::Mro,
-                Alignment::Independent { seed },
-            )
-            .unwrap();
+            let p = mro_plan(&cluster, &model, &loads, Alignment::Independent { seed }).unwrap();
             independent += model_recovery(&p, k) / seeds as f64;
         }
         eprintln!(
@@ -104,15 +105,7 @@ fn identical_block_sizes_make_model_equal_to_one_layer() {
         f: 2,
     };
     let loads = vec![smartmoe_loads(3001, 1, 16).remove(0); 4];
-    let p = plan_model(
-        &cluster,
-        &model,
-        &loads,
-        AllocPolicy::Lazarus,
-        PlacePolicy::Mro,
-        Alignment::Aligned,
-    )
-    .unwrap();
+    let p = mro_plan(&cluster, &model, &loads, Alignment::Aligned).unwrap();
     let blocks = mro_structure(&p.allocations[0].replicas, 10, 6).block_sizes;
     for k in 0..=10 {
         let one = lazarus_planner::recovery::mro_closed_form(&blocks, 10, k);
@@ -128,37 +121,23 @@ fn bad_model_inputs_are_errors() {
         layers: 1,
         f: 1,
     };
-    let r = plan_model(
-        &cluster,
-        &model,
-        &[vec![1; 5]],
-        AllocPolicy::Lazarus,
-        PlacePolicy::Mro,
-        Alignment::Aligned,
-    );
+    let r = mro_plan(&cluster, &model, &[vec![1; 5]], Alignment::Aligned);
     assert!(matches!(r, Err(PlanError::TooFewSlots { .. })));
     let model = ModelSpec {
         experts: 2,
         layers: 2,
         f: 1,
     };
-    let r = plan_model(
-        &cluster,
-        &model,
-        &[vec![1; 2]],
-        AllocPolicy::Lazarus,
-        PlacePolicy::Mro,
-        Alignment::Aligned,
-    );
+    let r = mro_plan(&cluster, &model, &[vec![1; 2]], Alignment::Aligned);
     assert!(matches!(r, Err(PlanError::LayerCount { .. })));
 }
 
 mod reconfiguration {
-    use super::smartmoe_loads;
+    use super::{mro_plan, smartmoe_loads};
     use lazarus_planner::migrate::{MappingMethod, MigrateError};
     use lazarus_planner::{
         Alignment, AllocPolicy, ClusterSpec, ModelSpec, PlacePolicy, ReplanError, ReplanOptions,
-        plan_model, replan,
+        replan,
     };
 
     fn options(mapping: MappingMethod) -> ReplanOptions {
@@ -178,15 +157,7 @@ mod reconfiguration {
             f: 2,
         };
         let loads = smartmoe_loads(2001, 12, 16);
-        let start = plan_model(
-            &ClusterSpec::new(10, 6),
-            &model,
-            &loads,
-            AllocPolicy::Lazarus,
-            PlacePolicy::Mro,
-            Alignment::Aligned,
-        )
-        .unwrap();
+        let start = mro_plan(&ClusterSpec::new(10, 6), &model, &loads, Alignment::Aligned).unwrap();
         // Nodes 3 and 7 fail (neither holds a whole MRO block of every layer alone).
         let survivors: Vec<_> = start
             .physical_nodes()
@@ -269,15 +240,7 @@ mod reconfiguration {
             f: 2,
         };
         let loads = vec![smartmoe_loads(2001, 1, 16).remove(0)];
-        let start = plan_model(
-            &ClusterSpec::new(10, 6),
-            &model,
-            &loads,
-            AllocPolicy::Lazarus,
-            PlacePolicy::Mro,
-            Alignment::Aligned,
-        )
-        .unwrap();
+        let start = mro_plan(&ClusterSpec::new(10, 6), &model, &loads, Alignment::Aligned).unwrap();
         // MRO's first block is nodes {0, 1}: losing both loses its representative.
         let survivors: Vec<_> = start
             .physical_nodes()
@@ -310,12 +273,10 @@ fn replicas_per_rank_splits_nodes_into_gpus() {
         layers: 1,
         f: 2,
     };
-    let p = plan_model(
+    let p = mro_plan(
         &cluster,
         &model,
         &[vec![1, 2, 3, 4, 5, 60]],
-        AllocPolicy::Lazarus,
-        PlacePolicy::Mro,
         Alignment::Aligned,
     )
     .unwrap();

@@ -7,7 +7,9 @@ mod plot;
 mod recovery_cmd;
 
 use clap::{Args, Parser, Subcommand};
-use lazarus_planner::{Alignment, AllocPolicy, ClusterSpec, ModelSpec};
+use lazarus_planner::{
+    Alignment, AllocPolicy, ClusterSpec, ModelPlan, ModelSpec, PlacePolicy, plan_model,
+};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -110,6 +112,22 @@ impl SpecArgs {
             );
         }
         Ok(())
+    }
+
+    /// The whole-model plan for `place` (a bare `random` takes its seed from `--seed`).
+    pub fn plan(&self, place: PlacePolicy, loads: &[Vec<u64>]) -> anyhow::Result<ModelPlan> {
+        let place = match place {
+            PlacePolicy::Random { seed: 0 } => PlacePolicy::Random { seed: self.seed },
+            p => p,
+        };
+        Ok(plan_model(
+            &self.cluster(),
+            &self.model(),
+            loads,
+            self.alloc,
+            place,
+            self.alignment(),
+        )?)
     }
 
     pub fn loads(&self) -> anyhow::Result<Vec<Vec<u64>>> {

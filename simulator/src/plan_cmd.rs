@@ -3,7 +3,7 @@
 use crate::SpecArgs;
 use clap::Args;
 use lazarus_planner::place::mro_structure;
-use lazarus_planner::{ModelPlan, PlacePolicy, plan_model};
+use lazarus_planner::{ModelPlan, PlacePolicy};
 use serde_json::{Value, json};
 use std::fmt::Write;
 
@@ -22,19 +22,9 @@ pub struct PlanArgs {
 pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     let spec = &args.spec;
     spec.validate()?;
-    let mut place: PlacePolicy = args.place.parse().map_err(anyhow::Error::msg)?;
-    if let PlacePolicy::Random { seed: 0 } = place {
-        place = PlacePolicy::Random { seed: spec.seed };
-    }
+    let place: PlacePolicy = args.place.parse().map_err(anyhow::Error::msg)?;
     let loads = spec.loads()?;
-    let plan = plan_model(
-        &spec.cluster(),
-        &spec.model(),
-        &loads,
-        spec.alloc,
-        place,
-        spec.alignment(),
-    )?;
+    let plan = spec.plan(place, &loads)?;
     if args.format == "json" {
         println!("{}", serde_json::to_string_pretty(&to_json(&plan, &loads))?);
     } else {

@@ -5,7 +5,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use lazarus_planner::place::mro_structure;
 use lazarus_planner::recovery::{exact, exact_domains, monte_carlo, mro_closed_form};
-use lazarus_planner::{PlacePolicy, RecoveryEstimate, plan_model};
+use lazarus_planner::{PlacePolicy, RecoveryEstimate};
 use serde::Serialize;
 use std::path::PathBuf;
 
@@ -102,18 +102,7 @@ pub fn run(args: &RecoveryArgs) -> anyhow::Result<()> {
     let loads = spec.loads()?;
     let mut rows = Vec::new();
     for place in places {
-        let place = match place {
-            PlacePolicy::Random { seed: 0 } => PlacePolicy::Random { seed: spec.seed },
-            p => p,
-        };
-        let plan = plan_model(
-            &spec.cluster(),
-            &spec.model(),
-            &loads,
-            spec.alloc,
-            place,
-            spec.alignment(),
-        )?;
+        let plan = spec.plan(place, &loads)?;
         for &k in &failed {
             let est = match args.method.as_str() {
                 "closed" => {
