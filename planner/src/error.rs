@@ -26,6 +26,30 @@ pub enum PlanError {
     ReplicaSum { expected: usize, got: usize },
     #[error("expert {expert} has 0 replicas; every expert needs at least one")]
     ZeroReplicas { expert: usize },
+    #[error(
+        "node {node} has {got} slots but node 0 has {expected}: every node needs the same slot count"
+    )]
+    RaggedGrid {
+        node: usize,
+        expected: usize,
+        got: usize,
+    },
+    #[error("expert {expert} has {got} replicas in the grid but its allocation says {expected}")]
+    CountMismatch {
+        expert: usize,
+        expected: usize,
+        got: usize,
+    },
+    #[error("expert id {expert} is out of range: the layer has {experts} experts")]
+    ExpertOutOfRange { expert: usize, experts: usize },
+    #[error(
+        "layer {layer} is placed on {got} nodes but layer 0 on {expected}: layers must share one node set"
+    )]
+    LayerNodeMismatch {
+        layer: usize,
+        expected: usize,
+        got: usize,
+    },
     #[error("failure domain list has {got} entries for {nodes} nodes")]
     DomainCount { nodes: usize, got: usize },
     #[error("{failed} failures requested but only {units} {unit} exist")]

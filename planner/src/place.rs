@@ -91,20 +91,18 @@ impl LayerPlacement {
             return Err(PlanError::NoSlots(0));
         }
         let mut counts = vec![0usize; experts];
-        for node in &grid {
+        for (n, node) in grid.iter().enumerate() {
             if node.len() != c {
-                return Err(PlanError::ReplicaSum {
-                    expected: c * grid.len(),
-                    got: grid.iter().map(Vec::len).sum(),
+                return Err(PlanError::RaggedGrid {
+                    node: n,
+                    expected: c,
+                    got: node.len(),
                 });
             }
             for &e in node {
                 let e = e as usize;
                 if e >= experts {
-                    return Err(PlanError::LoadCount {
-                        expected: experts,
-                        got: e + 1,
-                    });
+                    return Err(PlanError::ExpertOutOfRange { expert: e, experts });
                 }
                 counts[e] += 1;
             }
@@ -116,10 +114,11 @@ impl LayerPlacement {
                     got: r.len(),
                 });
             }
-            if counts != r {
-                return Err(PlanError::ReplicaSum {
-                    expected: r.iter().sum(),
-                    got: counts.iter().sum(),
+            if let Some(e) = (0..experts).find(|&e| counts[e] != r[e]) {
+                return Err(PlanError::CountMismatch {
+                    expert: e,
+                    expected: r[e],
+                    got: counts[e],
                 });
             }
         }
@@ -501,6 +500,35 @@ mod tests {
         assert_eq!(sets[0].len(), 1);
         assert_eq!(sets[1].len(), 1);
         assert!(sets[3].len() <= 2);
+    }
+
+    #[test]
+    fn malformed_grids_are_errors() {
+        assert!(matches!(
+            LayerPlacement::from_grid(vec![vec![0, 1], vec![0]], 2, None),
+            Err(PlanError::RaggedGrid { node: 1, .. })
+        ));
+        assert!(matches!(
+            LayerPlacement::from_grid(vec![vec![0, 5]], 2, None),
+            Err(PlanError::ExpertOutOfRange {
+                expert: 5,
+                experts: 2
+            })
+        ));
+        assert!(matches!(
+            LayerPlacement::from_grid(vec![vec![0, 0]], 2, Some(&[1, 1])),
+            Err(PlanError::CountMismatch {
+                expert: 0,
+                expected: 1,
+                got: 2
+            })
+        ));
+        let a = LayerPlacement::from_grid(vec![vec![0], vec![1]], 2, None).unwrap();
+        let b = LayerPlacement::from_grid(vec![vec![0, 1]], 2, None).unwrap();
+        assert!(matches!(
+            crate::recovery::critical_sets(&[a, b]),
+            Err(PlanError::LayerNodeMismatch { layer: 1, .. })
+        ));
     }
 
     #[test]

@@ -132,9 +132,10 @@ pub fn critical_sets(layers: &[LayerPlacement]) -> Result<Vec<NodeSet>, PlanErro
     let nodes = first.nodes();
     let w = words_for(nodes);
     let mut sets: Vec<NodeSet> = Vec::new();
-    for layer in layers {
+    for (l, layer) in layers.iter().enumerate() {
         if layer.nodes() != nodes {
-            return Err(PlanError::LayerCount {
+            return Err(PlanError::LayerNodeMismatch {
+                layer: l,
                 expected: nodes,
                 got: layer.nodes(),
             });
