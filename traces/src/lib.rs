@@ -1,1 +1,41 @@
-//! placeholder
+//! # lazarus-traces
+//!
+//! The node-availability trace layer shared by the simulator (`lzsim replay`) and the executor
+//! (`lzrun --fault-trace`): a validated list of `add` / `remove` events on named nodes
+//! ([`Trace`]), parsers for the public trace formats, slicing ([`Trace::window`]), fitting onto
+//! a smaller cluster ([`Trace::fit`], [`FitMode`]) and seeded synthetic generators
+//! ([`synth`]).
+//!
+//! Everything is pure and deterministic; the only I/O is the thin [`load`] helper.
+//!
+//! * Formats ([`TraceFormat`]): F1 Bamboo CSV `time_ms,add|remove,node` (the primary replay
+//!   format: the AWS P3 and g4dn spot traces), F2 JSON lines `[time_ms, op, {"nodes": [...]}]`
+//!   (Parcae and SpotServe replays), F5 SkyPilot count series. Format names follow the
+//!   shared traces README.
+//! * Semantics: events are sorted by time; at equal times adds come before removes (the
+//!   Bamboo and Oobleck simulators' `(time, kind)` queue order); a batch of events at one
+//!   time stamp takes effect atomically.
+//! * Third-party traces are never copied into this repository; tests read them from
+//!   `../shared/traces/`.
+//!
+//! ```
+//! use lazarus_traces::{FitMode, TraceFormat, parse};
+//! let csv = "0,add,a\n0,add,b\n0,add,c\n60000,remove,b\n120000,add,d\n";
+//! let trace = parse(csv, TraceFormat::BambooCsv).unwrap();
+//! assert_eq!((trace.max_live(), trace.live_at(60_000)), (3, 2));
+//! let w = trace.window(90_000, 180_000); // a and c carried over, then +d at 30 s
+//! assert_eq!(w.to_bamboo_csv(), "0,add,a\n0,add,c\n30000,add,d\n");
+//! assert!(trace.fit(2, FitMode::Clamp).max_live() <= 2);
+//! ```
+#![deny(missing_docs)]
+
+pub mod error;
+pub mod fit;
+pub mod parse;
+pub mod synth;
+pub mod trace;
+
+pub use error::{ParseEnumError, TraceError};
+pub use fit::FitMode;
+pub use parse::{MAX_SYNTH_EVENTS, TraceFormat, detect_format, load, parse};
+pub use trace::{NodeOp, Trace, TraceEvent};

@@ -1,0 +1,425 @@
+//! Reading traces: [`parse`], [`detect_format`], [`load`] and the three formats.
+//!
+//! Parsing never panics, whatever the input (checked by proptest and a cargo-fuzz target),
+//! and never allocates more than a bounded multiple of the input size, except for the SkyPilot
+//! count series, whose expansion is capped at [`MAX_SYNTH_EVENTS`].
+use std::fmt;
+use std::path::Path;
+use std::str::FromStr;
+
+use serde_json::Value;
+
+use crate::error::{ParseEnumError, TraceError};
+use crate::trace::{NodeOp, Trace, TraceEvent};
+
+/// Upper bound on the number of events a SkyPilot count series may expand into (sum of the
+/// absolute steps). Real series have a few thousand steps; the bound only stops corrupt or
+/// hostile input (`"data": [1e15]`) from exhausting memory.
+pub const MAX_SYNTH_EVENTS: u64 = 1_000_000;
+
+/// The accepted file formats (see the shared traces README for F1, F2, F5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TraceFormat {
+    /// F1, Bamboo event CSV: one `time_ms,op,node` row per event, `op` is `add` or `remove`.
+    ///
+    /// * CRLF and LF line endings, blank lines, spaces around fields and a leading UTF-8 BOM
+    ///   are tolerated.
+    /// * **Header**: the *first non-blank line* is skipped as a header when it has three
+    ///   fields and its first field does not start like a number (an ASCII digit, `+`, `-`
+    ///   or `.`); e.g. `time_ms,op,node`. Any later such line, or a first line with a
+    ///   different field count, is an error. A misspelt first row such as `x0,add,n1` is
+    ///   therefore taken as a header: the format has no header marker to tell them apart.
+    /// * `op` is exactly `add` or `remove` (case-sensitive, like every real file).
+    /// * Times are non-negative integers of milliseconds written as plain digits (`+` sign
+    ///   allowed); `-5` is [`TraceError::NegativeTime`], `1.5`, `5.0`, `1e3` and values
+    ///   beyond `u64` are [`TraceError::Parse`].
+    /// * Rows must be sorted by time; see [`Trace::new`] for the membership checks. All
+    ///   errors carry the 1-based physical line number.
+    BambooCsv,
+    /// F2, JSON lines as written by Parcae and SpotServe: one `[time_ms, op, payload]` array
+    /// per line.
+    ///
+    /// * `add` / `remove` need a payload object with a `"nodes"` array of strings; each name
+    ///   is one event (all at the line's time, in list order). Other payload keys
+    ///   (`duration`, `*_strategy`, SpotServe's `required_tpt` on `remove` lines) are
+    ///   ignored.
+    /// * `no-op`, `migration`, `other` lines are ignored (their time must still be a valid
+    ///   non-negative integer; their payload is not looked at).
+    /// * `DONE` ends the trace: the rest of the file is not read.
+    /// * Any other op, a non-array line or invalid JSON is a [`TraceError::Parse`] with the
+    ///   line number; blank lines are skipped; times are non-negative JSON integers (`6e4`
+    ///   and `60000.0` are rejected); only `add`/`remove` events take part in the sort check.
+    JsonLines,
+    /// F5, SkyPilot count series:
+    /// `{"metadata": {"gap_seconds": g}, "data": [n0, n1, ...], "prices": [...]}`.
+    ///
+    /// `data[i]` is the number of live nodes at time `i·g` seconds. It is converted into
+    /// events on synthetic nodes named `sky0, sky1, …` (a counter, names are never reused):
+    /// at `i = 0` `n0` adds; at each later `i` the step `data[i] − data[i−1]` becomes that
+    /// many adds of new names or removes of the **most recently added** live names (LIFO),
+    /// all at time `i·g·1000` ms. `g` is a positive number of seconds, rounded to whole
+    /// milliseconds (at least 1 ms); `data` entries are non-negative JSON integers; other
+    /// keys are ignored. Schema errors are [`TraceError::Format`]; JSON syntax errors are
+    /// [`TraceError::Parse`] with serde_json's line.
+    SkyPilot,
+}
+
+impl TraceFormat {
+    /// All formats.
+    pub const ALL: [TraceFormat; 3] = [
+        TraceFormat::BambooCsv,
+        TraceFormat::JsonLines,
+        TraceFormat::SkyPilot,
+    ];
+
+    /// Short name: `csv`, `jsonl`, `skypilot`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TraceFormat::BambooCsv => "csv",
+            TraceFormat::JsonLines => "jsonl",
+            TraceFormat::SkyPilot => "skypilot",
+        }
+    }
+}
+
+impl fmt::Display for TraceFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for TraceFormat {
+    type Err = ParseEnumError;
+
+    /// `csv` / `bamboo`, `jsonl` / `json-lines`, `skypilot` (ASCII case-insensitive).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "csv" | "bamboo" | "bamboo-csv" => Ok(TraceFormat::BambooCsv),
+            "jsonl" | "json-lines" | "jsonlines" => Ok(TraceFormat::JsonLines),
+            "skypilot" => Ok(TraceFormat::SkyPilot),
+            _ => Err(ParseEnumError::new(
+                "trace format",
+                s,
+                "'csv', 'jsonl' or 'skypilot'",
+            )),
+        }
+    }
+}
+
+/// Guesses the format from the content: the first non-whitespace character (after an optional
+/// UTF-8 BOM) `{` means SkyPilot, `[` JSON lines, anything else Bamboo CSV.
+///
+/// Decision: every `{` document is taken as SkyPilot, whether or not it contains `"data"`,
+/// so that a broken SkyPilot file gets a SkyPilot error ("missing `data`") instead of a
+/// meaningless CSV field-count error; no other format starts with `{`.
+pub fn detect_format(text: &str) -> TraceFormat {
+    match strip_bom(text).trim_start().chars().next() {
+        Some('{') => TraceFormat::SkyPilot,
+        Some('[') => TraceFormat::JsonLines,
+        _ => TraceFormat::BambooCsv,
+    }
+}
+
+/// Parses `text` in the given format into a validated [`Trace`]; see [`TraceFormat`] for the
+/// rules of each format. Input without any `add`/`remove` event is [`TraceError::Empty`].
+///
+/// ```
+/// use lazarus_traces::{TraceError, TraceFormat, parse};
+/// let t = parse("time_ms,op,node\r\n0,add,n1\r\n\r\n60000, remove , n1\r\n", TraceFormat::BambooCsv)
+///     .unwrap();
+/// assert_eq!((t.adds(), t.removals(), t.duration_ms()), (1, 1, 60000));
+/// let err = parse("0,add,n1\n5,kill,n1\n", TraceFormat::BambooCsv).unwrap_err();
+/// assert_eq!(err.to_string(), "line 2: unknown op 'kill' (expected 'add' or 'remove')");
+/// ```
+pub fn parse(text: &str, format: TraceFormat) -> Result<Trace, TraceError> {
+    let text = strip_bom(text);
+    match format {
+        TraceFormat::BambooCsv => parse_csv(text),
+        TraceFormat::JsonLines => parse_json_lines(text),
+        TraceFormat::SkyPilot => parse_skypilot(text),
+    }
+}
+
+/// Reads the file at `path`, [detects its format](detect_format) and [parses](parse) it.
+/// Every error names the file: [`TraceError::Io`] when it cannot be read (or is not UTF-8),
+/// [`TraceError::InFile`] wrapping the parse error otherwise.
+pub fn load(path: &Path) -> Result<Trace, TraceError> {
+    let text = std::fs::read_to_string(path).map_err(|source| TraceError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse(&text, detect_format(&text)).map_err(|e| TraceError::InFile {
+        path: path.to_path_buf(),
+        source: Box::new(e),
+    })
+}
+
+fn strip_bom(text: &str) -> &str {
+    text.strip_prefix('\u{feff}').unwrap_or(text)
+}
+
+/// Physical lines with 1-based numbers, trimmed (drops `\r` and surrounding spaces), blank
+/// lines skipped.
+fn numbered_lines(text: &str) -> impl Iterator<Item = (usize, &str)> {
+    text.split('\n')
+        .enumerate()
+        .map(|(i, l)| (i + 1, l.trim()))
+        .filter(|(_, l)| !l.is_empty())
+}
+
+fn parse_err(line: usize, msg: impl Into<String>) -> TraceError {
+    TraceError::Parse {
+        line,
+        msg: msg.into(),
+    }
+}
+
+fn looks_like_header(first_field: &str) -> bool {
+    first_field
+        .chars()
+        .next()
+        .is_some_and(|c| !(c.is_ascii_digit() || matches!(c, '+' | '-' | '.')))
+}
+
+fn parse_csv(text: &str) -> Result<Trace, TraceError> {
+    let mut events = Vec::new();
+    for (k, (line, row)) in numbered_lines(text).enumerate() {
+        let fields: Vec<&str> = row.split(',').map(str::trim).collect();
+        if k == 0 && fields.len() == 3 && looks_like_header(fields[0]) {
+            continue;
+        }
+        if fields.len() != 3 {
+            return Err(parse_err(
+                line,
+                format!(
+                    "expected 3 comma-separated fields `time_ms,op,node`, found {}",
+                    fields.len()
+                ),
+            ));
+        }
+        let time_ms = parse_csv_time(fields[0], line)?;
+        let op: NodeOp = fields[1].parse().map_err(|_| {
+            parse_err(
+                line,
+                format!("unknown op '{}' (expected 'add' or 'remove')", fields[1]),
+            )
+        })?;
+        events.push((line, TraceEvent::new(time_ms, op, fields[2])));
+    }
+    Trace::from_lined(events)
+}
+
+fn parse_csv_time(s: &str, line: usize) -> Result<u64, TraceError> {
+    if let Ok(t) = s.parse::<u64>() {
+        return Ok(t);
+    }
+    let numeric = s.parse::<f64>().is_ok_and(f64::is_finite);
+    if numeric && s.starts_with('-') {
+        return Err(TraceError::NegativeTime { line });
+    }
+    let msg = if numeric
+        && s.trim_start_matches('+')
+            .bytes()
+            .all(|b| b.is_ascii_digit())
+    {
+        format!("time '{s}' is out of range")
+    } else if numeric {
+        format!("non-integer time '{s}' (expected whole milliseconds)")
+    } else {
+        format!("invalid time '{s}' (expected a non-negative integer number of milliseconds)")
+    };
+    Err(parse_err(line, msg))
+}
+
+fn parse_json_time(v: &Value, line: usize) -> Result<u64, TraceError> {
+    if let Some(t) = v.as_u64() {
+        return Ok(t);
+    }
+    match v.as_f64() {
+        Some(f) if f < 0.0 => Err(TraceError::NegativeTime { line }),
+        Some(_) => Err(parse_err(
+            line,
+            format!("time {v} is not an integer number of milliseconds (or out of range)"),
+        )),
+        None => Err(parse_err(
+            line,
+            format!("time {v} is not a number (expected milliseconds)"),
+        )),
+    }
+}
+
+fn parse_json_lines(text: &str) -> Result<Trace, TraceError> {
+    let mut events = Vec::new();
+    for (line, row) in numbered_lines(text) {
+        let value: Value =
+            serde_json::from_str(row).map_err(|e| parse_err(line, format!("invalid JSON: {e}")))?;
+        let Some(arr) = value.as_array().filter(|a| a.len() >= 2) else {
+            return Err(parse_err(
+                line,
+                "expected a JSON array `[time_ms, op, {\"nodes\": [...]}]`",
+            ));
+        };
+        let time_ms = parse_json_time(&arr[0], line)?;
+        let Some(op) = arr[1].as_str() else {
+            return Err(parse_err(line, format!("op {} is not a string", arr[1])));
+        };
+        let op = match op {
+            "add" => NodeOp::Add,
+            "remove" => NodeOp::Remove,
+            "no-op" | "migration" | "other" => continue,
+            "DONE" => break,
+            other => {
+                return Err(parse_err(
+                    line,
+                    format!(
+                        "unknown op '{other}' (expected add, remove, no-op, migration, other \
+                         or DONE)"
+                    ),
+                ));
+            }
+        };
+        let Some(nodes) = arr
+            .get(2)
+            .and_then(Value::as_object)
+            .and_then(|p| p.get("nodes"))
+            .and_then(Value::as_array)
+        else {
+            return Err(parse_err(
+                line,
+                format!("'{op}' needs a payload object with a \"nodes\" array"),
+            ));
+        };
+        for n in nodes {
+            let Some(name) = n.as_str() else {
+                return Err(parse_err(line, format!("node {n} is not a string")));
+            };
+            events.push((line, TraceEvent::new(time_ms, op, name)));
+        }
+    }
+    Trace::from_lined(events)
+}
+
+fn format_err(msg: impl Into<String>) -> TraceError {
+    TraceError::Format { msg: msg.into() }
+}
+
+fn parse_skypilot(text: &str) -> Result<Trace, TraceError> {
+    let value: Value = serde_json::from_str(text)
+        .map_err(|e| parse_err(e.line().max(1), format!("invalid JSON: {e}")))?;
+    let Some(obj) = value.as_object() else {
+        return Err(format_err(
+            "SkyPilot trace must be a JSON object with \"metadata\" and \"data\"",
+        ));
+    };
+    let gap_s = obj
+        .get("metadata")
+        .and_then(|m| m.get("gap_seconds"))
+        .ok_or_else(|| format_err("SkyPilot trace has no metadata.gap_seconds"))?;
+    let gap_ms = match gap_s.as_f64().map(|g| (g * 1000.0).round()) {
+        Some(g) if (1.0..1.8e19).contains(&g) => g as u64,
+        Some(g) if g >= 1.8e19 => {
+            return Err(format_err(format!(
+                "metadata.gap_seconds = {gap_s} is too large"
+            )));
+        }
+        _ => {
+            return Err(format_err(format!(
+                "metadata.gap_seconds = {gap_s} is not a positive number of seconds (>= 0.001)"
+            )));
+        }
+    };
+    let data = obj
+        .get("data")
+        .and_then(Value::as_array)
+        .ok_or_else(|| format_err("SkyPilot trace has no \"data\" array"))?;
+    let counts = data
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            v.as_u64()
+                .ok_or_else(|| format_err(format!("data[{i}] = {v} is not a non-negative integer")))
+        })
+        .collect::<Result<Vec<u64>, _>>()?;
+    let mut total: u64 = 0;
+    let mut prev = 0u64;
+    for &c in &counts {
+        total = total.saturating_add(c.abs_diff(prev));
+        prev = c;
+    }
+    if total > MAX_SYNTH_EVENTS {
+        return Err(TraceError::TooLarge {
+            events: total,
+            limit: MAX_SYNTH_EVENTS,
+        });
+    }
+    let mut events = Vec::with_capacity(total as usize);
+    let mut live: Vec<String> = Vec::new();
+    let mut next = 0u64;
+    for (i, &c) in counts.iter().enumerate() {
+        let time_ms = (i as u64)
+            .checked_mul(gap_ms)
+            .ok_or_else(|| format_err(format!("time of data[{i}] overflows u64 milliseconds")))?;
+        let c = c as usize; // <= MAX_SYNTH_EVENTS
+        while live.len() < c {
+            let name = format!("sky{next}");
+            next += 1;
+            events.push(TraceEvent::add(time_ms, name.clone()));
+            live.push(name);
+        }
+        while live.len() > c {
+            let name = live.pop().expect("live.len() > c >= 0");
+            events.push(TraceEvent::remove(time_ms, name));
+        }
+    }
+    Trace::new(events)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detects_formats() {
+        assert_eq!(detect_format("0,add,a"), TraceFormat::BambooCsv);
+        assert_eq!(detect_format(""), TraceFormat::BambooCsv);
+        assert_eq!(
+            detect_format("\u{feff}  \n[0, \"add\""),
+            TraceFormat::JsonLines
+        );
+        assert_eq!(detect_format(" {\"data\": []}"), TraceFormat::SkyPilot);
+        assert_eq!(detect_format("{}"), TraceFormat::SkyPilot);
+    }
+
+    #[test]
+    fn format_names_round_trip() {
+        for f in TraceFormat::ALL {
+            assert_eq!(f.to_string().parse::<TraceFormat>(), Ok(f));
+        }
+        assert!("xml".parse::<TraceFormat>().is_err());
+    }
+
+    #[test]
+    fn csv_times() {
+        assert_eq!(parse_csv_time("+7", 1).unwrap(), 7);
+        assert!(matches!(
+            parse_csv_time("-7", 3),
+            Err(TraceError::NegativeTime { line: 3 })
+        ));
+        for (s, want) in [
+            ("1.5", "non-integer time '1.5'"),
+            ("5.0", "non-integer time '5.0'"),
+            ("1e3", "non-integer time '1e3'"),
+            (
+                "99999999999999999999",
+                "time '99999999999999999999' is out of range",
+            ),
+            ("abc", "invalid time 'abc'"),
+            ("", "invalid time ''"),
+            ("inf", "invalid time 'inf'"),
+            ("-inf", "invalid time '-inf'"),
+        ] {
+            let e = parse_csv_time(s, 9).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("line 9: {want}")), "{s}: {e}");
+        }
+    }
+}
