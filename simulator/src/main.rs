@@ -1,16 +1,8 @@
 //! `lzsim`: the Lazarus-rs simulator's command line. Every decision comes from the
 //! `lazarus-planner` crate; this binary only reads inputs, calls the planner and prints.
 
-mod loads;
-mod plan_cmd;
-mod plot;
-mod recovery_cmd;
-
-use clap::{Args, Parser, Subcommand};
-use lazarus_planner::{
-    Alignment, AllocPolicy, ClusterSpec, ModelPlan, ModelSpec, PlacePolicy, plan_model,
-};
-use std::path::PathBuf;
+use clap::{Parser, Subcommand};
+use lazarus_simulator::{failures_cmd, plan_cmd, recovery_cmd, replay_cmd, sweep_cmd};
 use std::process::ExitCode;
 
 /// Resilient MoE training, simulated: replica plans and recovery probabilities
@@ -33,117 +25,12 @@ enum Command {
     Plan(plan_cmd::PlanArgs),
     /// Probability that the survivors of k simultaneous failures still hold every expert.
     Recovery(recovery_cmd::RecoveryArgs),
-}
-
-/// The cluster, the model and its loads — shared by every subcommand. Defaults are the
-/// paper's testbed with GPT-L: 10 nodes × 6 slots, 16 experts, f = 2.
-#[derive(Args, Debug, Clone)]
-pub struct SpecArgs {
-    /// Nodes (the failure unit).
-    #[arg(long, default_value_t = 10)]
-    pub nodes: usize,
-    /// Expert-replica slots per node (the paper's c).
-    #[arg(long, default_value_t = 6)]
-    pub slots: usize,
-    /// Experts per MoE layer.
-    #[arg(long, default_value_t = 16)]
-    pub experts: usize,
-    /// MoE layers; recovery is then for the whole model (every layer must keep every expert).
-    #[arg(long, default_value_t = 1)]
-    pub layers: usize,
-    /// Fault-tolerance threshold: minimum replicas per expert (relaxed when slots run short).
-    #[arg(long, default_value_t = 2)]
-    pub f: usize,
-    /// Loads (tokens per expert), comma-separated, used for every layer.
-    #[arg(long, conflicts_with_all = ["loads_file", "zipf"])]
-    pub loads: Option<String>,
-    /// Loads file: one line of E loads per layer, or the SmartMoE gate trace CSV.
-    #[arg(long, conflicts_with = "zipf")]
-    pub loads_file: Option<PathBuf>,
-    /// Iteration to take from a SmartMoE trace (default: its last).
-    #[arg(long, requires = "loads_file")]
-    pub iter: Option<u64>,
-    /// Zipf-skewed synthetic loads with this exponent (default 1.2 when no loads are given).
-    #[arg(long)]
-    pub zipf: Option<f64>,
-    /// Replica allocation: lazarus (Eq. 1), eplb, uniform.
-    #[arg(long, default_value = "lazarus")]
-    pub alloc: AllocPolicy,
-    /// Layer alignment: aligned (MRO blocks on the same nodes in every layer) or independent.
-    #[arg(long, default_value = "aligned", value_parser = ["aligned", "independent"])]
-    pub align: String,
-    /// Seed for random placements, synthetic loads and Monte Carlo.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-}
-
-impl SpecArgs {
-    pub fn cluster(&self) -> ClusterSpec {
-        ClusterSpec::new(self.nodes, self.slots)
-    }
-
-    pub fn model(&self) -> ModelSpec {
-        ModelSpec {
-            experts: self.experts,
-            layers: self.layers,
-            f: self.f,
-        }
-    }
-
-    pub fn alignment(&self) -> Alignment {
-        if self.align == "independent" {
-            Alignment::Independent { seed: self.seed }
-        } else {
-            Alignment::Aligned
-        }
-    }
-
-    /// Checks the numbers before anything is computed, so bad input is one clear line.
-    pub fn validate(&self) -> anyhow::Result<()> {
-        self.cluster().validate()?;
-        self.model().validate()?;
-        if self.experts > self.nodes * self.slots {
-            anyhow::bail!(
-                "--experts {} exceeds the {} slots of --nodes {} x --slots {}: every expert needs a slot",
-                self.experts,
-                self.nodes * self.slots,
-                self.nodes,
-                self.slots
-            );
-        }
-        Ok(())
-    }
-
-    /// The whole-model plan for `place` (a bare `random` takes its seed from `--seed`).
-    pub fn plan(&self, place: PlacePolicy, loads: &[Vec<u64>]) -> anyhow::Result<ModelPlan> {
-        let place = match place {
-            PlacePolicy::Random { seed: 0 } => PlacePolicy::Random { seed: self.seed },
-            p => p,
-        };
-        Ok(plan_model(
-            &self.cluster(),
-            &self.model(),
-            loads,
-            self.alloc,
-            place,
-            self.alignment(),
-        )?)
-    }
-
-    pub fn loads(&self) -> anyhow::Result<Vec<Vec<u64>>> {
-        if let Some(text) = &self.loads {
-            loads::from_list(text, self.experts, self.layers)
-        } else if let Some(path) = &self.loads_file {
-            loads::from_file(path, self.experts, self.layers, self.iter)
-        } else {
-            loads::zipf(
-                self.zipf.unwrap_or(1.2),
-                self.experts,
-                self.layers,
-                self.seed,
-            )
-        }
-    }
+    /// Replay a node trace: simulate MoE training with lazarus, ds-ft and ds and compare.
+    Replay(Box<replay_cmd::ReplayArgs>),
+    /// Write a synthetic failure trace (Bamboo CSV) for replay here and in lzrun.
+    Failures(failures_cmd::FailuresArgs),
+    /// Many stochastic traces x systems in parallel; one CSV row per run.
+    Sweep(Box<sweep_cmd::SweepArgs>),
 }
 
 fn main() -> ExitCode {
@@ -151,6 +38,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Plan(a) => plan_cmd::run(&a),
         Command::Recovery(a) => recovery_cmd::run(&a),
+        Command::Replay(a) => replay_cmd::run(&a),
+        Command::Failures(a) => failures_cmd::run(&a),
+        Command::Sweep(a) => sweep_cmd::run(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

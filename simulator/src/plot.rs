@@ -9,7 +9,7 @@ use std::sync::Once;
 
 static FONT: Once = Once::new();
 
-fn register_font() {
+pub(crate) fn register_font() {
     FONT.call_once(|| {
         // The bytes are a valid TTF shipped by the `dejavu` crate; failure would be a build bug.
         plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
@@ -18,7 +18,7 @@ fn register_font() {
     });
 }
 
-const COLORS: [RGBColor; 6] = [
+pub(crate) const COLORS: [RGBColor; 6] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),

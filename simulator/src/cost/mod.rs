@@ -1,0 +1,615 @@
+//! The simulator's cost model: how long a training step, a checkpoint, a restart and a
+//! reconfiguration take, from a hardware profile, a model profile, a replica layout and the
+//! experts' loads. Pure functions, no state, no I/O (profiles aside, see [`profile`]).
+//!
+//! # Step time
+//!
+//! [`step_cost`] adds four terms, **without overlap** (a simplification: real systems overlap
+//! some communication with compute, so absolute times are upper-bound-ish; the comparison
+//! between dispatch schemes is the point):
+//!
+//! `total = dense_compute + expert_compute + all_to_all + grad_allreduce`.
+//!
+//! Not modelled: the optimizer step (memory-bound Adam over the rank's parameters), data
+//! loading, kernel-launch and collective latencies, gradient accumulation; memory capacity is
+//! not checked (the caller keeps replicas within `slots_per_gpu`).
+//!
+//! **Routing.** Every rank routes `A = batch_per_gpu · seq_len · top_k` token→expert
+//! assignments per MoE layer, split over experts by the layer's load shares with a
+//! largest-remainder apportionment (`T_e = ⌊A·load_e/Σload⌋`, leftovers to the largest
+//! remainders, ties to the lower expert): `Σ_e T_e = A` exactly. **Every rank routes the same
+//! distribution** (`T[e][rank] = T_e`): a simplification — the SmartMoE trace shows a rank's
+//! distribution within total-variation 0.015 of the global one after warm-up
+//! (`shared/traces/routing/README.md`), so per-rank skew is small next to per-expert skew.
+//!
+//! **Dense compute** (same on every rank):
+//! `tokens_per_gpu · (6·dense_matmul_params + 12·layers·seq_len·width) / gpu_flops_effective`
+//! — forward `2·params` FLOPs per token, backward twice that, plus the attention-score matmuls
+//! (see [`ModelProfile::dense_train_flops_per_token`]). No tensor or pipeline parallelism:
+//! every rank runs the whole dense part data-parallel.
+//!
+//! **Expert compute**, per MoE layer, the slowest rank (the all-to-all waits for it):
+//! `max_rank processed_tokens · 6·expert_params / gpu_flops_effective`, summed over layers.
+//!
+//! **All-to-all**, per MoE layer: each rank's remote tokens sent and received, times
+//! `d_model · bytes_per_param_weights` bytes, times 4 (dispatch and combine, forward and
+//! backward; combine mirrors dispatch so `max(sent, received)` is the same for both). A rank's
+//! time is `max(sent, received) / bandwidth`, separately for peers on the same node
+//! ([`HardwareProfile::rank_intra_bandwidth`]) and on other nodes
+//! ([`HardwareProfile::rank_inter_bandwidth`]: the node's NIC bandwidth split over its GPUs
+//! and over the simulated nodes sharing the NIC), the two links working in parallel; the
+//! layer costs its slowest rank. Latency, message-size effects and the all-gather of the
+//! counts `T` (negligible per the paper, §6.5.1) are ignored; with `top_k > 1` every
+//! assignment travels separately (no per-node deduplication).
+//!
+//! * [`Dispatch::Unpadded`] (Lazarus, §4.2): `lazarus_planner::dispatch::plan(T, R)` for each
+//!   layer; a rank processes `Σ_e cap[e][rank]` tokens (`cap ≈ p_e·R[e][rank]`) and sends /
+//!   receives exactly the plan's remote counts. Above [`ANALYTIC_DISPATCH_ABOVE_GPUS`] ranks
+//!   the plan (`O(R²)` per layer) is replaced by its fractional version, computed in
+//!   `O(E·R)`: `cap[e][j] = t_e·R[e][j]/r_e`, overflow `O = max(0, T − cap)`, residual
+//!   `P = max(0, cap − T)`, and the overflow split proportionally to the residuals,
+//!   `O_i·P_j/S` — Algorithm 1 without its integer rounding (each count is off by < 1 token).
+//!   Because local tokens are kept first, a rank's remote volume does not depend on how the
+//!   overflow is split, so with one GPU per node the two paths agree up to rounding.
+//! * [`Dispatch::Padded`] (DeepSpeed-MoE standard EP, §4.1/§6.3): tokens of rank `r` for
+//!   expert `e` go to the replicas of `e` inside `r`'s EP group (split evenly when the group
+//!   holds `k_e > 1` of them). The send buffer has one block per expert slot of the group,
+//!   every block padded to the capacity `C = max_e ⌈T_e / k_e⌉` — the largest count routed to
+//!   any single expert (§4.1; DeepSpeed's no-drop mode takes the max over the group). A rank
+//!   sends `slots_p · C` tokens to every peer `p` of its group and receives `slots_r · C`
+//!   from each, and **computes on the padded buffer** (`|group| · slots_r · C` tokens), as
+//!   DeepSpeed runs the experts on the whole `[experts, capacity, d]` tensor.
+//!
+//! **Gradient all-reduce.** Ring all-reduces, each member sending and receiving
+//! `2(m−1)/m · bytes` (the nccl-tests "bus bandwidth" model): the dense gradients
+//! (`dense_params · bytes_per_param_weights`) over all ranks, and, per layer and expert, that
+//! expert's gradients over the `m_e` distinct ranks holding it (nothing when `m_e = 1`;
+//! several replicas on one rank are summed locally first). An all-reduce whose members span
+//! nodes is charged to the inter-node link, otherwise to the intra-node link. All these
+//! collectives share each rank's links, so the time is the **busiest rank's total bytes** over
+//! its bandwidth, not the slowest single collective: the experts' all-reduces run
+//! concurrently but every rank takes part in one per replica it holds, so a max over experts
+//! would undercount by the number of replicas per rank.
+//!
+//! # Pauses
+//! [`checkpoint_save_s`] / [`checkpoint_load_s`]: the full checkpoint (dense state once +
+//! every expert's state once, [`ModelProfile::checkpoint_bytes`]) over the checkpoint store's
+//! bandwidth (capped by the writers' own network bandwidth). [`restart_s`]: process restart +
+//! checkpoint load. [`reconfigure_s`]: failure detection + communicator rebuild; migration
+//! ([`migration_s`]) is added by the caller.
+
+mod profile;
+#[cfg(test)]
+mod tests;
+
+#[allow(unused_imports)] // until the simulator uses them (integration)
+pub use profile::{HardwareProfile, ModelProfile, hardware, hardware_names, model, model_names};
+
+use anyhow::{Result, bail};
+use lazarus_planner::dispatch;
+
+/// Above this many ranks, [`Dispatch::Unpadded`] uses the analytic (fractional) dispatch
+/// instead of calling `dispatch::plan` (whose `O(R²)` send/receive matrices cost ~25 ms per
+/// layer at 1K ranks).
+pub const ANALYTIC_DISPATCH_ABOVE_GPUS: usize = 256;
+
+/// How tokens reach expert replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dispatch {
+    /// Standard expert parallelism (DS, DS(FT)): within an EP group, capacity-padded.
+    Padded,
+    /// Lazarus's flexible dispatcher: any replica anywhere, no padding.
+    Unpadded,
+}
+
+/// One step's layout and loads.
+#[derive(Debug, Clone, Copy)]
+pub struct StepInput<'a> {
+    /// GPUs in use (ranks); rank `r` is on node `r / gpus_per_node`.
+    pub gpus: usize,
+    /// `[moe_layer][expert][rank]` replica counts — `ModelPlan::replicas_per_rank` for
+    /// Lazarus, or a standard-EP layout (e.g. [`uniform_ep_layout`]) for DS.
+    pub replicas_per_rank: &'a [Vec<Vec<u32>>],
+    /// `[moe_layer][expert]` relative token loads (any scale; only shares matter).
+    pub loads: &'a [Vec<u64>],
+    pub dispatch: Dispatch,
+    /// [`Dispatch::Padded`] only: the ranks of each EP group, a partition of `0..gpus`
+    /// (tokens stay inside their group). Ignored for [`Dispatch::Unpadded`].
+    pub ep_groups: Option<&'a [Vec<usize>]>,
+}
+
+/// Duration of one training step and its parts (seconds).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepCost {
+    pub total_s: f64,
+    pub dense_compute_s: f64,
+    pub expert_compute_s: f64,
+    pub all_to_all_s: f64,
+    pub grad_allreduce_s: f64,
+    /// Sequences per step: `gpus × batch_per_gpu`.
+    pub samples: u64,
+    pub tokens_per_s: f64,
+}
+
+impl StepCost {
+    pub fn samples_per_s(&self) -> f64 {
+        self.samples as f64 / self.total_s
+    }
+}
+
+/// The duration of one training step; see the module docs for every term.
+pub fn step_cost(
+    hw: &HardwareProfile,
+    model: &ModelProfile,
+    input: &StepInput,
+) -> Result<StepCost> {
+    let gpus = input.gpus;
+    check_shapes(model, input)?;
+    let groups = match (input.dispatch, input.ep_groups) {
+        (Dispatch::Padded, None) => bail!("padded dispatch needs the EP groups"),
+        (Dispatch::Padded, Some(g)) => {
+            check_partition(g, gpus)?;
+            Some(g)
+        }
+        (Dispatch::Unpadded, _) => None,
+    };
+
+    let flops = hw.gpu_flops_effective;
+    let act = model.activation_bytes_per_token() as f64;
+    let (inter_bw, intra_bw) = (hw.rank_inter_bandwidth(), hw.rank_intra_bandwidth());
+    let mut traffic = Traffic::new(hw, gpus);
+    let mut expert_compute_s = 0.0;
+    let mut all_to_all_s = 0.0;
+    for (layer, (replicas, loads)) in input.replicas_per_rank.iter().zip(input.loads).enumerate() {
+        let t = routed_tokens(loads, model.assignments_per_gpu())
+            .map_err(|e| anyhow::anyhow!("MoE layer {layer}: {e}"))?;
+        traffic.clear();
+        let res = match groups {
+            Some(g) => padded_layer(&t, replicas, g, &mut traffic),
+            None if gpus > ANALYTIC_DISPATCH_ABOVE_GPUS => {
+                analytic_layer(&t, replicas, &mut traffic)
+            }
+            None => planned_layer(&t, replicas, &mut traffic),
+        };
+        res.map_err(|e| anyhow::anyhow!("MoE layer {layer}: {e}"))?;
+        let max_processed = traffic.processed.iter().copied().fold(0.0, f64::max);
+        expert_compute_s += max_processed * model.expert_train_flops_per_assignment() / flops;
+        all_to_all_s += 4.0 * act * traffic.max_link_time(inter_bw, intra_bw);
+    }
+
+    let dense_compute_s =
+        model.tokens_per_gpu() as f64 * model.dense_train_flops_per_token() / flops;
+    let grad_allreduce_s = grad_allreduce_s(hw, model, gpus, input.replicas_per_rank);
+    let total_s = dense_compute_s + expert_compute_s + all_to_all_s + grad_allreduce_s;
+    Ok(StepCost {
+        total_s,
+        dense_compute_s,
+        expert_compute_s,
+        all_to_all_s,
+        grad_allreduce_s,
+        samples: gpus as u64 * model.batch_per_gpu,
+        tokens_per_s: (gpus as u64 * model.tokens_per_gpu()) as f64 / total_s,
+    })
+}
+
+/// Per-rank token counts of one layer (fractional for the analytic path).
+struct Traffic {
+    /// Node of each rank (precomputed: the analytic path looks it up `E·R` times a layer).
+    node: Vec<usize>,
+    processed: Vec<f64>,
+    sent_inter: Vec<f64>,
+    recv_inter: Vec<f64>,
+    sent_intra: Vec<f64>,
+    recv_intra: Vec<f64>,
+}
+
+impl Traffic {
+    fn new(hw: &HardwareProfile, n: usize) -> Self {
+        Traffic {
+            node: (0..n).map(|r| hw.node_of(r)).collect(),
+            processed: vec![0.0; n],
+            sent_inter: vec![0.0; n],
+            recv_inter: vec![0.0; n],
+            sent_intra: vec![0.0; n],
+            recv_intra: vec![0.0; n],
+        }
+    }
+
+    fn clear(&mut self) {
+        for v in [
+            &mut self.processed,
+            &mut self.sent_inter,
+            &mut self.recv_inter,
+            &mut self.sent_intra,
+            &mut self.recv_intra,
+        ] {
+            v.fill(0.0);
+        }
+    }
+
+    /// Adds `count` tokens from `src` to `dst` (remote only).
+    fn send(&mut self, src: usize, dst: usize, count: f64) {
+        if self.node[src] == self.node[dst] {
+            self.sent_intra[src] += count;
+            self.recv_intra[dst] += count;
+        } else {
+            self.sent_inter[src] += count;
+            self.recv_inter[dst] += count;
+        }
+    }
+
+    /// Slowest rank's time per token-byte: `max_r max(inter, intra)` where each link's time
+    /// is `max(sent, received) / bandwidth`.
+    fn max_link_time(&self, inter_bw: f64, intra_bw: f64) -> f64 {
+        (0..self.processed.len())
+            .map(|r| {
+                let inter = self.sent_inter[r].max(self.recv_inter[r]) / inter_bw;
+                let intra = self.sent_intra[r].max(self.recv_intra[r]) / intra_bw;
+                inter.max(intra)
+            })
+            .fold(0.0, f64::max)
+    }
+}
+
+/// `T_e`: `total` assignments split over experts by `loads` (largest remainder, ties to the
+/// lower expert); sums to `total` exactly.
+pub fn routed_tokens(loads: &[u64], total: u64) -> Result<Vec<u64>> {
+    let sum: u128 = loads.iter().map(|&l| u128::from(l)).sum();
+    if sum == 0 {
+        bail!("all expert loads are zero");
+    }
+    let mut out = Vec::with_capacity(loads.len());
+    let mut rem = Vec::with_capacity(loads.len());
+    let mut assigned = 0u64;
+    for (e, &l) in loads.iter().enumerate() {
+        let x = u128::from(total) * u128::from(l);
+        let f = (x / sum) as u64;
+        assigned += f;
+        out.push(f);
+        rem.push((x % sum, e));
+    }
+    let deficit = (total - assigned) as usize; // < number of experts
+    rem.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    for &(_, e) in &rem[..deficit] {
+        out[e] += 1;
+    }
+    Ok(out)
+}
+
+/// Lazarus dispatch through the planner's exact integer plan.
+fn planned_layer(t: &[u64], replicas: &[Vec<u32>], traffic: &mut Traffic) -> Result<()> {
+    let gpus = traffic.processed.len();
+    let tokens: Vec<Vec<u64>> = t.iter().map(|&te| vec![te; gpus]).collect();
+    let plan = dispatch::plan(&tokens, replicas)?;
+    for (src, row) in plan.send_counts.iter().enumerate() {
+        for (dst, &c) in row.iter().enumerate() {
+            if c == 0 {
+                continue;
+            }
+            traffic.processed[dst] += c as f64;
+            if src != dst {
+                traffic.send(src, dst, c as f64);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Lazarus dispatch, fractional (Algorithm 1 without rounding).
+///
+/// Cost `O(E·(R + nodes + holders))` with cheap inner loops: a rank holding no replica of `e`
+/// overflows all its `T_e` tokens, and how they split between its own node and the network
+/// depends only on its node, so non-holders are accumulated per node and spread over the
+/// node's ranks once per layer; holders (few per expert) are corrected individually.
+fn analytic_layer(t: &[u64], replicas: &[Vec<u32>], traffic: &mut Traffic) -> Result<()> {
+    let gpus = traffic.processed.len();
+    let nodes = traffic.node[gpus - 1] + 1;
+    let mut node_size = vec![0usize; nodes];
+    for &n in &traffic.node {
+        node_size[n] += 1;
+    }
+    let mut holders: Vec<(usize, f64)> = Vec::new();
+    let (mut p_node, mut o_node) = (vec![0.0; nodes], vec![0.0; nodes]);
+    let mut held_on = vec![0usize; nodes];
+    // Sent by every non-holding rank of a node, summed over experts.
+    let (mut nh_intra, mut nh_inter) = (vec![0.0; nodes], vec![0.0; nodes]);
+    for (e, (&te, r_row)) in t.iter().zip(replicas).enumerate() {
+        if te == 0 {
+            continue;
+        }
+        holders.clear();
+        holders.extend(
+            r_row
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| **r > 0)
+                .map(|(j, &r)| (j, f64::from(r))),
+        );
+        if holders.is_empty() {
+            bail!("expert {e} receives {te} tokens per rank but has no replica");
+        }
+        let r_e: f64 = holders.iter().map(|h| h.1).sum();
+        let te = te as f64;
+        let per_replica = te * gpus as f64 / r_e;
+        p_node.fill(0.0);
+        held_on.fill(0);
+        for &(j, _) in &holders {
+            held_on[traffic.node[j]] += 1;
+        }
+        for ((o, &size), &held) in o_node.iter_mut().zip(&node_size).zip(&held_on) {
+            *o = te * (size - held) as f64;
+        }
+        for &(j, r) in &holders {
+            let c = per_replica * r;
+            traffic.processed[j] += c;
+            let n = traffic.node[j];
+            if te > c {
+                o_node[n] += te - c;
+            } else {
+                p_node[n] += c - te;
+            }
+        }
+        let s: f64 = o_node.iter().sum();
+        if s <= 0.0 {
+            continue;
+        }
+        // Sender i's overflow goes to the receivers in proportion to their residuals
+        // (O_i·P_j/S), so the share landing on its own node is P_node / S (a sender's own
+        // residual is zero); a receiver's inflow from its own node is P_j·O_node/S.
+        for ((&p, a), b) in p_node.iter().zip(&mut nh_intra).zip(&mut nh_inter) {
+            let same = p / s;
+            *a += te * same;
+            *b += te * (1.0 - same);
+        }
+        for &(j, r) in &holders {
+            let c = per_replica * r;
+            let n = traffic.node[j];
+            let same = p_node[n] / s;
+            // Undo the non-holder share that the per-node sums will give this rank.
+            traffic.sent_intra[j] -= te * same;
+            traffic.sent_inter[j] -= te * (1.0 - same);
+            if te > c {
+                traffic.sent_intra[j] += (te - c) * same;
+                traffic.sent_inter[j] += (te - c) * (1.0 - same);
+            } else {
+                let from_node = (o_node[n] / s).min(1.0);
+                traffic.recv_intra[j] += (c - te) * from_node;
+                traffic.recv_inter[j] += (c - te) * (1.0 - from_node);
+            }
+        }
+    }
+    for (j, &n) in traffic.node.iter().enumerate() {
+        traffic.sent_intra[j] += nh_intra[n];
+        traffic.sent_inter[j] += nh_inter[n];
+    }
+    Ok(())
+}
+
+/// DeepSpeed-style padded expert parallelism inside each EP group.
+fn padded_layer(
+    t: &[u64],
+    replicas: &[Vec<u32>],
+    groups: &[Vec<usize>],
+    traffic: &mut Traffic,
+) -> Result<()> {
+    for (gi, group) in groups.iter().enumerate() {
+        let mut capacity = 0u64;
+        for (e, (&te, r_row)) in t.iter().zip(replicas).enumerate() {
+            if te == 0 {
+                continue;
+            }
+            let k: u64 = group.iter().map(|&p| u64::from(r_row[p])).sum();
+            if k == 0 {
+                bail!("expert {e} has no replica in EP group {gi} (ranks {group:?})");
+            }
+            capacity = capacity.max(te.div_ceil(k));
+        }
+        let c = capacity as f64;
+        let slots: Vec<f64> = group
+            .iter()
+            .map(|&p| replicas.iter().map(|row| f64::from(row[p])).sum())
+            .collect();
+        let g = group.len() as f64;
+        for (&r, &slots_r) in group.iter().zip(&slots) {
+            traffic.processed[r] += g * slots_r * c;
+            for (&p, &slots_p) in group.iter().zip(&slots) {
+                if p != r {
+                    traffic.send(r, p, slots_p * c);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Gradient all-reduce time of one step: the busiest rank's dense + expert all-reduce bytes
+/// over its links (see the module docs).
+fn grad_allreduce_s(
+    hw: &HardwareProfile,
+    model: &ModelProfile,
+    gpus: usize,
+    replicas_per_rank: &[Vec<Vec<u32>>],
+) -> f64 {
+    let mut inter = vec![0.0; gpus];
+    let mut intra = vec![0.0; gpus];
+    let ring = |m: usize, bytes: f64| 2.0 * (m - 1) as f64 / m as f64 * bytes;
+    if gpus >= 2 {
+        let v = ring(gpus, model.dense_grad_bytes() as f64);
+        let target = if hw.node_of(gpus - 1) > 0 {
+            &mut inter
+        } else {
+            &mut intra
+        };
+        target.iter_mut().for_each(|x| *x += v);
+    }
+    let expert_bytes = model.expert_grad_bytes() as f64;
+    let mut holders = Vec::new();
+    for layer in replicas_per_rank {
+        for row in layer {
+            holders.clear();
+            holders.extend(
+                row.iter()
+                    .enumerate()
+                    .filter(|(_, r)| **r > 0)
+                    .map(|(j, _)| j),
+            );
+            let m = holders.len();
+            if m < 2 {
+                continue;
+            }
+            let v = ring(m, expert_bytes);
+            let first = hw.node_of(holders[0]);
+            let spans = holders.iter().any(|&j| hw.node_of(j) != first);
+            let target = if spans { &mut inter } else { &mut intra };
+            for &j in &holders {
+                target[j] += v;
+            }
+        }
+    }
+    let (inter_bw, intra_bw) = (hw.rank_inter_bandwidth(), hw.rank_intra_bandwidth());
+    (0..gpus)
+        .map(|r| (inter[r] / inter_bw).max(intra[r] / intra_bw))
+        .fold(0.0, f64::max)
+}
+
+fn check_shapes(model: &ModelProfile, input: &StepInput) -> Result<()> {
+    let gpus = input.gpus;
+    if gpus == 0 {
+        bail!("a step needs at least one GPU");
+    }
+    if input.replicas_per_rank.len() != model.moe_layers {
+        bail!(
+            "replicas_per_rank has {} layers, the model has {} MoE layers",
+            input.replicas_per_rank.len(),
+            model.moe_layers
+        );
+    }
+    if input.loads.len() != model.moe_layers {
+        bail!(
+            "loads has {} layers, the model has {} MoE layers",
+            input.loads.len(),
+            model.moe_layers
+        );
+    }
+    for (l, (layer, loads)) in input.replicas_per_rank.iter().zip(input.loads).enumerate() {
+        if layer.len() != model.experts || loads.len() != model.experts {
+            bail!(
+                "MoE layer {l}: {} replica rows and {} loads, the model has {} experts",
+                layer.len(),
+                loads.len(),
+                model.experts
+            );
+        }
+        if let Some((e, row)) = layer.iter().enumerate().find(|(_, r)| r.len() != gpus) {
+            bail!(
+                "MoE layer {l}, expert {e}: {} rank columns, expected {gpus}",
+                row.len()
+            );
+        }
+    }
+    Ok(())
+}
+
+fn check_partition(groups: &[Vec<usize>], gpus: usize) -> Result<()> {
+    let mut seen = vec![false; gpus];
+    for (gi, g) in groups.iter().enumerate() {
+        for &r in g {
+            if r >= gpus {
+                bail!("EP group {gi} names rank {r}, but only {gpus} GPUs are in use");
+            }
+            if std::mem::replace(&mut seen[r], true) {
+                bail!("rank {r} is in more than one EP group");
+            }
+        }
+    }
+    if let Some(r) = seen.iter().position(|s| !s) {
+        bail!("rank {r} is in no EP group");
+    }
+    Ok(())
+}
+
+/// A standard expert-parallel layout (DeepSpeed-MoE): `gpus / ep_size` groups of `ep_size`
+/// consecutive ranks; inside a group, the rank at position `i` holds experts
+/// `i·E/ep .. (i+1)·E/ep`, the same in every MoE layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EpLayout {
+    /// `[moe_layer][expert][rank]`.
+    pub replicas_per_rank: Vec<Vec<Vec<u32>>>,
+    pub ep_groups: Vec<Vec<usize>>,
+}
+
+/// The GPUs standard EP can use out of `available`: the largest multiple of `ep_size`.
+pub fn usable_ep_gpus(model: &ModelProfile, available: usize) -> usize {
+    available / model.ep_size * model.ep_size
+}
+
+/// The standard EP layout on `gpus` ranks (a positive multiple of `ep_size`).
+pub fn uniform_ep_layout(model: &ModelProfile, gpus: usize) -> Result<EpLayout> {
+    let ep = model.ep_size;
+    if gpus == 0 || gpus % ep != 0 {
+        bail!("standard EP needs a positive multiple of ep_size = {ep} GPUs, got {gpus}");
+    }
+    let per_rank = model.experts / ep;
+    let mut layer = vec![vec![0u32; gpus]; model.experts];
+    for rank in 0..gpus {
+        let pos = rank % ep;
+        for row in &mut layer[pos * per_rank..(pos + 1) * per_rank] {
+            row[rank] = 1;
+        }
+    }
+    Ok(EpLayout {
+        replicas_per_rank: vec![layer; model.moe_layers],
+        ep_groups: (0..gpus / ep)
+            .map(|g| (g * ep..(g + 1) * ep).collect())
+            .collect(),
+    })
+}
+
+/// Bandwidth to the checkpoint store: the store's, capped by the writers' network bandwidth.
+fn checkpoint_bandwidth(hw: &HardwareProfile, gpus: usize) -> f64 {
+    hw.checkpoint_bandwidth_bytes_per_s
+        .min(gpus.max(1) as f64 * hw.rank_inter_bandwidth())
+}
+
+/// Seconds to write a full checkpoint (dense state once + every expert's state once) from
+/// `gpus` GPUs. Training is assumed to block while it is written.
+pub fn checkpoint_save_s(hw: &HardwareProfile, model: &ModelProfile, gpus: usize) -> f64 {
+    model.checkpoint_bytes() as f64 / checkpoint_bandwidth(hw, gpus)
+}
+
+/// Seconds to read a full checkpoint into `gpus` GPUs. The dense state is read once (then
+/// broadcast over the much faster training network, not charged).
+pub fn checkpoint_load_s(hw: &HardwareProfile, model: &ModelProfile, gpus: usize) -> f64 {
+    model.checkpoint_bytes() as f64 / checkpoint_bandwidth(hw, gpus)
+}
+
+/// Seconds to migrate expert states when the busiest node sends `max_sent_bytes` and the
+/// busiest receives `max_recv_bytes` (bytes per node, the migration plan's unit). Across
+/// nodes a node uses its whole NIC share ([`HardwareProfile::node_inter_bandwidth`]);
+/// `same_node` transfers use one GPU's intra-node link.
+pub fn migration_s(
+    hw: &HardwareProfile,
+    max_sent_bytes: u64,
+    max_recv_bytes: u64,
+    same_node: bool,
+) -> f64 {
+    let bw = if same_node {
+        hw.rank_intra_bandwidth()
+    } else {
+        hw.node_inter_bandwidth()
+    };
+    max_sent_bytes.max(max_recv_bytes) as f64 / bw
+}
+
+/// Seconds to restart from a checkpoint on `gpus` GPUs: process restart + checkpoint load.
+/// Failure detection is not included (add [`HardwareProfile::failure_detection_timeout_s`]
+/// for a restart caused by a failure).
+pub fn restart_s(hw: &HardwareProfile, model: &ModelProfile, gpus: usize) -> f64 {
+    hw.process_restart_s + checkpoint_load_s(hw, model, gpus)
+}
+
+/// Seconds of a checkpoint-free reconfiguration, migration excluded: detection timeout +
+/// communicator rebuild (§1.3).
+pub fn reconfigure_s(hw: &HardwareProfile) -> f64 {
+    hw.failure_detection_timeout_s + hw.communicator_rebuild_s
+}

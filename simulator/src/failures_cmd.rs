@@ -1,0 +1,95 @@
+//! `lzsim failures`: synthetic failure traces as Bamboo CSV, so the simulator and the executor
+//! can replay the very same sequence.
+
+use crate::duration::parse_ms;
+use crate::replay::output::write_atomic;
+use anyhow::{Result, bail};
+use clap::Args;
+use lazarus_traces::synth::{self, IntervalDist};
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct FailuresArgs {
+    /// Nodes at time 0.
+    #[arg(long, default_value_t = 10)]
+    pub nodes: usize,
+    /// Controlled scenario: one uniformly random node fails per interval (paper §6.4: 5m, 40m).
+    #[arg(long, conflicts_with = "hazard")]
+    pub every: Option<String>,
+    /// Interval distribution for --every: fixed, exp, or weibull:SHAPE (mean = --every).
+    #[arg(long, default_value = "fixed")]
+    pub dist: String,
+    /// Stop failing nodes when this many remain (default: half, as in the paper).
+    #[arg(long)]
+    pub until_live: Option<usize>,
+    /// Stochastic mode (Bamboo style): per-node preemption rate per hour.
+    #[arg(long)]
+    pub hazard: Option<f64>,
+    /// Stochastic mode: expected node arrivals per hour.
+    #[arg(long, default_value_t = 0.0)]
+    pub add_rate: f64,
+    /// Stochastic mode: trace length.
+    #[arg(long, default_value = "4h")]
+    pub duration: String,
+    /// Stochastic mode: time step of the hazard process.
+    #[arg(long, default_value = "1m")]
+    pub tick: String,
+    /// Stochastic mode: cap on live nodes (default: --nodes).
+    #[arg(long)]
+    pub max_nodes: Option<usize>,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write here instead of stdout (refuses to replace an existing file).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+pub fn run(a: &FailuresArgs) -> Result<()> {
+    if a.nodes == 0 {
+        bail!("--nodes must be at least 1");
+    }
+    let trace = match (&a.every, a.hazard) {
+        (Some(every), None) => {
+            let dist: IntervalDist = a.dist.parse().map_err(|e| anyhow::anyhow!("--dist: {e}"))?;
+            let every_ms = parse_ms(every)?;
+            if every_ms == 0 {
+                bail!("--every must be positive");
+            }
+            let until = a.until_live.unwrap_or(a.nodes.div_ceil(2));
+            if until > a.nodes {
+                bail!("--until-live {until} exceeds --nodes {}", a.nodes);
+            }
+            synth::fixed_interval(a.nodes, every_ms, dist, until, a.seed)
+        }
+        (None, Some(h)) => {
+            if !(h.is_finite() && h >= 0.0 && a.add_rate.is_finite() && a.add_rate >= 0.0) {
+                bail!("--hazard and --add-rate must be finite rates >= 0");
+            }
+            let tick = parse_ms(&a.tick)?;
+            if tick == 0 {
+                bail!("--tick must be positive");
+            }
+            synth::hazard(
+                a.nodes,
+                h,
+                a.add_rate,
+                parse_ms(&a.duration)?,
+                tick,
+                a.max_nodes.unwrap_or(a.nodes).max(a.nodes),
+                a.seed,
+            )
+        }
+        _ => bail!("give either --every INTERVAL or --hazard RATE"),
+    };
+    let csv = trace.to_bamboo_csv();
+    match &a.out {
+        None => print!("{csv}"),
+        Some(p) => {
+            if p.exists() {
+                bail!("{} exists; not replacing it", p.display());
+            }
+            write_atomic(p, csv.as_bytes())?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,24 @@
+//! Lazarus-rs simulator: the library behind `lzsim`.
+//!
+//! * [`plan_cmd`], [`recovery_cmd`]: replica plans and recovery probabilities (planner front-ends);
+//! * [`replay`]: the discrete-event simulator of MoE training under node failures, with the
+//!   systems it compares ([`replay::systems`]), on the cost model of [`cost`] and the expert-load
+//!   workloads of [`workload`]; [`replay_cmd`], [`sweep_cmd`], [`failures_cmd`] are its commands.
+//!
+//! Every placement, allocation, dispatch and migration decision is the planner's
+//! (`lazarus-planner`); this crate only drives it.
+
+pub mod cost;
+pub mod duration;
+pub mod failures_cmd;
+pub mod loads;
+pub mod plan_cmd;
+pub mod plot;
+pub mod recovery_cmd;
+pub mod replay;
+pub mod replay_cmd;
+pub mod spec_args;
+pub mod sweep_cmd;
+pub mod workload;
+
+pub use spec_args::SpecArgs;

@@ -1,0 +1,834 @@
+//! The discrete-event engine: one single-threaded queue ordered by `(time_ns, seq)`.
+//!
+//! Training is simulated in *segments*: between two interesting step boundaries (checkpoint,
+//! rebalance, load change, a pending scale-out) the step time is constant, so one event covers
+//! the whole segment. A failure in the middle credits the whole steps completed before it and
+//! discards the in-flight step (paper §1.3: the failed step does not update the model).
+//!
+//! Semantics (documented decisions):
+//! * nodes present at the trace's time 0 are ready at once; later additions boot for
+//!   `node_boot_s` (Bamboo's 45 s) before they can be used;
+//! * at equal times, trace events keep the trace's order (adds before removes);
+//! * a removed node in use stops the job at once; the failure is *detected* after the
+//!   hardware's detection timeout, during which more nodes may die (one detection covers them);
+//!   that wait is charged to the recovery that follows (reconfigure or restart);
+//! * scale-out is lazy: `scale_out_wait_s` after a node becomes ready the system is asked
+//!   whether it wants more nodes, and if so it scales at the next step boundary (§1.4);
+//! * checkpoints are synchronous pauses; a failure during one loses it;
+//! * the run stops at `end_ms` (default: the trace's last event, which is still processed;
+//!   the Oobleck artifact stops just before it, so it counts one preemption fewer on P3).
+
+use super::systems::{Ctx, Decision, Layout, Migration, NodeId, System, SystemKind};
+use super::{EventRecord, ReplayConfig, RunResult, Sample, Summary, TimeBreakdown};
+use crate::cost::{self, StepInput};
+use crate::workload::Workload;
+use lazarus_traces::{NodeOp, Trace};
+use serde_json::json;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
+
+const NS_PER_S: f64 = 1e9;
+
+fn ns(s: f64) -> u64 {
+    (s * NS_PER_S).round().max(0.0) as u64
+}
+
+fn secs(ns: u64) -> f64 {
+    ns as f64 / NS_PER_S
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Ev {
+    End,
+    TraceAdd(NodeId),
+    TraceRemove(NodeId),
+    NodeReady(NodeId),
+    TryStart,
+    SegmentDone { generation: u64 },
+    PauseDone { generation: u64 },
+    FailureDetected { generation: u64 },
+    ScaleOutDue,
+    Sample,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NodeState {
+    Booting,
+    Ready,
+    Dead,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PauseKind {
+    Checkpoint,
+    Reconfigure,
+    Rebalance,
+    ScaleOut,
+    Restart,
+    /// DS scale-out: save a checkpoint, then restart on more nodes.
+    CheckpointThenRestart,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Job {
+    Idle,
+    Running {
+        since: u64,
+        step_ns: u64,
+        steps: u64,
+    },
+    Paused {
+        kind: PauseKind,
+        since: u64,
+    },
+    Detecting {
+        since: u64,
+    },
+}
+
+struct StepInfo {
+    step_ns: u64,
+    samples_per_step: u64,
+}
+
+pub struct Engine<'a> {
+    cfg: &'a ReplayConfig,
+    workload: &'a Workload,
+    system: Box<dyn System>,
+    queue: BinaryHeap<Reverse<(u64, u64, Ev)>>,
+    seq: u64,
+    now: u64,
+    end: u64,
+    generation: u64,
+    names: Vec<String>,
+    state: Vec<NodeState>,
+    job: Job,
+    layout: Option<Layout>,
+    layout_id: u64,
+    ever_started: bool,
+    steps: u64,
+    samples: u64,
+    ckpt_steps: u64,
+    ckpt_samples: u64,
+    compute_since_ckpt: u64,
+    last_ckpt_handled: u64,
+    last_rebalance_handled: u64,
+    dead_pending: Vec<NodeId>,
+    scale_out_timer: bool,
+    scale_out_requested: bool,
+    /// A failure interrupted a restart: the next decision is another restart.
+    force_restart: bool,
+    t: TimeBreakdown,
+    summary: Summary,
+    step_cache: BTreeMap<(u64, u64), (u64, u64)>,
+    live_integral: f64,
+    used_integral: f64,
+    last_integral_t: u64,
+    events: Vec<EventRecord>,
+    samples_out: Vec<Sample>,
+    record: bool,
+}
+
+impl<'a> Engine<'a> {
+    pub fn new(
+        cfg: &'a ReplayConfig,
+        system: SystemKind,
+        trace: &Trace,
+        workload: &'a Workload,
+        record: bool,
+    ) -> Self {
+        let mut e = Engine {
+            cfg,
+            workload,
+            system: system.build(),
+            queue: BinaryHeap::new(),
+            seq: 0,
+            now: 0,
+            end: 0,
+            generation: 0,
+            names: Vec::new(),
+            state: Vec::new(),
+            job: Job::Idle,
+            layout: None,
+            layout_id: 0,
+            ever_started: false,
+            steps: 0,
+            samples: 0,
+            ckpt_steps: 0,
+            ckpt_samples: 0,
+            compute_since_ckpt: 0,
+            last_ckpt_handled: 0,
+            last_rebalance_handled: 0,
+            dead_pending: Vec::new(),
+            scale_out_timer: false,
+            scale_out_requested: false,
+            force_restart: false,
+            t: TimeBreakdown::default(),
+            summary: Summary::new(system),
+            step_cache: BTreeMap::new(),
+            live_integral: 0.0,
+            used_integral: 0.0,
+            last_integral_t: 0,
+            events: Vec::new(),
+            samples_out: Vec::new(),
+            record,
+        };
+        let mut ids: BTreeMap<&str, NodeId> = BTreeMap::new();
+        let end_ms = cfg
+            .end_ms
+            .unwrap_or_else(|| trace.events().last().map_or(0, |e| e.time_ms));
+        e.end = end_ms * 1_000_000;
+        for ev in trace.events() {
+            let id = *ids.entry(ev.node.as_str()).or_insert_with(|| {
+                e.names.push(ev.node.clone());
+                e.state.push(NodeState::Dead);
+                (e.names.len() - 1) as NodeId
+            });
+            let t = ev.time_ms * 1_000_000;
+            match ev.op {
+                NodeOp::Add => e.push(t, Ev::TraceAdd(id)),
+                NodeOp::Remove => e.push(t, Ev::TraceRemove(id)),
+            }
+        }
+        e.push(0, Ev::TryStart);
+        if record && cfg.sample_every_s > 0.0 {
+            e.push(0, Ev::Sample);
+        }
+        // Pushed last, so events at the end time itself are still processed.
+        e.push(e.end, Ev::End);
+        e
+    }
+
+    fn push(&mut self, t: u64, ev: Ev) {
+        self.queue.push(Reverse((t, self.seq, ev)));
+        self.seq += 1;
+    }
+
+    fn ctx(&self) -> Ctx<'a> {
+        Ctx {
+            hw: &self.cfg.hardware,
+            model: &self.cfg.model,
+            f: self.cfg.f,
+        }
+    }
+
+    fn log(&mut self, kind: &str, detail: serde_json::Value) {
+        if self.record {
+            self.events.push(EventRecord {
+                t_s: secs(self.now),
+                kind: kind.to_string(),
+                step: self.steps,
+                detail,
+            });
+        }
+    }
+
+    fn ready_nodes(&self) -> Vec<NodeId> {
+        (0..self.state.len() as NodeId)
+            .filter(|&n| self.state[n as usize] == NodeState::Ready)
+            .collect()
+    }
+
+    fn live_count(&self) -> usize {
+        self.state.iter().filter(|s| **s != NodeState::Dead).count()
+    }
+
+    fn used_count(&self) -> usize {
+        match (self.job, &self.layout) {
+            (Job::Idle, _) | (_, None) => 0,
+            (_, Some(l)) => l.nodes.len(),
+        }
+    }
+
+    /// Advances the node-count integrals to `now`.
+    fn integrate(&mut self) {
+        let dt = secs(self.now - self.last_integral_t);
+        self.live_integral += dt * self.live_count() as f64;
+        self.used_integral += dt * self.used_count() as f64;
+        self.last_integral_t = self.now;
+    }
+
+    /// Runs the simulation to the end and returns the result.
+    pub fn run(mut self) -> RunResult {
+        while let Some(Reverse((t, _, ev))) = self.queue.pop() {
+            self.now = t;
+            self.integrate();
+            if ev == Ev::End {
+                break;
+            }
+            self.handle(ev);
+        }
+        self.finish()
+    }
+
+    fn handle(&mut self, ev: Ev) {
+        match ev {
+            Ev::End => {}
+            Ev::TraceAdd(n) => {
+                let boot = if self.now == 0 {
+                    0
+                } else {
+                    ns(self.cfg.node_boot_s)
+                };
+                self.state[n as usize] = NodeState::Booting;
+                self.log("node_add", json!({"node": self.names[n as usize]}));
+                self.push(self.now + boot, Ev::NodeReady(n));
+            }
+            Ev::NodeReady(n) => {
+                if self.state[n as usize] != NodeState::Booting {
+                    return; // died while booting
+                }
+                self.state[n as usize] = NodeState::Ready;
+                if self.now > 0 {
+                    self.log("node_ready", json!({"node": self.names[n as usize]}));
+                }
+                self.on_ready();
+            }
+            Ev::TraceRemove(n) => self.on_remove(n),
+            Ev::TryStart => {
+                if matches!(self.job, Job::Idle) {
+                    self.try_start();
+                }
+            }
+            Ev::SegmentDone { generation } if generation == self.generation => {
+                self.close_segment();
+                self.at_boundary();
+            }
+            Ev::PauseDone { generation } if generation == self.generation => self.pause_done(),
+            Ev::FailureDetected { generation } if generation == self.generation => {
+                self.failure_detected()
+            }
+            Ev::ScaleOutDue => {
+                self.scale_out_timer = false;
+                let wants = match &self.layout {
+                    Some(l) if !matches!(self.job, Job::Idle) => {
+                        self.system
+                            .wants_scale_out(&self.ctx(), l, &self.ready_nodes())
+                    }
+                    _ => false,
+                };
+                if wants {
+                    self.scale_out_requested = true;
+                    self.cut_segment();
+                }
+            }
+            Ev::Sample => {
+                self.sample();
+                let next = self.now + ns(self.cfg.sample_every_s);
+                if next <= self.end {
+                    self.push(next, Ev::Sample);
+                }
+            }
+            Ev::SegmentDone { .. } | Ev::PauseDone { .. } | Ev::FailureDetected { .. } => {}
+        }
+    }
+
+    fn on_ready(&mut self) {
+        match (&self.job, &self.layout) {
+            (Job::Idle, _) => self.try_start(),
+            (_, Some(l))
+                if !self.scale_out_timer
+                    && self
+                        .system
+                        .wants_scale_out(&self.ctx(), l, &self.ready_nodes()) =>
+            {
+                self.scale_out_timer = true;
+                self.push(self.now + ns(self.cfg.scale_out_wait_s), Ev::ScaleOutDue);
+            }
+            _ => {}
+        }
+    }
+
+    fn on_remove(&mut self, n: NodeId) {
+        let was = self.state[n as usize];
+        self.state[n as usize] = NodeState::Dead;
+        self.summary.preemptions += 1;
+        let in_use = !matches!(self.job, Job::Idle)
+            && self.layout.as_ref().is_some_and(|l| l.nodes.contains(&n));
+        self.log(
+            "node_remove",
+            json!({"node": self.names[n as usize], "in_use": in_use, "was_booting": was == NodeState::Booting}),
+        );
+        if !in_use {
+            return;
+        }
+        self.summary.preemptions_in_use += 1;
+        self.dead_pending.push(n);
+        match self.job {
+            Job::Detecting { .. } => {}
+            Job::Running { .. } => {
+                self.close_segment();
+                self.start_detection();
+            }
+            Job::Paused { kind, since } => {
+                *self.pause_bucket(kind) += self.now - since;
+                // A failure while restarting means restarting again. One during a
+                // reconfiguration is handled from the new plan's holdings, i.e. as if the
+                // migration had completed (the paper does not discuss this case).
+                self.force_restart |= kind == PauseKind::Restart;
+                self.start_detection();
+            }
+            Job::Idle => unreachable!("in_use implies a running job"),
+        }
+    }
+
+    fn start_detection(&mut self) {
+        self.generation += 1;
+        self.job = Job::Detecting { since: self.now };
+        let timeout = ns(self.cfg.hardware.failure_detection_timeout_s);
+        self.push(
+            self.now + timeout,
+            Ev::FailureDetected {
+                generation: self.generation,
+            },
+        );
+    }
+
+    fn pause_bucket(&mut self, kind: PauseKind) -> &mut u64 {
+        match kind {
+            PauseKind::Checkpoint => &mut self.t.checkpoint_ns,
+            PauseKind::Reconfigure | PauseKind::ScaleOut => &mut self.t.reconfigure_ns,
+            PauseKind::Rebalance => &mut self.t.rebalance_ns,
+            PauseKind::Restart | PauseKind::CheckpointThenRestart => &mut self.t.restart_ns,
+        }
+    }
+
+    /// Closes the running segment at `now`: whole steps count, the partial step is lost.
+    fn close_segment(&mut self) {
+        if let Job::Running {
+            since,
+            step_ns,
+            steps,
+        } = self.job
+        {
+            let elapsed = self.now - since;
+            let done = (elapsed / step_ns).min(steps);
+            let sps = self.current_samples_per_step();
+            self.steps += done;
+            self.samples += done * sps;
+            self.t.compute_ns += done * step_ns;
+            self.compute_since_ckpt += done * step_ns;
+            self.t.lost_ns += elapsed - done * step_ns;
+            self.job = Job::Idle;
+        }
+    }
+
+    fn current_samples_per_step(&self) -> u64 {
+        self.layout.as_ref().map_or(0, |l| {
+            l.gpus(&self.cfg.hardware) as u64 * self.cfg.model.batch_per_gpu
+        })
+    }
+
+    /// A scale-out was requested: end the running segment at the next step boundary.
+    fn cut_segment(&mut self) {
+        if let Job::Running {
+            since,
+            step_ns,
+            steps,
+        } = self.job
+        {
+            let next = (self.now - since) / step_ns + 1;
+            if next < steps {
+                self.generation += 1;
+                self.job = Job::Running {
+                    since,
+                    step_ns,
+                    steps: next,
+                };
+                self.push(
+                    since + next * step_ns,
+                    Ev::SegmentDone {
+                        generation: self.generation,
+                    },
+                );
+            }
+        }
+    }
+
+    fn pause(&mut self, kind: PauseKind, seconds: f64) {
+        self.generation += 1;
+        self.job = Job::Paused {
+            kind,
+            since: self.now,
+        };
+        self.push(
+            self.now + ns(seconds),
+            Ev::PauseDone {
+                generation: self.generation,
+            },
+        );
+    }
+
+    fn planning_loads(&self) -> Vec<Vec<u64>> {
+        super::window_loads(self.workload, self.steps, self.cfg.load_window_steps)
+    }
+
+    fn set_layout(&mut self, layout: Option<Layout>) {
+        self.layout = layout;
+        self.layout_id += 1;
+    }
+
+    fn try_start(&mut self) {
+        let ready = self.ready_nodes();
+        let loads = self.planning_loads();
+        let ctx = self.ctx();
+        match self.system.start(&ctx, &ready, &loads) {
+            None => {
+                if self.layout.is_some() || !self.ever_started {
+                    self.log("idle", json!({"ready": ready.len()}));
+                }
+                self.set_layout(None);
+                self.job = Job::Idle;
+            }
+            Some(layout) => {
+                let nodes = layout.nodes.len();
+                self.set_layout(Some(layout));
+                if self.ever_started {
+                    self.log("restart", json!({"nodes": nodes}));
+                    let gpus = nodes * self.cfg.hardware.gpus_per_node;
+                    let s = cost::restart_s(&self.cfg.hardware, &self.cfg.model, gpus);
+                    self.pause(PauseKind::Restart, s);
+                } else {
+                    self.ever_started = true;
+                    self.log("start", json!({"nodes": nodes}));
+                    self.at_boundary();
+                }
+            }
+        }
+    }
+
+    fn migration_pause_s(&self, m: &Migration) -> f64 {
+        cost::migration_s(
+            &self.cfg.hardware,
+            m.max_sent_bytes,
+            m.max_recv_bytes,
+            false,
+        )
+    }
+
+    fn failure_detected(&mut self) {
+        let detect = match self.job {
+            Job::Detecting { since } => self.now - since,
+            _ => 0,
+        };
+        let dead = std::mem::take(&mut self.dead_pending);
+        let ready = self.ready_nodes();
+        let loads = self.planning_loads();
+        let ctx = self.ctx();
+        let layout = self.layout.clone().expect("a failure needs a layout");
+        let decision = if std::mem::take(&mut self.force_restart) {
+            Decision::RestartFromCheckpoint
+        } else {
+            self.system.on_failure(&ctx, &layout, &dead, &ready, &loads)
+        };
+        let dead_names: Vec<String> = dead
+            .iter()
+            .map(|&n| self.names[n as usize].clone())
+            .collect();
+        match decision {
+            Decision::Reconfigure { layout, migration } => {
+                self.t.reconfigure_ns += detect;
+                self.summary.recoveries += 1;
+                self.add_migration(&migration);
+                let pause =
+                    cost::reconfigure_s(&self.cfg.hardware) + self.migration_pause_s(&migration);
+                self.log(
+                    "reconfigure",
+                    json!({"dead": dead_names, "nodes": layout.nodes.len(), "migrated_replicas": migration.replicas,
+                           "migrated_bytes": migration.bytes, "pause_s": pause + secs(detect)}),
+                );
+                self.set_layout(Some(*layout));
+                self.pause(PauseKind::Reconfigure, pause);
+            }
+            _ => {
+                self.t.restart_ns += detect;
+                self.summary.fallbacks += 1;
+                self.log(
+                    "checkpoint_fallback",
+                    json!({"dead": dead_names, "rollback_steps": self.steps - self.ckpt_steps}),
+                );
+                self.rollback();
+                self.set_layout(None);
+                self.job = Job::Idle;
+                self.try_start();
+            }
+        }
+    }
+
+    fn add_migration(&mut self, m: &Migration) {
+        self.summary.migrated_replicas += m.replicas;
+        self.summary.migrated_bytes += m.bytes;
+    }
+
+    fn rollback(&mut self) {
+        self.t.compute_ns -= self.compute_since_ckpt;
+        self.t.lost_ns += self.compute_since_ckpt;
+        self.compute_since_ckpt = 0;
+        self.steps = self.ckpt_steps;
+        self.samples = self.ckpt_samples;
+        self.last_ckpt_handled = self.steps;
+        self.last_rebalance_handled = self.steps;
+    }
+
+    fn pause_done(&mut self) {
+        let Job::Paused { kind, since } = self.job else {
+            return;
+        };
+        *self.pause_bucket(kind) += self.now - since;
+        self.job = Job::Idle;
+        match kind {
+            PauseKind::Checkpoint => self.save_checkpoint(),
+            PauseKind::CheckpointThenRestart => {
+                self.save_checkpoint();
+                self.summary.scale_outs += 1;
+                self.set_layout(None);
+                self.try_start();
+                return;
+            }
+            _ => {}
+        }
+        self.at_boundary();
+    }
+
+    fn save_checkpoint(&mut self) {
+        self.ckpt_steps = self.steps;
+        self.ckpt_samples = self.samples;
+        self.compute_since_ckpt = 0;
+        self.summary.checkpoints += 1;
+        self.log("checkpoint", json!({}));
+    }
+
+    /// At a step boundary with a layout: checkpoint, rebalance and scale-out if due, in that
+    /// order, else run the next segment.
+    fn at_boundary(&mut self) {
+        let Some(layout) = self.layout.clone() else {
+            self.job = Job::Idle;
+            return;
+        };
+        let ckpt_every = self.cfg.checkpoint_every_steps.unwrap_or(0);
+        if ckpt_every > 0
+            && self.steps > self.ckpt_steps
+            && self.steps % ckpt_every == 0
+            && self.last_ckpt_handled != self.steps
+        {
+            self.last_ckpt_handled = self.steps;
+            let s = cost::checkpoint_save_s(
+                &self.cfg.hardware,
+                &self.cfg.model,
+                layout.gpus(&self.cfg.hardware),
+            );
+            self.pause(PauseKind::Checkpoint, s);
+            return;
+        }
+        let rebalance_every = self.cfg.rebalance_every_steps.unwrap_or(0);
+        if rebalance_every > 0
+            && self.steps > 0
+            && self.steps % rebalance_every == 0
+            && self.last_rebalance_handled != self.steps
+        {
+            self.last_rebalance_handled = self.steps;
+            let loads = self.planning_loads();
+            let ctx = self.ctx();
+            if let Decision::Reconfigure { layout, migration } =
+                self.system.rebalance(&ctx, &layout, &loads)
+            {
+                self.summary.rebalances += 1;
+                self.add_migration(&migration);
+                let pause = self.migration_pause_s(&migration);
+                self.log(
+                    "rebalance",
+                    json!({"migrated_replicas": migration.replicas, "migrated_bytes": migration.bytes, "pause_s": pause}),
+                );
+                self.set_layout(Some(*layout));
+                self.pause(PauseKind::Rebalance, pause);
+                return;
+            }
+        }
+        if self.scale_out_requested {
+            self.scale_out_requested = false;
+            let ready = self.ready_nodes();
+            let loads = self.planning_loads();
+            let ctx = self.ctx();
+            match self.system.scale_out(&ctx, &layout, &ready, &loads) {
+                Decision::Reconfigure { layout, migration } => {
+                    self.summary.scale_outs += 1;
+                    self.add_migration(&migration);
+                    let pause = cost::reconfigure_s(&self.cfg.hardware)
+                        + self.migration_pause_s(&migration);
+                    self.log(
+                        "scale_out",
+                        json!({"nodes": layout.nodes.len(), "migrated_replicas": migration.replicas,
+                               "migrated_bytes": migration.bytes, "pause_s": pause}),
+                    );
+                    self.set_layout(Some(*layout));
+                    self.pause(PauseKind::ScaleOut, pause);
+                    return;
+                }
+                Decision::CheckpointAndRestart => {
+                    self.log("scale_out", json!({"restart": true}));
+                    let s = cost::checkpoint_save_s(
+                        &self.cfg.hardware,
+                        &self.cfg.model,
+                        layout.gpus(&self.cfg.hardware),
+                    );
+                    self.pause(PauseKind::CheckpointThenRestart, s);
+                    return;
+                }
+                Decision::RestartFromCheckpoint | Decision::Keep => {}
+            }
+        }
+        self.run_segment(&layout);
+    }
+
+    fn step_info(&mut self, layout: &Layout) -> StepInfo {
+        // Steps of one load epoch share their next change point.
+        let epoch = self.workload.next_change(self.steps).unwrap_or(u64::MAX);
+        let key = (self.layout_id, epoch);
+        let (step_ns, samples_per_step) = match self.step_cache.get(&key) {
+            Some(&v) => v,
+            None => {
+                let loads = self.workload.loads(self.steps);
+                let c = cost::step_cost(
+                    &self.cfg.hardware,
+                    &self.cfg.model,
+                    &StepInput {
+                        gpus: layout.gpus(&self.cfg.hardware),
+                        replicas_per_rank: &layout.replicas_per_rank,
+                        loads: &loads,
+                        dispatch: layout.dispatch,
+                        ep_groups: layout.ep_groups.as_deref(),
+                    },
+                )
+                .expect("the step cost of a valid layout");
+                let v = (ns(c.total_s).max(1), c.samples);
+                self.step_cache.insert(key, v);
+                v
+            }
+        };
+        StepInfo {
+            step_ns,
+            samples_per_step,
+        }
+    }
+
+    fn run_segment(&mut self, layout: &Layout) {
+        let info = self.step_info(layout);
+        debug_assert_eq!(info.samples_per_step, self.current_samples_per_step());
+        let s = self.steps;
+        let until_multiple = |every: Option<u64>| match every {
+            Some(k) if k > 0 => k - s % k,
+            _ => u64::MAX,
+        };
+        let mut n = until_multiple(self.cfg.checkpoint_every_steps)
+            .min(until_multiple(self.cfg.rebalance_every_steps))
+            .min(self.workload.next_change(s).map_or(u64::MAX, |c| c - s))
+            .min(1_000_000);
+        if self.scale_out_requested {
+            n = 1;
+        }
+        self.generation += 1;
+        self.job = Job::Running {
+            since: self.now,
+            step_ns: info.step_ns,
+            steps: n,
+        };
+        self.push(
+            self.now + n * info.step_ns,
+            Ev::SegmentDone {
+                generation: self.generation,
+            },
+        );
+    }
+
+    fn sample(&mut self) {
+        let (steps, samples, throughput, state) = match self.job {
+            Job::Running {
+                since,
+                step_ns,
+                steps,
+            } => {
+                let done = ((self.now - since) / step_ns).min(steps);
+                let sps = self.current_samples_per_step();
+                (
+                    self.steps + done,
+                    self.samples + done * sps,
+                    sps as f64 / secs(step_ns),
+                    "running",
+                )
+            }
+            Job::Idle => (self.steps, self.samples, 0.0, "idle"),
+            Job::Paused { kind, .. } => (
+                self.steps,
+                self.samples,
+                0.0,
+                match kind {
+                    PauseKind::Checkpoint => "checkpoint",
+                    PauseKind::Reconfigure | PauseKind::ScaleOut => "reconfigure",
+                    PauseKind::Rebalance => "rebalance",
+                    PauseKind::Restart | PauseKind::CheckpointThenRestart => "restart",
+                },
+            ),
+            Job::Detecting { .. } => (self.steps, self.samples, 0.0, "detecting"),
+        };
+        self.samples_out.push(Sample {
+            t_s: secs(self.now),
+            live_nodes: self.live_count(),
+            used_nodes: self.used_count(),
+            state: state.to_string(),
+            steps,
+            samples,
+            throughput_samples_per_s: throughput,
+        });
+    }
+
+    fn finish(mut self) -> RunResult {
+        if self.record && self.cfg.sample_every_s > 0.0 {
+            self.sample();
+        }
+        // Account the activity in progress at the end.
+        match self.job {
+            Job::Running { .. } => self.close_segment(),
+            Job::Paused { kind, since } => *self.pause_bucket(kind) += self.now - since,
+            Job::Detecting { since } => self.t.restart_ns += self.now - since,
+            Job::Idle => {}
+        }
+        let wall = self.now;
+        let accounted = self.t.compute_ns
+            + self.t.lost_ns
+            + self.t.checkpoint_ns
+            + self.t.restart_ns
+            + self.t.reconfigure_ns
+            + self.t.rebalance_ns;
+        self.t.idle_ns = wall.saturating_sub(accounted);
+        let mut s = self.summary;
+        s.duration_s = secs(wall);
+        s.steps = self.steps;
+        s.samples = self.samples;
+        s.ettr = if wall > 0 {
+            self.t.compute_ns as f64 / wall as f64
+        } else {
+            0.0
+        };
+        s.samples_per_s = if wall > 0 {
+            self.samples as f64 / secs(wall)
+        } else {
+            0.0
+        };
+        s.avg_live_nodes = if wall > 0 {
+            self.live_integral / secs(wall)
+        } else {
+            0.0
+        };
+        s.avg_used_nodes = if wall > 0 {
+            self.used_integral / secs(wall)
+        } else {
+            0.0
+        };
+        s.time = self.t.to_seconds();
+        RunResult {
+            summary: s,
+            timeseries: self.samples_out,
+            events: self.events,
+        }
+    }
+}

@@ -1,0 +1,262 @@
+//! `lzsim replay`: the discrete-event simulator of MoE training under node failures.
+//!
+//! [`run`] replays one system on one trace; [`output`] writes run directories. Systems live in
+//! [`systems`], the engine in [`engine`], the cost model in [`crate::cost`].
+
+pub mod engine;
+pub mod output;
+pub mod plot;
+pub mod systems;
+
+use crate::cost::{HardwareProfile, ModelProfile};
+use crate::workload::Workload;
+use lazarus_traces::Trace;
+use serde::Serialize;
+use systems::SystemKind;
+
+/// Everything a run depends on besides the trace and the workload.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReplayConfig {
+    pub hardware: HardwareProfile,
+    pub model: ModelProfile,
+    /// Fault-tolerance threshold for Lazarus (relaxed by the planner when slots run short).
+    pub f: usize,
+    /// Synchronous checkpoint every K steps (`None`: never).
+    pub checkpoint_every_steps: Option<u64>,
+    /// Lazarus rebalance period (paper: 200 steps); `None` for the baselines.
+    pub rebalance_every_steps: Option<u64>,
+    /// Steps of routing history a (re)plan aggregates (sum window).
+    pub load_window_steps: u64,
+    /// Lazy scale-out: wait this long after a node becomes ready (paper: 2 min).
+    pub scale_out_wait_s: f64,
+    /// Boot time of a node added after time 0 (Bamboo: 45 s).
+    pub node_boot_s: f64,
+    /// Stop time; `None`: the trace's last event.
+    pub end_ms: Option<u64>,
+    /// Time-series sampling period (0: none).
+    pub sample_every_s: f64,
+}
+
+/// Seconds spent in each activity; they add up to the run's duration.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct TimeBreakdownSeconds {
+    /// Steps that completed and still count (not rolled back).
+    pub compute: f64,
+    /// Discarded work: in-flight steps cut by a failure, steps rolled back to a checkpoint.
+    pub lost: f64,
+    pub checkpoint: f64,
+    /// Failure detection + restart + checkpoint load (and DS's scale-out restarts).
+    pub restart: f64,
+    /// Failure detection + in-place reconfiguration (rebuild + migration), scale-out included.
+    pub reconfigure: f64,
+    pub rebalance: f64,
+    /// Not enough nodes to run.
+    pub idle: f64,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TimeBreakdown {
+    pub compute_ns: u64,
+    pub lost_ns: u64,
+    pub checkpoint_ns: u64,
+    pub restart_ns: u64,
+    pub reconfigure_ns: u64,
+    pub rebalance_ns: u64,
+    pub idle_ns: u64,
+}
+
+impl TimeBreakdown {
+    pub fn to_seconds(self) -> TimeBreakdownSeconds {
+        let s = |x: u64| x as f64 / 1e9;
+        TimeBreakdownSeconds {
+            compute: s(self.compute_ns),
+            lost: s(self.lost_ns),
+            checkpoint: s(self.checkpoint_ns),
+            restart: s(self.restart_ns),
+            reconfigure: s(self.reconfigure_ns),
+            rebalance: s(self.rebalance_ns),
+            idle: s(self.idle_ns),
+        }
+    }
+}
+
+/// `summary.json` of one system's run.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Summary {
+    pub system: SystemKind,
+    pub samples: u64,
+    pub steps: u64,
+    /// Effective training time ratio: compute that counts / wall time.
+    pub ettr: f64,
+    pub samples_per_s: f64,
+    pub duration_s: f64,
+    /// In-place recoveries after failures.
+    pub recoveries: u64,
+    /// Restarts from a checkpoint after failures.
+    pub fallbacks: u64,
+    /// Node removals in the trace (processed before the end).
+    pub preemptions: u64,
+    /// Of those, removals of nodes the job was using.
+    pub preemptions_in_use: u64,
+    pub checkpoints: u64,
+    pub rebalances: u64,
+    pub scale_outs: u64,
+    pub migrated_replicas: u64,
+    pub migrated_bytes: u64,
+    pub avg_live_nodes: f64,
+    pub avg_used_nodes: f64,
+    pub time: TimeBreakdownSeconds,
+}
+
+impl Summary {
+    pub fn new(system: SystemKind) -> Self {
+        Self {
+            system,
+            samples: 0,
+            steps: 0,
+            ettr: 0.0,
+            samples_per_s: 0.0,
+            duration_s: 0.0,
+            recoveries: 0,
+            fallbacks: 0,
+            preemptions: 0,
+            preemptions_in_use: 0,
+            checkpoints: 0,
+            rebalances: 0,
+            scale_outs: 0,
+            migrated_replicas: 0,
+            migrated_bytes: 0,
+            avg_live_nodes: 0.0,
+            avg_used_nodes: 0.0,
+            time: TimeBreakdownSeconds::default(),
+        }
+    }
+}
+
+/// One row of `timeseries.csv`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Sample {
+    pub t_s: f64,
+    pub live_nodes: usize,
+    pub used_nodes: usize,
+    pub state: String,
+    pub steps: u64,
+    pub samples: u64,
+    pub throughput_samples_per_s: f64,
+}
+
+/// One line of `events.jsonl`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EventRecord {
+    pub t_s: f64,
+    pub kind: String,
+    pub step: u64,
+    pub detail: serde_json::Value,
+}
+
+/// A finished run.
+#[derive(Debug, Clone)]
+pub struct RunResult {
+    pub summary: Summary,
+    pub timeseries: Vec<Sample>,
+    pub events: Vec<EventRecord>,
+}
+
+/// Replays `system` on `trace`. `record` keeps the time series and event log (off in sweeps).
+pub fn run(
+    cfg: &ReplayConfig,
+    system: SystemKind,
+    trace: &Trace,
+    workload: &Workload,
+    record: bool,
+) -> RunResult {
+    engine::Engine::new(cfg, system, trace, workload, record).run()
+}
+
+/// Young/Daly optimal checkpoint interval `τ* = √(2·δ·M)` (Young 1974, Daly 2006), in steps of
+/// the system's initial layout: `δ` is the checkpoint save time and `M` the job's mean time
+/// between failures, estimated as the trace's duration over its number of distinct removal
+/// instants (any preemption is assumed to hit the job — exact for systems using every node,
+/// conservative otherwise). A trace without removals gets no checkpoints beyond one per
+/// 10⁶ steps.
+pub fn young_daly_steps(
+    cfg: &ReplayConfig,
+    system: SystemKind,
+    trace: &Trace,
+    workload: &Workload,
+) -> u64 {
+    use lazarus_traces::NodeOp;
+    let mut instants: Vec<u64> = trace
+        .events()
+        .iter()
+        .filter(|e| e.op == NodeOp::Remove)
+        .map(|e| e.time_ms)
+        .collect();
+    instants.dedup();
+    let duration_ms = cfg
+        .end_ms
+        .unwrap_or_else(|| trace.events().last().map_or(0, |e| e.time_ms));
+    if instants.is_empty() || duration_ms == 0 {
+        return 1_000_000;
+    }
+    let mtbf_s = duration_ms as f64 / 1e3 / instants.len() as f64;
+    let initial = trace
+        .events()
+        .iter()
+        .take_while(|e| e.time_ms == 0)
+        .filter(|e| e.op == NodeOp::Add)
+        .count()
+        .max(1);
+    let ready: Vec<systems::NodeId> = (0..initial as systems::NodeId).collect();
+    let ctx = systems::Ctx {
+        hw: &cfg.hardware,
+        model: &cfg.model,
+        f: cfg.f,
+    };
+    let loads = workload.loads(0);
+    let Some(layout) = system.build().start(&ctx, &ready, &loads) else {
+        return 1_000_000;
+    };
+    let step_s = crate::cost::step_cost(
+        &cfg.hardware,
+        &cfg.model,
+        &crate::cost::StepInput {
+            gpus: layout.gpus(&cfg.hardware),
+            replicas_per_rank: &layout.replicas_per_rank,
+            loads: &loads,
+            dispatch: layout.dispatch,
+            ep_groups: layout.ep_groups.as_deref(),
+        },
+    )
+    .map_or(1.0, |c| c.total_s);
+    let delta =
+        crate::cost::checkpoint_save_s(&cfg.hardware, &cfg.model, layout.gpus(&cfg.hardware));
+    let tau = (2.0 * delta * mtbf_s).sqrt();
+    ((tau / step_s).round() as u64).max(1)
+}
+
+/// Routing history the planner sees at `step`: the per-step loads of the last `window` steps
+/// (`step − window, step]`, summed — a sliding-window aggregation, evaluated per load epoch.
+pub fn window_loads(workload: &Workload, step: u64, window: u64) -> Vec<Vec<u64>> {
+    let end = step + 1;
+    let mut x = end.saturating_sub(window.max(1));
+    let mut sum: Vec<Vec<u64>> = Vec::new();
+    while x < end {
+        let next = workload.next_change(x).map_or(end, |c| c.min(end));
+        let weight = next - x;
+        let loads = workload.loads(x);
+        if sum.is_empty() {
+            sum = vec![Vec::new(); loads.len()];
+            for (s, l) in sum.iter_mut().zip(&loads) {
+                *s = vec![0; l.len()];
+            }
+        }
+        for (s, l) in sum.iter_mut().zip(&loads) {
+            for (a, b) in s.iter_mut().zip(l) {
+                *a = a.saturating_add(b.saturating_mul(weight));
+            }
+        }
+        x = next;
+    }
+    sum
+}

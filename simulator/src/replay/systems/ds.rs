@@ -1,0 +1,102 @@
+//! `ds` and `ds-ft` (paper §6.3).
+//!
+//! * `ds` — DeepSpeed-MoE with checkpoint/restart: static EP (EP size from the model profile),
+//!   padded all-to-all; any failure of a node in use restarts from the last checkpoint on the
+//!   largest multiple of the EP size among ready nodes. New nodes are taken lazily by saving a
+//!   checkpoint and restarting on more nodes (our reading of "tries to use all nodes it can").
+//! * `ds-ft` — DS plus Lazarus's reconfiguration module: if every expert still has a replica
+//!   on a surviving node in use, the EP groups are reassigned in place on the largest multiple
+//!   of the EP size of those survivors, fetching missing expert states from their owners (the
+//!   planner's optimal migration mapping chooses which survivor takes which EP position and
+//!   which are dropped); otherwise restart from the checkpoint. It never brings back nodes it
+//!   dropped or new nodes without a restart (§6.3), so it does not scale out.
+
+use super::{Ctx, Decision, Layout, Migration, NodeId, System, ep};
+use lazarus_planner::migrate::{MappingMethod, PhysicalNode, lost_experts, map_nodes};
+
+pub struct Ds {
+    fault_tolerant: bool,
+}
+
+impl Ds {
+    pub fn new(fault_tolerant: bool) -> Self {
+        Self { fault_tolerant }
+    }
+}
+
+impl System for Ds {
+    fn start(&mut self, ctx: &Ctx, ready: &[NodeId], _loads: &[Vec<u64>]) -> Option<Layout> {
+        let n = ep::usable_nodes(ctx.hw, ctx.model, ready.len());
+        (n > 0).then(|| ep::layout(ctx.hw, ctx.model, ready[..n].to_vec()))
+    }
+
+    fn on_failure(
+        &mut self,
+        ctx: &Ctx,
+        current: &Layout,
+        dead: &[NodeId],
+        _ready: &[NodeId],
+        _loads: &[Vec<u64>],
+    ) -> Decision {
+        if !self.fault_tolerant {
+            return Decision::RestartFromCheckpoint;
+        }
+        let survivors: Vec<PhysicalNode> = current
+            .nodes
+            .iter()
+            .zip(&current.holdings)
+            .filter(|(id, _)| !dead.contains(id))
+            .map(|(&id, h)| PhysicalNode {
+                id,
+                holdings: h.clone(),
+            })
+            .collect();
+        let model = ctx.model;
+        if !lost_experts(&survivors, model.moe_layers, model.experts).is_empty() {
+            return Decision::RestartFromCheckpoint;
+        }
+        let keep = ep::usable_nodes(ctx.hw, model, survivors.len());
+        if keep == 0 {
+            return Decision::RestartFromCheckpoint;
+        }
+        let plan_nodes = ep::plan_nodes(ctx.hw, model, keep, survivors.len() - keep);
+        let Ok(m) = map_nodes(
+            &plan_nodes,
+            &survivors,
+            model.experts,
+            MappingMethod::Optimal,
+            model.bytes_per_expert_state,
+        ) else {
+            return Decision::RestartFromCheckpoint;
+        };
+        let nodes: Vec<NodeId> = m.plan_to_physical[..keep].to_vec();
+        Decision::Reconfigure {
+            layout: Box::new(ep::layout(ctx.hw, model, nodes)),
+            migration: Migration {
+                replicas: m.new_replicas,
+                bytes: m.bytes,
+                max_sent_bytes: m.max_sent_bytes,
+                max_recv_bytes: m.max_recv_bytes,
+            },
+        }
+    }
+
+    fn wants_scale_out(&self, ctx: &Ctx, current: &Layout, ready: &[NodeId]) -> bool {
+        !self.fault_tolerant
+            && ep::usable_nodes(ctx.hw, ctx.model, ready.len()) > current.nodes.len()
+    }
+
+    fn scale_out(
+        &mut self,
+        ctx: &Ctx,
+        current: &Layout,
+        ready: &[NodeId],
+        _loads: &[Vec<u64>],
+    ) -> Decision {
+        if self.wants_scale_out(ctx, current, ready) {
+            Decision::CheckpointAndRestart
+        } else {
+            Decision::Keep
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! The training systems compared by `lzsim replay`, one module each. They share the engine
+//! ([`super::engine`]) and the cost model ([`crate::cost`]); each only decides *what* to run on
+//! which nodes and how to react to failures, joins and rebalances — through the planner.
+
+pub mod ds;
+pub mod ep;
+pub mod lazarus;
+
+use crate::cost::{Dispatch, HardwareProfile, ModelProfile};
+use lazarus_planner::ModelPlan;
+use serde::Serialize;
+use std::fmt;
+use std::str::FromStr;
+
+/// Physical node id: the index of the trace's node name in order of first appearance.
+pub type NodeId = u32;
+
+/// What the job runs on.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    /// Nodes in use, in plan-node order (rank `r` lives on `nodes[r / gpus_per_node]`).
+    pub nodes: Vec<NodeId>,
+    /// `[moe_layer][expert][rank]` replicas, the cost model's input.
+    pub replicas_per_rank: Vec<Vec<Vec<u32>>>,
+    pub dispatch: Dispatch,
+    /// Padded dispatch only: ranks of each EP group.
+    pub ep_groups: Option<Vec<Vec<usize>>>,
+    /// `[node index][moe_layer]` = expert ids held (what survives a failure).
+    pub holdings: Vec<Vec<Vec<u32>>>,
+    /// Lazarus: the planner's plan.
+    pub plan: Option<ModelPlan>,
+}
+
+impl Layout {
+    pub fn gpus(&self, hw: &HardwareProfile) -> usize {
+        self.nodes.len() * hw.gpus_per_node
+    }
+}
+
+/// Migration that a reconfiguration needs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Migration {
+    pub replicas: u64,
+    pub bytes: u64,
+    pub max_sent_bytes: u64,
+    pub max_recv_bytes: u64,
+}
+
+/// How a system reacts to a detected failure or to new nodes.
+#[derive(Debug, Clone)]
+pub enum Decision {
+    /// Continue in place on `layout` after a pause of communicator rebuild + migration.
+    Reconfigure {
+        layout: Box<Layout>,
+        migration: Migration,
+    },
+    /// Restart from the last checkpoint (progress since it is lost) on whatever the system
+    /// chooses at restart time.
+    RestartFromCheckpoint,
+    /// Save a checkpoint, then restart on more nodes (no progress lost): DS scale-out.
+    CheckpointAndRestart,
+    /// Nothing to do.
+    Keep,
+}
+
+/// Everything a system may consult; read-only.
+pub struct Ctx<'a> {
+    pub hw: &'a HardwareProfile,
+    pub model: &'a ModelProfile,
+    pub f: usize,
+}
+
+/// One training system.
+pub trait System {
+    /// Layout for a (re)start on the `ready` nodes, or `None` when they are too few.
+    fn start(&mut self, ctx: &Ctx, ready: &[NodeId], loads: &[Vec<u64>]) -> Option<Layout>;
+    /// A failure killed `dead` (all in `current.nodes`); `ready` are all usable nodes now.
+    fn on_failure(
+        &mut self,
+        ctx: &Ctx,
+        current: &Layout,
+        dead: &[NodeId],
+        ready: &[NodeId],
+        loads: &[Vec<u64>],
+    ) -> Decision;
+    /// Would the system use nodes it is not using now (checked when a node becomes ready)?
+    fn wants_scale_out(&self, ctx: &Ctx, current: &Layout, ready: &[NodeId]) -> bool;
+    /// Scale out at a step boundary (lazy, after the configured wait).
+    fn scale_out(
+        &mut self,
+        ctx: &Ctx,
+        current: &Layout,
+        ready: &[NodeId],
+        loads: &[Vec<u64>],
+    ) -> Decision;
+    /// Periodic rebalance at a step boundary (Lazarus only).
+    fn rebalance(&mut self, _ctx: &Ctx, _current: &Layout, _loads: &[Vec<u64>]) -> Decision {
+        Decision::Keep
+    }
+}
+
+/// The systems `lzsim replay` knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SystemKind {
+    Ds,
+    DsFt,
+    Lazarus,
+}
+
+impl SystemKind {
+    pub const ALL: [SystemKind; 3] = [Self::Lazarus, Self::DsFt, Self::Ds];
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Ds => "ds",
+            Self::DsFt => "ds-ft",
+            Self::Lazarus => "lazarus",
+        }
+    }
+    pub fn build(self) -> Box<dyn System> {
+        match self {
+            Self::Ds => Box::new(ds::Ds::new(false)),
+            Self::DsFt => Box::new(ds::Ds::new(true)),
+            Self::Lazarus => Box::new(lazarus::Lazarus),
+        }
+    }
+}
+
+impl fmt::Display for SystemKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for SystemKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| format!("unknown system {s:?} (expected lazarus, ds-ft, ds or all)"))
+    }
+}
+
+/// Parses `lazarus,ds` or `all`.
+pub fn parse_systems(text: &str) -> Result<Vec<SystemKind>, String> {
+    if text.trim() == "all" {
+        return Ok(SystemKind::ALL.to_vec());
+    }
+    let mut out: Vec<SystemKind> = Vec::new();
+    for s in text.split(',') {
+        let k: SystemKind = s.trim().parse()?;
+        if !out.contains(&k) {
+            out.push(k);
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,277 @@
+//! End-to-end tests of `lzsim replay`, `failures` and `sweep`: determinism, conservation of
+//! trace events, time accounting, scenario sanity against the paper's orderings, and bad input.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn lzsim(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lzsim"))
+        .args(args)
+        .output()
+        .expect("run lzsim")
+}
+
+fn ok_json(args: &[&str]) -> Value {
+    let out = lzsim(args);
+    assert!(
+        out.status.success(),
+        "lzsim {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
+}
+
+fn shared(rel: &str) -> String {
+    format!("{}/../../shared/{rel}", env!("CARGO_MANIFEST_DIR"))
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("lzsim-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn by_system<'a>(v: &'a Value, sys: &str) -> &'a Value {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["system"] == sys)
+        .unwrap_or_else(|| panic!("no {sys} in {v}"))
+}
+
+fn samples(v: &Value, sys: &str) -> u64 {
+    by_system(v, sys)["samples"].as_u64().unwrap()
+}
+
+#[test]
+fn default_replay_has_required_json_keys_and_paper_ordering() {
+    let v = ok_json(&["replay", "--format", "json"]);
+    for s in v.as_array().unwrap() {
+        for key in [
+            "system",
+            "samples",
+            "steps",
+            "ettr",
+            "recoveries",
+            "fallbacks",
+            "preemptions",
+        ] {
+            assert!(s.get(key).is_some(), "missing {key} in {s}");
+        }
+        // 5 nodes fail in the embedded 30-minute scenario.
+        assert_eq!(s["preemptions"], 5);
+        let t = &s["time"];
+        let total: f64 = [
+            "compute",
+            "lost",
+            "checkpoint",
+            "restart",
+            "reconfigure",
+            "rebalance",
+            "idle",
+        ]
+        .iter()
+        .map(|k| t[k].as_f64().unwrap())
+        .sum();
+        assert!(
+            (total - s["duration_s"].as_f64().unwrap()).abs() < 1e-3,
+            "{s}"
+        );
+    }
+    let (l, f, d) = (
+        samples(&v, "lazarus"),
+        samples(&v, "ds-ft"),
+        samples(&v, "ds"),
+    );
+    assert!(l >= f && f >= d, "lazarus {l} ds-ft {f} ds {d}");
+    assert!(l > d, "lazarus must beat ds under 5-minute failures");
+    assert_eq!(by_system(&v, "lazarus")["fallbacks"], 0);
+    assert_eq!(by_system(&v, "lazarus")["recoveries"], 5);
+}
+
+#[test]
+fn run_directory_is_byte_identical_for_the_same_seed() {
+    let (a, b) = (tmp("det-a"), tmp("det-b"));
+    for d in [&a, &b] {
+        let out = lzsim(&["replay", "--out", d.to_str().unwrap(), "--seed", "7"]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut files = Vec::new();
+    fn walk(d: &Path, base: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(&p, base, out);
+            } else {
+                out.push(p.strip_prefix(base).unwrap().to_path_buf());
+            }
+        }
+    }
+    walk(&a, &a, &mut files);
+    files.sort();
+    for sys in ["lazarus", "ds-ft", "ds"] {
+        for f in ["summary.json", "timeseries.csv", "events.jsonl"] {
+            assert!(
+                files.contains(&PathBuf::from(sys).join(f)),
+                "{sys}/{f} missing"
+            );
+        }
+    }
+    for f in [
+        "config.json",
+        "throughput.png",
+        "throughput.svg",
+        "samples.png",
+        "samples.svg",
+    ] {
+        assert!(files.contains(&PathBuf::from(f)), "{f} missing");
+    }
+    for f in &files {
+        if f == Path::new("config.json") {
+            continue; // holds the --out path of each run
+        }
+        assert_eq!(
+            std::fs::read(a.join(f)).unwrap(),
+            std::fs::read(b.join(f)).unwrap(),
+            "{} differs between identical runs",
+            f.display()
+        );
+    }
+    let config: Value =
+        serde_json::from_slice(&std::fs::read(a.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["seed"], 7);
+    assert!(config["git_commit"].is_string());
+    // Refuses to overwrite a non-empty run directory.
+    let again = lzsim(&["replay", "--out", a.to_str().unwrap()]);
+    assert_eq!(again.status.code(), Some(2));
+    for d in [a, b] {
+        std::fs::remove_dir_all(d).ok();
+    }
+}
+
+#[test]
+fn p3_window_processes_every_preemption_once() {
+    let p3 = shared("traces/bamboo/traces/p3-trace.csv");
+    let v = ok_json(&[
+        "replay",
+        &p3,
+        "--window",
+        "0m..80m",
+        "--max-nodes",
+        "10",
+        "--map",
+        "track",
+        "--format",
+        "json",
+    ]);
+    // Count removals the fitted trace holds by asking `failures`-independent ground truth:
+    // every system sees the same trace, so the same number of preemptions.
+    let p: Vec<u64> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["preemptions"].as_u64().unwrap())
+        .collect();
+    assert!(p.iter().all(|&x| x == p[0] && x > 0), "{p:?}");
+    let (l, f, d) = (
+        samples(&v, "lazarus"),
+        samples(&v, "ds-ft"),
+        samples(&v, "ds"),
+    );
+    assert!(l > f && l > d, "lazarus {l} ds-ft {f} ds {d}");
+}
+
+#[test]
+fn full_p3_trace_counts_all_167_removals() {
+    let p3 = shared("traces/bamboo/traces/p3-trace.csv");
+    let v = ok_json(&["replay", &p3, "--system", "lazarus", "--format", "json"]);
+    assert_eq!(v[0]["preemptions"], 167);
+}
+
+#[test]
+fn failures_writes_a_trace_that_replays() {
+    let out = lzsim(&["failures", "--nodes", "10", "--every", "40m", "--seed", "3"]);
+    assert!(out.status.success());
+    let csv = String::from_utf8(out.stdout).unwrap();
+    let removes = csv.lines().filter(|l| l.contains(",remove,")).count();
+    assert_eq!(removes, 5);
+    assert_eq!(csv.lines().filter(|l| l.contains(",add,")).count(), 10);
+    // Same seed, same sequence.
+    let again = lzsim(&["failures", "--nodes", "10", "--every", "40m", "--seed", "3"]);
+    assert_eq!(csv.as_bytes(), again.stdout.as_slice());
+    let dir = tmp("fail");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("f.csv");
+    std::fs::write(&path, &csv).unwrap();
+    let v = ok_json(&[
+        "replay",
+        path.to_str().unwrap(),
+        "--end",
+        "240m",
+        "--model",
+        "gpt-s",
+        "--format",
+        "json",
+    ]);
+    assert!(samples(&v, "lazarus") >= samples(&v, "ds"));
+    // Refuses to replace an existing file.
+    let o = lzsim(&["failures", "--every", "5m", "--out", path.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn sweep_is_deterministic_csv() {
+    let args = [
+        "sweep",
+        "--hazard",
+        "0.3",
+        "--seeds",
+        "3",
+        "--duration",
+        "1h",
+        "--system",
+        "lazarus,ds",
+    ];
+    let a = lzsim(&args);
+    assert!(a.status.success(), "{}", String::from_utf8_lossy(&a.stderr));
+    let text = String::from_utf8(a.stdout.clone()).unwrap();
+    assert!(text.starts_with("hazard_per_hour,seed,system,samples,"));
+    assert_eq!(text.lines().count(), 1 + 3 * 2);
+    assert_eq!(a.stdout, lzsim(&args).stdout);
+}
+
+#[test]
+fn bad_replay_input_exits_2_with_a_clear_line() {
+    let dir = tmp("bad");
+    std::fs::create_dir_all(&dir).unwrap();
+    let unsorted = dir.join("unsorted.csv");
+    std::fs::write(&unsorted, "0,add,a\n0,add,b\n500,remove,a\n100,remove,b\n").unwrap();
+    let unknown = dir.join("unknown.csv");
+    std::fs::write(&unknown, "0,add,a\n10,remove,zz\n").unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["replay", unsorted.to_str().unwrap()], "line 4"),
+        (vec!["replay", unknown.to_str().unwrap()], "line 2"),
+        (vec!["replay", "/nonexistent/trace.csv"], "trace.csv"),
+        (vec!["replay", "--model", "gpt-xxl"], "gpt-xxl"),
+        (vec!["replay", "--hardware", "tpu"], "tpu"),
+        (vec!["replay", "--system", "megatron"], "unknown system"),
+        (vec!["replay", "--window", "9m..1m"], "empty"),
+        (vec!["replay", "--ckpt-every", "ds=x"], "integer"),
+        (vec!["failures"], "--every"),
+        (vec!["sweep", "--hazard=-1"], "--hazard"),
+    ];
+    for (args, needle) in cases {
+        let out = lzsim(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err:?} lacks {needle:?}");
+        assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
