@@ -265,23 +265,21 @@ impl<'a> Engine<'a> {
         match ev {
             Ev::End => {}
             Ev::TraceAdd(n) => {
-                let boot = if self.now == 0 {
-                    0
-                } else {
-                    ns(self.cfg.node_boot_s)
-                };
-                self.state[n as usize] = NodeState::Booting;
                 self.log("node_add", json!({"node": self.names[n as usize]}));
-                self.push(self.now + boot, Ev::NodeReady(n));
+                if self.now == 0 {
+                    // The initial cluster: usable at once; the job starts after all of it.
+                    self.state[n as usize] = NodeState::Ready;
+                } else {
+                    self.state[n as usize] = NodeState::Booting;
+                    self.push(self.now + ns(self.cfg.node_boot_s), Ev::NodeReady(n));
+                }
             }
             Ev::NodeReady(n) => {
                 if self.state[n as usize] != NodeState::Booting {
                     return; // died while booting
                 }
                 self.state[n as usize] = NodeState::Ready;
-                if self.now > 0 {
-                    self.log("node_ready", json!({"node": self.names[n as usize]}));
-                }
+                self.log("node_ready", json!({"node": self.names[n as usize]}));
                 self.on_ready();
             }
             Ev::TraceRemove(n) => self.on_remove(n),
