@@ -265,7 +265,7 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
     let results: Vec<RunResult> = r
         .systems
         .par_iter()
-        .map(|&sys| replay::run(&r.configs[&sys], sys, &r.trace, &r.workload, record))
+        .map(|&sys| replay::run(&r.configs[&sys], sys, &r.trace, &r.workload, record, None))
         .collect();
     if let Some(dir) = &args.out {
         let config = json!({

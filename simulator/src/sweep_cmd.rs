@@ -83,6 +83,7 @@ pub fn sweep(a: &SweepArgs, progress: bool) -> Result<Vec<Row>> {
         bail!("--tick and --duration must be positive");
     }
     let setup = Setup::new(&a.sim)?;
+    let cache = replay::StepCache::default();
     let jobs: Vec<(f64, u64)> = rates
         .iter()
         .flat_map(|&h| (0..a.seeds).map(move |s| (h, s)))
@@ -110,7 +111,8 @@ pub fn sweep(a: &SweepArgs, progress: bool) -> Result<Vec<Row>> {
                 .iter()
                 .map(|&sys| {
                     let cfg = setup.config(sys, &trace, Some(duration));
-                    let m = replay::run(&cfg, sys, &trace, &setup.workload, false).summary;
+                    let m = replay::run(&cfg, sys, &trace, &setup.workload, false, Some(&cache))
+                        .summary;
                     Row {
                         hazard_per_hour: h,
                         seed: s,

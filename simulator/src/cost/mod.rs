@@ -94,7 +94,7 @@ use lazarus_planner::dispatch;
 pub const ANALYTIC_DISPATCH_ABOVE_GPUS: usize = 256;
 
 /// How tokens reach expert replicas.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Dispatch {
     /// Standard expert parallelism (DS, DS(FT)): within an EP group, capacity-padded.
     Padded,

@@ -19,13 +19,15 @@
 //!   the Oobleck artifact stops just before it, so it counts one preemption fewer on P3).
 
 use super::systems::{Ctx, Decision, Layout, Migration, NodeId, System, SystemKind};
-use super::{EventRecord, ReplayConfig, RunResult, Sample, Summary, TimeBreakdown};
+use super::{EventRecord, ReplayConfig, RunResult, Sample, StepCache, Summary, TimeBreakdown};
 use crate::cost::{self, StepInput};
 use crate::workload::Workload;
 use lazarus_traces::{NodeOp, Trace};
 use serde_json::json;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
+use std::hash::{Hash, Hasher};
+use std::rc::Rc;
 
 const NS_PER_S: f64 = 1e9;
 
@@ -103,8 +105,9 @@ pub struct Engine<'a> {
     names: Vec<String>,
     state: Vec<NodeState>,
     job: Job,
-    layout: Option<Layout>,
-    layout_id: u64,
+    layout: Option<Rc<Layout>>,
+    /// Hash of the layout's cost-relevant content (replicas, dispatch, EP groups, GPUs).
+    layout_hash: u64,
     ever_started: bool,
     steps: u64,
     samples: u64,
@@ -120,7 +123,8 @@ pub struct Engine<'a> {
     force_restart: bool,
     t: TimeBreakdown,
     summary: Summary,
-    step_cache: BTreeMap<(u64, u64), (u64, u64)>,
+    step_cache: Option<&'a StepCache>,
+    local_cache: BTreeMap<u64, (u64, u64)>,
     live_integral: f64,
     used_integral: f64,
     last_integral_t: u64,
@@ -136,6 +140,7 @@ impl<'a> Engine<'a> {
         trace: &Trace,
         workload: &'a Workload,
         record: bool,
+        step_cache: Option<&'a StepCache>,
     ) -> Self {
         let mut e = Engine {
             cfg,
@@ -150,7 +155,7 @@ impl<'a> Engine<'a> {
             state: Vec::new(),
             job: Job::Idle,
             layout: None,
-            layout_id: 0,
+            layout_hash: 0,
             ever_started: false,
             steps: 0,
             samples: 0,
@@ -165,7 +170,8 @@ impl<'a> Engine<'a> {
             force_restart: false,
             t: TimeBreakdown::default(),
             summary: Summary::new(system),
-            step_cache: BTreeMap::new(),
+            step_cache,
+            local_cache: BTreeMap::new(),
             live_integral: 0.0,
             used_integral: 0.0,
             last_integral_t: 0,
@@ -462,8 +468,18 @@ impl<'a> Engine<'a> {
     }
 
     fn set_layout(&mut self, layout: Option<Layout>) {
-        self.layout = layout;
-        self.layout_id += 1;
+        self.layout_hash = layout.as_ref().map_or(0, |l| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            (
+                l.gpus(&self.cfg.hardware),
+                &l.replicas_per_rank,
+                l.dispatch,
+                &l.ep_groups,
+            )
+                .hash(&mut h);
+            h.finish()
+        });
+        self.layout = layout.map(Rc::new);
     }
 
     fn try_start(&mut self) {
@@ -627,9 +643,13 @@ impl<'a> Engine<'a> {
             self.last_rebalance_handled = self.steps;
             let loads = self.planning_loads();
             let ctx = self.ctx();
-            if let Decision::Reconfigure { layout, migration } =
-                self.system.rebalance(&ctx, &layout, &loads)
+            if let Decision::Reconfigure {
+                layout: new,
+                migration,
+            } = self.system.rebalance(&ctx, &layout, &loads)
+                && (migration.replicas > 0 || new.replicas_per_rank != layout.replicas_per_rank)
             {
+                let layout = new;
                 self.summary.rebalances += 1;
                 self.add_migration(&migration);
                 let pause = self.migration_pause_s(&migration);
@@ -679,11 +699,18 @@ impl<'a> Engine<'a> {
     }
 
     fn step_info(&mut self, layout: &Layout) -> StepInfo {
-        // Steps of one load epoch share their next change point.
+        // The step time depends only on the layout's content and the load epoch (steps of one
+        // epoch share their next change point), not on which physical nodes play which part.
         let epoch = self.workload.next_change(self.steps).unwrap_or(u64::MAX);
-        let key = (self.layout_id, epoch);
-        let (step_ns, samples_per_step) = match self.step_cache.get(&key) {
-            Some(&v) => v,
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (epoch, self.layout_hash).hash(&mut h);
+        let key = h.finish();
+        let cached = self.local_cache.get(&key).copied().or_else(|| {
+            self.step_cache
+                .and_then(|c| c.lock().ok().and_then(|m| m.get(&key).copied()))
+        });
+        let (step_ns, samples_per_step) = match cached {
+            Some(v) => v,
             None => {
                 let loads = self.workload.loads(self.steps);
                 let c = cost::step_cost(
@@ -699,10 +726,15 @@ impl<'a> Engine<'a> {
                 )
                 .expect("the step cost of a valid layout");
                 let v = (ns(c.total_s).max(1), c.samples);
-                self.step_cache.insert(key, v);
+                if let Some(shared) = self.step_cache
+                    && let Ok(mut m) = shared.lock()
+                {
+                    m.insert(key, v);
+                }
                 v
             }
         };
+        self.local_cache.insert(key, (step_ns, samples_per_step));
         StepInfo {
             step_ns,
             samples_per_step,

@@ -162,15 +162,21 @@ pub struct RunResult {
     pub events: Vec<EventRecord>,
 }
 
-/// Replays `system` on `trace`. `record` keeps the time series and event log (off in sweeps).
+/// Step costs shared across runs on the same profiles and workload (a sweep): keyed by the
+/// layout's content and the load epoch.
+pub type StepCache = std::sync::Mutex<std::collections::HashMap<u64, (u64, u64)>>;
+
+/// Replays `system` on `trace`. `record` keeps the time series and event log (off in sweeps);
+/// `cache` shares step costs between runs with the same configuration and workload.
 pub fn run(
     cfg: &ReplayConfig,
     system: SystemKind,
     trace: &Trace,
     workload: &Workload,
     record: bool,
+    cache: Option<&StepCache>,
 ) -> RunResult {
-    engine::Engine::new(cfg, system, trace, workload, record).run()
+    engine::Engine::new(cfg, system, trace, workload, record, cache).run()
 }
 
 /// Young/Daly optimal checkpoint interval `τ* = √(2·δ·M)` (Young 1974, Daly 2006), in steps of
