@@ -14,6 +14,7 @@ pub mod failures_cmd;
 pub mod loads;
 pub mod plan_cmd;
 pub mod plot;
+pub mod reconfig_cmd;
 pub mod recovery_cmd;
 pub mod replay;
 pub mod replay_cmd;

@@ -2,7 +2,9 @@
 //! `lazarus-planner` crate; this binary only reads inputs, calls the planner and prints.
 
 use clap::{Parser, Subcommand};
-use lazarus_simulator::{failures_cmd, plan_cmd, recovery_cmd, replay_cmd, sweep_cmd};
+use lazarus_simulator::{
+    failures_cmd, plan_cmd, reconfig_cmd, recovery_cmd, replay_cmd, sweep_cmd,
+};
 use std::process::ExitCode;
 
 /// Resilient MoE training, simulated: replica plans and recovery probabilities
@@ -31,6 +33,8 @@ enum Command {
     Failures(failures_cmd::FailuresArgs),
     /// Many stochastic traces x systems in parallel; one CSV row per run.
     Sweep(Box<sweep_cmd::SweepArgs>),
+    /// Cost of one Lazarus reconfiguration after k simultaneous failures (paper Table 2).
+    Reconfig(Box<reconfig_cmd::ReconfigArgs>),
 }
 
 fn main() -> ExitCode {
@@ -41,6 +45,7 @@ fn main() -> ExitCode {
         Command::Replay(a) => replay_cmd::run(&a),
         Command::Failures(a) => failures_cmd::run(&a),
         Command::Sweep(a) => sweep_cmd::run(&a),
+        Command::Reconfig(a) => reconfig_cmd::run(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

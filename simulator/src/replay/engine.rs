@@ -545,7 +545,7 @@ impl<'a> Engine<'a> {
                 self.summary.recoveries += 1;
                 self.add_migration(&migration);
                 let pause =
-                    cost::reconfigure_s(&self.cfg.hardware) + self.migration_pause_s(&migration);
+                    self.cfg.hardware.communicator_rebuild_s + self.migration_pause_s(&migration);
                 self.log(
                     "reconfigure",
                     json!({"dead": dead_names, "nodes": layout.nodes.len(), "migrated_replicas": migration.replicas,
@@ -671,7 +671,7 @@ impl<'a> Engine<'a> {
                 Decision::Reconfigure { layout, migration } => {
                     self.summary.scale_outs += 1;
                     self.add_migration(&migration);
-                    let pause = cost::reconfigure_s(&self.cfg.hardware)
+                    let pause = self.cfg.hardware.communicator_rebuild_s
                         + self.migration_pause_s(&migration);
                     self.log(
                         "scale_out",
