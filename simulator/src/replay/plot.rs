@@ -42,6 +42,15 @@ pub fn replay_charts(dir: &Path, title: &str, results: &[RunResult]) -> Result<(
     Ok(())
 }
 
+/// Largest time (minutes) and largest `y` over every system's time series (at least 1 each).
+fn extent(results: &[RunResult], y: impl Fn(&super::Sample) -> f64) -> (f64, f64) {
+    let all = || results.iter().flat_map(|r| r.timeseries.iter());
+    (
+        all().map(|s| s.t_s / 60.0).fold(1.0, f64::max),
+        all().map(y).fold(1.0, f64::max),
+    )
+}
+
 fn draw_throughput<DB: DrawingBackend>(
     root: DrawingArea<DB, plotters::coord::Shift>,
     title: &str,
@@ -52,17 +61,8 @@ where
 {
     let e = |x: DrawingAreaErrorKind<DB::ErrorType>| anyhow!("{x:?}");
     root.fill(&WHITE).map_err(e)?;
-    let t_max = results
-        .iter()
-        .flat_map(|r| r.timeseries.last())
-        .map(|s| s.t_s / 60.0)
-        .fold(1.0, f64::max);
-    let y_max = results
-        .iter()
-        .flat_map(|r| r.timeseries.iter())
-        .map(|s| s.throughput_samples_per_s)
-        .fold(1.0, f64::max)
-        * 1.15;
+    let (t_max, y_max) = extent(results, |s| s.throughput_samples_per_s);
+    let y_max = y_max * 1.15;
     let n_max = results
         .iter()
         .flat_map(|r| r.timeseries.iter())
@@ -156,17 +156,8 @@ where
 {
     let e = |x: DrawingAreaErrorKind<DB::ErrorType>| anyhow!("{x:?}");
     root.fill(&WHITE).map_err(e)?;
-    let t_max = results
-        .iter()
-        .flat_map(|r| r.timeseries.last())
-        .map(|s| s.t_s / 60.0)
-        .fold(1.0, f64::max);
-    let y_max = results
-        .iter()
-        .flat_map(|r| r.timeseries.iter())
-        .map(|s| s.samples as f64)
-        .fold(1.0, f64::max)
-        * 1.1;
+    let (t_max, y_max) = extent(results, |s| s.samples as f64);
+    let y_max = y_max * 1.1;
     let mut chart = ChartBuilder::on(&root)
         .caption(format!("cumulative samples — {title}"), ("sans-serif", 20))
         .margin(15)

@@ -95,6 +95,18 @@ fn physical_nodes(current: &Layout) -> Vec<PhysicalNode> {
         .collect()
 }
 
+/// Appends the ready nodes the job does not use yet, holding nothing.
+fn add_spares(physical: &mut Vec<PhysicalNode>, current: &Layout, ready: &[NodeId]) {
+    for &id in ready {
+        if !current.nodes.contains(&id) {
+            physical.push(PhysicalNode {
+                id,
+                holdings: Vec::new(),
+            });
+        }
+    }
+}
+
 fn version(current: &Layout) -> u64 {
     current.plan.as_ref().map_or(0, |p| p.version)
 }
@@ -134,14 +146,7 @@ impl System for Lazarus {
             return Decision::RestartFromCheckpoint;
         }
         // Spare ready nodes join the new plan too: the job is reconfiguring anyway.
-        for &id in ready {
-            if !current.nodes.contains(&id) {
-                physical.push(PhysicalNode {
-                    id,
-                    holdings: Vec::new(),
-                });
-            }
-        }
+        add_spares(&mut physical, current, ready);
         self.reconfigure(ctx, &physical, loads, version(current))
             .unwrap_or(Decision::RestartFromCheckpoint)
     }
@@ -158,14 +163,7 @@ impl System for Lazarus {
         loads: &[Vec<u64>],
     ) -> Decision {
         let mut physical = physical_nodes(current);
-        for &id in ready {
-            if !current.nodes.contains(&id) {
-                physical.push(PhysicalNode {
-                    id,
-                    holdings: Vec::new(),
-                });
-            }
-        }
+        add_spares(&mut physical, current, ready);
         self.reconfigure(ctx, &physical, loads, version(current))
             .unwrap_or(Decision::Keep)
     }
