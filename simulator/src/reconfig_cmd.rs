@@ -92,7 +92,6 @@ pub fn report(a: &ReconfigArgs) -> Result<ReconfigReport> {
     let ctx = Ctx {
         hw: &cfg.hardware,
         model: &cfg.model,
-        f: cfg.f,
     };
     let loads = window_loads(&setup.workload, a.step, cfg.load_window_steps);
     let ready: Vec<NodeId> = (0..a.nodes as NodeId).collect();

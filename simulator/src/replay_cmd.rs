@@ -145,7 +145,7 @@ pub struct Setup {
 impl Setup {
     pub fn new(sim: &SimArgs) -> Result<Self> {
         let hardware = cost::hardware(&sim.hardware)?;
-        let model = cost::model(&sim.model)?;
+        let mut model = cost::model(&sim.model)?;
         let systems = parse_systems(&sim.system).map_err(anyhow::Error::msg)?;
         let workload = match &sim.loads_trace {
             Some(p) => Workload::Trace(crate::workload::load_gate_trace(
@@ -166,9 +166,11 @@ impl Setup {
                 }
             }
         };
-        let f = sim.f.unwrap_or(model.f);
-        if f == 0 {
-            bail!("--f must be at least 1");
+        if let Some(f) = sim.f {
+            if f == 0 {
+                bail!("--f must be at least 1");
+            }
+            model.f = f;
         }
         let node_boot_s = match &sim.boot {
             Some(b) => parse_ms(b)? as f64 / 1e3,
@@ -177,7 +179,6 @@ impl Setup {
         let base = ReplayConfig {
             hardware,
             model,
-            f,
             checkpoint_every_steps: None,
             rebalance_every_steps: None,
             load_window_steps: sim.rebalance_every.max(1),

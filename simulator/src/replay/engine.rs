@@ -214,7 +214,6 @@ impl<'a> Engine<'a> {
         Ctx {
             hw: &self.cfg.hardware,
             model: &self.cfg.model,
-            f: self.cfg.f,
         }
     }
 

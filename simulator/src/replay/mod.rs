@@ -19,8 +19,6 @@ use systems::SystemKind;
 pub struct ReplayConfig {
     pub hardware: HardwareProfile,
     pub model: ModelProfile,
-    /// Fault-tolerance threshold for Lazarus (relaxed by the planner when slots run short).
-    pub f: usize,
     /// Synchronous checkpoint every K steps (`None`: never).
     pub checkpoint_every_steps: Option<u64>,
     /// Lazarus rebalance period (paper: 200 steps); `None` for the baselines.
@@ -217,7 +215,6 @@ pub fn young_daly_steps(
     let ctx = systems::Ctx {
         hw: &cfg.hardware,
         model: &cfg.model,
-        f: cfg.f,
     };
     let loads = workload.loads(0);
     let Some(layout) = system.build().start(&ctx, &ready, &loads) else {

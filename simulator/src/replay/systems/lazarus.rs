@@ -7,28 +7,15 @@ use super::{Ctx, Decision, Layout, Migration, NodeId, System};
 use crate::cost::Dispatch;
 use lazarus_planner::migrate::{MappingMethod, MigrationPlan, PhysicalNode, lost_experts};
 use lazarus_planner::{
-    Alignment, AllocPolicy, ClusterSpec, ModelPlan, ModelSpec, PlacePolicy, ReplanOptions,
-    plan_model, replan,
+    Alignment, AllocPolicy, ModelPlan, PlacePolicy, ReplanOptions, plan_model, replan,
 };
 
 #[derive(Default)]
 pub struct Lazarus;
 
-fn model_spec(ctx: &Ctx) -> ModelSpec {
-    ModelSpec {
-        experts: ctx.model.experts,
-        layers: ctx.model.moe_layers,
-        f: ctx.f,
-    }
-}
-
-fn slots_per_node(ctx: &Ctx) -> usize {
-    ctx.model.slots_per_gpu * ctx.hw.gpus_per_node
-}
-
 /// The cost model's view of a planner plan.
 fn layout_of(ctx: &Ctx, mut plan: ModelPlan) -> Layout {
-    // The planner plans per node; the GPU split of each node's slots is a view on it.
+    // `replan` plans per node; the GPU split of each node's slots is a view on it.
     plan.cluster.gpus_per_node = ctx.hw.gpus_per_node;
     Layout {
         nodes: plan.node_map.clone(),
@@ -69,8 +56,8 @@ impl Lazarus {
         };
         let (plan, m) = replan(
             physical,
-            slots_per_node(ctx),
-            &model_spec(ctx),
+            ctx.model.slots_per_gpu * ctx.hw.gpus_per_node,
+            &ctx.model.planner_spec(),
             loads,
             &options,
             version,
@@ -116,10 +103,10 @@ impl System for Lazarus {
         if ready.is_empty() {
             return None;
         }
-        let cluster = ClusterSpec::new(ready.len(), slots_per_node(ctx));
+        let cluster = ctx.hw.cluster_spec(ctx.model, ready.len());
         let mut plan = plan_model(
             &cluster,
-            &model_spec(ctx),
+            &ctx.model.planner_spec(),
             loads,
             AllocPolicy::Lazarus,
             PlacePolicy::Mro,

@@ -66,8 +66,8 @@ pub enum Decision {
 /// Everything a system may consult; read-only.
 pub struct Ctx<'a> {
     pub hw: &'a HardwareProfile,
+    /// The model; its `f` is the fault-tolerance threshold Lazarus plans with.
     pub model: &'a ModelProfile,
-    pub f: usize,
 }
 
 /// One training system.
