@@ -7,6 +7,8 @@
 //! * `recovery/exact_n32_k6`: exact enumeration of all C(32,6) = 906,192 failure sets.
 //! * `recovery/monte_carlo_*`: trials per second for the whole 58-layer model.
 //! * `dispatch/plan_*`: one flexible-dispatch schedule (Alg. 1).
+//! * `relayout/*_1024_devices_e256`: one re-layout decision for 1024 devices (128 nodes × 8),
+//!   4 slots each, E = 256, per policy (LAER-style, EPLB, Lazarus replan, FlexMoE rounds).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use lazarus_planner::migrate::MappingMethod;
@@ -176,5 +178,71 @@ fn bench_dispatch(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_replan, bench_recovery, bench_dispatch);
+fn bench_relayout(c: &mut Criterion) {
+    use lazarus_planner::relayout::laer::LaerParams;
+    use lazarus_planner::relayout::policy::{RelayoutPolicy, relayout};
+    use lazarus_planner::relayout::{LinkModel, Topology};
+    let topo = Topology {
+        devices: 1024,
+        devices_per_node: 8,
+        slots_per_device: 4,
+    };
+    let experts = 256;
+    let link = LinkModel {
+        bytes_per_token: 2.0 * 7168.0,
+        intra_node_bytes_per_s: 360e9,
+        inter_node_bytes_per_s: 40e9,
+        compute_s_per_token: 2.0 * 3.0 * 7168.0 * 2048.0 / 494e12,
+        bytes_per_expert: 44_040_192 * 14 / 2,
+    };
+    // Equal replica counts spread over nodes; Zipf(1) traffic with a per-device hot set shift.
+    let slots = topo.devices * topo.slots_per_device;
+    let r = vec![slots / experts; experts];
+    let nodes = lazarus_planner::place(PlacePolicy::Spread, &r, 128, 32).unwrap();
+    let grid: Vec<Vec<u32>> = nodes
+        .grid()
+        .iter()
+        .flat_map(|row| row.chunks(4).map(<[u32]>::to_vec))
+        .collect();
+    let current = lazarus_planner::LayerPlacement::from_grid(grid, experts, Some(&r)).unwrap();
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(9);
+    let traffic: Vec<Vec<u64>> = (0..topo.devices)
+        .map(|_| {
+            (0..experts)
+                .map(|e| 8192 / (e as u64 + 1) + rng.random_range(0..4))
+                .collect()
+        })
+        .collect();
+    let mut g = c.benchmark_group("relayout");
+    g.sample_size(10);
+    for name in ["laer", "eplb", "lazarus", "flexmoe"] {
+        let mut policy: RelayoutPolicy = name.parse().unwrap();
+        if let RelayoutPolicy::Laer(p) = &mut policy {
+            *p = LaerParams {
+                f: 2,
+                recovery_floor: 0.9,
+                ..LaerParams::default()
+            };
+        }
+        let d = relayout(&policy, topo, link, &traffic, None, &current, 2).unwrap();
+        eprintln!(
+            "{name} at 1024 devices, E=256: load ratio {:.3} -> {:.3}, {} replicas moved",
+            d.before.load_ratio, d.after.load_ratio, d.migration.replicas
+        );
+        g.bench_function(format!("{name}_1024_devices_e256"), |b| {
+            b.iter(|| {
+                relayout(&policy, topo, link, black_box(&traffic), None, &current, 2).unwrap()
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_replan,
+    bench_recovery,
+    bench_dispatch,
+    bench_relayout
+);
 criterion_main!(benches);

@@ -26,3 +26,4 @@ pub use spec::{Aggregation, ClusterSpec, LoadHistory, ModelSpec};
 pub mod model;
 pub use model::{Alignment, ModelPlan, ReplanError, ReplanOptions, plan_model, replan};
 pub use place::mro_structure;
+pub mod relayout;

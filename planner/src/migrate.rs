@@ -52,6 +52,9 @@ pub enum MappingMethod {
     Greedy,
     /// Minimum-total-cost perfect matching (Hungarian algorithm).
     Optimal,
+    /// Plan node `q` is physical node `q` (input order): identities are fixed, only the
+    /// transfers are planned — e.g. a re-layout on the same devices.
+    Identity,
 }
 
 impl fmt::Display for MappingMethod {
@@ -59,13 +62,14 @@ impl fmt::Display for MappingMethod {
         f.write_str(match self {
             MappingMethod::Greedy => "greedy",
             MappingMethod::Optimal => "optimal",
+            MappingMethod::Identity => "identity",
         })
     }
 }
 
 /// Error from parsing a [`MappingMethod`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown mapping method {0:?} (expected \"greedy\" or \"optimal\")")]
+#[error("unknown mapping method {0:?} (expected \"greedy\", \"optimal\" or \"identity\")")]
 pub struct ParseMappingMethodError(pub String);
 
 impl FromStr for MappingMethod {
@@ -78,6 +82,8 @@ impl FromStr for MappingMethod {
             Ok(MappingMethod::Greedy)
         } else if t.eq_ignore_ascii_case("optimal") {
             Ok(MappingMethod::Optimal)
+        } else if t.eq_ignore_ascii_case("identity") {
+            Ok(MappingMethod::Identity)
         } else {
             Err(ParseMappingMethodError(s.to_owned()))
         }
@@ -597,6 +603,7 @@ pub fn map_nodes(
     let plan_to_phys = match method {
         MappingMethod::Greedy => greedy_assignment(&cost),
         MappingMethod::Optimal => min_cost_assignment(&cost),
+        MappingMethod::Identity => (0..n).collect(),
     };
     let mut phys_to_plan = vec![0usize; n];
     for (q, &p) in plan_to_phys.iter().enumerate() {

@@ -293,6 +293,80 @@ pub fn exact_domains(
     Ok(ok as f64 / all as f64)
 }
 
+/// Largest number of failure sets [`exact_small_k`] will list.
+pub const SMALL_K_LIMIT: f64 = 2e7;
+
+/// Exact recovery probability under `failed` uniform node failures for **any** number of nodes,
+/// by listing only the failure sets that contain a critical set (those have at most `failed`
+/// nodes, so few exist when `failed` is small — the `k = f` check of a re-layout). Errors when
+/// that list would exceed [`SMALL_K_LIMIT`].
+pub fn exact_small_k(layers: &[LayerPlacement], failed: usize) -> Result<f64, PlanError> {
+    let nodes = layers.first().ok_or(PlanError::NoLayers(0))?.nodes();
+    check_failed(failed, nodes, "nodes")?;
+    let critical: Vec<Vec<usize>> = critical_sets(layers)?
+        .into_iter()
+        .map(|m| {
+            (0..nodes)
+                .filter(|&n| m[n / 64] >> (n % 64) & 1 == 1)
+                .collect::<Vec<usize>>()
+        })
+        .filter(|s| s.len() <= failed)
+        .collect();
+    recovery_from_small_sets(nodes, failed, critical.iter().map(Vec::as_slice))
+}
+
+/// The listing core of [`exact_small_k`]: the recovery probability under `failed` uniform node
+/// failures when an expert dies exactly when all nodes of one of `sets` fail. Sets larger than
+/// `failed` cannot die and are ignored; duplicates and non-minimal sets are harmless.
+pub fn recovery_from_small_sets<'a>(
+    nodes: usize,
+    failed: usize,
+    sets: impl Iterator<Item = &'a [usize]>,
+) -> Result<f64, PlanError> {
+    check_failed(failed, nodes, "nodes")?;
+    let critical: Vec<&[usize]> = sets.filter(|s| s.len() <= failed).collect();
+    let listed: f64 = critical
+        .iter()
+        .map(|s| binomial(nodes - s.len(), failed - s.len()))
+        .sum();
+    if listed > SMALL_K_LIMIT {
+        return Err(PlanError::EnumerationTooLarge {
+            n: nodes,
+            k: failed,
+            count: listed,
+            limit: SMALL_K_LIMIT,
+        });
+    }
+    let mut bad: std::collections::BTreeSet<Vec<usize>> = std::collections::BTreeSet::new();
+    for s in &critical {
+        let rest: Vec<usize> = (0..nodes).filter(|n| !s.contains(n)).collect();
+        let need = failed - s.len();
+        // Every way to complete `s` to a failure set of size `failed`.
+        let mut idx: Vec<usize> = (0..need).collect();
+        loop {
+            let mut f: Vec<usize> = s
+                .iter()
+                .copied()
+                .chain(idx.iter().map(|&i| rest[i]))
+                .collect();
+            f.sort_unstable();
+            bad.insert(f);
+            let mut i = need;
+            while i > 0 && idx[i - 1] == rest.len() - need + i - 1 {
+                i -= 1;
+            }
+            if i == 0 {
+                break;
+            }
+            idx[i - 1] += 1;
+            for j in i..need {
+                idx[j] = idx[j - 1] + 1;
+            }
+        }
+    }
+    Ok(1.0 - bad.len() as f64 / binomial(nodes, failed))
+}
+
 /// Wilson score interval (95 %) for `successes` out of `trials`.
 pub fn wilson_interval(successes: u64, trials: u64) -> (f64, f64) {
     if trials == 0 {

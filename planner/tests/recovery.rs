@@ -3,7 +3,8 @@
 
 use lazarus_planner::place::{LayerPlacement, PlacePolicy, mro_structure, place};
 use lazarus_planner::recovery::{
-    exact, exact_counts, exact_domains, monte_carlo, mro_closed_form, mro_inclusion_exclusion,
+    exact, exact_counts, exact_domains, exact_small_k, monte_carlo, mro_closed_form,
+    mro_inclusion_exclusion,
 };
 use lazarus_planner::{AllocPolicy, allocate};
 use proptest::prelude::*;
@@ -332,6 +333,31 @@ proptest! {
         for k in 0..a.f_effective.min(nodes) {
             prop_assert_eq!(exact(std::slice::from_ref(&mro), k).unwrap(), 1.0);
             prop_assert_eq!(exact(std::slice::from_ref(&spread), k).unwrap(), 1.0);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// The small-k lister agrees with full enumeration on every placement policy.
+    #[test]
+    fn small_k_matches_exact(
+        nodes in 2usize..=9,
+        c in 1usize..=4,
+        f in 1usize..=3,
+        raw in prop::collection::vec(1u64..1000, 1..=10),
+        seed in any::<u64>(),
+    ) {
+        let e = raw.len().min(nodes * c);
+        let a = allocate(AllocPolicy::Lazarus, &raw[..e], nodes * c, f).unwrap();
+        for policy in [PlacePolicy::Mro, PlacePolicy::Spread, PlacePolicy::Compact, PlacePolicy::Random { seed }] {
+            let p = place(policy, &a.replicas, nodes, c).unwrap();
+            for k in 0..=nodes.min(3) {
+                let want = exact(std::slice::from_ref(&p), k).unwrap();
+                let got = exact_small_k(std::slice::from_ref(&p), k).unwrap();
+                prop_assert!((want - got).abs() < 1e-12, "{} k={}: {} vs {}", policy, k, got, want);
+            }
         }
     }
 }

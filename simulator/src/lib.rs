@@ -16,6 +16,7 @@ pub mod plan_cmd;
 pub mod plot;
 pub mod reconfig_cmd;
 pub mod recovery_cmd;
+pub mod relayout_cmd;
 pub mod replay;
 pub mod replay_cmd;
 pub mod spec_args;

@@ -3,7 +3,7 @@
 
 use clap::{Parser, Subcommand};
 use lazarus_simulator::{
-    failures_cmd, plan_cmd, reconfig_cmd, recovery_cmd, replay_cmd, sweep_cmd,
+    failures_cmd, plan_cmd, reconfig_cmd, recovery_cmd, relayout_cmd, replay_cmd, sweep_cmd,
 };
 use std::process::ExitCode;
 
@@ -35,6 +35,8 @@ enum Command {
     Sweep(Box<sweep_cmd::SweepArgs>),
     /// Cost of one Lazarus reconfiguration after k simultaneous failures (paper Table 2).
     Reconfig(Box<reconfig_cmd::ReconfigArgs>),
+    /// Replay a routing trace through re-layout policies (static, lazarus, eplb, flexmoe, laer).
+    Relayout(Box<relayout_cmd::RelayoutArgs>),
 }
 
 fn main() -> ExitCode {
@@ -46,6 +48,7 @@ fn main() -> ExitCode {
         Command::Failures(a) => failures_cmd::run(&a),
         Command::Sweep(a) => sweep_cmd::run(&a),
         Command::Reconfig(a) => reconfig_cmd::run(&a),
+        Command::Relayout(a) => relayout_cmd::run(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

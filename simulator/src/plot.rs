@@ -18,13 +18,15 @@ pub(crate) fn register_font() {
     });
 }
 
-pub(crate) const COLORS: [RGBColor; 6] = [
+pub(crate) const COLORS: [RGBColor; 8] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
     RGBColor(214, 39, 40),
     RGBColor(148, 103, 189),
     RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(23, 190, 207),
 ];
 
 /// Recovery probability against failures, one line per placement (with 95 % bars for MC).

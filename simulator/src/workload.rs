@@ -250,8 +250,10 @@ fn parse_gate_trace(text: &str, layers: usize, experts: usize) -> Result<GateTra
         .find(|(_, l)| !l.trim().is_empty())
         .context("the file is empty")?;
     let cols: Vec<&str> = header.trim().split(',').map(str::trim).collect();
-    if cols.len() < 3 || cols[0] != "iter" || cols[1] != "layer" {
-        bail!("line 1: expected a header `iter,layer,e0,…`, found {header:?}");
+    // `iter` (SmartMoE derived) or `step` (our plain per-step CSV: `step,layer,e0,…,e{N-1}`,
+    // one row per (step, layer), steps ascending).
+    if cols.len() < 3 || !(cols[0] == "iter" || cols[0] == "step") || cols[1] != "layer" {
+        bail!("line 1: expected a header `iter,layer,e0,…` or `step,layer,e0,…`, found {header:?}");
     }
     let source_experts = cols.len() - 2;
     if experts > source_experts {

@@ -332,3 +332,48 @@ fn rollback_without_checkpoints_loses_all_progress_and_in_place_recovery_keeps_i
     assert!(ds["samples"].as_u64().unwrap() < lz["samples"].as_u64().unwrap() / 2);
     std::fs::remove_dir_all(dir).ok();
 }
+
+#[test]
+fn relayout_on_the_smartmoe_trace() {
+    let v = ok_json(&[
+        "relayout",
+        "--routing",
+        &shared("traces/routing/smartmoe/derived/global_expert_counts.csv"),
+        "--policy",
+        "static,lazarus,eplb,laer",
+        "--format",
+        "json",
+    ]);
+    let get = |p: &str| {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["policy"] == p)
+            .unwrap_or_else(|| panic!("no {p}"))
+            .clone()
+    };
+    for p in ["static", "lazarus", "eplb", "laer"] {
+        let x = get(p);
+        for key in [
+            "policy",
+            "load_ratio_mean",
+            "step_time_s_mean",
+            "migrated_bytes",
+            "recovery_k1",
+        ] {
+            assert!(x.get(key).is_some(), "{p} lacks {key}");
+        }
+    }
+    let f = |p: &str, k: &str| get(p)[k].as_f64().unwrap();
+    assert_eq!(f("static", "migrated_bytes"), 0.0);
+    // LAER: EPLB's balance (within 10 %) for a fraction of its bytes, keeping single-node
+    // resilience that EPLB gives up; better balance than Lazarus's full replan.
+    assert!(f("laer", "migrated_bytes") < f("eplb", "migrated_bytes") / 3.0);
+    assert!(f("laer", "load_ratio_mean") <= 1.1 * f("eplb", "load_ratio_mean"));
+    assert!(f("laer", "load_ratio_mean") < f("lazarus", "load_ratio_mean"));
+    assert_eq!(f("laer", "recovery_k1"), 1.0);
+    assert!(f("eplb", "recovery_k1") < 1.0);
+    let bad = lzsim(&["relayout", "--policy", "megablocks"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown policy"));
+}

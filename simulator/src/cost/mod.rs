@@ -546,7 +546,7 @@ pub fn usable_ep_gpus(model: &ModelProfile, available: usize) -> usize {
 /// The standard EP layout on `gpus` ranks (a positive multiple of `ep_size`).
 pub fn uniform_ep_layout(model: &ModelProfile, gpus: usize) -> Result<EpLayout> {
     let ep = model.ep_size;
-    if gpus == 0 || gpus % ep != 0 {
+    if gpus == 0 || !gpus.is_multiple_of(ep) {
         bail!("standard EP needs a positive multiple of ep_size = {ep} GPUs, got {gpus}");
     }
     let per_rank = model.experts / ep;

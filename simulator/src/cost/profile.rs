@@ -357,7 +357,7 @@ impl ModelProfile {
         positive_count("bytes_per_param_state", self.bytes_per_param_state)?;
         positive_count("bytes_per_expert_state", self.bytes_per_expert_state)?;
         positive_count("ep_size", self.ep_size)?;
-        if self.experts % self.ep_size != 0 {
+        if !self.experts.is_multiple_of(self.ep_size) {
             bail!(
                 "field `ep_size` ({}) must divide `experts` ({})",
                 self.ep_size,

@@ -621,7 +621,7 @@ impl<'a> Engine<'a> {
         let ckpt_every = self.cfg.checkpoint_every_steps.unwrap_or(0);
         if ckpt_every > 0
             && self.steps > self.ckpt_steps
-            && self.steps % ckpt_every == 0
+            && self.steps.is_multiple_of(ckpt_every)
             && self.last_ckpt_handled != self.steps
         {
             self.last_ckpt_handled = self.steps;
@@ -636,7 +636,7 @@ impl<'a> Engine<'a> {
         let rebalance_every = self.cfg.rebalance_every_steps.unwrap_or(0);
         if rebalance_every > 0
             && self.steps > 0
-            && self.steps % rebalance_every == 0
+            && self.steps.is_multiple_of(rebalance_every)
             && self.last_rebalance_handled != self.steps
         {
             self.last_rebalance_handled = self.steps;

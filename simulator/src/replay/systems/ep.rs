@@ -12,7 +12,7 @@ use crate::cost::{Dispatch, HardwareProfile, ModelProfile, uniform_ep_layout};
 pub fn usable_nodes(hw: &HardwareProfile, model: &ModelProfile, available: usize) -> usize {
     (0..=available)
         .rev()
-        .find(|&n| n > 0 && (n * hw.gpus_per_node) % model.ep_size == 0)
+        .find(|&n| n > 0 && (n * hw.gpus_per_node).is_multiple_of(model.ep_size))
         .unwrap_or(0)
 }
 

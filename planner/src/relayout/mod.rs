@@ -1,0 +1,364 @@
+//! Load-adaptive expert re-layout (LAER-MoE style) and its baselines, on one API.
+//!
+//! A *layout* is one MoE layer's placement on **devices** (GPUs): a [`LayerPlacement`] whose rows
+//! are devices, `devices_per_node` consecutive devices forming a node (the failure unit). Every
+//! policy takes the current layout and the recent traffic and returns a new layout; all of them
+//! are scored by the same model ([`Evaluator`]) and the same migration accounting
+//! ([`migration`]).
+//!
+//! ## Step-time model (documented decision)
+//! Tokens move as the planner's dispatcher moves them (Alg. 1, [`crate::dispatch`]), in its
+//! fractional form: for expert `e` with `t_e` tokens and `r_e` replicas, device `d` should
+//! process `cap_de = t_e·R_de/r_e`; it keeps `min(T_de, cap_de)` of its own tokens, sends its
+//! overflow `O_de` and receives its residual `P_de`, the overflow of each sender split over the
+//! receivers in proportion to their residuals. With `b` bytes per token and link bandwidths
+//! `bw_intra`, `bw_inter` (the intra-node share of a flow is the receivers' — or senders' —
+//! share of `S_e = Σ P_e` on the same node):
+//!
+//! ```text
+//! egress_d  = Σ_e O_de·b·(x_de/bw_intra + (1−x_de)/bw_inter),  x_de = P_e,node(d) / S_e
+//! ingress_d = Σ_e P_de·b·(y_de/bw_intra + (1−y_de)/bw_inter),  y_de = O_e,node(d) / S_e
+//! load_d    = Σ_e cap_de                              (tokens computed on d)
+//! T_step    = 4·max_d max(egress_d, ingress_d) + 3·max_d load_d·s_token
+//! ```
+//! The factors follow LAER-MoE's planner (two all-to-alls forward and two backward; backward
+//! compute ≈ 2× forward), with communication taken as the busiest device's (a collective ends
+//! when its slowest member does) instead of LAER's sum over devices.
+//!
+//! ## Re-layout cost
+//! `C(L) = α·T_step(L) + β·T_migrate(L_old → L)`: `α` is the number of steps the layout will
+//! serve (the re-layout period), `β` weighs the migration pause (1 = blocking, 0 = fully
+//! overlapped). `T_migrate` is the busiest device's received bytes over the inter-node link
+//! (pessimistic for intra-node sources).
+
+pub mod eplb;
+pub mod flexmoe;
+pub mod laer;
+pub mod policy;
+
+use crate::error::PlanError;
+use crate::migrate::{MappingMethod, PhysicalNode, map_nodes};
+use crate::place::LayerPlacement;
+use serde::{Deserialize, Serialize};
+
+/// Devices, nodes and slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Topology {
+    pub devices: usize,
+    /// Consecutive devices per node (the failure unit); must divide `devices`.
+    pub devices_per_node: usize,
+    pub slots_per_device: usize,
+}
+
+impl Topology {
+    pub fn nodes(&self) -> usize {
+        self.devices / self.devices_per_node.max(1)
+    }
+    pub fn node_of(&self, device: usize) -> usize {
+        device / self.devices_per_node.max(1)
+    }
+    pub fn validate(&self) -> Result<(), PlanError> {
+        if self.devices == 0 || self.devices_per_node == 0 {
+            return Err(PlanError::NoNodes(self.devices));
+        }
+        if self.slots_per_device == 0 {
+            return Err(PlanError::NoSlots(0));
+        }
+        if !self.devices.is_multiple_of(self.devices_per_node) {
+            return Err(PlanError::DomainCount {
+                nodes: self.devices,
+                got: self.devices_per_node,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Hardware and model numbers the cost model needs.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LinkModel {
+    /// Activation bytes per token sent to an expert (e.g. `2·d_model` in bf16).
+    pub bytes_per_token: f64,
+    pub intra_node_bytes_per_s: f64,
+    pub inter_node_bytes_per_s: f64,
+    /// Forward seconds per token per expert MLP on one device.
+    pub compute_s_per_token: f64,
+    /// Parameters + optimizer state of one expert replica.
+    pub bytes_per_expert: u64,
+}
+
+/// What a re-layout decision is judged by.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Score {
+    pub step_time_s: f64,
+    pub comm_s: f64,
+    pub compute_s: f64,
+    /// max / mean tokens computed per device.
+    pub load_ratio: f64,
+    /// `T_step` with the two maxima replaced by power means of order 16 — a smooth stand-in
+    /// for the max that rewards relieving *any* heavily loaded device, not only the single
+    /// busiest one (a local search on the bare max stalls on its plateaus).
+    pub smooth_step_time_s: f64,
+}
+
+/// Per-device fractional dispatch of one layer, kept per expert so that a change to one or two
+/// experts re-evaluates in `O(devices)`.
+#[derive(Debug, Clone)]
+pub struct Evaluator {
+    topo: Topology,
+    link: LinkModel,
+    /// `traffic[d][e]`: tokens routed to `e` by the gate on device `d` (over the window).
+    traffic: Vec<Vec<f64>>,
+    /// `replicas[e][d]`.
+    replicas: Vec<Vec<u32>>,
+    /// Per expert, per device: (load, egress seconds, ingress seconds).
+    contrib: Vec<Vec<[f64; 3]>>,
+    /// Per device totals of the same.
+    total: Vec<[f64; 3]>,
+    /// Reused per-node sums.
+    scratch: Vec<f64>,
+}
+
+impl Evaluator {
+    /// `traffic[device][expert]` and the layout (`layout.grid()[device]`).
+    pub fn new(
+        topo: Topology,
+        link: LinkModel,
+        traffic: &[Vec<u64>],
+        layout: &LayerPlacement,
+    ) -> Result<Self, PlanError> {
+        topo.validate()?;
+        let experts = layout.experts();
+        if traffic.len() != topo.devices || layout.nodes() != topo.devices {
+            return Err(PlanError::LayerNodeMismatch {
+                layer: 0,
+                expected: topo.devices,
+                got: traffic.len().min(layout.nodes()),
+            });
+        }
+        if let Some(row) = traffic.iter().find(|r| r.len() != experts) {
+            return Err(PlanError::LoadCount {
+                expected: experts,
+                got: row.len(),
+            });
+        }
+        let mut ev = Evaluator {
+            topo,
+            link,
+            traffic: traffic
+                .iter()
+                .map(|r| r.iter().map(|&x| x as f64).collect())
+                .collect(),
+            replicas: layout.replica_matrix(),
+            contrib: vec![vec![[0.0; 3]; topo.devices]; experts],
+            total: vec![[0.0; 3]; topo.devices],
+            scratch: Vec::new(),
+        };
+        for e in 0..experts {
+            ev.refresh(e);
+        }
+        Ok(ev)
+    }
+
+    pub fn topology(&self) -> Topology {
+        self.topo
+    }
+
+    pub fn replicas(&self) -> &[Vec<u32>] {
+        &self.replicas
+    }
+
+    /// Total tokens of expert `e` over all devices.
+    pub fn expert_tokens(&self, e: usize) -> f64 {
+        self.traffic.iter().map(|r| r[e]).sum()
+    }
+
+    /// Tokens computed on each device.
+    pub fn device_load(&self) -> Vec<f64> {
+        self.total.iter().map(|t| t[0]).collect()
+    }
+
+    /// Recomputes expert `e`'s contribution after its replica counts changed. Allocation-free:
+    /// it runs for every candidate action the searches evaluate.
+    fn refresh(&mut self, e: usize) {
+        let d_n = self.topo.devices;
+        let nodes = self.topo.nodes();
+        let dpn = self.topo.devices_per_node;
+        let r: f64 = self.replicas[e].iter().map(|&x| x as f64).sum();
+        let t: f64 = self.traffic.iter().map(|row| row[e]).sum();
+        let b = self.link.bytes_per_token;
+        let (bi, bo) = (
+            self.link.intra_node_bytes_per_s,
+            self.link.inter_node_bytes_per_s,
+        );
+        let contrib = &mut self.contrib[e];
+        let scratch = &mut self.scratch;
+        scratch.clear();
+        scratch.resize(2 * nodes, 0.0);
+        let (over_node, resid_node) = scratch.split_at_mut(nodes);
+        // First pass: per-device capacity, overflow and residual (stored in `contrib` as
+        // [cap, over, resid] for now), node sums.
+        let mut s = 0.0;
+        for d in 0..d_n {
+            let cap = if r > 0.0 {
+                t * self.replicas[e][d] as f64 / r
+            } else {
+                0.0
+            };
+            let own = self.traffic[d][e];
+            let keep = own.min(cap);
+            let (over, resid) = (own - keep, cap - keep);
+            over_node[d / dpn] += over;
+            resid_node[d / dpn] += resid;
+            s += resid;
+            let old = contrib[d];
+            for (tot, o) in self.total[d].iter_mut().zip(old) {
+                *tot -= o;
+            }
+            contrib[d] = [cap, over, resid];
+        }
+        // Second pass: seconds of egress and ingress.
+        for (d, c) in contrib.iter_mut().enumerate() {
+            let [cap, over, resid] = *c;
+            let (mut eg, mut ing) = (0.0, 0.0);
+            if s > 0.0 && r > 0.0 && t > 0.0 {
+                let n = d / dpn;
+                let x = resid_node[n] / s;
+                eg = over * b * (x / bi + (1.0 - x) / bo);
+                let y = over_node[n] / s;
+                ing = resid * b * (y / bi + (1.0 - y) / bo);
+            }
+            let cap = if r > 0.0 && t > 0.0 { cap } else { 0.0 };
+            *c = [cap, eg, ing];
+            for (tot, x) in self.total[d].iter_mut().zip(*c) {
+                *tot += x;
+            }
+        }
+    }
+
+    /// Changes the replica count of `expert` on `device` by `delta` and re-evaluates.
+    pub fn adjust(&mut self, expert: usize, device: usize, delta: i32) {
+        let r = &mut self.replicas[expert][device];
+        *r = (*r as i64 + delta as i64).max(0) as u32;
+        self.refresh(expert);
+    }
+
+    pub fn score(&self) -> Score {
+        let (mut max_load, mut sum_load, mut max_comm) = (0.0f64, 0.0, 0.0f64);
+        for t in &self.total {
+            max_load = max_load.max(t[0]);
+            sum_load += t[0];
+            max_comm = max_comm.max(t[1].max(t[2]));
+        }
+        // Power means of order P, scaled by the maxima for numerical range.
+        const P: i32 = 16;
+        let (mut pl, mut pc) = (0.0f64, 0.0f64);
+        for t in &self.total {
+            if max_load > 0.0 {
+                pl += (t[0] / max_load).powi(P);
+            }
+            if max_comm > 0.0 {
+                pc += (t[1].max(t[2]) / max_comm).powi(P);
+            }
+        }
+        let n = self.topo.devices as f64;
+        let pmean = |sum: f64, max: f64| max * (sum / n).powf(1.0 / P as f64);
+        let mean = sum_load / n;
+        let comm_s = 4.0 * max_comm;
+        let compute_s = 3.0 * max_load * self.link.compute_s_per_token;
+        Score {
+            step_time_s: comm_s + compute_s,
+            comm_s,
+            compute_s,
+            load_ratio: if mean > 0.0 { max_load / mean } else { 1.0 },
+            smooth_step_time_s: 4.0 * pmean(pc, max_comm)
+                + 3.0 * pmean(pl, max_load) * self.link.compute_s_per_token,
+        }
+    }
+}
+
+/// Scores a layout under `traffic` (see the module docs).
+pub fn score(
+    topo: Topology,
+    link: LinkModel,
+    traffic: &[Vec<u64>],
+    layout: &LayerPlacement,
+) -> Result<Score, PlanError> {
+    Ok(Evaluator::new(topo, link, traffic, layout)?.score())
+}
+
+/// State moved from `old` to `new` (same devices): every expert a device holds in `new` but not
+/// in `old` is fetched once (duplicates on one device are local copies), from a device that
+/// holds it in `old` — the planner's migration machinery with the device identities kept
+/// ([`MappingMethod::Identity`]), so sources are spread over holders.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayoutMigration {
+    pub replicas: u64,
+    pub bytes: u64,
+    /// `(expert, src_device, dst_device)`.
+    pub transfers: Vec<(u32, u32, u32)>,
+    /// Busiest device's sent or received bytes over the inter-node link.
+    pub time_s: f64,
+}
+
+pub fn migration(
+    old: &LayerPlacement,
+    new: &LayerPlacement,
+    link: &LinkModel,
+) -> Result<LayoutMigration, PlanError> {
+    if old.nodes() != new.nodes() || old.experts() != new.experts() {
+        return Err(PlanError::LayerNodeMismatch {
+            layer: 0,
+            expected: old.nodes(),
+            got: new.nodes(),
+        });
+    }
+    let plan: Vec<Vec<Vec<u32>>> = new.grid().iter().map(|d| vec![d.clone()]).collect();
+    let physical: Vec<PhysicalNode> = old
+        .grid()
+        .iter()
+        .enumerate()
+        .map(|(d, row)| PhysicalNode {
+            id: d as u32,
+            holdings: vec![row.clone()],
+        })
+        .collect();
+    let m = map_nodes(
+        &plan,
+        &physical,
+        new.experts(),
+        MappingMethod::Identity,
+        link.bytes_per_expert,
+    )
+    .map_err(|e| match e {
+        crate::migrate::MigrateError::ExpertLost { expert, .. } => PlanError::ZeroReplicas {
+            expert: expert as usize,
+        },
+        _ => PlanError::LayerNodeMismatch {
+            layer: 0,
+            expected: old.nodes(),
+            got: new.nodes(),
+        },
+    })?;
+    Ok(LayoutMigration {
+        replicas: m.new_replicas,
+        bytes: m.bytes,
+        transfers: m
+            .transfers
+            .iter()
+            .map(|t| (t.expert, t.src, t.dst))
+            .collect(),
+        time_s: m.max_sent_bytes.max(m.max_recv_bytes) as f64 / link.inter_node_bytes_per_s,
+    })
+}
+
+/// The node-level view of a device layout (each node's slots = its devices' slots), for
+/// recovery probabilities under node failures.
+pub fn node_view(topo: Topology, layout: &LayerPlacement) -> LayerPlacement {
+    let grid: Vec<Vec<u32>> = layout
+        .grid()
+        .chunks(topo.devices_per_node)
+        .map(|devs| devs.iter().flatten().copied().collect())
+        .collect();
+    LayerPlacement::from_grid(grid, layout.experts(), None).expect("a regrouped valid layout")
+}
