@@ -34,7 +34,7 @@
 
 use super::Topology;
 use crate::error::PlanError;
-use crate::migrate::{PhysicalNode, cost_matrix, min_cost_assignment};
+use crate::migrate::{cost_matrix, min_cost_assignment};
 use crate::place::LayerPlacement;
 use serde::{Deserialize, Serialize};
 use std::cmp::Ordering;
@@ -321,16 +321,7 @@ pub fn eplb_remap(
             got: current.slots_per_node(),
         });
     }
-    let plan: Vec<Vec<Vec<u32>>> = fresh.grid().iter().map(|r| vec![r.clone()]).collect();
-    let physical: Vec<PhysicalNode> = current
-        .grid()
-        .iter()
-        .enumerate()
-        .map(|(d, row)| PhysicalNode {
-            id: d as u32,
-            holdings: vec![row.clone()],
-        })
-        .collect();
+    let (plan, physical) = super::device_rows(&fresh, current);
     let cost = cost_matrix(&plan, &physical, current.experts())
         .expect("rows of two layouts with the same shape and experts");
     let perm = min_cost_assignment(&cost);

@@ -313,16 +313,7 @@ pub fn migration(
             got: new.nodes(),
         });
     }
-    let plan: Vec<Vec<Vec<u32>>> = new.grid().iter().map(|d| vec![d.clone()]).collect();
-    let physical: Vec<PhysicalNode> = old
-        .grid()
-        .iter()
-        .enumerate()
-        .map(|(d, row)| PhysicalNode {
-            id: d as u32,
-            holdings: vec![row.clone()],
-        })
-        .collect();
+    let (plan, physical) = device_rows(new, old);
     let m = map_nodes(
         &plan,
         &physical,
@@ -350,6 +341,25 @@ pub fn migration(
             .collect(),
         time_s: m.max_sent_bytes.max(m.max_recv_bytes) as f64 / link.inter_node_bytes_per_s,
     })
+}
+
+/// Device rows as the migration planner's inputs: `new`'s rows as one-layer plan nodes, `old`'s
+/// as physical nodes (id = device index) holding what they hold now.
+pub(crate) fn device_rows(
+    new: &LayerPlacement,
+    old: &LayerPlacement,
+) -> (Vec<Vec<Vec<u32>>>, Vec<PhysicalNode>) {
+    let plan = new.grid().iter().map(|d| vec![d.clone()]).collect();
+    let physical = old
+        .grid()
+        .iter()
+        .enumerate()
+        .map(|(d, row)| PhysicalNode {
+            id: d as u32,
+            holdings: vec![row.clone()],
+        })
+        .collect();
+    (plan, physical)
 }
 
 /// The node-level view of a device layout (each node's slots = its devices' slots), for
