@@ -1,1 +1,126 @@
-//! placeholder
+//! # Data plane: the `Communicator` between workers
+//!
+//! Workers are separate OS processes, one per device. Each holds one [`Communicator`] that
+//! connects it to the other workers of the *current membership*: `world` ranks numbered
+//! `0..world`. The runtime uses it for MoE token dispatch ([`Communicator::all_to_all_v`]),
+//! routing statistics ([`Communicator::all_gather_u64`]), gradient reduction over the replicas of
+//! an expert ([`Communicator::all_reduce_sum`] over a subgroup), expert-state migration
+//! ([`Communicator::send_recv`]) and step fences ([`Communicator::barrier`]).
+//!
+//! This module holds the backend-neutral contract; [`TcpCommunicator`] (module [`tcp`]) is the
+//! CPU backend, a full mesh of TCP connections. A NCCL backend for CUDA workers is planned behind
+//! a `cuda` feature and will implement the same trait.
+//!
+//! ## Contract shared by every backend
+//!
+//! * **Collective discipline.** Every member of an operation calls the same operations in the
+//!   same order (for subgroup operations: every member of that subgroup). Ranks outside a
+//!   subgroup are not involved, so disjoint subgroups may reduce concurrently.
+//! * **Errors are final.** A failed operation may leave messages half-sent, so after any error
+//!   that happened once I/O had started the communicator aborts itself (see
+//!   [`Communicator::abort`]): later operations fail fast with [`CommError::Aborted`] and peers
+//!   blocked on this rank see [`CommError::PeerClosed`] at once instead of waiting for their
+//!   timeout. Argument errors ([`CommError::BadShape`] found before anything is sent) leave the
+//!   communicator usable. Lazarus recovers from a failure by re-forming: the control plane
+//!   computes the new membership and every surviving worker builds a *new* communicator with a
+//!   new, larger membership epoch; a communicator is never repaired in place.
+//! * **Bounded blocking.** No operation blocks forever: the backend's timeout bounds every wait
+//!   on a peer, and a dead or silent peer is named in the error ([`CommError::PeerClosed`] or
+//!   [`CommError::Timeout`]).
+//! * **Determinism.** [`Communicator::all_reduce_sum`] gives every member bit-identical results,
+//!   so replicas of an expert never drift apart.
+
+pub mod tcp;
+mod wire;
+
+pub use tcp::{AbortHandle, LocalGroup, TcpCommunicator};
+
+/// Index of a worker in the current membership, `0..world`.
+pub type Rank = usize;
+
+/// Why a communicator operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    /// Peer `peer` sent or accepted nothing for `ms` milliseconds during `op`: it is dead,
+    /// stalled, or not (yet) in the same operation.
+    #[error("{op}: timed out after {ms} ms waiting on rank {peer}")]
+    Timeout {
+        /// The silent peer.
+        peer: Rank,
+        /// The operation (`"all_to_all_v"`, `"rendezvous"`, ...).
+        op: &'static str,
+        /// The timeout that expired.
+        ms: u64,
+    },
+    /// The connection to `peer` was closed or reset (the peer exited, dropped or aborted its
+    /// communicator).
+    #[error("rank {peer} closed the connection")]
+    PeerClosed {
+        /// The peer whose connection closed.
+        peer: Rank,
+    },
+    /// This communicator was aborted (explicitly, or by an earlier error).
+    #[error("communicator aborted")]
+    Aborted,
+    /// Any other I/O error (binding, socket options, ...).
+    #[error("i/o error: {0}")]
+    Io(#[from] std::io::Error),
+    /// A peer sent something unexpected: wrong epoch, wrong operation or sequence number (the
+    /// ranks called different operations: a desync), a malformed frame, or a rejected handshake.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// The arguments are inconsistent (wrong number of buffers, rank out of range, bad group,
+    /// or buffer lengths that differ between the members of an all-reduce).
+    #[error("bad shape: {0}")]
+    BadShape(String),
+}
+
+/// Collective and point-to-point operations among the workers of one membership.
+///
+/// See the [module documentation](self) for the contract every backend keeps.
+pub trait Communicator: Send {
+    /// This worker's rank, `0..world()`.
+    fn rank(&self) -> Rank;
+
+    /// Number of workers in the membership.
+    fn world(&self) -> usize;
+
+    /// Variable-count all-to-all: `send[dst]` goes to rank dst; returns `recv[src]`. No padding.
+    ///
+    /// `send.len()` must be `world()` (else [`CommError::BadShape`]); any entry may be empty.
+    /// `send[rank()]` is returned as `recv[rank()]` without a copy.
+    fn all_to_all_v(&mut self, send: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>, CommError>;
+
+    /// Same for u64 (token counts / routing statistics): every rank contributes `mine` (lengths
+    /// may differ between ranks); returns `all[src]` for every rank, including this one.
+    fn all_gather_u64(&mut self, mine: &[u64]) -> Result<Vec<Vec<u64>>, CommError>;
+
+    /// Sum-all-reduce in place over an arbitrary subgroup (sorted distinct ranks containing
+    /// self.rank()); deterministic: every member ends with bit-identical results.
+    ///
+    /// The result is the left fold in ascending rank order,
+    /// `((buf[g0] + buf[g1]) + buf[g2]) + ...` element-wise, computed once and then copied to
+    /// every member, so it is bit-identical everywhere and reproducible run to run. Every member
+    /// must pass a buffer of the same length (else [`CommError::BadShape`]). A group of one is a
+    /// no-op.
+    fn all_reduce_sum(&mut self, group: &[Rank], buf: &mut [f32]) -> Result<(), CommError>;
+
+    /// Batched point-to-point: send each (dst, data) and receive from each listed src (for
+    /// expert-state migration).
+    ///
+    /// Several messages may go to the same destination; they arrive in the order they were
+    /// listed, and the receiver lists that source once per message. The result has one
+    /// `(src, data)` per entry of `recv_from`, in that order. Sending to oneself is allowed when
+    /// `recv_from` lists oneself as often. Pairs of ranks that exchange nothing are not involved.
+    fn send_recv(
+        &mut self,
+        sends: Vec<(Rank, Vec<f32>)>,
+        recv_from: &[Rank],
+    ) -> Result<Vec<(Rank, Vec<f32>)>, CommError>;
+
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&mut self) -> Result<(), CommError>;
+
+    /// Abort: every later op fails fast with Aborted; peers blocked on us see PeerClosed/Timeout.
+    fn abort(&mut self);
+}

@@ -1,1 +1,33 @@
-//! placeholder
+//! The GPT-style MoE model of the executor, split so that experts can live on other workers.
+//!
+//! * [`DenseModel`] — everything every worker replicates (embeddings, causal self-attention,
+//!   layer norms, one router per MoE layer, final norm, tied LM head) in a candle `VarMap`,
+//!   initialised from `(seed, name)` so all workers start bit-identical.
+//! * [`ExpertStore`] — only the expert replicas this worker's plan assigns, each with its own
+//!   [`AdamW`] state; [`ExpertStore::export`] / [`ExpertStore::import`] move a replica
+//!   (weights + moments + step) and [`ExpertStore::checksum`] proves two copies identical.
+//! * [`ExpertExec`] — how routed tokens reach the experts: [`LocalExperts`] computes with the
+//!   local store; the distributed runtime plugs in its all-to-all.
+//! * [`Trainer`] — the single-worker reference loop on the byte-level [`Corpus`].
+//!
+//! Routing: `softmax(x·W_r)` over the experts (the differentiable `ops::softmax`), top-k on the
+//! host (ties to the lower id), gates renormalised over the chosen experts when `k ≥ 2` and the
+//! raw probability when `k = 1` (Switch; a renormalised single gate would be constantly 1 and
+//! the router would learn only from the balancing loss), Switch load-balancing loss
+//! `E·Σ_e frac_e·mean_prob_e` averaged over layers and weighted by `lb_loss_coef`. Routing can
+//! be replayed with [`DenseModel::set_forced_routing`].
+mod config;
+mod data;
+mod dense;
+mod experts;
+mod init;
+mod optim;
+mod train;
+
+pub use config::{ConfigError, MoeConfig};
+pub use data::{ByteTokenizer, Corpus, EMBEDDED_CORPUS};
+pub use dense::{DenseModel, RoutingStats};
+pub use experts::{ExpertExec, ExpertState, ExpertStore, ExpertWeights, LocalExperts};
+pub use init::Fnv64;
+pub use optim::{AdamW, OptimState, ParamState, ParamsAdamW};
+pub use train::{StepReport, Trainer};

@@ -1,0 +1,229 @@
+//! The agent: one per node. It registers with the controller, heartbeats, forwards every plan to
+//! the node's runtime and reports the runtime's routing counts.
+//!
+//! Heartbeats must never wait on the runtime: a slow runtime would otherwise look like a dead
+//! node. So plans are handed over through a one-plan mailbox — while the runtime has not taken
+//! the previous one, a newer plan replaces it (only the latest plan matters) — and the heartbeat
+//! timer keeps running meanwhile.
+
+use std::time::Duration;
+
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, watch};
+use tokio::time::MissedTickBehavior;
+
+use super::proto::{self, Framed, PROTOCOL_VERSION, PlanMsg, ProtoError, ToAgent, ToController};
+use super::shutdown_signal;
+
+/// Where and as whom an agent connects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentConfig {
+    /// Controller address, `host:port`.
+    pub addr: String,
+    /// Shared cluster secret.
+    pub token: String,
+    /// Node name, unique among live nodes.
+    pub node: String,
+    /// Accelerators (or worker processes) on this node.
+    pub devices: usize,
+    /// Heartbeat period; keep it well below the controller's heartbeat timeout.
+    pub heartbeat_every_ms: u64,
+    /// Bound on connecting and on waiting for the controller's answer to `Register`.
+    pub register_timeout_ms: u64,
+}
+
+impl AgentConfig {
+    /// Heartbeat every second, 10 s to register.
+    pub fn new(
+        addr: impl Into<String>,
+        token: impl Into<String>,
+        node: impl Into<String>,
+        devices: usize,
+    ) -> Self {
+        Self {
+            addr: addr.into(),
+            token: token.into(),
+            node: node.into(),
+            devices,
+            heartbeat_every_ms: 1_000,
+            register_timeout_ms: 10_000,
+        }
+    }
+}
+
+/// One training step's routed-token counts from the runtime, `counts[layer][expert]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepCounts {
+    pub step: u64,
+    pub counts: Vec<Vec<u64>>,
+}
+
+/// How an agent ended without error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AgentExit {
+    /// The controller sent `Shutdown`.
+    ControllerShutdown,
+    /// The local shutdown signal fired; the agent said `Bye`.
+    LocalShutdown,
+}
+
+/// Why an agent stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("heartbeat_every_ms must be at least 1")]
+    ZeroHeartbeat,
+    #[error("cannot connect to controller at {addr}: {source}")]
+    Connect {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("controller at {addr} did not answer Register within {ms} ms")]
+    RegisterTimeout { addr: String, ms: u64 },
+    #[error("controller rejected node: {reason}")]
+    Rejected { reason: String },
+    #[error("controller closed the connection")]
+    ControllerClosed,
+    #[error("controller sent an unexpected {0}")]
+    Unexpected(&'static str),
+    #[error("the runtime's plan channel is closed")]
+    RuntimeGone,
+    #[error(transparent)]
+    Proto(#[from] ProtoError),
+}
+
+/// A registered agent, before its main loop runs.
+#[derive(Debug)]
+pub struct Agent {
+    framed: Framed,
+    node_id: u32,
+    heartbeat_every: Duration,
+}
+
+impl Agent {
+    /// Connects and registers (both bounded by `register_timeout_ms`).
+    pub async fn register(cfg: &AgentConfig) -> Result<Self, AgentError> {
+        if cfg.heartbeat_every_ms == 0 {
+            return Err(AgentError::ZeroHeartbeat);
+        }
+        let limit = Duration::from_millis(cfg.register_timeout_ms);
+        let timed_out = || AgentError::RegisterTimeout {
+            addr: cfg.addr.clone(),
+            ms: cfg.register_timeout_ms,
+        };
+        let stream = tokio::time::timeout(limit, TcpStream::connect(&cfg.addr))
+            .await
+            .map_err(|_| timed_out())?
+            .map_err(|source| AgentError::Connect {
+                addr: cfg.addr.clone(),
+                source,
+            })?;
+        // Small frames, latency matters more than throughput.
+        let _ = stream.set_nodelay(true);
+        let mut framed = proto::framed(stream);
+        let register = ToController::Register {
+            version: PROTOCOL_VERSION,
+            token: cfg.token.clone(),
+            node: cfg.node.clone(),
+            devices: cfg.devices,
+        };
+        let answer = tokio::time::timeout(limit, async {
+            proto::send(&mut framed, &register).await?;
+            proto::recv::<ToAgent>(&mut framed).await
+        })
+        .await
+        .map_err(|_| timed_out())??;
+        match answer {
+            Some(ToAgent::Registered { node_id }) => Ok(Self {
+                framed,
+                node_id,
+                heartbeat_every: Duration::from_millis(cfg.heartbeat_every_ms),
+            }),
+            Some(ToAgent::Rejected { reason }) => Err(AgentError::Rejected { reason }),
+            Some(ToAgent::Plan(_)) => Err(AgentError::Unexpected("Plan before Registered")),
+            Some(ToAgent::Shutdown) => Err(AgentError::Unexpected("Shutdown before Registered")),
+            None => Err(AgentError::ControllerClosed),
+        }
+    }
+
+    /// The id the controller gave this node.
+    pub fn node_id(&self) -> u32 {
+        self.node_id
+    }
+
+    /// Main loop: heartbeats every `heartbeat_every_ms` (carrying the last step the runtime
+    /// reported), forwards every plan to `plans` (members or not; only the latest one if the
+    /// runtime lags), sends each [`StepCounts`] from `stats` as `RoutingStats` (a closed
+    /// `stats` just stops reporting). Ends on the controller's `Shutdown` (`Ok`), on the local
+    /// `shutdown` turning `true` or its sender dropping (`Bye`, then `Ok`), on `Rejected`
+    /// (`Err` with the controller's reason), or when the runtime drops `plans` (`Bye`, then
+    /// `Err`).
+    pub async fn run(
+        mut self,
+        plans: mpsc::Sender<PlanMsg>,
+        mut stats: mpsc::Receiver<StepCounts>,
+        mut shutdown: watch::Receiver<bool>,
+    ) -> Result<AgentExit, AgentError> {
+        let node_id = self.node_id;
+        let framed = &mut self.framed;
+        let start = tokio::time::Instant::now() + self.heartbeat_every;
+        let mut heartbeat = tokio::time::interval_at(start, self.heartbeat_every);
+        heartbeat.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut mailbox: Option<PlanMsg> = None;
+        let mut stats_open = true;
+        let mut step = 0u64;
+        loop {
+            tokio::select! {
+                _ = shutdown_signal(&mut shutdown) => {
+                    proto::send(framed, &ToController::Bye { node_id }).await?;
+                    return Ok(AgentExit::LocalShutdown);
+                }
+                msg = proto::recv::<ToAgent>(framed) => match msg? {
+                    Some(ToAgent::Plan(plan)) => mailbox = Some(plan),
+                    Some(ToAgent::Shutdown) => return Ok(AgentExit::ControllerShutdown),
+                    Some(ToAgent::Rejected { reason }) => {
+                        return Err(AgentError::Rejected { reason });
+                    }
+                    Some(ToAgent::Registered { .. }) => {
+                        return Err(AgentError::Unexpected("second Registered"));
+                    }
+                    None => return Err(AgentError::ControllerClosed),
+                },
+                permit = plans.reserve(), if mailbox.is_some() => match permit {
+                    Ok(permit) => {
+                        if let Some(plan) = mailbox.take() {
+                            permit.send(plan);
+                        }
+                    }
+                    Err(_) => {
+                        proto::send(framed, &ToController::Bye { node_id }).await?;
+                        return Err(AgentError::RuntimeGone);
+                    }
+                },
+                _ = heartbeat.tick() => {
+                    proto::send(framed, &ToController::Heartbeat { node_id, step }).await?;
+                }
+                report = stats.recv(), if stats_open => match report {
+                    Some(StepCounts { step: s, counts }) => {
+                        step = step.max(s);
+                        let msg = ToController::RoutingStats { node_id, step: s, counts };
+                        proto::send(framed, &msg).await?;
+                    }
+                    None => stats_open = false,
+                },
+            }
+        }
+    }
+}
+
+/// Registers and runs an agent ([`Agent::register`] then [`Agent::run`]).
+pub async fn run_agent(
+    cfg: &AgentConfig,
+    plans: mpsc::Sender<PlanMsg>,
+    stats: mpsc::Receiver<StepCounts>,
+    shutdown: watch::Receiver<bool>,
+) -> Result<AgentExit, AgentError> {
+    Agent::register(cfg)
+        .await?
+        .run(plans, stats, shutdown)
+        .await
+}

@@ -1,0 +1,216 @@
+//! The control-plane wire protocol: serde messages encoded with postcard, one message per
+//! length-delimited frame (4-byte big-endian length, then the postcard bytes).
+//!
+//! # Versioning
+//! Both sides are built from this crate, so the protocol is internal and versioned as a whole
+//! by [`PROTOCOL_VERSION`]: any change to a message's layout bumps it. An agent announces its
+//! version in [`ToController::Register`], and the controller rejects a mismatch with a
+//! [`ToAgent::Rejected`] that names both versions. For that to work across versions two things
+//! are frozen forever: `Register` is variant 0 of [`ToController`] and `version` is its first
+//! field, so [`register_version`] can read the version of a `Register` frame from *any*
+//! protocol version even when the rest of the frame no longer decodes; and `Rejected` is
+//! variant 1 of [`ToAgent`] with one `String`, so an old agent can still read why it was
+//! turned away.
+//!
+//! # Robustness
+//! Decoding never panics: a garbage, truncated or over-long frame is a [`ProtoError`], and the
+//! decoders reject trailing bytes (postcard alone would ignore them). Frames are capped at
+//! [`MAX_FRAME_BYTES`] by the codec, so a corrupt length prefix cannot make a peer allocate
+//! gigabytes.
+
+use bytes::Bytes;
+use futures_util::{SinkExt, StreamExt};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpStream;
+use tokio_util::codec::LengthDelimitedCodec;
+
+/// Version of the control protocol; bumped on any change of a message layout.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// Largest frame either side accepts (64 MiB). A plan for 1000 nodes × 32 layers × 32 slots
+/// is about 1 M varint expert ids, a few MiB; the cap leaves an order of magnitude of room.
+pub const MAX_FRAME_BYTES: usize = 64 << 20;
+
+/// A TCP stream framed into length-delimited messages.
+pub type Framed = tokio_util::codec::Framed<TcpStream, LengthDelimitedCodec>;
+
+/// Wraps a connected stream with the protocol's codec (frame cap [`MAX_FRAME_BYTES`]).
+pub fn framed(stream: TcpStream) -> Framed {
+    let codec = LengthDelimitedCodec::builder()
+        .max_frame_length(MAX_FRAME_BYTES)
+        .new_codec();
+    tokio_util::codec::Framed::new(stream, codec)
+}
+
+/// Agent → controller.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ToController {
+    /// First message on a connection. Must stay variant 0 with `version` first (see the
+    /// module docs).
+    Register {
+        version: u16,
+        /// Shared cluster secret (see `ControllerConfig::token`).
+        token: String,
+        /// Node name, unique among the live nodes (e.g. the host name).
+        node: String,
+        /// Accelerators (or worker processes) on the node; at least 1.
+        devices: usize,
+    },
+    /// Liveness; `step` is the last training step the node's runtime reported.
+    Heartbeat { node_id: u32, step: u64 },
+    /// Tokens routed to each expert by this node in training step `step`: `counts[layer][expert]`.
+    RoutingStats {
+        node_id: u32,
+        step: u64,
+        counts: Vec<Vec<u64>>,
+    },
+    /// Graceful departure; the node is removed at once (no heartbeat timeout).
+    Bye { node_id: u32 },
+}
+
+/// Controller → agent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ToAgent {
+    /// Registration accepted; the node's id for the rest of the connection.
+    Registered { node_id: u32 },
+    /// Registration refused, or the node was fenced out (expired, protocol violation). The
+    /// controller closes the connection after sending it. Must stay variant 1 (module docs).
+    Rejected { reason: String },
+    /// A new plan; sent to every live agent, members or not.
+    Plan(PlanMsg),
+    /// The controller is shutting down; the agent should stop.
+    Shutdown,
+}
+
+/// A whole-model plan as the runtime needs it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlanMsg {
+    /// Increases by one with every plan the controller issues (the first is 1).
+    pub version: u64,
+    /// Node ids taking part, in plan-node order: `members[i]` plays plan node `i` (the data
+    /// plane's node rank).
+    pub members: Vec<u32>,
+    /// Per member, in `members` order: `(node_id, holdings)` with `holdings[layer]` = the expert
+    /// ids in that node's slots (duplicates = several replicas of one expert).
+    pub assignment: Vec<(u32, Vec<Vec<u32>>)>,
+    /// Expert states to fetch before training resumes: `(layer, expert, src, dst)` node ids.
+    /// Empty when `restore_from_checkpoint` is set.
+    pub transfers: Vec<(u32, u32, u32, u32)>,
+    /// Some expert lost every replica: every member loads its whole assignment (and the
+    /// non-expert state) from the last checkpoint instead of fetching from peers.
+    pub restore_from_checkpoint: bool,
+}
+
+impl PlanMsg {
+    /// Whether `node_id` takes part in this plan.
+    pub fn is_member(&self, node_id: u32) -> bool {
+        self.members.contains(&node_id)
+    }
+
+    /// What `node_id` must hold under this plan (`[layer]` → expert ids), if it is a member.
+    pub fn holdings_of(&self, node_id: u32) -> Option<&[Vec<u32>]> {
+        self.assignment
+            .iter()
+            .find(|(id, _)| *id == node_id)
+            .map(|(_, h)| h.as_slice())
+    }
+}
+
+/// Why a message could not be encoded, decoded, sent or received.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtoError {
+    #[error("cannot encode control message: {0}")]
+    Encode(postcard::Error),
+    #[error("malformed control frame ({len} bytes): {source}")]
+    Decode { len: usize, source: postcard::Error },
+    #[error("control frame has {extra} trailing bytes after a complete message")]
+    TrailingBytes { extra: usize },
+    #[error("control connection I/O: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Encodes one message as a frame payload.
+pub fn encode<T: Serialize>(msg: &T) -> Result<Bytes, ProtoError> {
+    postcard::to_stdvec(msg)
+        .map(Bytes::from)
+        .map_err(ProtoError::Encode)
+}
+
+/// Decodes one frame payload; the whole frame must be one message.
+pub fn decode<T: DeserializeOwned>(frame: &[u8]) -> Result<T, ProtoError> {
+    let (msg, rest) = postcard::take_from_bytes(frame).map_err(|source| ProtoError::Decode {
+        len: frame.len(),
+        source,
+    })?;
+    if rest.is_empty() {
+        Ok(msg)
+    } else {
+        Err(ProtoError::TrailingBytes { extra: rest.len() })
+    }
+}
+
+/// The protocol version of a `Register` frame from any protocol version, or `None` if the
+/// frame is not a `Register` (see the module docs for why this prefix is frozen).
+pub fn register_version(frame: &[u8]) -> Option<u16> {
+    // Postcard writes an enum as varint(u32 variant index) followed by the fields.
+    match postcard::take_from_bytes::<(u32, u16)>(frame) {
+        Ok(((0, version), _)) => Some(version),
+        _ => None,
+    }
+}
+
+/// Sends one message.
+pub async fn send<T: Serialize>(framed: &mut Framed, msg: &T) -> Result<(), ProtoError> {
+    framed.send(encode(msg)?).await?;
+    Ok(())
+}
+
+/// Receives one message; `Ok(None)` when the peer closed the connection cleanly.
+pub async fn recv<T: DeserializeOwned>(framed: &mut Framed) -> Result<Option<T>, ProtoError> {
+    match framed.next().await {
+        None => Ok(None),
+        Some(frame) => decode(&frame?).map(Some),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn register_prefix_is_readable() {
+        let msg = ToController::Register {
+            version: 7,
+            token: "t".into(),
+            node: "n".into(),
+            devices: 1,
+        };
+        let bytes = encode(&msg).unwrap();
+        assert_eq!(register_version(&bytes), Some(7));
+        let hb = encode(&ToController::Heartbeat {
+            node_id: 0,
+            step: 3,
+        })
+        .unwrap();
+        assert_eq!(register_version(&hb), None);
+        assert_eq!(register_version(&[]), None);
+    }
+
+    #[test]
+    fn trailing_bytes_are_an_error() {
+        let mut bytes = encode(&ToAgent::Shutdown).unwrap().to_vec();
+        bytes.push(0);
+        assert!(matches!(
+            decode::<ToAgent>(&bytes),
+            Err(ProtoError::TrailingBytes { extra: 1 })
+        ));
+    }
+
+    #[test]
+    fn frozen_variant_indices() {
+        // Rejected must stay variant 1 so any agent version can read why it was refused.
+        let bytes = encode(&ToAgent::Rejected { reason: "x".into() }).unwrap();
+        assert_eq!(bytes[0], 1);
+    }
+}

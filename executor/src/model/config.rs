@@ -1,0 +1,149 @@
+//! Shape and training hyper-parameters of the GPT-style MoE model.
+
+use serde::{Deserialize, Serialize};
+
+/// Why a [`MoeConfig`] cannot build a model. Each variant names the offending quantity.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{name} must be at least 1 (got 0)")]
+    Zero { name: &'static str },
+    #[error("d_model {d_model} is not divisible by n_heads {n_heads}")]
+    HeadSplit { d_model: usize, n_heads: usize },
+    #[error("top_k must be in 1..=experts ({experts}), got {top_k}")]
+    TopK { top_k: usize, experts: usize },
+    #[error("vocab {vocab} does not fit in u32 token ids")]
+    Vocab { vocab: usize },
+}
+
+/// Model shape plus the few training knobs the executor needs.
+///
+/// Every one of the `n_layers` transformer blocks has an MoE feed-forward (`experts` experts of
+/// `d_model → d_ff → d_model`, GELU) chosen by a router `Linear(d_model, experts)`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    pub vocab: usize,
+    pub d_model: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub d_ff: usize,
+    pub experts: usize,
+    /// Experts per token: 1 (Switch) or 2 (GShard); any `1..=experts` works.
+    pub top_k: usize,
+    /// Positions per training sequence (the model predicts `seq_len` next tokens from
+    /// `seq_len + 1` sampled tokens).
+    pub seq_len: usize,
+    /// Sequences per step and worker.
+    pub batch: usize,
+    /// Weight of the Switch load-balancing loss (mean over layers); 0 disables it.
+    pub lb_loss_coef: f64,
+    pub lr: f64,
+    pub seed: u64,
+}
+
+impl MoeConfig {
+    /// A byte-level model that trains visibly in well under a minute on 2 CPU cores (release).
+    pub fn tiny() -> Self {
+        Self {
+            vocab: 256,
+            d_model: 64,
+            n_layers: 2,
+            n_heads: 4,
+            d_ff: 128,
+            experts: 4,
+            top_k: 2,
+            seq_len: 32,
+            batch: 8,
+            lb_loss_coef: 0.01,
+            lr: 3e-3,
+            seed: 0,
+        }
+    }
+
+    /// The paper's GPT-S (Lazarus §6.1): 12 layers, d 768, 8 experts, top-1.
+    pub fn gpt_s() -> Self {
+        Self::gpt(768, 12, 8)
+    }
+
+    /// The paper's GPT-M: 12 layers, d 1024, 12 experts, top-1.
+    pub fn gpt_m() -> Self {
+        Self::gpt(1024, 16, 12)
+    }
+
+    /// The paper's GPT-L: 12 layers, d 1024, 16 experts, top-1.
+    pub fn gpt_l() -> Self {
+        Self::gpt(1024, 16, 16)
+    }
+
+    /// GPT-2 vocabulary, 12 layers, head size 64, `d_ff = 4·d`, seq 1024, batch 4, top-1.
+    fn gpt(d_model: usize, n_heads: usize, experts: usize) -> Self {
+        Self {
+            vocab: 50257,
+            d_model,
+            n_layers: 12,
+            n_heads,
+            d_ff: 4 * d_model,
+            experts,
+            top_k: 1,
+            seq_len: 1024,
+            batch: 4,
+            lb_loss_coef: 0.01,
+            lr: 1e-4,
+            seed: 0,
+        }
+    }
+
+    /// Checks that the shape can be built.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (name, v) in [
+            ("vocab", self.vocab),
+            ("d_model", self.d_model),
+            ("n_layers", self.n_layers),
+            ("n_heads", self.n_heads),
+            ("d_ff", self.d_ff),
+            ("experts", self.experts),
+            ("seq_len", self.seq_len),
+            ("batch", self.batch),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::Zero { name });
+            }
+        }
+        if !self.d_model.is_multiple_of(self.n_heads) {
+            return Err(ConfigError::HeadSplit {
+                d_model: self.d_model,
+                n_heads: self.n_heads,
+            });
+        }
+        if self.top_k == 0 || self.top_k > self.experts {
+            return Err(ConfigError::TopK {
+                top_k: self.top_k,
+                experts: self.experts,
+            });
+        }
+        if u32::try_from(self.vocab).is_err() {
+            return Err(ConfigError::Vocab { vocab: self.vocab });
+        }
+        Ok(())
+    }
+
+    /// Parameters of one expert (`w1` + `w2`, no biases).
+    pub fn expert_params(&self) -> usize {
+        2 * self.d_model * self.d_ff
+    }
+
+    /// Parameters replicated on every worker: embeddings (LM head tied to the token
+    /// embedding), attention, layer norms, routers, final norm.
+    pub fn dense_params(&self) -> usize {
+        let d = self.d_model;
+        let per_layer = 2 * 2 * d // ln1, ln2
+            + 3 * d * d + 3 * d // qkv
+            + d * d + d // proj
+            + d * self.experts; // router
+        self.vocab * d + self.seq_len * d + self.n_layers * per_layer + 2 * d
+    }
+
+    /// Bytes of one expert replica's training state in f32: weights plus two AdamW moments.
+    pub fn expert_state_bytes(&self) -> usize {
+        3 * 4 * self.expert_params()
+    }
+}
