@@ -5,9 +5,11 @@
 //! **data plane** (a `Communicator` for collectives between workers, the MoE model on candle).
 //! Every placement, dispatch and migration decision is the planner's.
 //!
-//! Built so far: the pieces below, each tested on its own; the runtime that joins them (per-layer
-//! dispatch with `lazarus_planner::dispatch`, expert-gradient all-reduce over replicas, recovery,
-//! checkpoints) and the `lzrun` binary are the next step.
+//! Built so far: the communicator, the model, the control plane and the distributed expert
+//! runtime (per-layer dispatch with `lazarus_planner::dispatch`, backward exchanges, replica-group
+//! gradient all-reduce), each tested; worker processes, recovery, checkpoints and the `lzrun`
+//! binary are the next step (`executor/README.md`).
 pub mod comm;
 pub mod control;
 pub mod model;
+pub mod runtime;

@@ -1,0 +1,528 @@
+//! [`DistributedExperts`]: expert execution across workers (see the [module docs](super)).
+
+use crate::comm::{Communicator, Rank};
+use crate::model::{AdamW, DenseModel, ExpertExec, ExpertStore, ExpertWeights, RoutingStats};
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor, Var};
+use lazarus_planner::dispatch::{DispatchPlan, RecvBlock, plan};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+fn wrap<E: std::error::Error + Send + Sync + 'static>(e: E) -> candle_core::Error {
+    candle_core::Error::wrap(e)
+}
+
+/// What one forward exchange of one MoE layer did on this worker.
+#[derive(Debug, Clone)]
+pub struct LayerLog {
+    pub layer: usize,
+    /// The dispatch plan (identical on every worker).
+    pub plan: DispatchPlan,
+    /// `[expert]` rows this worker actually ran through its replica of the expert.
+    pub computed: Vec<u64>,
+}
+
+/// Mutable state shared by the executor and its custom ops (which run inside
+/// `loss.backward()`).
+struct Inner {
+    comm: Box<dyn Communicator>,
+    weights: BTreeMap<(usize, usize), ExpertWeights>,
+    /// Expert weight gradients accumulated by backward exchanges since the last reset.
+    grads: BTreeMap<(usize, usize), (Tensor, Tensor)>,
+    /// Tokens routed to `(layer, expert)` over all workers since the last reset.
+    routed: BTreeMap<(usize, usize), u64>,
+    log: Vec<LayerLog>,
+}
+
+impl Inner {
+    fn weights(&self, layer: usize, expert: usize) -> Result<&ExpertWeights> {
+        match self.weights.get(&(layer, expert)) {
+            Some(w) => Ok(w),
+            None => candle_core::bail!(
+                "rank {}: tokens of expert ({layer}, {expert}) arrived but no replica is held",
+                self.comm.rank()
+            ),
+        }
+    }
+}
+
+/// The blocks of the receive buffer grouped by expert, in layout order.
+fn by_expert(layout: &[RecvBlock]) -> BTreeMap<usize, Vec<RecvBlock>> {
+    let mut m: BTreeMap<usize, Vec<RecvBlock>> = BTreeMap::new();
+    for b in layout {
+        m.entry(b.expert).or_default().push(*b);
+    }
+    m
+}
+
+fn gather(buf: &[f32], blocks: &[RecvBlock], d: usize) -> Vec<f32> {
+    let mut out = Vec::new();
+    for b in blocks {
+        let (s, n) = (b.start as usize * d, b.len as usize * d);
+        out.extend_from_slice(&buf[s..s + n]);
+    }
+    out
+}
+
+fn scatter(out: &mut [f32], blocks: &[RecvBlock], d: usize, data: &[f32]) {
+    let mut pos = 0;
+    for b in blocks {
+        let (s, n) = (b.start as usize * d, b.len as usize * d);
+        out[s..s + n].copy_from_slice(&data[pos..pos + n]);
+        pos += n;
+    }
+}
+
+/// Rows of `local` (local order) in send order, split per destination.
+fn to_send(local: &[f32], order: &[usize], counts: &[u64], d: usize) -> Vec<Vec<f32>> {
+    let mut rows = order.iter().map(|&i| &local[i * d..(i + 1) * d]);
+    counts
+        .iter()
+        .map(|&c| {
+            let mut v = Vec::with_capacity(c as usize * d);
+            for _ in 0..c {
+                v.extend_from_slice(rows.next().expect("send_order covers every row"));
+            }
+            v
+        })
+        .collect()
+}
+
+/// Inverse of [`to_send`]: rows in send order (concatenated per destination) back to local
+/// order.
+fn from_send(sent: &[Vec<f32>], order: &[usize], d: usize) -> Result<Vec<f32>> {
+    let flat: Vec<f32> = sent.concat();
+    if flat.len() != order.len() * d {
+        candle_core::bail!(
+            "reverse exchange returned {} values, expected {}",
+            flat.len(),
+            order.len() * d
+        );
+    }
+    let mut out = vec![0f32; flat.len()];
+    for (k, &i) in order.iter().enumerate() {
+        out[i * d..(i + 1) * d].copy_from_slice(&flat[k * d..(k + 1) * d]);
+    }
+    Ok(out)
+}
+
+/// Splits a receive-layout buffer into per-source chunks (`counts[src]` rows each).
+fn split_rows(buf: &[f32], counts: &[u64], d: usize) -> Vec<Vec<f32>> {
+    let mut pos = 0;
+    counts
+        .iter()
+        .map(|&c| {
+            let n = c as usize * d;
+            let v = buf[pos..pos + n].to_vec();
+            pos += n;
+            v
+        })
+        .collect()
+}
+
+/// Everything the backward exchange of one layer needs.
+struct LayerCtx {
+    layer: usize,
+    rank: Rank,
+    d: usize,
+    plan: DispatchPlan,
+    /// Send permutation of the local rows (see `DispatchPlan::send_order`).
+    order: Vec<usize>,
+    /// Receive buffer of the forward exchange (inputs of the local experts).
+    recv_x: Vec<f32>,
+    groups: BTreeMap<usize, Vec<RecvBlock>>,
+    /// The layer's outputs in local order (what the op's forward returns).
+    y_local: Vec<f32>,
+}
+
+/// The custom op that carries the outputs forward and performs the reverse exchange in
+/// backward.
+struct ExchangeOp {
+    shared: Arc<Mutex<Inner>>,
+    ctx: Arc<LayerCtx>,
+}
+
+fn lock(m: &Mutex<Inner>) -> Result<MutexGuard<'_, Inner>> {
+    m.lock()
+        .map_err(|_| candle_core::Error::Msg("distributed experts: lock poisoned".into()))
+}
+
+impl CustomOp1 for ExchangeOp {
+    fn name(&self) -> &'static str {
+        "moe-exchange"
+    }
+
+    fn cpu_fwd(&self, _s: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let shape = layout.shape().clone();
+        if shape.elem_count() != self.ctx.y_local.len() {
+            candle_core::bail!("moe-exchange: input {shape:?} does not match the outputs");
+        }
+        Ok((CpuStorage::F32(self.ctx.y_local.clone()), shape))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let c = &*self.ctx;
+        let g = grad_res
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let mut inner = lock(&self.shared)?;
+        let send = to_send(&g, &c.order, &c.plan.send_counts[c.rank], c.d);
+        let recv_g = inner.comm.all_to_all_v(send).map_err(wrap)?.concat();
+        if recv_g.len() != c.recv_x.len() {
+            candle_core::bail!("backward exchange: received {} values", recv_g.len());
+        }
+        let mut dx_recv = vec![0f32; recv_g.len()];
+        for (&e, blocks) in &c.groups {
+            let w = inner.weights(c.layer, e)?.clone();
+            let dev = w.w1.device().clone();
+            let n = blocks.iter().map(|b| b.len as usize).sum::<usize>();
+            let x = Tensor::from_vec(gather(&c.recv_x, blocks, c.d), (n, c.d), &dev)?;
+            let gy = Tensor::from_vec(gather(&recv_g, blocks, c.d), (n, c.d), &dev)?;
+            let xv = Var::from_tensor(&x)?;
+            let y = w.forward(xv.as_tensor())?;
+            let grads = (y * gy)?.sum_all()?.backward()?;
+            let dx = match grads.get(xv.as_tensor()) {
+                Some(t) => t.flatten_all()?.to_vec1::<f32>()?,
+                None => vec![0f32; n * c.d],
+            };
+            scatter(&mut dx_recv, blocks, c.d, &dx);
+            let g1 = match grads.get(&w.w1) {
+                Some(t) => t.clone(),
+                None => w.w1.zeros_like()?,
+            };
+            let g2 = match grads.get(&w.w2) {
+                Some(t) => t.clone(),
+                None => w.w2.zeros_like()?,
+            };
+            let acc = match inner.grads.remove(&(c.layer, e)) {
+                Some((a1, a2)) => ((a1 + g1)?, (a2 + g2)?),
+                None => (g1, g2),
+            };
+            inner.grads.insert((c.layer, e), acc);
+        }
+        let back = split_rows(&dx_recv, &c.plan.recv_counts[c.rank], c.d);
+        let back = inner.comm.all_to_all_v(back).map_err(wrap)?;
+        drop(inner);
+        let dx = from_send(&back, &c.order, c.d)?;
+        let n = c.order.len();
+        let dx = Tensor::from_vec(dx, (n, c.d), arg.device())?.to_dtype(arg.dtype())?;
+        Ok(Some(dx))
+    }
+}
+
+/// Expert execution across workers: an [`ExpertExec`] whose `run_layer` dispatches tokens with
+/// the Lazarus dispatch plan over a [`Communicator`] (see the [module docs](super)).
+pub struct DistributedExperts {
+    shared: Arc<Mutex<Inner>>,
+    /// `[layer][expert][rank]` replicas (the `R` of the dispatch plan).
+    replicas: Vec<Vec<Vec<u32>>>,
+    rank: Rank,
+    world: usize,
+}
+
+impl std::fmt::Debug for DistributedExperts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DistributedExperts")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("replicas", &self.replicas)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DistributedExperts {
+    /// `replicas[layer][expert][rank]`: how many replicas of each expert each rank holds; this
+    /// rank's entries must be `> 0` exactly for the replicas in `store`.
+    pub fn new(
+        comm: Box<dyn Communicator>,
+        store: &ExpertStore,
+        replicas: Vec<Vec<Vec<u32>>>,
+    ) -> Result<Self> {
+        let (rank, world) = (comm.rank(), comm.world());
+        if replicas.len() != store.n_layers() {
+            candle_core::bail!(
+                "replicas cover {} layers, the model has {}",
+                replicas.len(),
+                store.n_layers()
+            );
+        }
+        let mut weights = BTreeMap::new();
+        for (l, layer) in replicas.iter().enumerate() {
+            for (e, row) in layer.iter().enumerate() {
+                if row.len() != world {
+                    candle_core::bail!("replicas[{l}][{e}] has {} ranks, world {world}", row.len());
+                }
+                let held = row[rank] > 0;
+                if held != store.contains(l, e) {
+                    candle_core::bail!(
+                        "rank {rank}: plan says replica ({l}, {e}) held = {held}, store disagrees"
+                    );
+                }
+                if let Some(w) = store.weights(l, e) {
+                    weights.insert((l, e), w);
+                }
+            }
+        }
+        if let Some(&(l, e)) = store
+            .replicas()
+            .iter()
+            .find(|(l, e)| replicas.get(*l).is_none_or(|r| r.get(*e).is_none()))
+        {
+            candle_core::bail!("rank {rank}: store holds ({l}, {e}) outside the plan");
+        }
+        Ok(Self {
+            shared: Arc::new(Mutex::new(Inner {
+                comm,
+                weights,
+                grads: BTreeMap::new(),
+                routed: BTreeMap::new(),
+                log: Vec::new(),
+            })),
+            replicas,
+            rank,
+            world,
+        })
+    }
+
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    pub fn replicas(&self) -> &[Vec<Vec<u32>>] {
+        &self.replicas
+    }
+
+    /// Forgets accumulated expert gradients, routed counts and logs (start of a step).
+    pub fn begin_step(&mut self) -> Result<()> {
+        let mut inner = lock(&self.shared)?;
+        inner.grads.clear();
+        inner.routed.clear();
+        inner.log.clear();
+        Ok(())
+    }
+
+    /// The forward exchanges since [`Self::begin_step`], in call order.
+    pub fn logs(&self) -> Result<Vec<LayerLog>> {
+        Ok(lock(&self.shared)?.log.clone())
+    }
+
+    /// Locally accumulated (not yet all-reduced) expert gradients `(dL/dw1, dL/dw2)`.
+    pub fn local_expert_grads(&self) -> Result<BTreeMap<(usize, usize), (Tensor, Tensor)>> {
+        Ok(lock(&self.shared)?.grads.clone())
+    }
+
+    /// Runs `f` with the communicator (all collectives of the step go through it).
+    pub fn with_comm<T>(&mut self, f: impl FnOnce(&mut dyn Communicator) -> T) -> Result<T> {
+        let mut inner = lock(&self.shared)?;
+        Ok(f(inner.comm.as_mut()))
+    }
+
+    /// Sums every held expert's gradients over the ranks holding a replica of it (ascending
+    /// `(layer, expert)` order; a replica that computed nothing contributes zeros). Experts to
+    /// which no worker routed a token this step are skipped (and absent from the result), as
+    /// in the single-worker trainer.
+    pub fn reduce_expert_grads(&mut self) -> Result<BTreeMap<(usize, usize), (Tensor, Tensor)>> {
+        let mut inner = lock(&self.shared)?;
+        let mut out = BTreeMap::new();
+        let keys: Vec<(usize, usize)> = inner.weights.keys().copied().collect();
+        for (l, e) in keys {
+            if inner.routed.get(&(l, e)).copied().unwrap_or(0) == 0 {
+                continue;
+            }
+            let group: Vec<Rank> = (0..self.world)
+                .filter(|&r| self.replicas[l][e][r] > 0)
+                .collect();
+            let w = inner.weights(l, e)?.clone();
+            let (g1, g2) = match inner.grads.get(&(l, e)) {
+                Some((a, b)) => (a.clone(), b.clone()),
+                None => (w.w1.zeros_like()?, w.w2.zeros_like()?),
+            };
+            let mut buf = g1.flatten_all()?.to_vec1::<f32>()?;
+            let n1 = buf.len();
+            buf.extend(g2.flatten_all()?.to_vec1::<f32>()?);
+            inner.comm.all_reduce_sum(&group, &mut buf).map_err(wrap)?;
+            let dev = w.w1.device();
+            let r1 = Tensor::from_slice(&buf[..n1], w.w1.shape(), dev)?;
+            let r2 = Tensor::from_slice(&buf[n1..], w.w2.shape(), dev)?;
+            out.insert((l, e), (r1, r2));
+        }
+        Ok(out)
+    }
+
+    /// [`Self::reduce_expert_grads`] then one [`ExpertStore::step_replica`] per reduced expert.
+    pub fn step_experts(&mut self, store: &mut ExpertStore) -> Result<()> {
+        for ((l, e), (g1, g2)) in self.reduce_expert_grads()? {
+            store.step_replica(l, e, &g1, &g2)?;
+        }
+        Ok(())
+    }
+
+    /// Sums the dense gradients over all ranks (one all-reduce, in
+    /// [`DenseModel::named_vars`] order; a variable without gradient contributes zeros).
+    /// Returns one gradient per dense variable, in that order (for `AdamW::step_with`).
+    pub fn all_reduce_dense(
+        &mut self,
+        model: &DenseModel,
+        grads: &candle_core::backprop::GradStore,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let vars = model.named_vars();
+        let mut buf = Vec::new();
+        let mut lens = Vec::with_capacity(vars.len());
+        for (_, v) in vars {
+            let g = match grads.get(v.as_tensor()) {
+                Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
+                None => vec![0f32; v.as_tensor().elem_count()],
+            };
+            lens.push(g.len());
+            buf.extend(g);
+        }
+        let group: Vec<Rank> = (0..self.world).collect();
+        lock(&self.shared)?
+            .comm
+            .all_reduce_sum(&group, &mut buf)
+            .map_err(wrap)?;
+        let mut pos = 0;
+        let mut out = Vec::with_capacity(vars.len());
+        for ((_, v), n) in vars.iter().zip(lens) {
+            let t = v.as_tensor();
+            out.push(Some(Tensor::from_slice(
+                &buf[pos..pos + n],
+                t.shape(),
+                t.device(),
+            )?));
+            pos += n;
+        }
+        Ok(out)
+    }
+}
+
+impl ExpertExec for DistributedExperts {
+    /// One exchange for a single expert: a collective, so every worker must call it for the
+    /// same `(layer, expert)` sequence (with at least one token each); prefer `run_layer`.
+    fn run(&mut self, layer: usize, expert: usize, x: &Tensor) -> Result<Tensor> {
+        let mut ys = self.run_layer(layer, &[(expert, x.clone())])?;
+        Ok(ys.remove(0))
+    }
+
+    fn run_layer(&mut self, layer: usize, batches: &[(usize, Tensor)]) -> Result<Vec<Tensor>> {
+        let Some(reps) = self.replicas.get(layer) else {
+            candle_core::bail!("layer {layer} is not in the replica plan");
+        };
+        let ne = reps.len();
+        if batches.is_empty() {
+            // The backward exchange hangs off the layer's output: without a token there is no
+            // node to run it from, and the peers would wait for us.
+            candle_core::bail!("run_layer({layer}) without tokens is not supported");
+        }
+        let dev = batches[0].1.device().clone();
+        let d = batches[0].1.dim(1)?;
+        let mut counts = vec![0u64; ne];
+        let mut token_experts = Vec::new();
+        let mut xs = Vec::with_capacity(batches.len());
+        let mut sizes = Vec::with_capacity(batches.len());
+        for (e, x) in batches {
+            let (n, dx) = x.dims2()?;
+            if *e >= ne || dx != d {
+                candle_core::bail!("run_layer({layer}): bad batch for expert {e}: {n}x{dx}");
+            }
+            counts[*e] += n as u64;
+            token_experts.extend(std::iter::repeat_n(*e as u32, n));
+            xs.push(x.to_dtype(DType::F32)?);
+            sizes.push(n);
+        }
+        let x_all = Tensor::cat(&xs, 0)?.to_device(&Device::Cpu)?;
+        let x_data = x_all.flatten_all()?.to_vec1::<f32>()?;
+
+        let mut inner = lock(&self.shared)?;
+        let (me, world) = (self.rank, self.world);
+        let all = inner.comm.all_gather_u64(&counts).map_err(wrap)?;
+        let mut t = vec![vec![0u64; world]; ne];
+        for (r, row) in all.iter().enumerate() {
+            if row.len() != ne {
+                candle_core::bail!("rank {r} reports {} experts, expected {ne}", row.len());
+            }
+            for (e, &c) in row.iter().enumerate() {
+                t[e][r] = c;
+            }
+        }
+        let p = plan(&t, reps).map_err(wrap)?;
+        let order = p.send_order(me, &token_experts).map_err(wrap)?;
+        let send = to_send(&x_data, &order, &p.send_counts[me], d);
+        let recv_x = inner.comm.all_to_all_v(send).map_err(wrap)?.concat();
+        if recv_x.len() as u64 != p.recv_tokens(me) * d as u64 {
+            candle_core::bail!("forward exchange: received {} values", recv_x.len());
+        }
+        let groups = by_expert(&p.recv_layout(me));
+        let mut y_recv = vec![0f32; recv_x.len()];
+        let mut computed = vec![0u64; ne];
+        for (&e, blocks) in &groups {
+            let w = inner.weights(layer, e)?;
+            let wdev = w.w1.device().clone();
+            let n = blocks.iter().map(|b| b.len as usize).sum::<usize>();
+            let x = Tensor::from_vec(gather(&recv_x, blocks, d), (n, d), &wdev)?;
+            let y = w.forward(&x)?.detach();
+            computed[e] += y.dim(0)? as u64;
+            scatter(&mut y_recv, blocks, d, &y.flatten_all()?.to_vec1::<f32>()?);
+        }
+        let back = split_rows(&y_recv, &p.recv_counts[me], d);
+        let back = inner.comm.all_to_all_v(back).map_err(wrap)?;
+        let y_local = from_send(&back, &order, d)?;
+        for (e, row) in t.iter().enumerate() {
+            *inner.routed.entry((layer, e)).or_insert(0) += row.iter().sum::<u64>();
+        }
+        inner.log.push(LayerLog {
+            layer,
+            plan: p.clone(),
+            computed,
+        });
+        drop(inner);
+
+        let op = ExchangeOp {
+            shared: Arc::clone(&self.shared),
+            ctx: Arc::new(LayerCtx {
+                layer,
+                rank: me,
+                d,
+                plan: p,
+                order,
+                recv_x,
+                groups,
+                y_local,
+            }),
+        };
+        let y = x_all.apply_op1(op)?.to_device(&dev)?;
+        let dtype = batches[0].1.dtype();
+        let mut out = Vec::with_capacity(sizes.len());
+        let mut pos = 0;
+        for n in sizes {
+            out.push(y.narrow(0, pos, n)?.to_dtype(dtype)?);
+            pos += n;
+        }
+        Ok(out)
+    }
+}
+
+/// One distributed training step on this worker's `tokens` shard: forward through `experts`,
+/// `loss.backward()` (which runs the backward exchanges), dense gradients summed over all
+/// ranks and applied with `dense_opt`, expert gradients summed over each expert's replicas and
+/// applied to `store`. Returns this worker's (shard) loss and routing statistics.
+pub fn train_step(
+    model: &DenseModel,
+    dense_opt: &mut AdamW,
+    store: &mut ExpertStore,
+    experts: &mut DistributedExperts,
+    tokens: &Tensor,
+) -> Result<(f32, RoutingStats)> {
+    experts.begin_step()?;
+    let mut stats = RoutingStats::default();
+    let loss = model.loss(tokens, experts, &mut stats)?;
+    let grads = loss.backward()?;
+    let dense = experts.all_reduce_dense(model, &grads)?;
+    dense_opt.step_with(&dense)?;
+    experts.step_experts(store)?;
+    Ok((loss.to_scalar::<f32>()?, stats))
+}

@@ -1,0 +1,47 @@
+//! # Runtime: the data plane of one distributed training step
+//!
+//! Every worker holds the full [`DenseModel`](crate::model::DenseModel) and only the expert
+//! replicas its plan assigns (`replicas[layer][expert][rank] > 0`). [`DistributedExperts`] is
+//! the [`ExpertExec`](crate::model::ExpertExec) that joins them: per MoE layer it all-gathers the
+//! per-expert token counts, computes the same [`lazarus_planner::dispatch::plan`] on every
+//! worker, ships the routed activations with one `all_to_all_v`, runs the local replicas on what
+//! arrived and ships the outputs back with the reverse all-to-all.
+//!
+//! ## Backward: a custom op that does the reverse exchange
+//!
+//! The layer's outputs are produced by a `candle_core::CustomOp1` applied to the concatenation
+//! of the layer's local expert inputs. Its forward only returns the outputs that came back from
+//! the exchange; its `bwd`, run from inside `loss.backward()`, performs the reverse exchange:
+//!
+//! 1. `dL/dy` rows go (same layout as the forward send buffer) to the workers that computed
+//!    them;
+//! 2. each worker recomputes its experts on the received inputs with autograd (inputs as fresh
+//!    `Var`s), seeds the backward with the received `dL/dy` (`(y · g).sum().backward()`),
+//!    **accumulates the expert weight gradients** in [`DistributedExperts`] and
+//! 3. returns `dL/dx` with the inverse exchange; the source's custom op returns it to candle.
+//!
+//! **Collective-order requirement.** These exchanges are collectives, so every worker must run
+//! them in the same order: one forward exchange per MoE layer in layer order, then (during
+//! `loss.backward()`) one backward exchange per MoE layer in *reverse* layer order. This holds
+//! because layer `l+1`'s op depends on layer `l`'s output, so candle's reverse topological
+//! order always visits the ops last layer first. Consequently: every worker must call
+//! `loss.backward()` (on a loss that depends on every MoE layer's output) exactly once per
+//! forward, must not drop a forward graph without backward while others do backward, and must
+//! pass at least one token to every layer (the [`DenseModel`](crate::model::DenseModel) always
+//! does). A worker that fails mid-step leaves its peers blocked until the communicator timeout.
+//!
+//! ## After backward
+//!
+//! [`DistributedExperts::step_experts`] all-reduces every expert's gradients over the ranks
+//! holding a replica (left fold in rank order: bit-identical everywhere) and applies
+//! [`ExpertStore::step_replica`](crate::model::ExpertStore::step_replica);
+//! [`DistributedExperts::all_reduce_dense`] sums the dense gradients over all ranks.
+//! [`train_step`] composes one whole step. Gradients are **summed** over workers (the loss of
+//! the step is the sum of the workers' shard losses).
+//!
+//! Host staging: activations travel as f32 through host memory; on a non-CPU device the op runs
+//! on a host copy of the inputs (moved with differentiable `to_device`).
+
+mod experts;
+
+pub use experts::{DistributedExperts, LayerLog, train_step};

@@ -1,0 +1,419 @@
+//! Distributed expert execution: W workers (threads over a loopback `LocalGroup`), each with its
+//! own batch shard and only its planned expert replicas, must reproduce the losses and
+//! gradients of one process computing every shard with all experts local.
+
+use std::collections::BTreeMap;
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Result, Tensor};
+use lazarus_executor::comm::{Communicator, LocalGroup, TcpCommunicator};
+use lazarus_executor::model::{
+    Corpus, DenseModel, ExpertStore, LocalExperts, MoeConfig, RoutingStats,
+};
+use lazarus_executor::runtime::{DistributedExperts, train_step};
+
+const T_MS: u64 = 20_000;
+const HARNESS: Duration = Duration::from_secs(240);
+
+fn cfg() -> MoeConfig {
+    MoeConfig {
+        vocab: 256,
+        d_model: 16,
+        n_layers: 2,
+        n_heads: 2,
+        d_ff: 32,
+        experts: 4,
+        top_k: 2,
+        seq_len: 8,
+        batch: 3,
+        lb_loss_coef: 0.01,
+        lr: 1e-2,
+        seed: 11,
+    }
+}
+
+/// `[layer][expert][rank]`: each expert on one or two workers, differing per layer.
+fn replicas(world: usize) -> Vec<Vec<Vec<u32>>> {
+    let holders: Vec<Vec<Vec<usize>>> = match world {
+        2 => vec![
+            vec![vec![0], vec![1], vec![0, 1], vec![1]],
+            vec![vec![1], vec![0, 1], vec![0], vec![0]],
+        ],
+        3 => vec![
+            vec![vec![0], vec![1, 2], vec![2], vec![0, 1]],
+            vec![vec![2], vec![0], vec![0, 1], vec![1, 2]],
+        ],
+        _ => unreachable!(),
+    };
+    holders
+        .iter()
+        .map(|layer| {
+            layer
+                .iter()
+                .map(|hs| (0..world).map(|r| u32::from(hs.contains(&r))).collect())
+                .collect()
+        })
+        .collect()
+}
+
+fn held(reps: &[Vec<Vec<u32>>], rank: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    for (l, layer) in reps.iter().enumerate() {
+        for (e, row) in layer.iter().enumerate() {
+            if row[rank] > 0 {
+                out.push((l, e));
+            }
+        }
+    }
+    out
+}
+
+fn shard(corpus: &Corpus, c: &MoeConfig, step: u64, rank: usize) -> Result<Tensor> {
+    corpus.batch(
+        c.seed,
+        step,
+        rank as u64,
+        c.batch,
+        c.seq_len + 1,
+        &Device::Cpu,
+    )
+}
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
+/// `‖a − b‖ ≤ 1e-4 · ‖b‖` (plus a tiny absolute floor for all-zero tensors).
+fn assert_close(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let diff: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| f64::from(x - y).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    let norm: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum::<f64>().sqrt();
+    assert!(
+        diff <= 1e-4 * norm + 1e-9,
+        "{what}: |a-b| = {diff:e}, |b| = {norm:e}"
+    );
+}
+
+fn run_ranks<R, F>(comms: Vec<TcpCommunicator>, f: F) -> Vec<R>
+where
+    R: Send + 'static,
+    F: Fn(TcpCommunicator) -> R + Send + Sync + Clone + 'static,
+{
+    let world = comms.len();
+    let (tx, rx) = mpsc::channel();
+    for (rank, comm) in comms.into_iter().enumerate() {
+        let (tx, f) = (tx.clone(), f.clone());
+        thread::spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(comm)));
+            let _ = tx.send((rank, r));
+        });
+    }
+    let deadline = Instant::now() + HARNESS;
+    let mut out: Vec<Option<R>> = (0..world).map(|_| None).collect();
+    for _ in 0..world {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (rank, r) = rx
+            .recv_timeout(left)
+            .expect("a rank did not finish in time (hang)");
+        match r {
+            Ok(v) => out[rank] = Some(v),
+            Err(p) => std::panic::resume_unwind(p),
+        }
+    }
+    out.into_iter().map(Option::unwrap).collect()
+}
+
+type Grads = BTreeMap<(usize, usize), (Vec<f32>, Vec<f32>)>;
+
+/// One layer: (rows computed per expert, the plan's received count per expert, `T[e][rank]`).
+type Conservation = (Vec<u64>, Vec<u64>, Vec<Vec<u64>>);
+
+/// What one worker saw in one step (gradients already all-reduced).
+struct WorkerStep {
+    loss: f32,
+    dense: Vec<Vec<f32>>,
+    experts: Grads,
+    /// `[layer]`: (rows computed per expert, plan's received count per expert, routed
+    /// T[e][rank] of every rank).
+    conservation: Vec<Conservation>,
+    /// Tokens the plans sent to another worker, summed over layers.
+    remote: u64,
+}
+
+fn worker_step(comm: TcpCommunicator, world: usize) -> WorkerStep {
+    let c = cfg();
+    let rank = comm.rank();
+    let reps = replicas(world);
+    let dev = Device::Cpu;
+    let model = DenseModel::new(&c, &dev).unwrap();
+    let store = ExpertStore::with_replicas(&c, &dev, held(&reps, rank)).unwrap();
+    let mut dist = DistributedExperts::new(Box::new(comm), &store, reps).unwrap();
+    let tokens = shard(&Corpus::embedded(), &c, 0, rank).unwrap();
+    dist.begin_step().unwrap();
+    let mut stats = RoutingStats::default();
+    let loss = model.loss(&tokens, &mut dist, &mut stats).unwrap();
+    let grads = loss.backward().unwrap();
+    let dense = dist
+        .all_reduce_dense(&model, &grads)
+        .unwrap()
+        .iter()
+        .map(|g| flat(g.as_ref().unwrap()))
+        .collect();
+    let experts = dist
+        .reduce_expert_grads()
+        .unwrap()
+        .iter()
+        .map(|(k, (a, b))| (*k, (flat(a), flat(b))))
+        .collect();
+    let logs = dist.logs().unwrap();
+    assert_eq!(logs.len(), c.n_layers);
+    let conservation = logs
+        .iter()
+        .enumerate()
+        .map(|(l, log)| {
+            assert_eq!(log.layer, l);
+            let recv = (0..c.experts).map(|e| log.plan.received(e, rank)).collect();
+            let routed = (0..c.experts)
+                .map(|e| (0..world).map(|r| log.plan.routed(e, r)).collect())
+                .collect();
+            (log.computed.clone(), recv, routed)
+        })
+        .collect();
+    let remote = logs
+        .iter()
+        .flat_map(|log| log.plan.transfers())
+        .map(|t| t.count)
+        .sum();
+    WorkerStep {
+        remote,
+        loss: loss.to_scalar::<f32>().unwrap(),
+        dense,
+        experts,
+        conservation,
+    }
+}
+
+/// One process, all experts local, every shard in turn; losses and gradients summed.
+fn reference_step(world: usize) -> (f32, Vec<Vec<f32>>, Grads) {
+    let c = cfg();
+    let dev = Device::Cpu;
+    let model = DenseModel::new(&c, &dev).unwrap();
+    let store = ExpertStore::all(&c, &dev).unwrap();
+    let corpus = Corpus::embedded();
+    let mut loss_sum = 0f32;
+    let mut dense: Vec<Vec<f32>> = model
+        .named_vars()
+        .iter()
+        .map(|(_, v)| vec![0f32; v.as_tensor().elem_count()])
+        .collect();
+    let mut experts: Grads = BTreeMap::new();
+    for r in 0..world {
+        let tokens = shard(&corpus, &c, 0, r).unwrap();
+        let mut stats = RoutingStats::default();
+        let loss = model
+            .loss(&tokens, &mut LocalExperts(&store), &mut stats)
+            .unwrap();
+        loss_sum += loss.to_scalar::<f32>().unwrap();
+        let grads = loss.backward().unwrap();
+        for (acc, (_, v)) in dense.iter_mut().zip(model.named_vars()) {
+            let g = flat(grads.get(v.as_tensor()).expect("dense grad"));
+            acc.iter_mut().zip(g).for_each(|(a, b)| *a += b);
+        }
+        for (l, e) in store.replicas() {
+            let w = store.weights(l, e).unwrap();
+            let (Some(g1), Some(g2)) = (grads.get(&w.w1), grads.get(&w.w2)) else {
+                continue;
+            };
+            let n1 = w.w1.elem_count();
+            let n2 = w.w2.elem_count();
+            let acc = experts
+                .entry((l, e))
+                .or_insert_with(|| (vec![0.0; n1], vec![0.0; n2]));
+            acc.0.iter_mut().zip(flat(g1)).for_each(|(a, b)| *a += b);
+            acc.1.iter_mut().zip(flat(g2)).for_each(|(a, b)| *a += b);
+        }
+    }
+    (loss_sum, dense, experts)
+}
+
+fn check_against_reference(world: usize) {
+    let comms = LocalGroup::new(world, T_MS).expect("loopback mesh");
+    let got = run_ranks(comms, move |comm| worker_step(comm, world));
+    let (ref_loss, ref_dense, ref_experts) = reference_step(world);
+    let reps = replicas(world);
+
+    assert!(got[0].remote > 0, "world {world}: no token crossed workers");
+    let loss: f32 = got.iter().map(|w| w.loss).sum();
+    assert!(
+        (loss - ref_loss).abs() <= 1e-4 * ref_loss.abs(),
+        "world {world}: summed loss {loss} vs reference {ref_loss}"
+    );
+    for (rank, w) in got.iter().enumerate() {
+        for (i, (g, r)) in w.dense.iter().zip(&ref_dense).enumerate() {
+            assert_close(g, r, &format!("world {world} rank {rank} dense var {i}"));
+        }
+        // Every held replica with routed tokens has a reduced gradient equal to the reference.
+        let mine = held(&reps, rank);
+        for (l, e) in &mine {
+            match (w.experts.get(&(*l, *e)), ref_experts.get(&(*l, *e))) {
+                (Some(g), Some(r)) => {
+                    assert_close(
+                        &g.0,
+                        &r.0,
+                        &format!("world {world} rank {rank} ({l},{e}) w1"),
+                    );
+                    assert_close(
+                        &g.1,
+                        &r.1,
+                        &format!("world {world} rank {rank} ({l},{e}) w2"),
+                    );
+                }
+                (None, None) => {}
+                (g, r) => panic!(
+                    "world {world} rank {rank} ({l},{e}): distributed grad {} / reference {}",
+                    g.is_some(),
+                    r.is_some()
+                ),
+            }
+        }
+        assert_eq!(
+            w.experts.len(),
+            mine.iter().filter(|k| ref_experts.contains_key(k)).count()
+        );
+    }
+    // Every expert with tokens was computed somewhere, and reduced gradients of all replicas
+    // of an expert are bit-identical.
+    for (k, r) in &ref_experts {
+        let holders: Vec<&WorkerStep> = got.iter().filter(|w| w.experts.contains_key(k)).collect();
+        assert!(!holders.is_empty(), "expert {k:?} has no gradient anywhere");
+        for h in &holders {
+            assert_eq!(
+                h.experts[k], holders[0].experts[k],
+                "replicas of {k:?} differ"
+            );
+            assert_eq!(h.experts[k].0.len(), r.0.len());
+        }
+    }
+
+    // Token conservation: rows computed = plan's received counts; everything routed is
+    // computed exactly once; only holders compute.
+    let c = cfg();
+    for (l, reps_l) in reps.iter().enumerate() {
+        for e in 0..c.experts {
+            let routed: u64 = got[0].conservation[l].2[e].iter().sum();
+            let mut computed = 0;
+            for (rank, w) in got.iter().enumerate() {
+                let (rows, recv, _) = &w.conservation[l];
+                assert_eq!(
+                    rows[e], recv[e],
+                    "world {world} rank {rank} layer {l} expert {e}"
+                );
+                if reps_l[e][rank] == 0 {
+                    assert_eq!(rows[e], 0);
+                }
+                assert_eq!(
+                    w.conservation[l].2, got[0].conservation[l].2,
+                    "plans differ"
+                );
+                computed += rows[e];
+            }
+            assert_eq!(computed, routed, "world {world} layer {l} expert {e}");
+        }
+        let total: u64 = got[0].conservation[l].2.iter().flatten().sum();
+        assert_eq!(
+            total,
+            (world * c.batch * c.seq_len * c.top_k) as u64,
+            "layer {l}: all tokens routed"
+        );
+    }
+}
+
+#[test]
+fn two_workers_match_single_process_reference() {
+    check_against_reference(2);
+}
+
+#[test]
+fn three_workers_match_single_process_reference() {
+    check_against_reference(3);
+}
+
+/// Checksums of every held replica and the bits of every dense variable after each step.
+type Snapshot = (Vec<f32>, BTreeMap<(usize, usize), u64>, Vec<u32>);
+
+fn train_worker(comm: TcpCommunicator, world: usize, steps: u64) -> Vec<Snapshot> {
+    let c = cfg();
+    let rank = comm.rank();
+    let reps = replicas(world);
+    let dev = Device::Cpu;
+    let model = DenseModel::new(&c, &dev).unwrap();
+    let mut opt = model.optimizer().unwrap();
+    let mut store = ExpertStore::with_replicas(&c, &dev, held(&reps, rank)).unwrap();
+    let mut dist = DistributedExperts::new(Box::new(comm), &store, reps).unwrap();
+    let corpus = Corpus::embedded();
+    let mut out = Vec::new();
+    let mut losses = Vec::new();
+    for step in 0..steps {
+        let tokens = shard(&corpus, &c, step, rank).unwrap();
+        let (loss, _) = train_step(&model, &mut opt, &mut store, &mut dist, &tokens).unwrap();
+        assert!(loss.is_finite());
+        losses.push(loss);
+        let sums = store
+            .replicas()
+            .into_iter()
+            .map(|(l, e)| ((l, e), store.checksum(l, e).unwrap()))
+            .collect();
+        let dense_bits = model
+            .named_vars()
+            .iter()
+            .flat_map(|(_, v)| flat(v.as_tensor()))
+            .map(f32::to_bits)
+            .collect();
+        out.push((losses.clone(), sums, dense_bits));
+    }
+    out
+}
+
+#[test]
+fn replicas_stay_bit_identical_over_three_steps() {
+    for world in [2, 3] {
+        let comms = LocalGroup::new(world, T_MS).expect("loopback mesh");
+        let got = run_ranks(comms, move |comm| train_worker(comm, world, 3));
+        let c = cfg();
+        for step in 0..3 {
+            let mut seen: BTreeMap<(usize, usize), u64> = BTreeMap::new();
+            for (rank, w) in got.iter().enumerate() {
+                let (_, sums, dense) = &w[step];
+                assert_eq!(
+                    dense, &got[0][step].2,
+                    "world {world} step {step}: dense differs"
+                );
+                for (k, s) in sums {
+                    if let Some(prev) = seen.insert(*k, *s) {
+                        assert_eq!(prev, *s, "world {world} step {step} rank {rank}: {k:?}");
+                    }
+                }
+            }
+            assert_eq!(
+                seen.len(),
+                c.n_layers * c.experts,
+                "every expert held somewhere"
+            );
+        }
+        // The replicas actually trained (weights moved away from their initialisation).
+        let init = ExpertStore::all(&c, &Device::Cpu).unwrap();
+        let moved = got
+            .iter()
+            .flat_map(|w| w[2].1.iter())
+            .filter(|((l, e), s)| init.checksum(*l, *e).unwrap() != **s)
+            .count();
+        assert!(moved > 0, "no expert was updated");
+    }
+}
