@@ -13,3 +13,4 @@ pub mod comm;
 pub mod control;
 pub mod model;
 pub mod runtime;
+pub mod worker;
