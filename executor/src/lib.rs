@@ -12,5 +12,6 @@
 pub mod comm;
 pub mod control;
 pub mod model;
+pub mod recovery;
 pub mod runtime;
 pub mod worker;

@@ -3,23 +3,28 @@
 //! `lzrun local` trains on this machine with one worker process per simulated device;
 //! `lzrun worker` is one such process (started by `local`, or by hand). See `--help`.
 
-use std::collections::BTreeMap;
-use std::io::{self, BufRead, BufReader, Read, Write};
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{self, BufRead, BufReader, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, ExitCode, Stdio};
 use std::sync::mpsc;
 use std::thread::{self, JoinHandle};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use clap::{Args, Parser, Subcommand};
-use lazarus_executor::worker::{StepLine, WorkerOptions, config_by_name, run_worker};
+use lazarus_executor::recovery::{
+    Reconfigure, Survivor, WorkerEvent, plan_recovery, run_elastic_worker,
+};
+use lazarus_executor::worker::{
+    StepLine, WorkerOptions, config_by_name, plan_replicas, run_worker,
+};
 
 const AFTER_HELP: &str = "\
 Coming next: `lzrun controller` and `lzrun agent` (a control plane across machines that
-replans with the Lazarus planner when nodes come and go), and failure injection in
-`lzrun local` (`--kill NODE@STEP`, `--fault-trace FILE`) with recovery instead of abort.";
+replans with the Lazarus planner when nodes come and go), `--fault-trace FILE` for
+`lzrun local`, and checkpoint restore when a failure loses every replica of an expert.";
 
 /// Elastic MoE training on worker processes, driven by the Lazarus planner.
 ///
@@ -42,8 +47,11 @@ enum Cmd {
     /// executable), streams their per-step JSON lines prefixed with `[rank R]`, and at the end
     /// prints the mean loss of each step over the workers. With no options it trains the tiny
     /// model on 2 nodes for 20 steps. If any worker fails, the others are killed and lzrun
-    /// exits with status 2. No failures are injected yet (`--kill NODE@STEP` and
-    /// `--fault-trace FILE` come next).
+    /// exits with status 2. `--kill RANK@STEP` SIGKILLs a worker and recovers in place: the
+    /// survivors discard the in-flight step, this process replans with the Lazarus planner,
+    /// the survivors form a new mesh, migrate expert states and resume; one JSON line
+    /// `{"recovery":{..}}` gives the detect / replan / migrate / resume times in ms. If a kill
+    /// loses every replica of an expert, lzrun stops with status 2 (no checkpoints yet).
     #[command(after_help = AFTER_HELP)]
     Local(LocalArgs),
     /// One worker process (one device); normally started by `lzrun local`.
@@ -52,7 +60,7 @@ enum Cmd {
     /// keeps only its own expert replicas, binds its address in --peers, connects to every
     /// other rank, and trains --steps steps on shard --rank of the embedded corpus. Prints one
     /// JSON line per step on stdout ({"step","loss","tokens","ms"}) and, with --out, writes
-    /// the checksums of its replicas and dense weights to DIR/rank<R>.json.
+    /// the checksums of its replicas and dense weights to `DIR/rank<R>.json`.
     #[command(after_help = AFTER_HELP)]
     Worker(WorkerArgs),
 }
@@ -62,6 +70,10 @@ struct LocalArgs {
     /// Number of worker processes (nodes of one device each).
     #[arg(long, default_value_t = 2)]
     nodes: usize,
+    /// Kill (SIGKILL) worker RANK once it reports having finished step STEP, then recover in
+    /// place: replan for the survivors, migrate expert states, resume. Repeatable.
+    #[arg(long, value_name = "RANK@STEP", value_parser = parse_kill)]
+    kill: Vec<(usize, u64)>,
     #[command(flatten)]
     train: TrainArgs,
 }
@@ -98,12 +110,27 @@ struct TrainArgs {
     /// Seed of the model initialisation and of the data order (overrides the config's).
     #[arg(long)]
     seed: Option<u64>,
-    /// Directory for the per-worker checksum files rank<R>.json.
+    /// Directory for the per-worker checksum files `rank<R>.json`.
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
     /// Rendezvous and per-collective timeout in milliseconds.
     #[arg(long, default_value_t = 60_000)]
     timeout_ms: u64,
+}
+
+fn parse_kill(s: &str) -> Result<(usize, u64), String> {
+    let (r, st) = s
+        .split_once('@')
+        .ok_or_else(|| format!("--kill {s:?}: expected RANK@STEP"))?;
+    let r = r
+        .trim()
+        .parse()
+        .map_err(|_| format!("--kill {s:?}: bad rank"))?;
+    let st = st
+        .trim()
+        .parse()
+        .map_err(|_| format!("--kill {s:?}: bad step"))?;
+    Ok((r, st))
 }
 
 fn main() -> ExitCode {
@@ -157,15 +184,21 @@ fn worker(a: WorkerArgs) -> Result<()> {
         a.rank,
         a.world
     );
-    if a.watch_stdin {
-        thread::spawn(|| {
-            let mut sink = [0u8; 256];
-            let mut stdin = io::stdin();
-            while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+    // With --watch-stdin, stdin carries the parent's commands (one JSON line each) and its
+    // end means the parent went away.
+    let commands = a.watch_stdin.then(|| {
+        let (tx, rx) = mpsc::channel::<String>();
+        thread::spawn(move || {
+            for line in io::stdin().lock().lines().map_while(Result::ok) {
+                if !line.trim().is_empty() {
+                    let _ = tx.send(line);
+                }
+            }
             eprintln!("error: parent process went away; stopping");
             std::process::exit(3);
         });
-    }
+        rx
+    });
     let mut config = config_by_name(&a.train.config)?;
     if let Some(seed) = a.train.seed {
         config.seed = seed;
@@ -180,6 +213,15 @@ fn worker(a: WorkerArgs) -> Result<()> {
         out: a.train.out,
     };
     let stdout = io::stdout();
+    if let Some(rx) = commands {
+        run_elastic_worker(&opts, &rx, |line| {
+            let mut out = stdout.lock();
+            writeln!(out, "{line}")?;
+            out.flush()?;
+            Ok(())
+        })?;
+        return Ok(());
+    }
     run_worker(&opts, |line| {
         let mut out = stdout.lock();
         writeln!(out, "{}", serde_json::to_string(line)?)?;
@@ -227,14 +269,261 @@ fn free_addrs(n: usize) -> Result<Vec<SocketAddr>> {
 
 enum Event {
     Step(usize, StepLine),
+    Worker(usize, WorkerEvent),
     Stderr(usize, String),
+}
+
+/// The parent's bookkeeping in `lzrun local` (ids are the workers' original ranks).
+struct Local {
+    workers: Workers,
+    /// Pending `--kill` requests `(id, step)`.
+    kills: Vec<(usize, u64)>,
+    killed: BTreeSet<usize>,
+    /// Workers that exited successfully.
+    done: BTreeSet<usize>,
+    steps: Vec<BTreeSet<u64>>,
+    losses: BTreeMap<u64, BTreeMap<usize, f32>>,
+    last_err: Vec<Option<String>>,
+    /// `id → step` of the failure reports since the last recovery.
+    failed: BTreeMap<usize, u64>,
+    migrated: BTreeSet<usize>,
+    /// Survivors that reported a step at or after the resume step since migrating.
+    resumed: BTreeSet<usize>,
+    resume_step: u64,
+    last_kill: Option<Instant>,
+}
+
+impl Local {
+    fn absorb(&mut self, ev: Event) {
+        match ev {
+            Event::Step(id, s) => {
+                if self.killed.contains(&id) {
+                    return;
+                }
+                self.steps[id].insert(s.step);
+                self.losses.entry(s.step).or_default().insert(id, s.loss);
+                if self.migrated.contains(&id) && s.step >= self.resume_step {
+                    self.resumed.insert(id);
+                }
+                if let Some(i) = self.kills.iter().position(|&k| k == (id, s.step)) {
+                    self.kills.remove(i);
+                    if let Some(mut c) = self.workers.children[id].take() {
+                        let _ = c.kill();
+                        let _ = c.wait();
+                    }
+                    self.workers.stdins[id] = None;
+                    self.killed.insert(id);
+                    self.last_kill = Some(Instant::now());
+                    println!(
+                        "lzrun local: killed worker {id} (SIGKILL) after step {}",
+                        s.step
+                    );
+                }
+            }
+            Event::Worker(id, WorkerEvent::Failed { step, .. }) => {
+                if !self.killed.contains(&id) {
+                    self.failed.insert(id, step);
+                }
+            }
+            Event::Worker(id, WorkerEvent::Migrated { .. }) => {
+                self.migrated.insert(id);
+            }
+            Event::Stderr(id, line) => {
+                if !line.trim().is_empty() {
+                    self.last_err[id] = Some(line);
+                }
+            }
+        }
+    }
+
+    /// Reaps exited workers; an unexpected failure is an error.
+    fn reap(&mut self) -> Result<()> {
+        for id in 0..self.workers.children.len() {
+            let Some(child) = self.workers.children[id].as_mut() else {
+                continue;
+            };
+            let status = match child.try_wait() {
+                Ok(None) => continue,
+                Ok(Some(status)) => status.to_string(),
+                Err(e) => format!("could not be waited for: {e}"),
+            };
+            let ok = matches!(child.try_wait(), Ok(Some(s)) if s.success());
+            self.workers.children[id] = None;
+            if ok {
+                self.done.insert(id);
+            } else {
+                // Give the stderr reader a moment to deliver the last line.
+                thread::sleep(Duration::from_millis(100));
+                let why = self.last_err[id]
+                    .as_deref()
+                    .map(|l| format!(": {}", l.trim_start_matches("error:").trim()))
+                    .unwrap_or_default();
+                bail!("worker {id} failed ({status}){why}; all workers stopped");
+            }
+        }
+        Ok(())
+    }
+
+    /// Workers neither killed nor finished.
+    fn alive(&self) -> Vec<usize> {
+        (0..self.workers.children.len())
+            .filter(|id| self.workers.children[*id].is_some())
+            .collect()
+    }
+
+    /// Absorbs events until `done(self)` or `deadline`.
+    fn wait_until(
+        &mut self,
+        rx: &mpsc::Receiver<Event>,
+        deadline: Instant,
+        what: &str,
+        done: impl Fn(&Self) -> bool,
+    ) -> Result<()> {
+        loop {
+            while let Ok(ev) = rx.try_recv() {
+                self.absorb(ev);
+            }
+            if done(self) {
+                return Ok(());
+            }
+            self.reap()?;
+            ensure!(Instant::now() < deadline, "timed out waiting for {what}");
+            if let Ok(ev) = rx.recv_timeout(Duration::from_millis(10)) {
+                self.absorb(ev);
+            }
+        }
+    }
+}
+
+/// The parent's view of the current membership.
+struct Membership {
+    /// `[layer][expert][rank]`.
+    replicas: Vec<Vec<Vec<u32>>>,
+    /// Current rank of each original id.
+    rank_of_id: BTreeMap<usize, usize>,
+    epoch: u64,
+    version: u64,
+}
+
+fn recover(
+    st: &mut Local,
+    m: &mut Membership,
+    rx: &mpsc::Receiver<Event>,
+    a: &LocalArgs,
+    experts: usize,
+    bytes_per_expert: u64,
+) -> Result<()> {
+    let t_detect = st.last_kill.take().unwrap_or_else(Instant::now);
+    let wait =
+        Duration::from_millis(a.train.timeout_ms.saturating_mul(3)) + Duration::from_secs(30);
+    st.wait_until(
+        rx,
+        Instant::now() + wait,
+        "the survivors to detect the failure",
+        |s| s.alive().iter().all(|id| s.failed.contains_key(id)),
+    )?;
+    let detect_ms = t_detect.elapsed().as_secs_f64() * 1e3;
+
+    let t = Instant::now();
+    let ids = st.alive();
+    ensure!(!ids.is_empty(), "no worker survived");
+    let survivors: Vec<Survivor> = ids
+        .iter()
+        .map(|&id| Survivor {
+            id: id as u32,
+            rank: m.rank_of_id[&id],
+        })
+        .collect();
+    let resume = ids.iter().map(|id| st.failed[id]).min().unwrap_or(0);
+    let peers = free_addrs(ids.len())?;
+    let epoch = m.epoch + 1;
+    let plan = plan_recovery(
+        &m.replicas,
+        &survivors,
+        experts,
+        bytes_per_expert,
+        &peers,
+        epoch,
+        resume,
+        m.version,
+    )?;
+    let replan_ms = t.elapsed().as_secs_f64() * 1e3;
+
+    let t = Instant::now();
+    // Survivors report new failures only after they got their command: forget the old ones.
+    st.failed.clear();
+    st.migrated.clear();
+    st.resumed.clear();
+    st.resume_step = resume;
+    let n_transfers = plan.commands.first().map_or(0, |c| c.transfers.len());
+    for (&id, cmd) in ids.iter().zip(&plan.commands) {
+        let line = serde_json::to_string::<Reconfigure>(cmd)?;
+        let stdin = st.workers.stdins[id]
+            .as_mut()
+            .with_context(|| format!("worker {id} has no stdin"))?;
+        writeln!(stdin, "{line}")
+            .and_then(|()| stdin.flush())
+            .with_context(|| format!("sending the new plan to worker {id}"))?;
+    }
+    st.wait_until(rx, Instant::now() + wait, "the migration", |s| {
+        ids.iter().all(|id| s.migrated.contains(id))
+    })?;
+    let migrate_ms = t.elapsed().as_secs_f64() * 1e3;
+
+    let t = Instant::now();
+    st.wait_until(rx, Instant::now() + wait, "the survivors to resume", |s| {
+        ids.iter()
+            .all(|id| s.resumed.contains(id) || s.done.contains(id))
+    })?;
+    let resume_ms = t.elapsed().as_secs_f64() * 1e3;
+
+    m.replicas = plan.replicas;
+    m.rank_of_id = plan
+        .id_of_rank
+        .iter()
+        .enumerate()
+        .map(|(r, &id)| (id as usize, r))
+        .collect();
+    m.epoch = epoch;
+    m.version = plan.version;
+    let killed: Vec<usize> = st.killed.iter().copied().collect();
+    let line = serde_json::json!({
+        "recovery": {
+            "epoch": epoch,
+            "killed": killed,
+            "survivors": ids,
+            "resume_step": resume,
+            "transfers": n_transfers,
+            "detect_ms": detect_ms,
+            "replan_ms": replan_ms,
+            "migrate_ms": migrate_ms,
+            "resume_ms": resume_ms,
+        }
+    });
+    println!("{line}");
+    Ok(())
 }
 
 fn local(a: LocalArgs) -> Result<()> {
     ensure!(a.nodes >= 1, "--nodes must be at least 1 (got 0)");
     ensure!(a.nodes <= 64, "--nodes {} is more than 64", a.nodes);
     ensure!(a.train.steps >= 1, "--steps must be at least 1 (got 0)");
-    config_by_name(&a.train.config)?;
+    for &(r, s) in &a.kill {
+        ensure!(
+            r < a.nodes,
+            "--kill {r}@{s}: rank {r} is not below --nodes {}",
+            a.nodes
+        );
+        ensure!(
+            s + 1 < a.train.steps,
+            "--kill {r}@{s}: step {s} must be before the last step {}",
+            a.train.steps - 1
+        );
+    }
+    let mut config = config_by_name(&a.train.config)?;
+    if let Some(seed) = a.train.seed {
+        config.seed = seed;
+    }
     let exe = std::env::current_exe().context("locating the lzrun executable")?;
     if let Some(dir) = &a.train.out {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -289,6 +578,8 @@ fn local(a: LocalArgs) -> Result<()> {
                     println!("[rank {rank}] {line}");
                     if let Ok(step) = serde_json::from_str::<StepLine>(&line) {
                         let _ = tx.send(Event::Step(rank, step));
+                    } else if let Ok(ev) = serde_json::from_str::<WorkerEvent>(&line) {
+                        let _ = tx.send(Event::Worker(rank, ev));
                     }
                 }
             }));
@@ -305,77 +596,72 @@ fn local(a: LocalArgs) -> Result<()> {
     }
     drop(tx);
 
-    // Wait for every worker; the first failure kills the rest.
-    let mut losses: BTreeMap<u64, Vec<(usize, f32)>> = BTreeMap::new();
-    let mut last_err: Vec<Option<String>> = vec![None; a.nodes];
-    let mut steps_seen = vec![0u64; a.nodes];
-    let mut absorb = |ev: Event, last_err: &mut Vec<Option<String>>| match ev {
-        Event::Step(rank, s) => {
-            steps_seen[rank] += 1;
-            losses.entry(s.step).or_default().push((rank, s.loss));
-        }
-        Event::Stderr(rank, line) => {
-            if !line.trim().is_empty() {
-                last_err[rank] = Some(line);
-            }
-        }
+    let mut st = Local {
+        workers,
+        kills: a.kill.clone(),
+        killed: BTreeSet::new(),
+        done: BTreeSet::new(),
+        steps: vec![BTreeSet::new(); a.nodes],
+        losses: BTreeMap::new(),
+        last_err: vec![None; a.nodes],
+        failed: BTreeMap::new(),
+        migrated: BTreeSet::new(),
+        resumed: BTreeSet::new(),
+        resume_step: 0,
+        last_kill: None,
     };
-    let mut failure: Option<(usize, String)> = None;
-    loop {
-        while let Ok(ev) = rx.try_recv() {
-            absorb(ev, &mut last_err);
-        }
-        let mut running = 0;
-        for (rank, slot) in workers.children.iter_mut().enumerate() {
-            let Some(child) = slot else { continue };
-            match child.try_wait() {
-                Ok(None) => running += 1,
-                Ok(Some(status)) => {
-                    *slot = None;
-                    if !status.success() && failure.is_none() {
-                        failure = Some((rank, status.to_string()));
-                    }
-                }
-                Err(e) => {
-                    *slot = None;
-                    failure.get_or_insert((rank, format!("could not be waited for: {e}")));
-                }
+    let mut m = Membership {
+        replicas: plan_replicas(&config, a.nodes)?,
+        rank_of_id: (0..a.nodes).map(|r| (r, r)).collect(),
+        epoch: 0,
+        version: 0,
+    };
+    let bytes_per_expert = (6 * 4 * config.d_model * config.d_ff) as u64;
+    let res = (|| -> Result<()> {
+        loop {
+            st.wait_until(&rx, far_future(), "workers", |s| {
+                s.alive().is_empty() || !s.failed.is_empty() || s.last_kill.is_some()
+            })?;
+            if st.alive().is_empty() {
+                return Ok(());
             }
+            if st.last_kill.is_none() {
+                let (&id, &step) = st.failed.iter().next().expect("a failure");
+                let why = st.last_err[id].clone().unwrap_or_default();
+                bail!("worker {id} failed at step {step} without an injected kill{why}");
+            }
+            recover(&mut st, &mut m, &rx, &a, config.experts, bytes_per_expert)?;
         }
-        if failure.is_some() || running == 0 {
-            break;
-        }
-        thread::sleep(Duration::from_millis(20));
-    }
-    workers.kill_all();
+    })();
+    st.workers.kill_all();
     for r in readers {
         let _ = r.join();
     }
-    while let Ok(ev) = rx.try_recv() {
-        absorb(ev, &mut last_err);
-    }
-    if let Some((rank, status)) = failure {
-        let why = last_err[rank]
-            .as_deref()
-            .map(|l| format!(": {}", l.trim_start_matches("error:").trim()))
-            .unwrap_or_default();
-        bail!("worker {rank} failed ({status}){why}; all workers stopped");
-    }
-    for (rank, n) in steps_seen.iter().enumerate() {
+    res?;
+    for (id, s) in st.steps.iter().enumerate() {
+        if st.killed.contains(&id) {
+            continue;
+        }
         ensure!(
-            *n == a.train.steps,
-            "worker {rank} reported {n} of {} steps",
+            s.len() as u64 == a.train.steps,
+            "worker {id} reported {} of {} steps",
+            s.len(),
             a.train.steps
         );
     }
 
-    println!("mean loss per step over {} workers:", a.nodes);
-    for (step, ls) in &losses {
-        let mean = ls.iter().map(|(_, l)| f64::from(*l)).sum::<f64>() / ls.len() as f64;
+    let n = a.nodes - st.killed.len();
+    println!("mean loss per step over the workers ({n} at the end):");
+    for (step, ls) in &st.losses {
+        let mean = ls.values().map(|l| f64::from(*l)).sum::<f64>() / ls.len() as f64;
         println!("step {step:>4}  mean loss {mean:.4}");
     }
     if let Some(dir) = &a.train.out {
         println!("replica checksums in {}", dir.display());
     }
     Ok(())
+}
+
+fn far_future() -> Instant {
+    Instant::now() + Duration::from_secs(365 * 24 * 3600)
 }

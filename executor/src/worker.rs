@@ -14,7 +14,8 @@
 //! 5. returns (and optionally writes) the [`Checksums`] of its replicas and dense weights, so
 //!    that replicas of one expert on different workers can be compared.
 //!
-//! No failures are handled yet: a dead peer makes the others fail at the communicator timeout.
+//! [`run_worker`] handles no failures: a dead peer makes the others fail. `lzrun local` runs
+//! [`crate::recovery::run_elastic_worker`] instead, which recovers in place.
 
 use std::fs;
 use std::io::ErrorKind;

@@ -158,3 +158,130 @@ fn bad_arguments_exit_2_with_one_clear_line() {
         "--peers",
     );
 }
+
+/// `[rank R] {json}` step lines per worker (other prefixed lines are skipped).
+fn step_lines(stdout: &str) -> BTreeMap<usize, Vec<StepLine>> {
+    let mut steps: BTreeMap<usize, Vec<StepLine>> = BTreeMap::new();
+    for line in stdout.lines() {
+        let Some(rest) = line.strip_prefix("[rank ") else {
+            continue;
+        };
+        let (rank, json) = rest.split_once("] ").expect("prefixed line");
+        if let Ok(step) = serde_json::from_str::<StepLine>(json) {
+            steps.entry(rank.parse().unwrap()).or_default().push(step);
+        }
+    }
+    steps
+}
+
+#[test]
+fn local_recovers_in_place_from_a_killed_worker() {
+    let dir = scratch("kill");
+    let dir_s = dir.to_str().unwrap();
+    let o = lzrun(&[
+        "local",
+        "--nodes",
+        "3",
+        "--steps",
+        "8",
+        "--kill",
+        "2@3",
+        "--out",
+        dir_s,
+        "--timeout-ms",
+        "2000",
+    ]);
+    let show = format!("stdout:\n{}\nstderr:\n{}", o.stdout, o.stderr);
+    assert_eq!(o.code, Some(0), "{show}");
+
+    // Survivors report every step (a rolled-back step may be reported twice).
+    let steps = step_lines(&o.stdout);
+    for rank in [0, 1] {
+        let mut seen: Vec<u64> = steps[&rank].iter().map(|s| s.step).collect();
+        seen.dedup();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen, (0..8).collect::<Vec<_>>(), "rank {rank}\n{show}");
+        assert!(steps[&rank].iter().all(|s| s.loss.is_finite()));
+    }
+    let killed_steps: Vec<u64> = steps[&2].iter().map(|s| s.step).collect();
+    assert_eq!(killed_steps.last(), Some(&3), "{show}");
+
+    // One recovery line with the four phases.
+    let rec: Vec<serde_json::Value> = o
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("{\"recovery\""))
+        .map(|l| serde_json::from_str(l).expect("recovery JSON"))
+        .collect();
+    assert_eq!(rec.len(), 1, "{show}");
+    let r = &rec[0]["recovery"];
+    for phase in ["detect_ms", "replan_ms", "migrate_ms", "resume_ms"] {
+        let ms = r[phase].as_f64().unwrap_or(-1.0);
+        assert!(ms >= 0.0, "{phase}: {r}");
+    }
+    assert!(r["detect_ms"].as_f64().unwrap() < 2000.0 * 3.0, "{r}");
+    assert_eq!(r["killed"], serde_json::json!([2]), "{r}");
+
+    // After recovery: replicas of one expert identical, dense identical, nothing lost.
+    let sums: Vec<Checksums> = (0..2)
+        .map(|r| Checksums::read(&Checksums::path(&dir, r)).expect("checksum file"))
+        .collect();
+    assert_eq!(sums[0].dense, sums[1].dense, "dense weights differ");
+    let mut seen: BTreeMap<(usize, usize), Vec<(u64, u64)>> = BTreeMap::new();
+    for s in &sums {
+        assert_eq!((s.world, s.steps), (2, 8));
+        for r in &s.replicas {
+            seen.entry((r.layer, r.expert))
+                .or_default()
+                .push((r.checksum, r.weights_checksum));
+        }
+    }
+    let cfg = lazarus_executor::model::MoeConfig::tiny();
+    for l in 0..cfg.n_layers {
+        for e in 0..cfg.experts {
+            assert!(
+                seen.contains_key(&(l, e)),
+                "expert {e} of layer {l} vanished"
+            );
+        }
+    }
+    for (k, v) in &seen {
+        assert!(
+            v.iter().all(|x| *x == v[0]),
+            "replicas of {k:?} differ: {v:?}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// With 2 nodes the tiny plan keeps every expert on both, so a lost expert needs two kills
+/// out of 3 nodes (3 slots each: the survivor holds at most 3 of the 4 experts per layer).
+#[test]
+fn local_kill_that_loses_every_replica_exits_2() {
+    let o = lzrun(&[
+        "local",
+        "--nodes",
+        "3",
+        "--steps",
+        "6",
+        "--kill",
+        "1@2",
+        "--kill",
+        "2@2",
+        "--timeout-ms",
+        "2000",
+    ]);
+    let show = format!("stdout:\n{}\nstderr:\n{}", o.stdout, o.stderr);
+    assert_eq!(o.code, Some(2), "{show}");
+    let line = o
+        .stderr
+        .lines()
+        .find(|l| l.starts_with("error: ") && l.contains("lost every replica"))
+        .unwrap_or_else(|| panic!("no lost-expert line\n{show}"));
+    assert!(
+        line.contains("expert ") && line.contains("of layer "),
+        "{line}"
+    );
+    assert!(line.contains("checkpoint"), "{line}");
+}
