@@ -13,7 +13,7 @@ use std::path::PathBuf;
 pub struct RecoveryArgs {
     #[command(flatten)]
     pub spec: SpecArgs,
-    /// Placements to compare, comma-separated: mro, spread, compact, random[:SEED].
+    /// Placements to compare, comma-separated: mro, spread, compact, `random[:SEED]`.
     #[arg(long, default_value = "mro,spread,compact")]
     pub place: String,
     /// Simultaneous failures: `0..6` (inclusive), `4`, or `1,2,5`. Default 0..min(units, 6).

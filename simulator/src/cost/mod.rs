@@ -1,6 +1,6 @@
 //! The simulator's cost model: how long a training step, a checkpoint, a restart and a
 //! reconfiguration take, from a hardware profile, a model profile, a replica layout and the
-//! experts' loads. Pure functions, no state, no I/O (profiles aside, see [`profile`]).
+//! experts' loads. Pure functions, no state, no I/O (profiles aside, see the `profile` module).
 //!
 //! # Step time
 //!
