@@ -164,6 +164,40 @@ pub struct Checksums {
 }
 
 impl Checksums {
+    /// Checksums of a worker's dense weights and of every replica it holds.
+    pub fn collect(
+        rank: usize,
+        world: usize,
+        steps: u64,
+        model: &DenseModel,
+        store: &ExpertStore,
+    ) -> Result<Self> {
+        let mut dense = Fnv64::default();
+        for (_, v) in model.named_vars() {
+            dense.write_f32s(&v.as_tensor().flatten_all()?.to_vec1::<f32>()?);
+        }
+        let replicas = store
+            .replicas()
+            .into_iter()
+            .map(|(layer, expert)| {
+                let missing = || anyhow!("replica ({layer}, {expert}) vanished");
+                Ok(ReplicaChecksum {
+                    layer,
+                    expert,
+                    checksum: store.checksum(layer, expert).ok_or_else(missing)?,
+                    weights_checksum: store.weights_checksum(layer, expert).ok_or_else(missing)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            rank,
+            world,
+            steps,
+            dense: dense.finish(),
+            replicas,
+        })
+    }
+
     /// The file a worker of rank `rank` writes into `dir`.
     pub fn path(dir: &Path, rank: usize) -> PathBuf {
         dir.join(format!("rank{rank}.json"))
@@ -237,30 +271,7 @@ pub fn run_worker(
         })?;
     }
 
-    let mut dense = Fnv64::default();
-    for (_, v) in model.named_vars() {
-        dense.write_f32s(&v.as_tensor().flatten_all()?.to_vec1::<f32>()?);
-    }
-    let replicas = store
-        .replicas()
-        .into_iter()
-        .map(|(layer, expert)| {
-            let missing = || anyhow!("replica ({layer}, {expert}) vanished");
-            Ok(ReplicaChecksum {
-                layer,
-                expert,
-                checksum: store.checksum(layer, expert).ok_or_else(missing)?,
-                weights_checksum: store.weights_checksum(layer, expert).ok_or_else(missing)?,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let sums = Checksums {
-        rank,
-        world,
-        steps: opts.steps,
-        dense: dense.finish(),
-        replicas,
-    };
+    let sums = Checksums::collect(rank, world, opts.steps, &model, &store)?;
     if let Some(dir) = &opts.out {
         sums.write(dir)?;
     }

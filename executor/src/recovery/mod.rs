@@ -24,10 +24,8 @@ use std::net::SocketAddr;
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
-use crate::model::{Corpus, Fnv64};
-use crate::worker::{
-    Checksums, ReplicaChecksum, StepLine, WorkerOptions, held_replicas, plan_replicas,
-};
+use crate::model::Corpus;
+use crate::worker::{Checksums, StepLine, WorkerOptions, held_replicas, plan_replicas};
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use candle_core::{Device, Tensor};
 use lazarus_planner::migrate::{MappingMethod, PhysicalNode, lost_experts};
@@ -481,30 +479,7 @@ pub fn run_elastic_worker(
     }
     drop(dist);
 
-    let mut dense = Fnv64::default();
-    for (_, v) in model.named_vars() {
-        dense.write_f32s(&v.as_tensor().flatten_all()?.to_vec1::<f32>()?);
-    }
-    let replicas = store
-        .replicas()
-        .into_iter()
-        .map(|(layer, expert)| {
-            let missing = || anyhow!("replica ({layer}, {expert}) vanished");
-            Ok(ReplicaChecksum {
-                layer,
-                expert,
-                checksum: store.checksum(layer, expert).ok_or_else(missing)?,
-                weights_checksum: store.weights_checksum(layer, expert).ok_or_else(missing)?,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let sums = Checksums {
-        rank,
-        world,
-        steps: opts.steps,
-        dense: dense.finish(),
-        replicas,
-    };
+    let sums = Checksums::collect(rank, world, opts.steps, &model, &store)?;
     if let Some(dir) = &opts.out {
         sums.write(dir)?;
     }
