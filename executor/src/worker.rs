@@ -221,6 +221,41 @@ impl Checksums {
     }
 }
 
+/// What a worker builds before its first step: the plan every worker computes alike, the dense
+/// model and its optimizer, its expert replicas, and the communicator mesh.
+pub(crate) struct Started {
+    pub dev: Device,
+    pub model: DenseModel,
+    pub opt: crate::model::AdamW,
+    pub store: ExpertStore,
+    pub dist: DistributedExperts,
+}
+
+/// Shared start-up of [`run_worker`] and [`crate::recovery::run_elastic_worker`].
+pub(crate) fn start(opts: &WorkerOptions) -> Result<Started> {
+    let (world, rank) = (opts.peers.len(), opts.rank);
+    let cfg = &opts.config;
+    cfg.validate().context("model config")?;
+    let replicas = plan_replicas(cfg, world)?;
+    let dev = Device::Cpu;
+    let model = DenseModel::new(cfg, &dev).context("building the dense model")?;
+    let opt = model.optimizer()?;
+    let store = ExpertStore::with_replicas(cfg, &dev, held_replicas(&replicas, rank))
+        .context("building the expert store")?;
+    let timeout = Duration::from_millis(opts.timeout_ms.max(1));
+    let listener = bind_with_retry(opts.peers[rank], timeout)?;
+    let comm = TcpCommunicator::connect(rank, &opts.peers, listener, opts.epoch, opts.timeout_ms)
+        .with_context(|| format!("rank {rank}: forming the mesh of {world} workers"))?;
+    let dist = DistributedExperts::new(Box::new(comm), &store, replicas)?;
+    Ok(Started {
+        dev,
+        model,
+        opt,
+        store,
+        dist,
+    })
+}
+
 /// Runs one worker to completion: plan, store, mesh, `steps` training steps (each reported to
 /// `on_step`), checksums (also written to `out` when given).
 pub fn run_worker(
@@ -235,19 +270,14 @@ pub fn run_worker(
         "rank {rank} is not below the world size {world}"
     );
     let cfg = &opts.config;
-    cfg.validate().context("model config")?;
-    let replicas = plan_replicas(cfg, world)?;
-    let dev = Device::Cpu;
-    let model = DenseModel::new(cfg, &dev).context("building the dense model")?;
-    let mut opt = model.optimizer()?;
-    let mut store = ExpertStore::with_replicas(cfg, &dev, held_replicas(&replicas, rank))
-        .context("building the expert store")?;
-
-    let timeout = Duration::from_millis(opts.timeout_ms.max(1));
-    let listener = bind_with_retry(opts.peers[rank], timeout)?;
-    let comm = TcpCommunicator::connect(rank, &opts.peers, listener, opts.epoch, opts.timeout_ms)
-        .with_context(|| format!("rank {rank}: forming the mesh of {world} workers"))?;
-    let mut dist = DistributedExperts::new(Box::new(comm), &store, replicas)?;
+    let Started {
+        dev,
+        model,
+        mut opt,
+        mut store,
+        dist,
+    } = start(opts)?;
+    let mut dist = dist;
 
     let corpus = Corpus::embedded();
     let tokens_per_step = (cfg.batch * cfg.seq_len) as u64;

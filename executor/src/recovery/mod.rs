@@ -25,9 +25,9 @@ use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use crate::model::Corpus;
-use crate::worker::{Checksums, StepLine, WorkerOptions, held_replicas, plan_replicas};
+use crate::worker::{Checksums, Started, StepLine, WorkerOptions, start};
 use anyhow::{Context, Result, anyhow, bail, ensure};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use lazarus_planner::migrate::{MappingMethod, PhysicalNode, lost_experts};
 use lazarus_planner::{AllocPolicy, ModelSpec, PlacePolicy, ReplanOptions, replan};
 use serde::{Deserialize, Serialize};
@@ -393,18 +393,14 @@ pub fn run_elastic_worker(
     );
     let shard = opts.rank as u64;
     let cfg = &opts.config;
-    cfg.validate().context("model config")?;
-    let replicas = plan_replicas(cfg, world)?;
-    let dev = Device::Cpu;
-    let model = DenseModel::new(cfg, &dev).context("building the dense model")?;
-    let mut opt = model.optimizer()?;
-    let mut store = ExpertStore::with_replicas(cfg, &dev, held_replicas(&replicas, rank))
-        .context("building the expert store")?;
-    let timeout = Duration::from_millis(opts.timeout_ms.max(1));
-    let listener = bind_with_retry(opts.peers[rank], timeout)?;
-    let comm = TcpCommunicator::connect(rank, &opts.peers, listener, opts.epoch, opts.timeout_ms)
-        .with_context(|| format!("rank {rank}: forming the mesh of {world} workers"))?;
-    let mut dist = Some(DistributedExperts::new(Box::new(comm), &store, replicas)?);
+    let Started {
+        dev,
+        model,
+        mut opt,
+        mut store,
+        dist,
+    } = start(opts)?;
+    let mut dist = Some(dist);
 
     let corpus = Corpus::embedded();
     let tokens_per_step = (cfg.batch * cfg.seq_len) as u64;
