@@ -8,8 +8,8 @@
 //! ([`Communicator::send_recv`]) and step fences ([`Communicator::barrier`]).
 //!
 //! This module holds the backend-neutral contract; [`TcpCommunicator`] (module [`tcp`]) is the
-//! CPU backend, a full mesh of TCP connections. A NCCL backend for CUDA workers is planned behind
-//! a `cuda` feature and will implement the same trait.
+//! CPU backend, a full mesh of TCP connections. `nccl::NcclCommunicator` (behind the `cuda`
+//! feature) implements the same trait for CUDA workers through cudarc.
 //!
 //! ## Contract shared by every backend
 //!
@@ -30,6 +30,8 @@
 //! * **Determinism.** [`Communicator::all_reduce_sum`] gives every member bit-identical results,
 //!   so replicas of an expert never drift apart.
 
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod tcp;
 mod wire;
 

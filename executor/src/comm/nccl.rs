@@ -1,0 +1,1633 @@
+//! [`NcclCommunicator`]: the CUDA data plane, NCCL through cudarc (feature `cuda`).
+//!
+//! It implements the same [`Communicator`] contract as [`TcpCommunicator`](super::TcpCommunicator)
+//! (collective discipline, errors are final, bounded blocking, determinism) and mirrors its
+//! algorithms; only the transport differs.
+//!
+//! **Status.** This backend is compiled and type-checked in CI (`--features cuda`), and its
+//! failure path without CUDA is tested, but it has not yet been executed on a GPU: the
+//! multi-GPU runs are a later issue.
+//!
+//! ## Libraries
+//!
+//! cudarc loads `libcuda` and `libnccl` at run time (`dynamic-loading`), so the crate builds
+//! without CUDA installed. cudarc *panics* when a library is missing, so every entry point first
+//! calls [`nccl_available`], which checks both libraries (`is_culib_present`) and that at least
+//! one device is visible, and returns a clear [`NcclError`] instead. Note that cudarc looks for
+//! `libnccl.so` (also `libnccl.so.1`, `.so.12`, ...) but not `libnccl.so.2`, the NCCL soname that
+//! pip's `nvidia-nccl-cu12` ships alone: install `libnccl-dev`, or put a `libnccl.so` symlink to
+//! `libnccl.so.2` in a directory on `LD_LIBRARY_PATH`.
+//!
+//! ## Rendezvous
+//!
+//! Rank 0 creates an [`NcclUniqueId`] ([`NcclUniqueId::new`], `ncclGetUniqueId`); it holds the
+//! address of rank 0's bootstrap listener. The control plane ships its 128 bytes (the type is
+//! serde-serializable) to the other ranks of the membership, and every rank, rank 0 included,
+//! calls [`NcclCommunicator::new`] with its rank, the world size, its device ordinal and that id
+//! (`ncclCommInitRank`). A new membership takes a new id and new communicators; a communicator is
+//! never repaired in place (the id plays the role of the TCP backend's epoch: a stale worker
+//! holding an old id cannot join the new communicator).
+//!
+//! `ncclCommInitRank` blocks until every rank has joined and cannot be cancelled, so it runs on a
+//! helper thread, followed by a warm-up exchange with every other rank: one element each way,
+//! which makes NCCL set up every point-to-point connection now, while all ranks are known to be
+//! present, and checks that every peer holds the rank it should. The caller waits at most
+//! `timeout_ms` for both and then fails with [`CommError::Timeout`] (op `"rendezvous"`, naming the
+//! lowest other rank: NCCL does not say which rank is missing). A helper thread still stuck in
+//! `ncclCommInitRank` then stays behind; if it ever returns, it aborts the late communicator.
+//!
+//! ## Data path
+//!
+//! The trait works on host buffers, so every operation stages its outgoing messages in one device
+//! buffer (one host-to-device copy), runs the NCCL operations on this communicator's stream,
+//! waits for them, and copies the received data back (one device-to-host copy). When the model
+//! runs on CUDA, a device-resident variant that takes device tensors and skips both copies is the
+//! later optimization.
+//!
+//! Variable sizes are exchanged before the data, in *rounds*: each round is one NCCL group
+//! (`ncclGroupStart` / `ncclSend`... `ncclRecv`... / `ncclGroupEnd`, so its transfers proceed
+//! concurrently and cannot deadlock on each other), launched and then waited for. A pair of
+//! ranks always agrees on the exact count of every message it exchanges (the counts travel in a
+//! fixed-size header first), as NCCL requires; empty messages are not sent at all. No padding.
+//!
+//! * [`all_to_all_v`](Communicator::all_to_all_v) and
+//!   [`all_gather_u64`](Communicator::all_gather_u64): round 1 sends every other rank the length
+//!   of its message, round 2 the messages.
+//! * [`send_recv`](Communicator::send_recv): round 1 sends each destination a header
+//!   `[messages, total elements]`; round 2 the message lengths and all messages to that
+//!   destination packed into one transfer. The receiver receives what the header announces and
+//!   only then checks it against `recv_from`, so a mismatch fails without leaving the sender
+//!   stuck. Pairs that exchange nothing are not involved; sending to oneself is a local move.
+//! * [`all_reduce_sum`](Communicator::all_reduce_sum) is *point-to-point*, not NCCL's all-reduce:
+//!   the contract demands the left fold in ascending rank order, bit-identical on every member,
+//!   and NCCL's ring and tree reductions give neither a fixed order nor (across algorithm or
+//!   protocol choices) reproducible bits; an arbitrary subgroup would also need a sub-communicator
+//!   (`ncclCommSplit`) per group. So the members send their lengths to the group's lowest rank,
+//!   the root (round 1); it answers each with a verdict (round 2), so a length mismatch is a
+//!   [`CommError::BadShape`] on every member, after which the communicator stays usable; the
+//!   members send their buffers (round 3); the root folds them in ascending rank order and sends
+//!   the result back (round 4). Ranks outside the group are not involved, so disjoint groups may
+//!   reduce concurrently; a group of one is a no-op.
+//! * [`barrier`](Communicator::barrier) is a one-element NCCL all-reduce over the whole
+//!   communicator (its result, the world size, is checked).
+//!
+//! ## Timeouts and aborts
+//!
+//! NCCL operations are asynchronous: after launching a round, the caller records an event on the
+//! stream and polls it until `timeout_ms` has passed. Each round has its own deadline, so, as
+//! with the TCP backend, `timeout_ms` bounds how long the peers may stay silent, not a whole
+//! operation. On expiry the communicator aborts (`ncclCommAbort`, which also makes the stuck
+//! kernels exit) and the operation fails with [`CommError::Timeout`] naming the lowest peer the
+//! round was receiving from (else sending to): NCCL does not report which peer stalled.
+//! Peer failures reported asynchronously by NCCL are not polled (cudarc's safe `Comm` does not
+//! expose `ncclCommGetAsyncError`); they surface as this timeout.
+//!
+//! Any error once I/O has started aborts the communicator (errors are final): later operations
+//! fail fast with [`CommError::Aborted`], and peers blocked on this rank time out (NCCL does not
+//! tell peers about an abort, so they do not see [`CommError::PeerClosed`]). cudarc's `Comm` has
+//! no abort method; dropping it calls `ncclCommAbort` (and panics if that fails, which is
+//! contained with `catch_unwind`; this needs the default `panic = "unwind"`).
+//!
+//! Limits of the blocking NCCL mode used by cudarc's `Comm`: `ncclGroupEnd` returns once the
+//! work is enqueued, but may first wait on a peer to set up a connection. The warm-up at
+//! rendezvous sets up every point-to-point connection in advance, so this wait is not expected
+//! afterwards; a non-blocking communicator (`ncclCommInitRankConfig` with `blocking = 0`, polling
+//! `ncclCommGetAsyncError`) would remove it entirely and is a possible later step.
+//!
+//! ## Errors
+//!
+//! Construction returns [`NcclError`]; the trait's operations return [`CommError`] (CUDA and NCCL
+//! failures become [`CommError::Io`] with the message, malformed headers
+//! [`CommError::Protocol`]). `From<NcclError> for CommError` converts the former.
+
+use std::ffi::c_char;
+use std::fmt;
+use std::ops::Range;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, mpsc};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits,
+};
+use cudarc::nccl::result::NcclError as RawNcclError;
+use cudarc::nccl::{Comm, Id, NcclType, ReduceOp, group_end, group_start};
+use serde::de::{self, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::{CommError, Communicator, Rank};
+
+/// Longest pause between two polls of a launched round (the pause starts short and doubles).
+const POLL_MAX: Duration = Duration::from_micros(200);
+/// Extra time the constructor grants the rendezvous thread to report its own, more precise,
+/// timeout before giving up on it.
+const RENDEZVOUS_GRACE: Duration = Duration::from_millis(100);
+
+/// Why the NCCL backend is unavailable or could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum NcclError {
+    /// The CUDA driver library could not be loaded.
+    #[error("libcuda.so not found (cudarc dynamic loading): is the NVIDIA driver installed?")]
+    DriverLibraryMissing,
+    /// The NCCL library could not be loaded.
+    #[error(
+        "libnccl.so not found (cudarc dynamic loading): is NCCL installed? cudarc loads \
+         `libnccl.so`, not `libnccl.so.2`: install libnccl-dev or put a libnccl.so symlink on \
+         LD_LIBRARY_PATH"
+    )]
+    NcclLibraryMissing,
+    /// The driver loaded but reports no usable device.
+    #[error("no usable CUDA device (check CUDA_VISIBLE_DEVICES): {0}")]
+    NoDevice(String),
+    /// The requested device ordinal is not visible.
+    #[error("CUDA device {ordinal} requested, but only {count} visible")]
+    BadDevice {
+        /// The requested ordinal.
+        ordinal: usize,
+        /// How many devices are visible.
+        count: usize,
+    },
+    /// A CUDA driver call failed.
+    #[error("{op}: CUDA error: {msg}")]
+    Cuda {
+        /// What was being done.
+        op: &'static str,
+        /// The driver's error.
+        msg: String,
+    },
+    /// An NCCL call failed.
+    #[error("{op}: NCCL error: {msg}")]
+    Nccl {
+        /// What was being done.
+        op: &'static str,
+        /// NCCL's result code.
+        msg: String,
+    },
+    /// A communicator-level failure: bad arguments, rendezvous timeout, a rank mix-up.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+}
+
+impl From<NcclError> for CommError {
+    fn from(e: NcclError) -> Self {
+        use std::io::{Error, ErrorKind};
+        match e {
+            NcclError::Comm(e) => e,
+            e @ (NcclError::DriverLibraryMissing
+            | NcclError::NcclLibraryMissing
+            | NcclError::NoDevice(_)
+            | NcclError::BadDevice { .. }) => {
+                CommError::Io(Error::new(ErrorKind::NotFound, e.to_string()))
+            }
+            e @ (NcclError::Cuda { .. } | NcclError::Nccl { .. }) => {
+                CommError::Io(Error::other(e.to_string()))
+            }
+        }
+    }
+}
+
+fn cuda_error(op: &'static str) -> impl Fn(DriverError) -> NcclError {
+    move |e| NcclError::Cuda {
+        op,
+        msg: format!("{e:?}"),
+    }
+}
+
+fn nccl_error(op: &'static str) -> impl Fn(RawNcclError) -> NcclError {
+    // cudarc's `NcclError` prints only "NcclError"; the result code is the useful part.
+    move |e| NcclError::Nccl {
+        op,
+        msg: format!("{:?}", e.0),
+    }
+}
+
+fn cuda_failed(op: &'static str) -> impl Fn(DriverError) -> CommError {
+    move |e| cuda_error(op)(e).into()
+}
+
+fn nccl_failed(op: &'static str) -> impl Fn(RawNcclError) -> CommError {
+    move |e| nccl_error(op)(e).into()
+}
+
+/// Checks that the CUDA driver and NCCL libraries can be loaded and that at least one CUDA device
+/// is visible. Never panics (cudarc would panic on the first call into a missing library).
+pub fn nccl_available() -> Result<(), NcclError> {
+    device_count().map(|_| ())
+}
+
+/// [`nccl_available`], returning the number of visible devices.
+fn device_count() -> Result<usize, NcclError> {
+    // SAFETY: `is_culib_present` only tries to load each candidate library (libloading) and
+    // unloads it again; cudarc marks it unsafe because loading runs the library's initializers.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(NcclError::DriverLibraryMissing);
+    }
+    // SAFETY: as above.
+    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+        return Err(NcclError::NcclLibraryMissing);
+    }
+    let n = CudaContext::device_count().map_err(|e| NcclError::NoDevice(format!("{e:?}")))?;
+    match usize::try_from(n) {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(NcclError::NoDevice(format!(
+            "the driver reports {n} devices"
+        ))),
+    }
+}
+
+/// The 128-byte NCCL unique id of one communicator (`ncclUniqueId`): rank 0 creates it, the
+/// control plane ships it to every other rank (it serializes as 128 bytes).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct NcclUniqueId(pub [u8; NcclUniqueId::LEN]);
+
+impl NcclUniqueId {
+    /// Size of an `ncclUniqueId` in bytes.
+    pub const LEN: usize = 128;
+
+    /// A fresh id (`ncclGetUniqueId`), to be created by rank 0 only. It opens rank 0's bootstrap
+    /// listener, so rank 0 must then join with [`NcclCommunicator::new`]. Fails cleanly (no
+    /// panic) when CUDA or NCCL is missing.
+    pub fn new() -> Result<Self, NcclError> {
+        nccl_available()?;
+        let id = Id::new().map_err(nccl_error("ncclGetUniqueId"))?;
+        Ok(Self::from_internal(id.internal()))
+    }
+
+    /// The id from the bytes shipped by the control plane.
+    pub fn from_slice(bytes: &[u8]) -> Result<Self, CommError> {
+        <[u8; Self::LEN]>::try_from(bytes).map(Self).map_err(|_| {
+            CommError::BadShape(format!(
+                "an NCCL unique id has {} bytes, not {}",
+                Self::LEN,
+                bytes.len()
+            ))
+        })
+    }
+
+    /// The raw bytes.
+    pub fn as_bytes(&self) -> &[u8; Self::LEN] {
+        &self.0
+    }
+
+    fn from_internal(internal: &[c_char; Self::LEN]) -> Self {
+        Self(internal.map(|c| c.to_ne_bytes()[0]))
+    }
+
+    fn to_internal(self) -> [c_char; Self::LEN] {
+        self.0.map(|b| c_char::from_ne_bytes([b]))
+    }
+}
+
+impl fmt::Debug for NcclUniqueId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("NcclUniqueId(")?;
+        for b in &self.0 {
+            write!(f, "{b:02x}")?;
+        }
+        f.write_str(")")
+    }
+}
+
+impl Serialize for NcclUniqueId {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_bytes(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for NcclUniqueId {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct IdVisitor;
+
+        impl<'de> Visitor<'de> for IdVisitor {
+            type Value = NcclUniqueId;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{} bytes", NcclUniqueId::LEN)
+            }
+
+            fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Self::Value, E> {
+                NcclUniqueId::from_slice(v).map_err(|_| E::invalid_length(v.len(), &self))
+            }
+
+            // Self-describing formats without a byte type (JSON) give a sequence of numbers.
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut id = [0u8; NcclUniqueId::LEN];
+                for (i, slot) in id.iter_mut().enumerate() {
+                    *slot = seq
+                        .next_element()?
+                        .ok_or_else(|| de::Error::invalid_length(i, &self))?;
+                }
+                if seq.next_element::<u8>()?.is_some() {
+                    return Err(de::Error::invalid_length(NcclUniqueId::LEN + 1, &self));
+                }
+                Ok(NcclUniqueId(id))
+            }
+        }
+
+        deserializer.deserialize_bytes(IdVisitor)
+    }
+}
+
+/// cudarc's `Comm`, made `Send`.
+#[derive(Debug)]
+struct SendComm(Comm);
+
+// SAFETY: `Comm` holds an `ncclComm_t` (a raw pointer, hence not auto-`Send`) and an
+// `Arc<CudaStream>` (`Send + Sync`). NCCL allows a communicator to be used from any thread as
+// long as it is not used concurrently; `SendComm` is not `Sync`, `NcclCommunicator` uses it
+// only through `&mut self` (or `&self` within such a call), and every use binds the CUDA context
+// to the calling thread first.
+unsafe impl Send for SendComm {}
+
+/// Drops (hence aborts, `ncclCommAbort`) a communicator; cudarc's `Drop` panics if the abort
+/// fails, which is contained here.
+fn release(comm: SendComm) {
+    let ctx = Arc::clone(comm.0.context());
+    let _ = ctx.bind_to_thread();
+    let _ = catch_unwind(AssertUnwindSafe(move || drop(comm)));
+}
+
+/// Element types this backend moves.
+trait Elem: NcclType + DeviceRepr + ValidAsZeroBits + Copy + Default {}
+impl Elem for f32 {}
+impl Elem for u64 {}
+
+/// A rank as NCCL's `int` peer; ranks are checked below the world size, which fits.
+fn peer_i32(p: Rank) -> i32 {
+    i32::try_from(p).unwrap_or(i32::MAX)
+}
+
+fn to_usize(op: &'static str, v: u64) -> Result<usize, CommError> {
+    usize::try_from(v).map_err(|_| CommError::Protocol(format!("{op}: count {v} is too large")))
+}
+
+/// One element type's share of a round.
+struct Part<'a, T> {
+    /// Distinct outgoing messages, each the concatenation of its pieces; a message may go to
+    /// several peers (it is staged once).
+    msgs: Vec<Vec<&'a [T]>>,
+    /// `(destination, message index)`, posted in this order.
+    sends: Vec<(Rank, usize)>,
+    /// `(source, element count)`, posted in this order.
+    recvs: Vec<(Rank, usize)>,
+}
+
+impl<'a, T> Part<'a, T> {
+    fn new() -> Self {
+        Self {
+            msgs: Vec::new(),
+            sends: Vec::new(),
+            recvs: Vec::new(),
+        }
+    }
+
+    /// Adds a message (the concatenation of `pieces`) and returns its index.
+    fn msg(&mut self, pieces: Vec<&'a [T]>) -> usize {
+        self.msgs.push(pieces);
+        self.msgs.len() - 1
+    }
+
+    fn send(&mut self, dst: Rank, msg: usize) {
+        self.sends.push((dst, msg));
+    }
+
+    fn recv(&mut self, src: Rank, len: usize) {
+        self.recvs.push((src, len));
+    }
+
+    /// Where everything lies in the staging buffers (see [`Layout`]).
+    fn layout(&self, op: &'static str) -> Result<Layout, CommError> {
+        let mut msg_ranges = Vec::with_capacity(self.msgs.len());
+        let mut off = 0;
+        for pieces in &self.msgs {
+            let len: usize = pieces.iter().map(|p| p.len()).sum();
+            msg_ranges.push(off..off + len);
+            off += len;
+        }
+        let sends = self
+            .sends
+            .iter()
+            .map(|&(dst, m)| {
+                msg_ranges.get(m).map(|r| (dst, r.clone())).ok_or_else(|| {
+                    CommError::Protocol(format!("{op}: internal error: no message {m}"))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut recvs = Vec::with_capacity(self.recvs.len());
+        let mut roff = 0;
+        for &(src, len) in &self.recvs {
+            recvs.push((src, roff..roff + len));
+            roff += len;
+        }
+        Ok(Layout {
+            send_len: off,
+            recv_len: roff,
+            sends,
+            recvs,
+        })
+    }
+}
+
+/// A part's staging layout: the outgoing messages packed into one buffer, the incoming ones into
+/// another. Empty transfers keep their (empty) range but are never posted.
+#[derive(Debug, PartialEq)]
+struct Layout {
+    send_len: usize,
+    recv_len: usize,
+    /// `(destination, range in the send buffer)`, in posting order.
+    sends: Vec<(Rank, Range<usize>)>,
+    /// `(source, range in the receive buffer)`, in posting order.
+    recvs: Vec<(Rank, Range<usize>)>,
+}
+
+impl Layout {
+    fn is_idle(&self) -> bool {
+        self.sends
+            .iter()
+            .chain(&self.recvs)
+            .all(|(_, r)| r.is_empty())
+    }
+
+    fn posted_recvs(&self) -> impl Iterator<Item = &(Rank, Range<usize>)> {
+        self.recvs.iter().filter(|(_, r)| !r.is_empty())
+    }
+
+    fn posted_sends(&self) -> impl Iterator<Item = &(Rank, Range<usize>)> {
+        self.sends.iter().filter(|(_, r)| !r.is_empty())
+    }
+}
+
+/// The peer a stalled round is blamed on: the lowest rank it receives from, else the lowest it
+/// sends to (NCCL does not say which transfer stalled).
+fn blame(layouts: &[&Layout]) -> Option<Rank> {
+    let lowest = |recv: bool| {
+        layouts
+            .iter()
+            .flat_map(|l| {
+                if recv {
+                    l.posted_recvs().map(|(p, _)| *p).collect::<Vec<_>>()
+                } else {
+                    l.posted_sends().map(|(p, _)| *p).collect()
+                }
+            })
+            .min()
+    };
+    lowest(true).or_else(|| lowest(false))
+}
+
+/// Device buffers of one part. They are owned outside the function that launches the round so
+/// that, on failure, they outlive the abort: freeing them first could wait on a stuck kernel.
+struct Staged<T> {
+    send: Option<CudaSlice<T>>,
+    recv: Option<CudaSlice<T>>,
+}
+
+impl<T: Elem> Staged<T> {
+    fn upload(
+        stream: &Arc<CudaStream>,
+        part: &Part<'_, T>,
+        layout: &Layout,
+        op: &'static str,
+    ) -> Result<Self, CommError> {
+        let send = if layout.send_len > 0 {
+            let mut packed = Vec::with_capacity(layout.send_len);
+            for pieces in &part.msgs {
+                for p in pieces {
+                    packed.extend_from_slice(p);
+                }
+            }
+            Some(stream.clone_htod(&packed).map_err(cuda_failed(op))?)
+        } else {
+            None
+        };
+        let recv = if layout.recv_len > 0 {
+            Some(
+                stream
+                    .alloc_zeros::<T>(layout.recv_len)
+                    .map_err(cuda_failed(op))?,
+            )
+        } else {
+            None
+        };
+        Ok(Self { send, recv })
+    }
+
+    /// Posts the part's transfers (inside an NCCL group).
+    fn post(&mut self, comm: &Comm, layout: &Layout, op: &'static str) -> Result<(), CommError> {
+        let out_of_range = || CommError::Protocol(format!("{op}: internal error: bad range"));
+        if let Some(buf) = &self.send {
+            for (dst, r) in layout.posted_sends() {
+                let view = buf.try_slice(r.clone()).ok_or_else(out_of_range)?;
+                comm.send(&view, peer_i32(*dst)).map_err(nccl_failed(op))?;
+            }
+        }
+        if let Some(buf) = &mut self.recv {
+            for (src, r) in layout.posted_recvs() {
+                let mut view = buf.try_slice_mut(r.clone()).ok_or_else(out_of_range)?;
+                comm.recv(&mut view, peer_i32(*src))
+                    .map_err(nccl_failed(op))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies the received messages back, one `Vec` per entry of the part's `recvs`.
+    fn download(
+        &self,
+        stream: &Arc<CudaStream>,
+        layout: &Layout,
+        op: &'static str,
+    ) -> Result<Vec<Vec<T>>, CommError> {
+        let flat = match &self.recv {
+            Some(buf) => stream.clone_dtoh(buf).map_err(cuda_failed(op))?,
+            None => Vec::new(),
+        };
+        layout
+            .recvs
+            .iter()
+            .map(|(_, r)| {
+                flat.get(r.clone())
+                    .map(<[T]>::to_vec)
+                    .ok_or_else(|| CommError::Protocol(format!("{op}: internal error: bad range")))
+            })
+            .collect()
+    }
+}
+
+/// Polls the work enqueued on `stream` so far until it completes (`Ok(true)`) or `deadline`
+/// passes (`Ok(false)`).
+fn wait_until(stream: &CudaStream, deadline: Instant) -> Result<bool, DriverError> {
+    let done = stream.record_event(None)?;
+    let mut pause = Duration::from_micros(2);
+    loop {
+        if done.try_is_complete()? {
+            return Ok(true);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(false);
+        }
+        thread::sleep(pause.min(deadline - now));
+        pause = (pause * 2).min(POLL_MAX);
+    }
+}
+
+/// The lowest rank other than `rank` (the peer named when NCCL does not tell which one failed).
+fn lowest_other(rank: Rank, world: usize) -> Rank {
+    if rank == 0 && world > 1 { 1 } else { 0 }
+}
+
+/// What a round received: the words, then the floats, each in its part's `recvs` order.
+type Received = (Vec<Vec<u64>>, Vec<Vec<f32>>);
+
+/// A [`Communicator`] over NCCL on one CUDA device (see the [module docs](self)).
+#[derive(Debug)]
+pub struct NcclCommunicator {
+    rank: Rank,
+    world: usize,
+    device_ordinal: usize,
+    timeout_ms: u64,
+    stream: Arc<CudaStream>,
+    /// `None` once aborted.
+    comm: Option<SendComm>,
+}
+
+impl NcclCommunicator {
+    /// Joins the communicator identified by `id` as `rank` of `world`, on CUDA device
+    /// `device_ordinal` (see the module docs on rendezvous). Fails within about `timeout_ms`
+    /// (at least 1) if a rank is missing; `timeout_ms` also bounds every later round.
+    ///
+    /// Fails cleanly, without touching CUDA, when the CUDA or NCCL library is missing
+    /// ([`nccl_available`]).
+    pub fn new(
+        rank: Rank,
+        world: usize,
+        device_ordinal: usize,
+        id: &NcclUniqueId,
+        timeout_ms: u64,
+    ) -> Result<Self, NcclError> {
+        let count = device_count()?;
+        if rank >= world {
+            return Err(CommError::BadShape(format!(
+                "rank {rank} is not below world size {world}"
+            ))
+            .into());
+        }
+        if i32::try_from(world).is_err() {
+            return Err(CommError::BadShape(format!("world size {world} exceeds NCCL's")).into());
+        }
+        if device_ordinal >= count {
+            return Err(NcclError::BadDevice {
+                ordinal: device_ordinal,
+                count,
+            });
+        }
+        let timeout_ms = timeout_ms.max(1);
+        let deadline = Instant::now() + Duration::from_millis(timeout_ms);
+        let ctx = CudaContext::new(device_ordinal).map_err(cuda_error("cuCtx (device)"))?;
+        let stream = ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?;
+        let comm = rendezvous(&stream, rank, world, *id, timeout_ms, deadline)?;
+        Ok(Self {
+            rank,
+            world,
+            device_ordinal,
+            timeout_ms,
+            stream,
+            comm: Some(comm),
+        })
+    }
+
+    /// The CUDA device this rank runs on.
+    pub fn device_ordinal(&self) -> usize {
+        self.device_ordinal
+    }
+
+    /// The per-round timeout in milliseconds.
+    pub fn timeout_ms(&self) -> u64 {
+        self.timeout_ms
+    }
+
+    /// Changes the per-round timeout (at least 1 ms).
+    pub fn set_timeout_ms(&mut self, timeout_ms: u64) {
+        self.timeout_ms = timeout_ms.max(1);
+    }
+
+    /// Whether this communicator has been aborted (explicitly or by an error).
+    pub fn is_aborted(&self) -> bool {
+        self.comm.is_none()
+    }
+
+    fn check_live(&self) -> Result<(), CommError> {
+        if self.is_aborted() {
+            Err(CommError::Aborted)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn comm(&self) -> Result<&Comm, CommError> {
+        self.comm.as_ref().map(|c| &c.0).ok_or(CommError::Aborted)
+    }
+
+    fn check_rank(&self, r: Rank, what: &str) -> Result<(), CommError> {
+        if r < self.world {
+            Ok(())
+        } else {
+            Err(CommError::BadShape(format!(
+                "{what} rank {r} is not below world size {}",
+                self.world
+            )))
+        }
+    }
+
+    fn others(&self) -> Vec<Rank> {
+        (0..self.world).filter(|&p| p != self.rank).collect()
+    }
+
+    /// Aborts after an error during I/O.
+    fn fail(&mut self, e: CommError) -> CommError {
+        self.abort();
+        e
+    }
+
+    /// Runs `io`, which may park device buffers in its second argument; on error the
+    /// communicator aborts *before* those buffers are freed (see [`Staged`]).
+    fn guarded<K, R>(
+        &mut self,
+        io: impl FnOnce(&Self, &mut Option<K>) -> Result<R, CommError>,
+    ) -> Result<R, CommError> {
+        self.check_live()?;
+        let mut keep = None;
+        let result = io(self, &mut keep);
+        result.map_err(|e| {
+            let e = self.fail(e);
+            drop(keep);
+            e
+        })
+    }
+
+    /// One round: posts both parts in one NCCL group (words first), waits for it within the
+    /// timeout, and returns the received messages of each part in `recvs` order.
+    fn round(
+        &mut self,
+        op: &'static str,
+        words: &Part<'_, u64>,
+        floats: &Part<'_, f32>,
+    ) -> Result<Received, CommError> {
+        self.check_live()?;
+        let (lw, lf) = match (words.layout(op), floats.layout(op)) {
+            (Ok(lw), Ok(lf)) => (lw, lf),
+            (Err(e), _) | (_, Err(e)) => return Err(self.fail(e)),
+        };
+        if lw.is_idle() && lf.is_idle() {
+            return Ok((
+                vec![Vec::new(); words.recvs.len()],
+                vec![Vec::new(); floats.recvs.len()],
+            ));
+        }
+        self.guarded(|me, keep: &mut Option<(Staged<u64>, Staged<f32>)>| {
+            let comm = me.comm()?;
+            let stream = &me.stream;
+            stream.context().bind_to_thread().map_err(cuda_failed(op))?;
+            let (sw, sf) = keep.insert((
+                Staged::upload(stream, words, &lw, op)?,
+                Staged::upload(stream, floats, &lf, op)?,
+            ));
+            group_start().map_err(nccl_failed(op))?;
+            let posted = sw.post(comm, &lw, op).and_then(|()| sf.post(comm, &lf, op));
+            let ended = group_end().map_err(nccl_failed(op));
+            posted?;
+            ended?;
+            let deadline = Instant::now() + Duration::from_millis(me.timeout_ms);
+            if !wait_until(stream, deadline).map_err(cuda_failed(op))? {
+                return Err(CommError::Timeout {
+                    peer: blame(&[&lw, &lf]).unwrap_or_else(|| lowest_other(me.rank, me.world)),
+                    op,
+                    ms: me.timeout_ms,
+                });
+            }
+            Ok((sw.download(stream, &lw, op)?, sf.download(stream, &lf, op)?))
+        })
+    }
+
+    /// A round of 64-bit words only.
+    fn round_words(
+        &mut self,
+        op: &'static str,
+        words: &Part<'_, u64>,
+    ) -> Result<Vec<Vec<u64>>, CommError> {
+        self.round(op, words, &Part::new()).map(|(w, _)| w)
+    }
+
+    /// A round of floats only.
+    fn round_floats(
+        &mut self,
+        op: &'static str,
+        floats: &Part<'_, f32>,
+    ) -> Result<Vec<Vec<f32>>, CommError> {
+        self.round(op, &Part::new(), floats).map(|(_, f)| f)
+    }
+
+    /// Exchanges one length with each rank of `peers` (sending `mine[i]` to `peers[i]`), and
+    /// returns the lengths received, in `peers` order.
+    fn exchange_lengths(
+        &mut self,
+        op: &'static str,
+        peers: &[Rank],
+        mine: &[u64],
+    ) -> Result<Vec<usize>, CommError> {
+        let mut words = Part::new();
+        for (&p, len) in peers.iter().zip(mine) {
+            let m = words.msg(vec![std::slice::from_ref(len)]);
+            words.send(p, m);
+            words.recv(p, 1);
+        }
+        let got = self.round_words(op, &words)?;
+        decode_singles(op, &got).map_err(|e| self.fail(e))
+    }
+}
+
+/// The `ncclCommInitRank` and warm-up of [`NcclCommunicator::new`], on a helper thread (see the
+/// module docs).
+fn rendezvous(
+    stream: &Arc<CudaStream>,
+    rank: Rank,
+    world: usize,
+    id: NcclUniqueId,
+    timeout_ms: u64,
+    deadline: Instant,
+) -> Result<SendComm, NcclError> {
+    const OP: &str = "rendezvous";
+    let timed_out = move || CommError::Timeout {
+        peer: lowest_other(rank, world),
+        op: OP,
+        ms: timeout_ms,
+    };
+    let (tx, rx) = mpsc::channel::<Result<SendComm, NcclError>>();
+    let stream = Arc::clone(stream);
+    let id = Id::uninit(id.to_internal());
+    thread::Builder::new()
+        .name(format!("nccl-rendezvous-{rank}"))
+        .spawn(move || {
+            let joined = stream
+                .context()
+                .bind_to_thread()
+                .map_err(cuda_error(OP))
+                .and_then(|()| {
+                    Comm::from_rank(Arc::clone(&stream), rank, world, id)
+                        .map(SendComm)
+                        .map_err(nccl_error("ncclCommInitRank"))
+                });
+            let result = joined.and_then(|comm| {
+                if Instant::now() >= deadline {
+                    // The caller has given up: do not leave a half-joined communicator behind.
+                    release(comm);
+                    return Err(timed_out().into());
+                }
+                warm_up(comm, &stream, rank, world, deadline, timeout_ms)
+            });
+            if let Err(mpsc::SendError(Ok(late))) = tx.send(result) {
+                release(late);
+            }
+        })
+        .map_err(CommError::Io)?;
+    let wait = deadline.saturating_duration_since(Instant::now()) + RENDEZVOUS_GRACE;
+    match rx.recv_timeout(wait) {
+        Ok(result) => result,
+        Err(mpsc::RecvTimeoutError::Timeout) => Err(timed_out().into()),
+        Err(mpsc::RecvTimeoutError::Disconnected) => Err(NcclError::Nccl {
+            op: OP,
+            msg: "the rendezvous thread panicked".into(),
+        }),
+    }
+}
+
+/// Sends this rank's number to every other rank and receives theirs, in one NCCL group: sets up
+/// every point-to-point connection while all ranks are present, and checks the rank assignment.
+/// On failure the communicator is aborted (before its buffers are freed, see [`Staged`]).
+fn warm_up(
+    comm: SendComm,
+    stream: &Arc<CudaStream>,
+    rank: Rank,
+    world: usize,
+    deadline: Instant,
+    timeout_ms: u64,
+) -> Result<SendComm, NcclError> {
+    let mut keep = None;
+    match warm_up_io(
+        &comm.0, stream, rank, world, deadline, timeout_ms, &mut keep,
+    ) {
+        Ok(()) => Ok(comm),
+        Err(e) => {
+            release(comm);
+            drop(keep);
+            Err(e)
+        }
+    }
+}
+
+fn warm_up_io(
+    comm: &Comm,
+    stream: &Arc<CudaStream>,
+    rank: Rank,
+    world: usize,
+    deadline: Instant,
+    timeout_ms: u64,
+    keep: &mut Option<(CudaSlice<u64>, CudaSlice<u64>)>,
+) -> Result<(), NcclError> {
+    const OP: &str = "rendezvous";
+    if world == 1 {
+        return Ok(());
+    }
+    let (mine, theirs) = keep.insert((
+        stream.clone_htod(&[rank as u64]).map_err(cuda_error(OP))?,
+        stream.alloc_zeros::<u64>(world).map_err(cuda_error(OP))?,
+    ));
+    group_start().map_err(nccl_error(OP))?;
+    let posted = (0..world).filter(|&p| p != rank).try_for_each(|p| {
+        comm.send(&*mine, peer_i32(p)).map_err(nccl_error(OP))?;
+        let mut slot = theirs
+            .try_slice_mut(p..p + 1)
+            .ok_or_else(|| NcclError::Nccl {
+                op: OP,
+                msg: "internal error: bad range".into(),
+            })?;
+        comm.recv(&mut slot, peer_i32(p))
+            .map(|_| ())
+            .map_err(nccl_error(OP))
+    });
+    let ended = group_end().map_err(nccl_error(OP));
+    posted?;
+    ended?;
+    if !wait_until(stream, deadline).map_err(cuda_error(OP))? {
+        return Err(CommError::Timeout {
+            peer: lowest_other(rank, world),
+            op: OP,
+            ms: timeout_ms,
+        }
+        .into());
+    }
+    let got = stream.clone_dtoh(&*theirs).map_err(cuda_error(OP))?;
+    match check_ranks(rank, &got) {
+        None => Ok(()),
+        Some((p, q)) => Err(CommError::Protocol(format!(
+            "{OP}: rank {p} of this communicator says it is rank {q}"
+        ))
+        .into()),
+    }
+}
+
+/// The first peer whose warm-up answer is not its own rank: `(expected, got)`.
+fn check_ranks(rank: Rank, got: &[u64]) -> Option<(Rank, u64)> {
+    got.iter()
+        .enumerate()
+        .find(|&(p, &q)| p != rank && q != p as u64)
+        .map(|(p, &q)| (p, q))
+}
+
+/// Decodes one-element messages into lengths.
+fn decode_singles(op: &'static str, got: &[Vec<u64>]) -> Result<Vec<usize>, CommError> {
+    got.iter()
+        .map(|m| match m[..] {
+            [v] => to_usize(op, v),
+            _ => Err(CommError::Protocol(format!(
+                "{op}: expected a one-element length header, got {} elements",
+                m.len()
+            ))),
+        })
+        .collect()
+}
+
+/// The left fold of the contract: `acc` (the lowest rank's buffer) plus each part in turn, in
+/// ascending rank order.
+fn fold_ascending(acc: &mut [f32], parts: &[Vec<f32>]) {
+    for p in parts {
+        for (a, b) in acc.iter_mut().zip(p) {
+            *a += *b;
+        }
+    }
+}
+
+/// The first member (in `members` order) whose length differs from the root's.
+fn first_mismatch(root_len: usize, members: &[Rank], lens: &[usize]) -> Option<(Rank, usize)> {
+    members
+        .iter()
+        .zip(lens)
+        .find(|&(_, &l)| l != root_len)
+        .map(|(&m, &l)| (m, l))
+}
+
+/// The all-reduce root's answer to the length exchange: `[root_len, bad_rank, bad_len]`, with
+/// `bad_rank = u64::MAX` when every length matches.
+fn encode_verdict(root_len: usize, bad: Option<(Rank, usize)>) -> [u64; 3] {
+    match bad {
+        None => [root_len as u64, u64::MAX, 0],
+        Some((r, l)) => [root_len as u64, r as u64, l as u64],
+    }
+}
+
+/// Inverse of [`encode_verdict`]: `(root_len, mismatch)`.
+fn decode_verdict(
+    op: &'static str,
+    header: &[u64],
+) -> Result<(usize, Option<(Rank, usize)>), CommError> {
+    match *header {
+        [root_len, u64::MAX, _] => Ok((to_usize(op, root_len)?, None)),
+        [root_len, bad, bad_len] => Ok((
+            to_usize(op, root_len)?,
+            Some((to_usize(op, bad)?, to_usize(op, bad_len)?)),
+        )),
+        _ => Err(CommError::Protocol(format!(
+            "{op}: malformed verdict of {} elements",
+            header.len()
+        ))),
+    }
+}
+
+fn mismatch_error(
+    op: &'static str,
+    root: Rank,
+    root_len: usize,
+    (bad, bad_len): (Rank, usize),
+) -> CommError {
+    CommError::BadShape(format!(
+        "{op}: rank {bad} reduces {bad_len} values, the group root (rank {root}) {root_len}"
+    ))
+}
+
+/// Splits `flat` into consecutive messages of the given lengths; `None` unless they add up to
+/// exactly `flat.len()`.
+fn split_by_lens<T: Copy>(flat: &[T], lens: &[usize]) -> Option<Vec<Vec<T>>> {
+    let mut out = Vec::with_capacity(lens.len());
+    let mut off = 0usize;
+    for &l in lens {
+        let end = off.checked_add(l)?;
+        out.push(flat.get(off..end)?.to_vec());
+        off = end;
+    }
+    (off == flat.len()).then_some(out)
+}
+
+/// How `send_recv` traffic is organized per peer (self excluded).
+#[derive(Debug, PartialEq)]
+struct SendRecvPlan {
+    /// `(destination, indices into the remote sends)`, ascending destination, in listed order.
+    out: Vec<(Rank, Vec<usize>)>,
+    /// `(source, messages expected)`, ascending source.
+    expect: Vec<(Rank, usize)>,
+}
+
+impl SendRecvPlan {
+    /// `dsts`: the destination of each remote message; `srcs`: `recv_from` without self.
+    fn new(world: usize, dsts: &[Rank], srcs: &[Rank]) -> Self {
+        let mut out: Vec<Vec<usize>> = vec![Vec::new(); world];
+        for (i, &d) in dsts.iter().enumerate() {
+            out[d].push(i);
+        }
+        let mut expect = vec![0usize; world];
+        for &s in srcs {
+            expect[s] += 1;
+        }
+        Self {
+            out: out
+                .into_iter()
+                .enumerate()
+                .filter(|(_, v)| !v.is_empty())
+                .collect(),
+            expect: expect
+                .into_iter()
+                .enumerate()
+                .filter(|&(_, n)| n > 0)
+                .collect(),
+        }
+    }
+}
+
+/// Hands the received messages out in `recv_from` order; every queue must be used up exactly.
+fn assemble(
+    recv_from: &[Rank],
+    mut queues: Vec<std::collections::VecDeque<Vec<f32>>>,
+) -> Result<Vec<(Rank, Vec<f32>)>, CommError> {
+    let out = recv_from
+        .iter()
+        .map(|&src| {
+            queues
+                .get_mut(src)
+                .and_then(|q| q.pop_front())
+                .map(|d| (src, d))
+                .ok_or_else(|| {
+                    CommError::Protocol(format!(
+                        "send_recv: rank {src} sent fewer messages than listed in recv_from"
+                    ))
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if let Some(src) = queues.iter().position(|q| !q.is_empty()) {
+        return Err(CommError::Protocol(format!(
+            "send_recv: rank {src} sent more messages than listed in recv_from"
+        )));
+    }
+    Ok(out)
+}
+
+impl Communicator for NcclCommunicator {
+    fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn all_to_all_v(&mut self, mut send: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>, CommError> {
+        const OP: &str = "all_to_all_v";
+        self.check_live()?;
+        if send.len() != self.world {
+            return Err(CommError::BadShape(format!(
+                "{OP}: {} send buffers for world size {}",
+                send.len(),
+                self.world
+            )));
+        }
+        let mine = std::mem::take(&mut send[self.rank]);
+        let others = self.others();
+        let lens: Vec<u64> = others.iter().map(|&p| send[p].len() as u64).collect();
+        let incoming = self.exchange_lengths(OP, &others, &lens)?;
+        let mut floats = Part::new();
+        for (&p, &n) in others.iter().zip(&incoming) {
+            let m = floats.msg(vec![&send[p][..]]);
+            floats.send(p, m);
+            floats.recv(p, n);
+        }
+        let got = self.round_floats(OP, &floats)?;
+        let mut recv: Vec<Vec<f32>> = vec![Vec::new(); self.world];
+        for (&p, d) in others.iter().zip(got) {
+            recv[p] = d;
+        }
+        recv[self.rank] = mine;
+        Ok(recv)
+    }
+
+    fn all_gather_u64(&mut self, mine: &[u64]) -> Result<Vec<Vec<u64>>, CommError> {
+        const OP: &str = "all_gather_u64";
+        self.check_live()?;
+        let others = self.others();
+        let lens = vec![mine.len() as u64; others.len()];
+        let incoming = self.exchange_lengths(OP, &others, &lens)?;
+        let mut words = Part::new();
+        let m = words.msg(vec![mine]);
+        for (&p, &n) in others.iter().zip(&incoming) {
+            words.send(p, m);
+            words.recv(p, n);
+        }
+        let got = self.round_words(OP, &words)?;
+        let mut all: Vec<Vec<u64>> = vec![Vec::new(); self.world];
+        for (&p, d) in others.iter().zip(got) {
+            all[p] = d;
+        }
+        all[self.rank] = mine.to_vec();
+        Ok(all)
+    }
+
+    /// Point-to-point through the group's lowest rank (see the module docs). A length mismatch
+    /// is reported as [`CommError::BadShape`] by every member, after an exchange of lengths only,
+    /// so the communicator stays usable.
+    fn all_reduce_sum(&mut self, group: &[Rank], buf: &mut [f32]) -> Result<(), CommError> {
+        const OP: &str = "all_reduce_sum";
+        self.check_live()?;
+        if let Some(&bad) = group.iter().find(|&&r| r >= self.world) {
+            return Err(CommError::BadShape(format!(
+                "{OP}: group rank {bad} is not below world size {}",
+                self.world
+            )));
+        }
+        if !group.windows(2).all(|w| w[0] < w[1]) {
+            return Err(CommError::BadShape(format!(
+                "{OP}: group {group:?} is not sorted and distinct"
+            )));
+        }
+        if !group.contains(&self.rank) {
+            return Err(CommError::BadShape(format!(
+                "{OP}: group {group:?} does not contain rank {}",
+                self.rank
+            )));
+        }
+        if group.len() == 1 {
+            return Ok(());
+        }
+        let root = group[0];
+        let members = &group[1..];
+        let len = buf.len();
+        if self.rank == root {
+            // Round 1: the members' lengths.
+            let mut words = Part::new();
+            for &m in members {
+                words.recv(m, 1);
+            }
+            let got = self.round_words(OP, &words)?;
+            let lens = decode_singles(OP, &got).map_err(|e| self.fail(e))?;
+            // Round 2: the verdict, to every member.
+            let bad = first_mismatch(len, members, &lens);
+            let verdict = encode_verdict(len, bad);
+            let mut words = Part::new();
+            let v = words.msg(vec![&verdict[..]]);
+            for &m in members {
+                words.send(m, v);
+            }
+            self.round_words(OP, &words)?;
+            if let Some(bad) = bad {
+                return Err(mismatch_error(OP, root, len, bad));
+            }
+            // Round 3: the members' buffers; fold in ascending rank order.
+            let mut floats = Part::new();
+            for &m in members {
+                floats.recv(m, len);
+            }
+            let parts = self.round_floats(OP, &floats)?;
+            fold_ascending(buf, &parts);
+            // Round 4: the result, to every member.
+            let result: &[f32] = buf;
+            let mut floats = Part::new();
+            let r = floats.msg(vec![result]);
+            for &m in members {
+                floats.send(m, r);
+            }
+            self.round_floats(OP, &floats)?;
+        } else {
+            let my_len = [len as u64];
+            let mut words = Part::new();
+            let l = words.msg(vec![&my_len[..]]);
+            words.send(root, l);
+            self.round_words(OP, &words)?;
+            let mut words = Part::new();
+            words.recv(root, 3);
+            let got = self.round_words(OP, &words)?;
+            let header = got.first().map(Vec::as_slice).unwrap_or_default();
+            let (root_len, bad) = decode_verdict(OP, header).map_err(|e| self.fail(e))?;
+            if let Some(bad) = bad {
+                return Err(mismatch_error(OP, root, root_len, bad));
+            }
+            if root_len != len {
+                let e = CommError::Protocol(format!(
+                    "{OP}: the root (rank {root}) accepted {root_len} values for this rank's {len}"
+                ));
+                return Err(self.fail(e));
+            }
+            let mut floats = Part::new();
+            let b = floats.msg(vec![&*buf]);
+            floats.send(root, b);
+            self.round_floats(OP, &floats)?;
+            let mut floats = Part::new();
+            floats.recv(root, len);
+            let got = self.round_floats(OP, &floats)?;
+            match got.first() {
+                Some(result) if result.len() == len => buf.copy_from_slice(result),
+                _ => {
+                    let e = CommError::Protocol(format!("{OP}: result of the wrong length"));
+                    return Err(self.fail(e));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn send_recv(
+        &mut self,
+        sends: Vec<(Rank, Vec<f32>)>,
+        recv_from: &[Rank],
+    ) -> Result<Vec<(Rank, Vec<f32>)>, CommError> {
+        const OP: &str = "send_recv";
+        self.check_live()?;
+        for &(dst, _) in &sends {
+            self.check_rank(dst, "send_recv: destination")?;
+        }
+        for &src in recv_from {
+            self.check_rank(src, "send_recv: source")?;
+        }
+        let (to_self, remote): (Vec<_>, Vec<_>) =
+            sends.into_iter().partition(|(dst, _)| *dst == self.rank);
+        let self_expected = recv_from.iter().filter(|&&s| s == self.rank).count();
+        if to_self.len() != self_expected {
+            return Err(CommError::BadShape(format!(
+                "{OP}: {} messages to self but {self_expected} expected from self",
+                to_self.len()
+            )));
+        }
+        let dsts: Vec<Rank> = remote.iter().map(|(d, _)| *d).collect();
+        let srcs: Vec<Rank> = recv_from
+            .iter()
+            .copied()
+            .filter(|&s| s != self.rank)
+            .collect();
+        let plan = SendRecvPlan::new(self.world, &dsts, &srcs);
+
+        // Round 1: headers `[messages, total elements]`, one per pair.
+        let headers: Vec<[u64; 2]> = plan
+            .out
+            .iter()
+            .map(|(_, idx)| {
+                let total: usize = idx.iter().map(|&i| remote[i].1.len()).sum();
+                [idx.len() as u64, total as u64]
+            })
+            .collect();
+        let mut words = Part::new();
+        for ((dst, _), h) in plan.out.iter().zip(&headers) {
+            let m = words.msg(vec![&h[..]]);
+            words.send(*dst, m);
+        }
+        for &(src, _) in &plan.expect {
+            words.recv(src, 2);
+        }
+        let got = self.round_words(OP, &words)?;
+        let announced = got
+            .iter()
+            .map(|h| match h[..] {
+                [k, total] => Ok((to_usize(OP, k)?, to_usize(OP, total)?)),
+                _ => Err(CommError::Protocol(format!("{OP}: malformed header"))),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.fail(e))?;
+
+        // Round 2: the message lengths and the packed messages, per pair; receive exactly what
+        // the headers announced.
+        let lens: Vec<Vec<u64>> = plan
+            .out
+            .iter()
+            .map(|(_, idx)| idx.iter().map(|&i| remote[i].1.len() as u64).collect())
+            .collect();
+        let mut words = Part::new();
+        let mut floats = Part::new();
+        for ((dst, idx), l) in plan.out.iter().zip(&lens) {
+            let m = words.msg(vec![&l[..]]);
+            words.send(*dst, m);
+            let m = floats.msg(idx.iter().map(|&i| &remote[i].1[..]).collect());
+            floats.send(*dst, m);
+        }
+        for (&(src, _), &(k, total)) in plan.expect.iter().zip(&announced) {
+            words.recv(src, k);
+            floats.recv(src, total);
+        }
+        let (got_lens, got_data) = self.round(OP, &words, &floats)?;
+
+        let mut queues: Vec<std::collections::VecDeque<Vec<f32>>> =
+            vec![std::collections::VecDeque::new(); self.world];
+        for ((&(src, _), l), data) in plan.expect.iter().zip(&got_lens).zip(&got_data) {
+            let l = l
+                .iter()
+                .map(|&v| to_usize(OP, v))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| self.fail(e))?;
+            let Some(msgs) = split_by_lens(data, &l) else {
+                let e = CommError::Protocol(format!(
+                    "{OP}: rank {src}'s message lengths do not add up to its payload"
+                ));
+                return Err(self.fail(e));
+            };
+            queues[src] = msgs.into();
+        }
+        queues[self.rank] = to_self.into_iter().map(|(_, d)| d).collect();
+        assemble(recv_from, queues).map_err(|e| self.fail(e))
+    }
+
+    fn barrier(&mut self) -> Result<(), CommError> {
+        const OP: &str = "barrier";
+        self.check_live()?;
+        if self.world == 1 {
+            return Ok(());
+        }
+        self.guarded(|me, keep: &mut Option<(CudaSlice<f32>, CudaSlice<f32>)>| {
+            let comm = me.comm()?;
+            let stream = &me.stream;
+            stream.context().bind_to_thread().map_err(cuda_failed(OP))?;
+            let (one, sum) = keep.insert((
+                stream.clone_htod(&[1.0f32]).map_err(cuda_failed(OP))?,
+                stream.alloc_zeros::<f32>(1).map_err(cuda_failed(OP))?,
+            ));
+            comm.all_reduce(&*one, sum, &ReduceOp::Sum)
+                .map_err(nccl_failed(OP))?;
+            let deadline = Instant::now() + Duration::from_millis(me.timeout_ms);
+            if !wait_until(stream, deadline).map_err(cuda_failed(OP))? {
+                return Err(CommError::Timeout {
+                    peer: lowest_other(me.rank, me.world),
+                    op: OP,
+                    ms: me.timeout_ms,
+                });
+            }
+            let got = stream.clone_dtoh(&*sum).map_err(cuda_failed(OP))?;
+            // Exact in f32 for any realistic world size.
+            if got[..] != [me.world as f32] {
+                return Err(CommError::Protocol(format!(
+                    "{OP}: {got:?} ranks arrived, expected {}",
+                    me.world
+                )));
+            }
+            Ok(())
+        })
+    }
+
+    fn abort(&mut self) {
+        if let Some(comm) = self.comm.take() {
+            release(comm);
+        }
+    }
+}
+
+impl Drop for NcclCommunicator {
+    /// Tears the NCCL communicator down (`ncclCommAbort`, as cudarc's `Comm` does on drop).
+    fn drop(&mut self) {
+        self.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether both libraries load here (they do not on CPU-only CI machines).
+    fn libraries_present() -> bool {
+        // SAFETY: see `device_count`.
+        unsafe { cudarc::driver::sys::is_culib_present() && cudarc::nccl::sys::is_culib_present() }
+    }
+
+    #[test]
+    fn availability_fails_cleanly_without_cuda() {
+        let r = nccl_available();
+        // SAFETY: see `device_count`.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            let e = r.expect_err("no libcuda here");
+            assert!(matches!(e, NcclError::DriverLibraryMissing), "{e:?}");
+            assert_eq!(
+                e.to_string(),
+                "libcuda.so not found (cudarc dynamic loading): is the NVIDIA driver installed?"
+            );
+            let c = CommError::from(e);
+            assert!(
+                matches!(&c, CommError::Io(io) if io.kind() == std::io::ErrorKind::NotFound),
+                "{c:?}"
+            );
+            assert!(c.to_string().contains("libcuda.so not found"), "{c}");
+        } else if !libraries_present() {
+            let e = r.expect_err("no libnccl here");
+            assert!(matches!(e, NcclError::NcclLibraryMissing), "{e:?}");
+            assert!(e.to_string().starts_with("libnccl.so not found"), "{e}");
+        }
+    }
+
+    #[test]
+    fn unique_id_and_communicator_fail_cleanly_without_cuda() {
+        if libraries_present() {
+            // A GPU machine: rank 1 of 2 with nobody else must fail within the timeout.
+            let Ok(id) = NcclUniqueId::new() else { return };
+            let t = Instant::now();
+            let r = NcclCommunicator::new(1, 2, 0, &id, 300);
+            assert!(r.is_err());
+            assert!(t.elapsed() < Duration::from_secs(5));
+            return;
+        }
+        assert!(NcclUniqueId::new().is_err());
+        let id = NcclUniqueId([0; NcclUniqueId::LEN]);
+        let e = NcclCommunicator::new(0, 1, 0, &id, 100).expect_err("no CUDA here");
+        assert!(
+            matches!(
+                e,
+                NcclError::DriverLibraryMissing | NcclError::NcclLibraryMissing
+            ),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn unique_id_round_trips() {
+        let mut bytes = [0u8; NcclUniqueId::LEN];
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = (i * 7 + 200) as u8;
+        }
+        let id = NcclUniqueId(bytes);
+        assert_eq!(NcclUniqueId::from_internal(&id.to_internal()), id);
+        let json = serde_json::to_string(&id).unwrap();
+        assert_eq!(serde_json::from_str::<NcclUniqueId>(&json).unwrap(), id);
+        let pc = postcard::to_stdvec(&id).unwrap();
+        assert_eq!(pc.len(), 2 + NcclUniqueId::LEN); // varint length (128: 2 bytes) + raw bytes
+        assert_eq!(postcard::from_bytes::<NcclUniqueId>(&pc).unwrap(), id);
+        assert!(serde_json::from_str::<NcclUniqueId>("[1,2,3]").is_err());
+        assert!(NcclUniqueId::from_slice(&[0; 127]).is_err());
+        assert_eq!(NcclUniqueId::from_slice(&bytes).unwrap(), id);
+        assert!(format!("{id:?}").starts_with("NcclUniqueId(c8cf"));
+    }
+
+    #[test]
+    fn layout_packs_messages_and_skips_empty_transfers() {
+        let a = [1.0f32, 2.0];
+        let b = [3.0f32];
+        let mut p = Part::new();
+        let m0 = p.msg(vec![&a[..], &b[..]]);
+        let m1 = p.msg(vec![]);
+        p.send(2, m0);
+        p.send(1, m1);
+        p.send(3, m0); // the same staged message to a second peer
+        p.recv(3, 4);
+        p.recv(1, 0);
+        p.recv(0, 2);
+        let l = p.layout("t").unwrap();
+        assert_eq!(
+            l,
+            Layout {
+                send_len: 3,
+                recv_len: 6,
+                sends: vec![(2, 0..3), (1, 3..3), (3, 0..3)],
+                recvs: vec![(3, 0..4), (1, 4..4), (0, 4..6)],
+            }
+        );
+        assert_eq!(
+            l.posted_sends().map(|(p, _)| *p).collect::<Vec<_>>(),
+            [2, 3]
+        );
+        assert_eq!(
+            l.posted_recvs().map(|(p, _)| *p).collect::<Vec<_>>(),
+            [3, 0]
+        );
+        assert!(!l.is_idle());
+        assert_eq!(blame(&[&l]), Some(0));
+
+        let mut q: Part<'_, f32> = Part::new();
+        let e = q.msg(vec![]);
+        q.send(1, e);
+        q.recv(2, 0);
+        let lq = q.layout("t").unwrap();
+        assert!(lq.is_idle());
+        assert_eq!(blame(&[&lq]), None);
+
+        let mut bad: Part<'_, f32> = Part::new();
+        bad.send(1, 5);
+        assert!(matches!(bad.layout("t"), Err(CommError::Protocol(_))));
+    }
+
+    #[test]
+    fn blame_prefers_receives_then_sends() {
+        let x = [1u64];
+        let mut w = Part::new();
+        let m = w.msg(vec![&x[..]]);
+        w.send(1, m);
+        let lw = w.layout("t").unwrap();
+        let mut f: Part<'_, f32> = Part::new();
+        f.recv(5, 3);
+        let lf = f.layout("t").unwrap();
+        assert_eq!(blame(&[&lw, &lf]), Some(5));
+        assert_eq!(blame(&[&lw]), Some(1));
+        assert_eq!(lowest_other(0, 4), 1);
+        assert_eq!(lowest_other(3, 4), 0);
+        assert_eq!(lowest_other(0, 1), 0);
+    }
+
+    #[test]
+    fn fold_is_the_left_fold_in_rank_order() {
+        // Order matters in f32: (1e8 + 1) - 1e8 = 0, while (1e8 - 1e8) + 1 = 1.
+        let mut acc = [1e8f32, 0.5];
+        fold_ascending(&mut acc, &[vec![1.0, 0.25], vec![-1e8, 0.125]]);
+        assert_eq!(acc[0].to_bits(), ((1e8f32 + 1.0) - 1e8).to_bits());
+        assert_eq!(acc[0], 0.0);
+        assert_eq!(acc[1], 0.875);
+    }
+
+    #[test]
+    fn verdict_round_trips_and_names_the_first_mismatch() {
+        assert_eq!(first_mismatch(4, &[2, 5, 7], &[4, 3, 1]), Some((5, 3)));
+        assert_eq!(first_mismatch(4, &[2, 5], &[4, 4]), None);
+        for bad in [None, Some((5, 3))] {
+            let v = encode_verdict(4, bad);
+            assert_eq!(decode_verdict("t", &v).unwrap(), (4, bad));
+        }
+        assert!(decode_verdict("t", &[1, 2]).is_err());
+        let e = mismatch_error("all_reduce_sum", 2, 4, (5, 3));
+        assert_eq!(
+            e.to_string(),
+            "bad shape: all_reduce_sum: rank 5 reduces 3 values, the group root (rank 2) 4"
+        );
+    }
+
+    #[test]
+    fn headers_decode_or_fail_as_protocol_errors() {
+        assert_eq!(decode_singles("t", &[vec![3], vec![0]]).unwrap(), [3, 0]);
+        assert!(matches!(
+            decode_singles("t", &[vec![3, 4]]),
+            Err(CommError::Protocol(_))
+        ));
+        assert!(matches!(
+            decode_singles("t", &[vec![]]),
+            Err(CommError::Protocol(_))
+        ));
+        assert_eq!(check_ranks(1, &[0, 0, 2]), None);
+        assert_eq!(check_ranks(1, &[0, 7, 3]), Some((2, 3)));
+    }
+
+    #[test]
+    fn split_by_lens_needs_an_exact_cover() {
+        let flat = [1.0f32, 2.0, 3.0];
+        assert_eq!(
+            split_by_lens(&flat, &[2, 0, 1]).unwrap(),
+            vec![vec![1.0, 2.0], vec![], vec![3.0]]
+        );
+        assert!(split_by_lens(&flat, &[2]).is_none());
+        assert!(split_by_lens(&flat, &[2, 2]).is_none());
+        assert!(split_by_lens(&flat, &[usize::MAX, 1]).is_none());
+        assert_eq!(
+            split_by_lens::<f32>(&[], &[]).unwrap(),
+            Vec::<Vec<f32>>::new()
+        );
+    }
+
+    #[test]
+    fn send_recv_plan_groups_by_peer_in_listed_order() {
+        // Messages to 3, 1, 3 (self excluded already); expected from 2, 2, 0.
+        let plan = SendRecvPlan::new(4, &[3, 1, 3], &[2, 0, 2]);
+        assert_eq!(
+            plan,
+            SendRecvPlan {
+                out: vec![(1, vec![1]), (3, vec![0, 2])],
+                expect: vec![(0, 1), (2, 2)],
+            }
+        );
+        let empty = SendRecvPlan::new(2, &[], &[]);
+        assert!(empty.out.is_empty() && empty.expect.is_empty());
+    }
+
+    #[test]
+    fn assemble_follows_recv_from_and_checks_counts() {
+        use std::collections::VecDeque;
+        let q = |v: Vec<Vec<f32>>| VecDeque::from(v);
+        let queues = vec![q(vec![vec![0.0]]), q(vec![]), q(vec![vec![2.0], vec![2.5]])];
+        let got = assemble(&[2, 0, 2], queues).unwrap();
+        assert_eq!(got, vec![(2, vec![2.0]), (0, vec![0.0]), (2, vec![2.5])]);
+
+        let short = vec![q(vec![]), q(vec![vec![1.0]])];
+        assert!(matches!(
+            assemble(&[1, 1], short),
+            Err(CommError::Protocol(m)) if m.contains("fewer")
+        ));
+        let long = vec![q(vec![]), q(vec![vec![1.0], vec![1.5]])];
+        assert!(matches!(
+            assemble(&[1], long),
+            Err(CommError::Protocol(m)) if m.contains("more")
+        ));
+    }
+
+    #[test]
+    fn errors_convert_to_comm_errors() {
+        let e = CommError::from(NcclError::Nccl {
+            op: "x",
+            msg: "ncclRemoteError".into(),
+        });
+        assert!(matches!(&e, CommError::Io(io) if io.kind() == std::io::ErrorKind::Other));
+        assert!(
+            e.to_string().contains("x: NCCL error: ncclRemoteError"),
+            "{e}"
+        );
+        let e = CommError::from(NcclError::Comm(CommError::Timeout {
+            peer: 3,
+            op: "rendezvous",
+            ms: 10,
+        }));
+        assert!(matches!(e, CommError::Timeout { peer: 3, .. }));
+    }
+}
