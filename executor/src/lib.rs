@@ -9,8 +9,11 @@
 //! runtime (per-layer dispatch with `lazarus_planner::dispatch`, backward exchanges, replica-group
 //! gradient all-reduce), each tested; worker processes, recovery, checkpoints and the `lzrun`
 //! binary are the next step (`executor/README.md`).
+pub mod checkpoint;
 pub mod comm;
 pub mod control;
+pub mod faults;
+pub mod metrics;
 pub mod model;
 pub mod recovery;
 pub mod runtime;

@@ -1,39 +1,46 @@
 //! `lzrun`: elastic MoE training on worker processes.
 //!
-//! `lzrun local` trains on this machine with one worker process per simulated device;
-//! `lzrun worker` is one such process (started by `local`, or by hand). See `--help`.
+//! `lzrun local` runs a controller and one agent process per node on this machine (like
+//! `torchrun --standalone`); `lzrun controller` and `lzrun agent` run the same pieces across
+//! machines; `lzrun worker` is one training process (started by an agent, or by hand for a
+//! fixed cluster). See `--help`.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{self, BufRead, BufReader, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
-use std::path::PathBuf;
-use std::process::{Child, ChildStdin, Command, ExitCode, Stdio};
+use std::io::{self, BufRead, Write};
+use std::net::{SocketAddr, TcpListener as StdListener};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::mpsc;
-use std::thread::{self, JoinHandle};
+use std::thread;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail, ensure};
-use clap::{Args, Parser, Subcommand};
-use lazarus_executor::recovery::{
-    Reconfigure, Survivor, WorkerEvent, plan_recovery, run_elastic_worker,
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use lazarus_executor::control::{
+    AgentConfig, ControllerConfig, JobHandle, JobParams, Notice, WorkerLaunch, run_job,
+    run_job_agent,
 };
+use lazarus_executor::faults::{self, Fault, FaultSchedule};
+use lazarus_executor::metrics::{self, RecoveryRecord, StepRecord};
+use lazarus_executor::model::MoeConfig;
+use lazarus_executor::recovery::{CheckpointSpec, Command as WorkerCommand, run_managed_worker};
 use lazarus_executor::worker::{
-    StepLine, WorkerOptions, config_by_name, plan_replicas, run_worker,
+    CONFIG_NAMES, FAULT_TOLERANCE, WorkerOptions, config_by_name, run_worker,
 };
-
-const AFTER_HELP: &str = "\
-Coming next: `lzrun controller` and `lzrun agent` (a control plane across machines that
-replans with the Lazarus planner when nodes come and go), `--fault-trace FILE` for
-`lzrun local`, and checkpoint restore when a failure loses every replica of an expert.";
+use tokio::sync::{mpsc as tmpsc, watch};
 
 /// Elastic MoE training on worker processes, driven by the Lazarus planner.
 ///
-/// Every worker holds the dense model and only the expert replicas the planner assigns to it;
-/// tokens travel between workers over TCP to the experts they were routed to, and replicas of
-/// one expert stay bit-identical. Start with `lzrun local`: it trains a tiny model with two
-/// worker processes on this machine.
+/// A controller plans with the Lazarus planner (Eq. 1 allocation, MRO placement, optimal
+/// migration); one agent per node starts that node's worker process and relays plans and
+/// reports; workers hold the dense model and only the expert replicas their plan assigns, send
+/// tokens over TCP to whichever replica the dispatch plan picks, and keep replicas of one expert
+/// bit-identical. When a node dies the survivors discard the step, the controller replans on
+/// them and they migrate expert states and resume in place; only when some expert lost every
+/// replica do they restore the last checkpoint. Start with `lzrun local`.
 #[derive(Debug, Parser)]
-#[command(name = "lzrun", version, after_help = AFTER_HELP, arg_required_else_help = true)]
+#[command(name = "lzrun", version, arg_required_else_help = true)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -41,76 +48,142 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Cmd {
-    /// Train on this machine: spawn one worker process per node and report the mean loss.
+    /// Train on this machine: a controller plus one agent (and worker) process per node.
     ///
-    /// Picks a free loopback port per node, starts `--nodes` `lzrun worker` processes (this
-    /// executable), streams their per-step JSON lines prefixed with `[rank R]`, and at the end
-    /// prints the mean loss of each step over the workers. With no options it trains the tiny
-    /// model on 2 nodes for 20 steps. If any worker fails, the others are killed and lzrun
-    /// exits with status 2. `--kill RANK@STEP` SIGKILLs a worker and recovers in place: the
-    /// survivors discard the in-flight step, this process replans with the Lazarus planner,
-    /// the survivors form a new mesh, migrate expert states and resume; one JSON line
-    /// `{"recovery":{..}}` gives the detect / replan / migrate / resume times in ms. If a kill
-    /// loses every replica of an expert, lzrun stops with status 2 (no checkpoints yet).
-    #[command(after_help = AFTER_HELP)]
+    /// With no options it trains the tiny model on 2 nodes for 20 steps and prints
+    /// Megatron-style log lines and the loss. Faults: `--kill NODE@STEP` SIGKILLs a node (its
+    /// agent and worker) after STEP, `--join @STEP` starts a new node, `--fault-trace FILE
+    /// --time-scale X` replays a spot trace (the formats `lzsim replay` reads). Each
+    /// reconfiguration prints its detect / replan / migrate / resume times. Ctrl-C stops every
+    /// process. Exit status 2 on bad input or a failed job.
     Local(LocalArgs),
-    /// One worker process (one device); normally started by `lzrun local`.
+    /// The controller of a multi-machine job: waits for `--nodes` agents, then trains.
     ///
-    /// Computes the same whole-model plan as every other worker from (--world, --config),
-    /// keeps only its own expert replicas, binds its address in --peers, connects to every
-    /// other rank, and trains --steps steps on shard --rank of the embedded corpus. Prints one
-    /// JSON line per step on stdout ({"step","loss","tokens","ms"}) and, with --out, writes
-    /// the checksums of its replicas and dense weights to `DIR/rank<R>.json`.
-    #[command(after_help = AFTER_HELP)]
+    /// Agents must present the shared token (`--token` or the LZRUN_TOKEN environment
+    /// variable). Listens on loopback unless `--listen` says otherwise. Checkpoints must be on a
+    /// file system every node sees.
+    Controller(ControllerArgs),
+    /// One node's agent: registers with the controller, heartbeats, runs the node's worker.
+    Agent(AgentArgs),
+    /// One training process (one device); started by an agent (`--managed`) or by hand.
+    ///
+    /// By hand (a fixed cluster, no controller, no recovery): computes the same whole-model
+    /// plan as every other worker from (--world, --config), keeps only its own expert
+    /// replicas, binds its address in --peers, connects to every other rank, trains --steps
+    /// steps on shard --rank of the embedded corpus, prints one JSON line per step and, with
+    /// --out, writes the checksums of its replicas and dense weights to `DIR/rank<R>.json`.
+    /// With --managed it reads the controller's commands (JSON lines) on stdin instead.
     Worker(WorkerArgs),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Format {
+    /// Log lines and a loss table.
+    Text,
+    /// Only the summary object on stdout (logs go to stderr).
+    Json,
 }
 
 #[derive(Debug, Args)]
 struct LocalArgs {
-    /// Number of worker processes (nodes of one device each).
+    /// Nodes to start with (one agent and one worker process each). With --fault-trace: the
+    /// most nodes the trace is fitted to (default: as many as it has).
+    #[arg(long)]
+    nodes: Option<usize>,
+    /// SIGKILL node NODE (0-based launch index; joined nodes get the next indices) with its
+    /// worker once every worker completed step STEP. Repeatable; several at one step fail
+    /// together.
+    #[arg(long, value_name = "NODE@STEP", value_parser = parse_kill)]
+    kill: Vec<(usize, u64)>,
+    /// Start a new node once every worker completed step STEP; it joins at the next step
+    /// boundary and receives its experts. Repeatable.
+    #[arg(long, value_name = "@STEP", value_parser = parse_join)]
+    join: Vec<u64>,
+    /// Replay a node-availability trace: Bamboo CSV `time_ms,add|remove,node`, Parcae /
+    /// SpotServe JSON lines or a SkyPilot count series (the formats of `lzsim replay`). Nodes
+    /// live at time 0 start the job; removals kill, additions join.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["kill", "join"])]
+    fault_trace: Option<PathBuf>,
+    /// Trace seconds one training step stands for: an event at trace time t fires after step
+    /// ⌊t / X⌋.
+    #[arg(
+        long,
+        value_name = "X",
+        default_value_t = 60.0,
+        requires = "fault_trace"
+    )]
+    time_scale: f64,
+    #[command(flatten)]
+    job: JobArgs,
+}
+
+#[derive(Debug, Args)]
+struct ControllerArgs {
+    /// Address to listen on for agents.
+    #[arg(long, default_value = "127.0.0.1:29400")]
+    listen: SocketAddr,
+    /// Agents to wait for before the first plan.
     #[arg(long, default_value_t = 2)]
     nodes: usize,
-    /// Kill (SIGKILL) worker RANK once it reports having finished step STEP, then recover in
-    /// place: replan for the survivors, migrate expert states, resume. Repeatable.
-    #[arg(long, value_name = "RANK@STEP", value_parser = parse_kill)]
-    kill: Vec<(usize, u64)>,
+    /// Shared secret agents must present (default: the LZRUN_TOKEN environment variable).
+    #[arg(long, env = "LZRUN_TOKEN", hide_env_values = true)]
+    token: String,
     #[command(flatten)]
-    train: TrainArgs,
+    job: JobArgs,
+}
+
+#[derive(Debug, Args)]
+struct AgentArgs {
+    /// The controller's address, HOST:PORT.
+    #[arg(long)]
+    controller: String,
+    /// Shared secret (default: the LZRUN_TOKEN environment variable).
+    #[arg(long, env = "LZRUN_TOKEN", hide_env_values = true)]
+    token: String,
+    /// Node name, unique among live nodes (default: agent-<pid>).
+    #[arg(long)]
+    name: Option<String>,
+    /// Address this node's worker listens on for its peers (port 0: any free port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    data_addr: SocketAddr,
+    /// Heartbeat period in milliseconds.
+    #[arg(long, default_value_t = 200)]
+    heartbeat_ms: u64,
+    /// Give up registering after this many milliseconds.
+    #[arg(long, default_value_t = 5_000)]
+    register_timeout_ms: u64,
+    /// Protocol version to announce (tests of the controller's version check only).
+    #[arg(long, hide = true)]
+    protocol_version: Option<u16>,
 }
 
 #[derive(Debug, Args)]
 struct WorkerArgs {
+    /// Take commands from a controller (JSON lines on stdin); set by `lzrun agent`.
+    #[arg(long, conflicts_with_all = ["rank", "world", "peers"])]
+    managed: bool,
     /// This worker's rank, 0-based.
-    #[arg(long)]
-    rank: usize,
+    #[arg(long, required_unless_present = "managed")]
+    rank: Option<usize>,
     /// Number of workers; must equal the number of --peers.
-    #[arg(long)]
-    world: usize,
+    #[arg(long, required_unless_present = "managed")]
+    world: Option<usize>,
     /// Listen address of every rank in rank order, e.g. 127.0.0.1:4000,127.0.0.1:4001.
-    #[arg(long, value_delimiter = ',', required = true)]
+    #[arg(long, value_delimiter = ',', required_unless_present = "managed")]
     peers: Vec<SocketAddr>,
     /// Membership epoch of the communicator (all workers must agree).
     #[arg(long, default_value_t = 0)]
     epoch: u64,
-    /// Exit when stdin closes (set by `lzrun local`, so workers die with their parent).
-    #[arg(long, hide = true)]
-    watch_stdin: bool,
-    #[command(flatten)]
-    train: TrainArgs,
-}
-
-#[derive(Debug, Args)]
-struct TrainArgs {
     /// Training steps.
     #[arg(long, default_value_t = 20)]
     steps: u64,
-    /// Model configuration: tiny (fast on CPU), gpt-s, gpt-m or gpt-l (the paper's).
+    /// Model configuration: a name (tiny, gpt-s, gpt-m, gpt-l) or a TOML file.
     #[arg(long, default_value = "tiny")]
     config: String,
     /// Seed of the model initialisation and of the data order (overrides the config's).
     #[arg(long)]
     seed: Option<u64>,
-    /// Directory for the per-worker checksum files `rank<R>.json`.
+    /// Directory for the checksum file `rank<R>.json`.
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
     /// Rendezvous and per-collective timeout in milliseconds.
@@ -118,19 +191,69 @@ struct TrainArgs {
     timeout_ms: u64,
 }
 
+#[derive(Debug, Args)]
+struct JobArgs {
+    /// Training steps.
+    #[arg(long, default_value_t = 20)]
+    steps: u64,
+    /// Model configuration: tiny (fast on CPU), gpt-s, gpt-m, gpt-l (the paper's, for GPUs), or
+    /// a TOML file: `base = "tiny"` plus any field of the model config to override (d_model,
+    /// n_layers, n_heads, d_ff, experts, top_k, seq_len, batch, lb_loss_coef, lr, seed, vocab).
+    #[arg(long, default_value = "tiny")]
+    config: String,
+    /// Seed of the model initialisation and of the data order (overrides the config's).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Minimum replicas per expert (the paper's f; relaxed by the planner when slots run short).
+    #[arg(long, default_value_t = FAULT_TOLERANCE)]
+    fault_tolerance: usize,
+    /// Expert slots per node (default: ⌈f·E / nodes⌉, enough for f replicas of every expert).
+    #[arg(long)]
+    slots: Option<usize>,
+    /// Directory of the checkpoints (default: `<metrics-out>/ckpt` or `<out>/ckpt`, else a
+    /// temporary directory removed at the end).
+    #[arg(long, value_name = "DIR")]
+    ckpt_dir: Option<PathBuf>,
+    /// Checkpoint after every K completed steps (0: never; then a failure that loses every
+    /// replica of an expert ends the job).
+    #[arg(long, value_name = "K", default_value_t = 5)]
+    ckpt_every: u64,
+    /// Checkpoints to keep.
+    #[arg(long, default_value_t = 3)]
+    ckpt_keep: usize,
+    /// Start from the newest valid checkpoint under DIR (a checkpoint root) instead of a fresh
+    /// model; steps before the checkpoint's are not trained again.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
+    /// Replan from the routing statistics every K steps and migrate through the same path
+    /// (0: only on membership changes).
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    rebalance_every: u64,
+    /// Directory for the workers' replica checksum files `node<ID>.json`.
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// Write summary.json, timeseries.csv (the simulator's columns), steps.csv and
+    /// reconfigurations.jsonl into DIR.
+    #[arg(long, value_name = "DIR")]
+    metrics_out: Option<PathBuf>,
+    /// Output: text (log lines) or json (only the summary object on stdout).
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    format: Format,
+    /// Workers' rendezvous and per-collective timeout in milliseconds (a silent peer is
+    /// declared dead after it).
+    #[arg(long, default_value_t = 10_000)]
+    timeout_ms: u64,
+    /// A node whose agent sent no heartbeat for this long is dead.
+    #[arg(long, default_value_t = 3_000)]
+    heartbeat_timeout_ms: u64,
+}
+
 fn parse_kill(s: &str) -> Result<(usize, u64), String> {
-    let (r, st) = s
-        .split_once('@')
-        .ok_or_else(|| format!("--kill {s:?}: expected RANK@STEP"))?;
-    let r = r
-        .trim()
-        .parse()
-        .map_err(|_| format!("--kill {s:?}: bad rank"))?;
-    let st = st
-        .trim()
-        .parse()
-        .map_err(|_| format!("--kill {s:?}: bad step"))?;
-    Ok((r, st))
+    faults::parse_kill(s).map_err(|e| e.to_string())
+}
+
+fn parse_join(s: &str) -> Result<u64, String> {
+    faults::parse_join(s).map_err(|e| e.to_string())
 }
 
 fn main() -> ExitCode {
@@ -159,6 +282,8 @@ fn main() -> ExitCode {
     };
     let res = match cli.cmd {
         Cmd::Local(a) => local(a),
+        Cmd::Controller(a) => controller(a),
+        Cmd::Agent(a) => agent(a),
         Cmd::Worker(a) => worker(a),
     };
     match res {
@@ -171,497 +296,597 @@ fn main() -> ExitCode {
     }
 }
 
-fn worker(a: WorkerArgs) -> Result<()> {
-    ensure!(
-        a.world == a.peers.len(),
-        "--world {} but {} --peers addresses",
-        a.world,
-        a.peers.len()
-    );
-    ensure!(
-        a.rank < a.world,
-        "--rank {} is not below --world {}",
-        a.rank,
-        a.world
-    );
-    // With --watch-stdin, stdin carries the parent's commands (one JSON line each) and its
-    // end means the parent went away.
-    let commands = a.watch_stdin.then(|| {
-        let (tx, rx) = mpsc::channel::<String>();
-        thread::spawn(move || {
-            for line in io::stdin().lock().lines().map_while(Result::ok) {
-                if !line.trim().is_empty() {
-                    let _ = tx.send(line);
-                }
-            }
-            eprintln!("error: parent process went away; stopping");
-            std::process::exit(3);
-        });
-        rx
-    });
-    let mut config = config_by_name(&a.train.config)?;
-    if let Some(seed) = a.train.seed {
-        config.seed = seed;
-    }
-    let opts = WorkerOptions {
-        rank: a.rank,
-        peers: a.peers,
-        config,
-        steps: a.train.steps,
-        epoch: a.epoch,
-        timeout_ms: a.train.timeout_ms,
-        out: a.train.out,
+/// A model configuration by name, or from a TOML file (`base` + overrides).
+fn load_config(spec: &str, seed: Option<u64>) -> Result<MoeConfig> {
+    let path = Path::new(spec);
+    let mut cfg = if CONFIG_NAMES.contains(&spec) {
+        config_by_name(spec)?
+    } else if spec.ends_with(".toml") || path.exists() {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading config file {}", path.display()))?;
+        let mut table: toml::Table = text
+            .parse()
+            .map_err(|e| anyhow!("config file {}: {e}", path.display()))?;
+        let base = match table.remove("base") {
+            None => "tiny".to_owned(),
+            Some(toml::Value::String(s)) => s,
+            Some(v) => bail!(
+                "config file {}: base must be a string, got {v}",
+                path.display()
+            ),
+        };
+        let mut merged: toml::Table =
+            toml::Table::try_from(config_by_name(&base)?).context("encoding the base config")?;
+        for (k, v) in table {
+            ensure!(
+                merged.contains_key(&k),
+                "config file {}: unknown field {k:?} (fields: base, {})",
+                path.display(),
+                merged.keys().cloned().collect::<Vec<_>>().join(", ")
+            );
+            merged.insert(k, v);
+        }
+        toml::Value::Table(merged)
+            .try_into()
+            .map_err(|e| anyhow!("config file {}: {e}", path.display()))?
+    } else {
+        config_by_name(spec)?
     };
-    let stdout = io::stdout();
-    if let Some(rx) = commands {
-        run_elastic_worker(&opts, &rx, |line| {
-            let mut out = stdout.lock();
-            writeln!(out, "{line}")?;
-            out.flush()?;
-            Ok(())
-        })?;
-        return Ok(());
+    if let Some(seed) = seed {
+        cfg.seed = seed;
     }
-    run_worker(&opts, |line| {
+    cfg.validate()
+        .map_err(|e| anyhow!("model config {spec}: {e}"))?;
+    Ok(cfg)
+}
+
+fn worker(a: WorkerArgs) -> Result<()> {
+    let stdout = io::stdout();
+    let emit = |line: &str| -> Result<()> {
         let mut out = stdout.lock();
-        writeln!(out, "{}", serde_json::to_string(line)?)?;
+        writeln!(out, "{line}")?;
         out.flush()?;
         Ok(())
-    })?;
+    };
+    if a.managed {
+        let (tx, rx) = mpsc::channel::<WorkerCommand>();
+        thread::spawn(move || {
+            for line in io::stdin().lock().lines().map_while(Result::ok) {
+                if line.trim().is_empty() {
+                    continue;
+                }
+                match serde_json::from_str(&line) {
+                    Ok(cmd) => {
+                        if tx.send(cmd).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        eprintln!("error: bad command {line:?}: {e}");
+                        std::process::exit(2);
+                    }
+                }
+            }
+            // The agent went away: so does its node.
+            std::process::exit(3);
+        });
+        run_managed_worker(&rx, emit)?;
+        return Ok(());
+    }
+    let (Some(rank), Some(world)) = (a.rank, a.world) else {
+        bail!("--rank and --world are required without --managed");
+    };
+    ensure!(
+        world == a.peers.len(),
+        "--world {world} but {} --peers addresses",
+        a.peers.len()
+    );
+    ensure!(rank < world, "--rank {rank} is not below --world {world}");
+    let opts = WorkerOptions {
+        rank,
+        peers: a.peers,
+        config: load_config(&a.config, a.seed)?,
+        steps: a.steps,
+        epoch: a.epoch,
+        timeout_ms: a.timeout_ms,
+        out: a.out,
+    };
+    run_worker(&opts, |line| emit(&serde_json::to_string(line)?))?;
     Ok(())
 }
 
-/// The spawned workers; dropping it kills and reaps every one still running.
-struct Workers {
-    children: Vec<Option<Child>>,
-    /// Held open so that workers started with `--watch-stdin` stop when we go away.
-    stdins: Vec<Option<ChildStdin>>,
+fn agent(a: AgentArgs) -> Result<()> {
+    let name = a
+        .name
+        .clone()
+        .unwrap_or_else(|| format!("agent-{}", std::process::id()));
+    let mut cfg = AgentConfig::new(&a.controller, &a.token, &name, 1);
+    cfg.heartbeat_every_ms = a.heartbeat_ms;
+    cfg.register_timeout_ms = a.register_timeout_ms;
+    if let Some(v) = a.protocol_version {
+        cfg.protocol_version = v;
+    }
+    let launch = WorkerLaunch {
+        exe: std::env::current_exe().context("locating the lzrun executable")?,
+        listen: a.data_addr,
+    };
+    let rt = runtime()?;
+    rt.block_on(async {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        tokio::spawn(async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                let _ = stop_tx.send(true);
+            }
+        });
+        run_job_agent(&cfg, &launch, stop_rx)
+            .await
+            .map(|_| ())
+            .map_err(|e| anyhow!("agent {name}: {e}"))
+    })
 }
 
-impl Workers {
-    fn kill_all(&mut self) {
-        for c in self.children.iter_mut().flatten() {
-            let _ = c.kill();
-            let _ = c.wait();
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")
+}
+
+/// Everything a job needs from the command line, resolved.
+struct Job {
+    cfg: ControllerConfig,
+    params: JobParams,
+    /// A checkpoint directory we created and remove at the end.
+    temp_ckpt: Option<PathBuf>,
+}
+
+fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
+    ensure!(a.steps >= 1, "--steps must be at least 1 (got 0)");
+    ensure!(nodes >= 1, "at least one node is needed");
+    ensure!(
+        a.fault_tolerance >= 1,
+        "--fault-tolerance must be at least 1"
+    );
+    ensure!(a.timeout_ms >= 1, "--timeout-ms must be at least 1");
+    ensure!(a.ckpt_keep >= 1, "--ckpt-keep must be at least 1");
+    let config = load_config(&a.config, a.seed)?;
+    let slots = a
+        .slots
+        .unwrap_or_else(|| (a.fault_tolerance * config.experts).div_ceil(nodes).max(1));
+    ensure!(
+        slots * nodes >= config.experts,
+        "{nodes} nodes × {slots} slots cannot hold {} experts (raise --slots)",
+        config.experts
+    );
+    let mut temp_ckpt = None;
+    let checkpoint = if a.ckpt_every == 0 {
+        None
+    } else {
+        let root = match (&a.ckpt_dir, &a.metrics_out, &a.out) {
+            (Some(d), _, _) => d.clone(),
+            (None, Some(d), _) | (None, None, Some(d)) => d.join("ckpt"),
+            (None, None, None) => {
+                let d = std::env::temp_dir().join(format!("lzrun-ckpt-{}", std::process::id()));
+                temp_ckpt = Some(d.clone());
+                d
+            }
+        };
+        std::fs::create_dir_all(&root)
+            .with_context(|| format!("creating the checkpoint directory {}", root.display()))?;
+        Some(CheckpointSpec {
+            root,
+            every_steps: a.ckpt_every,
+        })
+    };
+    if let Some(r) = &a.resume {
+        ensure!(
+            r.is_dir(),
+            "--resume {}: no such checkpoint directory",
+            r.display()
+        );
+    }
+    let mut cfg = ControllerConfig::new(token, config.experts, config.n_layers, slots);
+    cfg.f = a.fault_tolerance;
+    cfg.initial_nodes = nodes;
+    cfg.heartbeat_timeout_ms = a.heartbeat_timeout_ms.max(1);
+    cfg.tick_ms = 50;
+    // Newcomers join at the next step boundary (the paper waits 2 min to batch joins; this
+    // executor pauses training for them anyway).
+    cfg.scale_out_wait_ms = 0;
+    cfg.bytes_per_expert = config.expert_state_bytes() as u64;
+    Ok(Job {
+        cfg,
+        params: JobParams {
+            config,
+            steps: a.steps,
+            timeout_ms: a.timeout_ms,
+            checkpoint,
+            checkpoint_keep: a.ckpt_keep,
+            out: a.out.clone(),
+            rebalance_every_steps: a.rebalance_every,
+            resume: a.resume.clone(),
+        },
+        temp_ckpt,
+    })
+}
+
+/// Collects what a run reports and prints it.
+struct Report {
+    format: Format,
+    steps: u64,
+    records: Vec<StepRecord>,
+    reconfigs: Vec<RecoveryRecord>,
+    consumed: u64,
+    start: Instant,
+}
+
+impl Report {
+    fn new(format: Format, steps: u64) -> Self {
+        Self {
+            format,
+            steps,
+            records: Vec::new(),
+            reconfigs: Vec::new(),
+            consumed: 0,
+            start: Instant::now(),
         }
-        self.children.iter_mut().for_each(|c| *c = None);
-        self.stdins.iter_mut().for_each(|s| *s = None);
     }
-}
 
-impl Drop for Workers {
-    fn drop(&mut self) {
-        self.kill_all();
-    }
-}
-
-/// `n` distinct free loopback ports (bound together, then released for the workers).
-fn free_addrs(n: usize) -> Result<Vec<SocketAddr>> {
-    let listeners = (0..n)
-        .map(|_| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
-        .collect::<io::Result<Vec<_>>>()
-        .context("picking free loopback ports")?;
-    Ok(listeners
-        .iter()
-        .map(TcpListener::local_addr)
-        .collect::<io::Result<Vec<_>>>()?)
-}
-
-enum Event {
-    Step(usize, StepLine),
-    Worker(usize, WorkerEvent),
-    Stderr(usize, String),
-}
-
-/// The parent's bookkeeping in `lzrun local` (ids are the workers' original ranks).
-struct Local {
-    workers: Workers,
-    /// Pending `--kill` requests `(id, step)`.
-    kills: Vec<(usize, u64)>,
-    killed: BTreeSet<usize>,
-    /// Workers that exited successfully.
-    done: BTreeSet<usize>,
-    steps: Vec<BTreeSet<u64>>,
-    losses: BTreeMap<u64, BTreeMap<usize, f32>>,
-    last_err: Vec<Option<String>>,
-    /// `id → step` of the failure reports since the last recovery.
-    failed: BTreeMap<usize, u64>,
-    migrated: BTreeSet<usize>,
-    /// Survivors that reported a step at or after the resume step since migrating.
-    resumed: BTreeSet<usize>,
-    resume_step: u64,
-    last_kill: Option<Instant>,
-}
-
-impl Local {
-    fn absorb(&mut self, ev: Event) {
-        match ev {
-            Event::Step(id, s) => {
-                if self.killed.contains(&id) {
-                    return;
-                }
-                self.steps[id].insert(s.step);
-                self.losses.entry(s.step).or_default().insert(id, s.loss);
-                if self.migrated.contains(&id) && s.step >= self.resume_step {
-                    self.resumed.insert(id);
-                }
-                if let Some(i) = self.kills.iter().position(|&k| k == (id, s.step)) {
-                    self.kills.remove(i);
-                    if let Some(mut c) = self.workers.children[id].take() {
-                        let _ = c.kill();
-                        let _ = c.wait();
-                    }
-                    self.workers.stdins[id] = None;
-                    self.killed.insert(id);
-                    self.last_kill = Some(Instant::now());
-                    println!(
-                        "lzrun local: killed worker {id} (SIGKILL) after step {}",
-                        s.step
-                    );
-                }
-            }
-            Event::Worker(id, WorkerEvent::Failed { step, .. }) => {
-                if !self.killed.contains(&id) {
-                    self.failed.insert(id, step);
-                }
-            }
-            Event::Worker(id, WorkerEvent::Migrated { .. }) => {
-                self.migrated.insert(id);
-            }
-            Event::Stderr(id, line) => {
-                if !line.trim().is_empty() {
-                    self.last_err[id] = Some(line);
-                }
-            }
+    fn say(&self, line: &str) {
+        match self.format {
+            Format::Text => println!("{line}"),
+            Format::Json => eprintln!("{line}"),
         }
     }
 
-    /// Reaps exited workers; an unexpected failure is an error.
-    fn reap(&mut self) -> Result<()> {
-        for id in 0..self.workers.children.len() {
-            let Some(child) = self.workers.children[id].as_mut() else {
-                continue;
-            };
-            let status = match child.try_wait() {
-                Ok(None) => continue,
-                Ok(Some(status)) => status.to_string(),
-                Err(e) => format!("could not be waited for: {e}"),
-            };
-            let ok = matches!(child.try_wait(), Ok(Some(s)) if s.success());
-            self.workers.children[id] = None;
-            if ok {
-                self.done.insert(id);
-            } else {
-                // Give the stderr reader a moment to deliver the last line.
-                thread::sleep(Duration::from_millis(100));
-                let why = self.last_err[id]
-                    .as_deref()
-                    .map(|l| format!(": {}", l.trim_start_matches("error:").trim()))
-                    .unwrap_or_default();
-                bail!("worker {id} failed ({status}){why}; all workers stopped");
+    fn step(&mut self, r: StepRecord) {
+        self.consumed += r.samples;
+        self.say(&metrics::log_line(&r, self.steps, self.consumed));
+        self.records.push(r);
+    }
+
+    fn reconfigured(&mut self, r: RecoveryRecord) {
+        let line = serde_json::json!({ "reconfiguration": &r });
+        self.say(&line.to_string());
+        self.reconfigs.push(r);
+    }
+
+    /// Summary, metrics files, final output.
+    fn finish(&self, a: &JobArgs, config: &MoeConfig) -> Result<()> {
+        let summary = metrics::summarize(
+            &self.records,
+            &self.reconfigs,
+            self.start.elapsed().as_secs_f64(),
+            serde_json::to_value(config)?,
+            config.seed,
+            git_commit(),
+        );
+        if let Some(dir) = &a.metrics_out {
+            metrics::write_metrics(dir, &summary, &self.records, &self.reconfigs)
+                .with_context(|| format!("writing metrics to {}", dir.display()))?;
+        }
+        match self.format {
+            Format::Json => println!("{}", serde_json::to_string(&summary)?),
+            Format::Text => {
+                println!(
+                    "done: {} steps, loss {:.4} → {:.4}, {} in-place recoveries {:?} ms, {} checkpoint restores, {} joins, {} rebalances, {:.0} tokens/s",
+                    summary.steps,
+                    summary.initial_loss,
+                    summary.final_loss,
+                    summary.recoveries,
+                    summary
+                        .recovery_ms
+                        .iter()
+                        .map(|m| m.round() as u64)
+                        .collect::<Vec<_>>(),
+                    summary.fallbacks,
+                    summary.joins,
+                    summary.rebalances,
+                    summary.tokens_per_s
+                );
+                if let Some(dir) = &a.metrics_out {
+                    println!("metrics in {}", dir.display());
+                }
+                if let Some(dir) = &a.out {
+                    println!("replica checksums in {}", dir.display());
+                }
             }
         }
         Ok(())
     }
-
-    /// Workers neither killed nor finished.
-    fn alive(&self) -> Vec<usize> {
-        (0..self.workers.children.len())
-            .filter(|id| self.workers.children[*id].is_some())
-            .collect()
-    }
-
-    /// Absorbs events until `done(self)` or `deadline`.
-    fn wait_until(
-        &mut self,
-        rx: &mpsc::Receiver<Event>,
-        deadline: Instant,
-        what: &str,
-        done: impl Fn(&Self) -> bool,
-    ) -> Result<()> {
-        loop {
-            while let Ok(ev) = rx.try_recv() {
-                self.absorb(ev);
-            }
-            if done(self) {
-                return Ok(());
-            }
-            self.reap()?;
-            ensure!(Instant::now() < deadline, "timed out waiting for {what}");
-            if let Ok(ev) = rx.recv_timeout(Duration::from_millis(10)) {
-                self.absorb(ev);
-            }
-        }
-    }
 }
 
-/// The parent's view of the current membership.
-struct Membership {
-    /// `[layer][expert][rank]`.
-    replicas: Vec<Vec<Vec<u32>>>,
-    /// Current rank of each original id.
-    rank_of_id: BTreeMap<usize, usize>,
-    epoch: u64,
-    version: u64,
+/// The commit of the checkout the binary runs in, or "unknown".
+fn git_commit() -> String {
+    Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .stderr(Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|| "unknown".to_owned())
 }
 
-fn recover(
-    st: &mut Local,
-    m: &mut Membership,
-    rx: &mpsc::Receiver<Event>,
-    a: &LocalArgs,
-    experts: usize,
-    bytes_per_expert: u64,
+fn controller(a: ControllerArgs) -> Result<()> {
+    ensure!(!a.token.is_empty(), "the token is empty");
+    let job = job_from_args(&a.job, a.nodes, &a.token)?;
+    let rt = runtime()?;
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(a.listen))
+        .with_context(|| format!("listening on {}", a.listen))?;
+    let mut report = Report::new(a.job.format, a.job.steps);
+    report.say(&format!(
+        "lzrun controller: listening on {}, waiting for {} agents",
+        a.listen, a.nodes
+    ));
+    let config = job.params.config.clone();
+    let result = rt.block_on(drive(listener, job.cfg, job.params, &mut report, |_, _| {
+        Ok(())
+    }));
+    if let Some(d) = job.temp_ckpt {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    result?;
+    report.finish(&a.job, &config)
+}
+
+/// Runs the job server and handles its notices until the job is over (or Ctrl-C); `on_step`
+/// runs after every completed step (fault injection in `lzrun local`).
+async fn drive(
+    listener: tokio::net::TcpListener,
+    cfg: ControllerConfig,
+    params: JobParams,
+    report: &mut Report,
+    mut on_step: impl FnMut(&StepRecord, &JobHandle) -> Result<()>,
 ) -> Result<()> {
-    let t_detect = st.last_kill.take().unwrap_or_else(Instant::now);
-    let wait =
-        Duration::from_millis(a.train.timeout_ms.saturating_mul(3)) + Duration::from_secs(30);
-    st.wait_until(
-        rx,
-        Instant::now() + wait,
-        "the survivors to detect the failure",
-        |s| s.alive().iter().all(|id| s.failed.contains_key(id)),
-    )?;
-    let detect_ms = t_detect.elapsed().as_secs_f64() * 1e3;
-
-    let t = Instant::now();
-    let ids = st.alive();
-    ensure!(!ids.is_empty(), "no worker survived");
-    let survivors: Vec<Survivor> = ids
-        .iter()
-        .map(|&id| Survivor {
-            id: id as u32,
-            rank: m.rank_of_id[&id],
-        })
-        .collect();
-    let resume = ids.iter().map(|id| st.failed[id]).min().unwrap_or(0);
-    let peers = free_addrs(ids.len())?;
-    let epoch = m.epoch + 1;
-    let plan = plan_recovery(
-        &m.replicas,
-        &survivors,
-        experts,
-        bytes_per_expert,
-        &peers,
-        epoch,
-        resume,
-        m.version,
-    )?;
-    let replan_ms = t.elapsed().as_secs_f64() * 1e3;
-
-    let t = Instant::now();
-    // Survivors report new failures only after they got their command: forget the old ones.
-    st.failed.clear();
-    st.migrated.clear();
-    st.resumed.clear();
-    st.resume_step = resume;
-    let n_transfers = plan.commands.first().map_or(0, |c| c.transfers.len());
-    for (&id, cmd) in ids.iter().zip(&plan.commands) {
-        let line = serde_json::to_string::<Reconfigure>(cmd)?;
-        let stdin = st.workers.stdins[id]
-            .as_mut()
-            .with_context(|| format!("worker {id} has no stdin"))?;
-        writeln!(stdin, "{line}")
-            .and_then(|()| stdin.flush())
-            .with_context(|| format!("sending the new plan to worker {id}"))?;
-    }
-    st.wait_until(rx, Instant::now() + wait, "the migration", |s| {
-        ids.iter().all(|id| s.migrated.contains(id))
-    })?;
-    let migrate_ms = t.elapsed().as_secs_f64() * 1e3;
-
-    let t = Instant::now();
-    st.wait_until(rx, Instant::now() + wait, "the survivors to resume", |s| {
-        ids.iter()
-            .all(|id| s.resumed.contains(id) || s.done.contains(id))
-    })?;
-    let resume_ms = t.elapsed().as_secs_f64() * 1e3;
-
-    m.replicas = plan.replicas;
-    m.rank_of_id = plan
-        .id_of_rank
-        .iter()
-        .enumerate()
-        .map(|(r, &id)| (id as usize, r))
-        .collect();
-    m.epoch = epoch;
-    m.version = plan.version;
-    let killed: Vec<usize> = st.killed.iter().copied().collect();
-    let line = serde_json::json!({
-        "recovery": {
-            "epoch": epoch,
-            "killed": killed,
-            "survivors": ids,
-            "resume_step": resume,
-            "transfers": n_transfers,
-            "detect_ms": detect_ms,
-            "replan_ms": replan_ms,
-            "migrate_ms": migrate_ms,
-            "resume_ms": resume_ms,
+    let (tx, mut rx) = tmpsc::unbounded_channel();
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (handle_tx, handle_rx) = tokio::sync::oneshot::channel();
+    let server = tokio::spawn(run_job(listener, cfg, params, tx, stop_rx, move |h| {
+        let _ = handle_tx.send(h);
+    }));
+    let handle = match handle_rx.await {
+        Ok(h) => h,
+        Err(_) => {
+            return match server.await {
+                Ok(Err(e)) => Err(anyhow!("{e}")),
+                _ => Err(anyhow!("the job server did not start")),
+            };
         }
-    });
-    println!("{line}");
-    Ok(())
+    };
+    let mut outcome: Result<()> = Err(anyhow!("the job server stopped unexpectedly"));
+    let mut seen = BTreeSet::new();
+    loop {
+        tokio::select! {
+            n = rx.recv() => match n {
+                Some(Notice::Step(r)) => {
+                    let first = seen.insert(r.step);
+                    let rec = r.clone();
+                    report.step(r);
+                    if first && let Err(e) = on_step(&rec, &handle) {
+                        outcome = Err(e);
+                        break;
+                    }
+                }
+                Some(Notice::Reconfigured(r)) => report.reconfigured(r),
+                Some(Notice::Log(l)) => report.say(&format!("[controller] {l}")),
+                Some(Notice::Finished(r)) => {
+                    outcome = r.map_err(|e| anyhow!(e));
+                    break;
+                }
+                None => break,
+            },
+            _ = tokio::signal::ctrl_c() => {
+                outcome = Err(anyhow!("interrupted (Ctrl-C): every node was told to stop"));
+                break;
+            }
+        }
+    }
+    let _ = stop_tx.send(true);
+    match server.await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => return Err(anyhow!("{e}")),
+        Err(e) => return Err(anyhow!("the job server crashed: {e}")),
+    }
+    outcome
+}
+
+/// The agent processes of `lzrun local`, each in its own process group (with its worker);
+/// dropping it SIGKILLs every group still running.
+struct Nodes {
+    exe: PathBuf,
+    controller: SocketAddr,
+    token: String,
+    children: Vec<(String, Option<Child>)>,
+}
+
+impl Nodes {
+    fn spawn(&mut self, name: &str) -> Result<()> {
+        let child = Command::new(&self.exe)
+            .arg("agent")
+            .args(["--controller", &self.controller.to_string()])
+            .args(["--name", name])
+            .env("LZRUN_TOKEN", &self.token)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            // Own process group: `kill_group` takes the agent and its worker together, and a
+            // Ctrl-C in the terminal reaches only `lzrun local`, which stops the job cleanly.
+            .process_group(0)
+            .spawn()
+            .with_context(|| format!("starting agent {name} ({})", self.exe.display()))?;
+        self.children.push((name.to_owned(), Some(child)));
+        Ok(())
+    }
+
+    fn index_of(&self, name: &str) -> Option<usize> {
+        self.children
+            .iter()
+            .rposition(|(n, c)| n == name && c.is_some())
+    }
+
+    /// SIGKILLs node `i`'s process group (agent and worker).
+    fn kill_group(&mut self, i: usize) -> Result<String> {
+        let (name, slot) = self
+            .children
+            .get_mut(i)
+            .ok_or_else(|| anyhow!("no node {i}"))?;
+        let mut child = slot
+            .take()
+            .ok_or_else(|| anyhow!("node {i} is not running"))?;
+        let pgid = i32::try_from(child.id()).context("pid out of range")?;
+        // SAFETY: kill(2) with a negative pid signals that process group; no memory is shared.
+        unsafe {
+            libc::kill(-pgid, libc::SIGKILL);
+        }
+        let _ = child.wait();
+        Ok(name.clone())
+    }
+
+    /// Waits up to `grace` for every agent to exit, then kills the rest.
+    fn reap(&mut self, grace: Duration) {
+        let deadline = Instant::now() + grace;
+        for i in 0..self.children.len() {
+            while let Some(c) = self.children[i].1.as_mut() {
+                match c.try_wait() {
+                    Ok(Some(_)) | Err(_) => {
+                        self.children[i].1 = None;
+                    }
+                    Ok(None) if Instant::now() < deadline => {
+                        thread::sleep(Duration::from_millis(20));
+                    }
+                    Ok(None) => {
+                        let _ = self.kill_group(i);
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        for i in 0..self.children.len() {
+            if self.children[i].1.is_some() {
+                let _ = self.kill_group(i);
+            }
+        }
+    }
 }
 
 fn local(a: LocalArgs) -> Result<()> {
-    ensure!(a.nodes >= 1, "--nodes must be at least 1 (got 0)");
-    ensure!(a.nodes <= 64, "--nodes {} is more than 64", a.nodes);
-    ensure!(a.train.steps >= 1, "--steps must be at least 1 (got 0)");
-    for &(r, s) in &a.kill {
-        ensure!(
-            r < a.nodes,
-            "--kill {r}@{s}: rank {r} is not below --nodes {}",
-            a.nodes
-        );
-        ensure!(
-            s + 1 < a.train.steps,
-            "--kill {r}@{s}: step {s} must be before the last step {}",
-            a.train.steps - 1
-        );
-    }
-    let mut config = config_by_name(&a.train.config)?;
-    if let Some(seed) = a.train.seed {
-        config.seed = seed;
-    }
-    let exe = std::env::current_exe().context("locating the lzrun executable")?;
-    if let Some(dir) = &a.train.out {
+    let schedule: FaultSchedule = match &a.fault_trace {
+        Some(path) => {
+            let trace = lazarus_traces::load(path)
+                .map_err(|e| anyhow!("--fault-trace {}: {e}", path.display()))?;
+            faults::schedule_from_trace(&trace, a.time_scale, a.job.steps, a.nodes)
+                .map_err(|e| anyhow!("--fault-trace {}: {e}", path.display()))?
+        }
+        None => faults::schedule_from_flags(a.nodes.unwrap_or(2), &a.kill, &a.join, a.job.steps)
+            .map_err(|e| anyhow!("{e}"))?,
+    };
+    ensure!(
+        schedule.initial_nodes <= 64,
+        "{} nodes is more than 64",
+        schedule.initial_nodes
+    );
+    let token = format!(
+        "{:016x}",
+        std::process::id() as u64 ^ (Instant::now().elapsed().as_nanos() as u64) ^ 0x9e37_79b9
+    );
+    let job = job_from_args(&a.job, schedule.initial_nodes, &token)?;
+    if let Some(dir) = &a.job.out {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let addrs = free_addrs(a.nodes)?;
-    let peers = addrs
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
-    println!(
-        "lzrun local: {} workers, config {}, {} steps, peers {peers}",
-        a.nodes, a.train.config, a.train.steps
-    );
-
-    let mut workers = Workers {
-        children: Vec::new(),
-        stdins: Vec::new(),
+    let rt = runtime()?;
+    let std_listener = StdListener::bind(("127.0.0.1", 0)).context("binding the controller")?;
+    std_listener.set_nonblocking(true)?;
+    let addr = std_listener.local_addr()?;
+    let listener = {
+        let _guard = rt.enter();
+        tokio::net::TcpListener::from_std(std_listener)?
     };
-    let (tx, rx) = mpsc::channel::<Event>();
-    let mut readers: Vec<JoinHandle<()>> = Vec::new();
-    for rank in 0..a.nodes {
-        let mut cmd = Command::new(&exe);
-        cmd.arg("worker")
-            .args(["--rank", &rank.to_string()])
-            .args(["--world", &a.nodes.to_string()])
-            .args(["--peers", &peers])
-            .args(["--config", &a.train.config])
-            .args(["--steps", &a.train.steps.to_string()])
-            .args(["--timeout-ms", &a.train.timeout_ms.to_string()])
-            .arg("--watch-stdin")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        if let Some(seed) = a.train.seed {
-            cmd.args(["--seed", &seed.to_string()]);
-        }
-        if let Some(dir) = &a.train.out {
-            cmd.arg("--out").arg(dir);
-        }
-        let mut child = cmd
-            .spawn()
-            .with_context(|| format!("starting worker {rank} ({})", exe.display()))?;
-        let stdout = child.stdout.take();
-        let stderr = child.stderr.take();
-        workers.stdins.push(child.stdin.take());
-        workers.children.push(Some(child));
-        if let Some(out) = stdout {
-            let tx = tx.clone();
-            readers.push(thread::spawn(move || {
-                for line in BufReader::new(out).lines().map_while(Result::ok) {
-                    println!("[rank {rank}] {line}");
-                    if let Ok(step) = serde_json::from_str::<StepLine>(&line) {
-                        let _ = tx.send(Event::Step(rank, step));
-                    } else if let Ok(ev) = serde_json::from_str::<WorkerEvent>(&line) {
-                        let _ = tx.send(Event::Worker(rank, ev));
+    let mut report = Report::new(a.job.format, a.job.steps);
+    report.say(&format!(
+        "lzrun local: {} nodes, config {}, {} steps, {} faults scheduled, controller {addr}",
+        schedule.initial_nodes,
+        a.job.config,
+        a.job.steps,
+        schedule.len()
+    ));
+    let mut nodes = Nodes {
+        exe: std::env::current_exe().context("locating the lzrun executable")?,
+        controller: addr,
+        token,
+        children: Vec::new(),
+    };
+    for name in &schedule.initial_names {
+        nodes.spawn(name)?;
+    }
+    let config = job.params.config.clone();
+    let mut joined = 0usize;
+    let say_text = a.job.format == Format::Text;
+    let result = rt.block_on(drive(
+        listener,
+        job.cfg,
+        job.params,
+        &mut report,
+        |rec, handle| {
+            for fault in schedule.at(rec.step) {
+                match fault {
+                    Fault::Kill { node } => {
+                        let name = nodes.kill_group(*node)?;
+                        handle.fault_injected();
+                        say(say_text, &format!("lzrun local: killed node {node} ({name}) with SIGKILL after step {}", rec.step));
+                    }
+                    Fault::KillName { name } => {
+                        let i = nodes
+                            .index_of(name)
+                            .ok_or_else(|| anyhow!("trace kills {name}, which is not running"))?;
+                        nodes.kill_group(i)?;
+                        handle.fault_injected();
+                        say(say_text, &format!("lzrun local: killed node {i} ({name}) with SIGKILL after step {}", rec.step));
+                    }
+                    Fault::Join { name } => {
+                        joined += 1;
+                        let name = name
+                            .clone()
+                            .unwrap_or_else(|| format!("n{}", nodes.children.len()));
+                        nodes.spawn(&name)?;
+                        say(say_text, &format!("lzrun local: started node {} ({name}) after step {}", nodes.children.len() - 1, rec.step));
                     }
                 }
-            }));
-        }
-        if let Some(err) = stderr {
-            let tx = tx.clone();
-            readers.push(thread::spawn(move || {
-                for line in BufReader::new(err).lines().map_while(Result::ok) {
-                    eprintln!("[rank {rank}] {line}");
-                    let _ = tx.send(Event::Stderr(rank, line));
-                }
-            }));
-        }
-    }
-    drop(tx);
-
-    let mut st = Local {
-        workers,
-        kills: a.kill.clone(),
-        killed: BTreeSet::new(),
-        done: BTreeSet::new(),
-        steps: vec![BTreeSet::new(); a.nodes],
-        losses: BTreeMap::new(),
-        last_err: vec![None; a.nodes],
-        failed: BTreeMap::new(),
-        migrated: BTreeSet::new(),
-        resumed: BTreeSet::new(),
-        resume_step: 0,
-        last_kill: None,
-    };
-    let mut m = Membership {
-        replicas: plan_replicas(&config, a.nodes)?,
-        rank_of_id: (0..a.nodes).map(|r| (r, r)).collect(),
-        epoch: 0,
-        version: 0,
-    };
-    let bytes_per_expert = (6 * 4 * config.d_model * config.d_ff) as u64;
-    let res = (|| -> Result<()> {
-        loop {
-            st.wait_until(&rx, far_future(), "workers", |s| {
-                s.alive().is_empty() || !s.failed.is_empty() || s.last_kill.is_some()
-            })?;
-            if st.alive().is_empty() {
-                return Ok(());
             }
-            if st.last_kill.is_none() {
-                let (&id, &step) = st.failed.iter().next().expect("a failure");
-                let why = st.last_err[id].clone().unwrap_or_default();
-                bail!("worker {id} failed at step {step} without an injected kill{why}");
-            }
-            recover(&mut st, &mut m, &rx, &a, config.experts, bytes_per_expert)?;
+            Ok(())
+        },
+    ));
+    nodes.reap(Duration::from_secs(5));
+    if let Some(d) = &job.temp_ckpt {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    result?;
+    let _ = joined;
+    report.finish(&a.job, &config)?;
+    if say_text {
+        let mut by_step: BTreeMap<u64, f64> = BTreeMap::new();
+        for r in &report.records {
+            by_step.insert(r.step, r.loss);
         }
-    })();
-    st.workers.kill_all();
-    for r in readers {
-        let _ = r.join();
-    }
-    res?;
-    for (id, s) in st.steps.iter().enumerate() {
-        if st.killed.contains(&id) {
-            continue;
+        println!("mean loss per step over the workers:");
+        for (step, loss) in by_step {
+            println!("step {step:>4}  mean loss {loss:.4}");
         }
-        ensure!(
-            s.len() as u64 == a.train.steps,
-            "worker {id} reported {} of {} steps",
-            s.len(),
-            a.train.steps
-        );
-    }
-
-    let n = a.nodes - st.killed.len();
-    println!("mean loss per step over the workers ({n} at the end):");
-    for (step, ls) in &st.losses {
-        let mean = ls.values().map(|l| f64::from(*l)).sum::<f64>() / ls.len() as f64;
-        println!("step {step:>4}  mean loss {mean:.4}");
-    }
-    if let Some(dir) = &a.train.out {
-        println!("replica checksums in {}", dir.display());
     }
     Ok(())
 }
 
-fn far_future() -> Instant {
-    Instant::now() + Duration::from_secs(365 * 24 * 3600)
+fn say(text: bool, line: &str) {
+    if text {
+        println!("{line}");
+    } else {
+        eprintln!("{line}");
+    }
 }

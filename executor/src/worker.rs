@@ -14,8 +14,9 @@
 //! 5. returns (and optionally writes) the [`Checksums`] of its replicas and dense weights, so
 //!    that replicas of one expert on different workers can be compared.
 //!
-//! [`run_worker`] handles no failures: a dead peer makes the others fail. `lzrun local` runs
-//! [`crate::recovery::run_elastic_worker`] instead, which recovers in place.
+//! [`run_worker`] handles no failures: a dead peer makes the others fail. Under a controller
+//! (`lzrun local`, `lzrun agent`) workers run [`crate::recovery::run_managed_worker`] instead,
+//! which takes its plans from the controller and recovers in place.
 
 use std::fs;
 use std::io::ErrorKind;
@@ -139,6 +140,10 @@ pub struct StepLine {
     pub tokens: u64,
     /// Wall-clock time of the step in milliseconds.
     pub ms: f64,
+    /// `[layer][expert]` tokens this worker routed to each expert in this step (the
+    /// controller's load history for rebalancing).
+    #[serde(default)]
+    pub routing: Vec<Vec<u64>>,
 }
 
 /// Checksum of one held expert replica.
@@ -155,6 +160,9 @@ pub struct ReplicaChecksum {
 /// What a worker holds after training: written to `<out>/rank<R>.json`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Checksums {
+    /// Node id under a controller (`lzrun local`); absent for a stand-alone worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<u32>,
     pub rank: usize,
     pub world: usize,
     pub steps: u64,
@@ -190,6 +198,7 @@ impl Checksums {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
+            node: None,
             rank,
             world,
             steps,
@@ -205,9 +214,14 @@ impl Checksums {
 
     /// Writes `<dir>/rank<R>.json` (through a temporary file and a rename).
     pub fn write(&self, dir: &Path) -> Result<PathBuf> {
+        self.write_named(dir, &format!("rank{}.json", self.rank))
+    }
+
+    /// Writes `<dir>/<name>` (through a temporary file and a rename).
+    pub fn write_named(&self, dir: &Path, name: &str) -> Result<PathBuf> {
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let path = Self::path(dir, self.rank);
-        let tmp = dir.join(format!(".rank{}.json.tmp", self.rank));
+        let path = dir.join(name);
+        let tmp = dir.join(format!(".{name}.tmp"));
         fs::write(&tmp, serde_json::to_vec_pretty(self)?)
             .with_context(|| format!("writing {}", tmp.display()))?;
         fs::rename(&tmp, &path).with_context(|| format!("renaming to {}", path.display()))?;
@@ -231,7 +245,7 @@ pub(crate) struct Started {
     pub dist: DistributedExperts,
 }
 
-/// Shared start-up of [`run_worker`] and [`crate::recovery::run_elastic_worker`].
+/// Start-up of [`run_worker`].
 pub(crate) fn start(opts: &WorkerOptions) -> Result<Started> {
     let (world, rank) = (opts.peers.len(), opts.rank);
     let cfg = &opts.config;
@@ -291,13 +305,14 @@ pub fn run_worker(
             cfg.seq_len + 1,
             &dev,
         )?;
-        let (loss, _) = train_step(&model, &mut opt, &mut store, &mut dist, &tokens)
+        let (loss, stats) = train_step(&model, &mut opt, &mut store, &mut dist, &tokens)
             .with_context(|| format!("rank {rank}: step {step}"))?;
         on_step(&StepLine {
             step,
             loss,
             tokens: tokens_per_step,
             ms: t0.elapsed().as_secs_f64() * 1e3,
+            routing: stats.counts,
         })?;
     }
 

@@ -30,6 +30,9 @@ pub struct AgentConfig {
     pub heartbeat_every_ms: u64,
     /// Bound on connecting and on waiting for the controller's answer to `Register`.
     pub register_timeout_ms: u64,
+    /// Protocol version announced at registration ([`PROTOCOL_VERSION`]; another value only to
+    /// test the controller's version check).
+    pub protocol_version: u16,
 }
 
 impl AgentConfig {
@@ -47,6 +50,7 @@ impl AgentConfig {
             devices,
             heartbeat_every_ms: 1_000,
             register_timeout_ms: 10_000,
+            protocol_version: PROTOCOL_VERSION,
         }
     }
 }
@@ -87,6 +91,12 @@ pub enum AgentError {
     Unexpected(&'static str),
     #[error("the runtime's plan channel is closed")]
     RuntimeGone,
+    #[error("cannot start the worker process {exe}: {source}")]
+    WorkerSpawn { exe: String, source: std::io::Error },
+    #[error("the worker process exited: {0}")]
+    WorkerExited(String),
+    #[error("bad worker command from the controller: {0}")]
+    BadCommand(String),
     #[error(transparent)]
     Proto(#[from] ProtoError),
 }
@@ -121,7 +131,7 @@ impl Agent {
         let _ = stream.set_nodelay(true);
         let mut framed = proto::framed(stream);
         let register = ToController::Register {
-            version: PROTOCOL_VERSION,
+            version: cfg.protocol_version,
             token: cfg.token.clone(),
             node: cfg.node.clone(),
             devices: cfg.devices,
@@ -141,6 +151,9 @@ impl Agent {
             Some(ToAgent::Rejected { reason }) => Err(AgentError::Rejected { reason }),
             Some(ToAgent::Plan(_)) => Err(AgentError::Unexpected("Plan before Registered")),
             Some(ToAgent::Shutdown) => Err(AgentError::Unexpected("Shutdown before Registered")),
+            Some(ToAgent::Worker { .. }) => {
+                Err(AgentError::Unexpected("worker command before Registered"))
+            }
             None => Err(AgentError::ControllerClosed),
         }
     }
@@ -180,6 +193,8 @@ impl Agent {
                 msg = proto::recv::<ToAgent>(framed) => match msg? {
                     Some(ToAgent::Plan(plan)) => mailbox = Some(plan),
                     Some(ToAgent::Shutdown) => return Ok(AgentExit::ControllerShutdown),
+                    // Plan-relay agents run no managed worker.
+                    Some(ToAgent::Worker { .. }) => {}
                     Some(ToAgent::Rejected { reason }) => {
                         return Err(AgentError::Rejected { reason });
                     }
@@ -226,4 +241,130 @@ pub async fn run_agent(
         .await?
         .run(plans, stats, shutdown)
         .await
+}
+
+/// How an agent runs its node's worker process under a job controller.
+#[derive(Debug, Clone)]
+pub struct WorkerLaunch {
+    /// The `lzrun` executable; the worker is `<exe> worker --managed`.
+    pub exe: std::path::PathBuf,
+    /// Data-plane address the worker listens on (port 0: any free port).
+    pub listen: std::net::SocketAddr,
+}
+
+/// A job agent ([`crate::control::job`]): registers, heartbeats, starts its worker process on
+/// the controller's `Job` command and relays, one JSON line each, the controller's commands to
+/// the worker's stdin and the worker's stdout lines to the controller. Ends with `Ok` when the
+/// worker exited cleanly (after `Stop`) or the controller shut the job down, and with an error
+/// when the worker failed, the controller went away or rejected the node. The worker dies with
+/// the agent (its stdin closes), so killing an agent kills its node.
+pub async fn run_job_agent(
+    cfg: &AgentConfig,
+    launch: &WorkerLaunch,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<AgentExit, AgentError> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    use tokio::process::Command;
+
+    let agent = Agent::register(cfg).await?;
+    let node_id = agent.node_id;
+    let mut framed = agent.framed;
+    let every = agent.heartbeat_every;
+    let mut heartbeat = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    heartbeat.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut child: Option<tokio::process::Child> = None;
+    let mut stdin: Option<tokio::process::ChildStdin> = None;
+    let mut lines: Option<tokio::io::Lines<BufReader<tokio::process::ChildStdout>>> = None;
+    let mut step = 0u64;
+    loop {
+        // Reap the worker only once its stdout is drained (no line is lost).
+        let reading = lines.is_some();
+        let exited = async {
+            match child.as_mut() {
+                Some(c) if !reading => c.wait().await,
+                _ => std::future::pending().await,
+            }
+        };
+        let next_line = async {
+            match lines.as_mut() {
+                Some(l) => l.next_line().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = shutdown_signal(&mut shutdown) => {
+                let _ = proto::send(&mut framed, &ToController::Bye { node_id }).await;
+                return Ok(AgentExit::LocalShutdown);
+            }
+            msg = proto::recv::<ToAgent>(&mut framed) => match msg? {
+                Some(ToAgent::Worker { line }) => {
+                    let mut cmd: crate::recovery::Command = serde_json::from_str(&line)
+                        .map_err(|e| AgentError::BadCommand(format!("{e}: {line}")))?;
+                    if let crate::recovery::Command::Job(job) = &mut cmd {
+                        job.listen = launch.listen;
+                        if child.is_none() {
+                            let mut c = Command::new(&launch.exe)
+                                .args(["worker", "--managed"])
+                                .stdin(std::process::Stdio::piped())
+                                .stdout(std::process::Stdio::piped())
+                                .stderr(std::process::Stdio::inherit())
+                                .kill_on_drop(true)
+                                .spawn()
+                                .map_err(|source| AgentError::WorkerSpawn {
+                                    exe: launch.exe.display().to_string(),
+                                    source,
+                                })?;
+                            stdin = c.stdin.take();
+                            lines = c.stdout.take().map(|o| BufReader::new(o).lines());
+                            child = Some(c);
+                        }
+                    }
+                    let mut text = serde_json::to_string(&cmd)
+                        .map_err(|e| AgentError::BadCommand(e.to_string()))?;
+                    text.push('\n');
+                    if let Some(w) = stdin.as_mut() {
+                        // A worker that already exited shows up through `exited`.
+                        let _ = w.write_all(text.as_bytes()).await;
+                        let _ = w.flush().await;
+                    }
+                }
+                Some(ToAgent::Plan(_)) => {}
+                Some(ToAgent::Shutdown) => {
+                    if let Some(mut c) = child.take() {
+                        drop(stdin.take());
+                        let grace = tokio::time::timeout(Duration::from_secs(2), c.wait()).await;
+                        if grace.is_err() {
+                            let _ = c.kill().await;
+                        }
+                    }
+                    return Ok(AgentExit::ControllerShutdown);
+                }
+                Some(ToAgent::Rejected { reason }) => return Err(AgentError::Rejected { reason }),
+                Some(ToAgent::Registered { .. }) => {
+                    return Err(AgentError::Unexpected("second Registered"));
+                }
+                None => return Err(AgentError::ControllerClosed),
+            },
+            _ = heartbeat.tick() => {
+                proto::send(&mut framed, &ToController::Heartbeat { node_id, step }).await?;
+            }
+            line = next_line => match line {
+                Ok(Some(line)) => {
+                    if let Ok(s) = serde_json::from_str::<crate::worker::StepLine>(&line) {
+                        step = step.max(s.step);
+                    }
+                    proto::send(&mut framed, &ToController::Worker { node_id, line }).await?;
+                }
+                _ => lines = None,
+            },
+            status = exited => {
+                let _ = proto::send(&mut framed, &ToController::Bye { node_id }).await;
+                return match status {
+                    Ok(s) if s.success() => Ok(AgentExit::ControllerShutdown),
+                    Ok(s) => Err(AgentError::WorkerExited(s.to_string())),
+                    Err(e) => Err(AgentError::WorkerExited(e.to_string())),
+                };
+            }
+        }
+    }
 }

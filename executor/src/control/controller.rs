@@ -407,6 +407,19 @@ impl ControllerState {
         }
     }
 
+    /// Replaces what the controller believes `node_id` holds (`holdings[layer]` = expert ids)
+    /// with what its worker reported: after a reconfiguration that failed half-way a node
+    /// holds neither its old nor its new assignment. `false` if the node is not live.
+    pub fn set_holdings(&mut self, node_id: u32, holdings: Vec<Vec<u32>>) -> bool {
+        match self.nodes.get_mut(&node_id) {
+            Some(n) => {
+                n.holdings = holdings;
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Asks for a rebalance with the current loads at the next [`replan`](Self::replan), even
     /// without a membership change (the paper rebalances every 200 steps).
     pub fn request_rebalance(&mut self) {
@@ -422,7 +435,10 @@ impl ControllerState {
             return None;
         }
         let made = if self.plan.is_none() {
-            let ids: Vec<u32> = self.nodes.keys().copied().collect();
+            // Ranks follow node names (natural order: n2 before n10), not the order in which
+            // nodes happened to register, so that the first plan is reproducible.
+            let mut ids: Vec<u32> = self.nodes.keys().copied().collect();
+            ids.sort_by_cached_key(|id| natural_key(&self.nodes[id].name));
             self.fresh_plan(&ids, false).map(|msg| (msg, None))
         } else {
             self.next_plan()
@@ -578,6 +594,13 @@ fn to_msg(plan: &ModelPlan, transfers: Vec<(u32, u32, u32, u32)>, restore: bool)
         transfers,
         restore_from_checkpoint: restore,
     }
+}
+
+/// Sort key putting `n2` before `n10`: the name without its trailing digits, then their value.
+fn natural_key(name: &str) -> (String, u64, String) {
+    let stem = name.trim_end_matches(|c: char| c.is_ascii_digit());
+    let number = name[stem.len()..].parse().unwrap_or(0);
+    (stem.to_owned(), number, name.to_owned())
 }
 
 /// Compares without an early exit on the first differing byte.
@@ -883,7 +906,8 @@ fn handle(ctx: &Ctx, node_id: u32, msg: ToController) -> Option<Handled> {
                     ToController::Register { .. } => "Register after registration".to_owned(),
                     ToController::Heartbeat { node_id: id, .. }
                     | ToController::RoutingStats { node_id: id, .. }
-                    | ToController::Bye { node_id: id } => format!("for node {id}"),
+                    | ToController::Bye { node_id: id }
+                    | ToController::Worker { node_id: id, .. } => format!("for node {id}"),
                 }
             )))
         }

@@ -21,13 +21,17 @@
 //! code generator do.
 pub mod agent;
 pub mod controller;
+pub mod job;
 pub mod proto;
 
-pub use agent::{Agent, AgentConfig, AgentError, AgentExit, StepCounts, run_agent};
+pub use agent::{
+    Agent, AgentConfig, AgentError, AgentExit, StepCounts, WorkerLaunch, run_agent, run_job_agent,
+};
 pub use controller::{
     ConfigError, ControllerConfig, ControllerError, ControllerState, Reject, RoutingError,
     run_controller,
 };
+pub use job::{JobDriver, JobHandle, JobParams, Notice, run_job};
 pub use proto::{PROTOCOL_VERSION, PlanMsg, ToAgent, ToController};
 
 /// Resolves once `shutdown` is `true` or its sender is gone (nobody can stop us any more, so

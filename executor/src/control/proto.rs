@@ -26,7 +26,7 @@ use tokio::net::TcpStream;
 use tokio_util::codec::LengthDelimitedCodec;
 
 /// Version of the control protocol; bumped on any change of a message layout.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Largest frame either side accepts (64 MiB). A plan for 1000 nodes × 32 layers × 32 slots
 /// is about 1 M varint expert ids, a few MiB; the cap leaves an order of magnitude of room.
@@ -67,6 +67,9 @@ pub enum ToController {
     },
     /// Graceful departure; the node is removed at once (no heartbeat timeout).
     Bye { node_id: u32 },
+    /// One output line of the node's worker (a step or a `WorkerEvent`, JSON), relayed as is
+    /// (protocol 2).
+    Worker { node_id: u32, line: String },
 }
 
 /// Controller → agent.
@@ -81,6 +84,9 @@ pub enum ToAgent {
     Plan(PlanMsg),
     /// The controller is shutting down; the agent should stop.
     Shutdown,
+    /// One command line for the node's worker (a `recovery::Command`, JSON), relayed as is
+    /// (protocol 2).
+    Worker { line: String },
 }
 
 /// A whole-model plan as the runtime needs it.

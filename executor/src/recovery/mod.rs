@@ -1,72 +1,193 @@
-//! # Recovery: in-place reconfiguration of the worker processes after a failure
+//! # The managed worker: one training process under a controller, recovering in place
 //!
-//! In `lzrun local` the parent process plays the controller: when a worker dies (or is killed
-//! with `--kill RANK@STEP`), the survivors' collectives fail, each survivor discards its
-//! in-flight step and reports [`WorkerEvent::Failed`] on stdout, then waits for a
-//! [`Reconfigure`] command (one JSON line on its stdin). The parent replans with
-//! [`lazarus_planner::replan`] on the survivors' holdings ([`survivor_nodes`]) and sends each
-//! survivor its new rank, the new peers and epoch, the new replica plan and the expert-state
-//! transfers. Survivors then form a new [`TcpCommunicator`], migrate expert states with
-//! `send_recv` ([`encode_state`] / [`decode_state`]), drop replicas they no longer hold, report
-//! [`WorkerEvent::Migrated`] and resume.
+//! An agent starts `lzrun worker --managed` and relays, one JSON line each, the controller's
+//! [`Command`]s to the worker's stdin and the worker's [`StepLine`]s and [`WorkerEvent`]s from
+//! its stdout. The worker
+//!
+//! 1. gets a [`Command::Job`] (model configuration, steps, data shard, checkpoint settings),
+//!    builds the dense model and binds one data-plane listener for its whole life, and
+//!    reports [`WorkerEvent::Ready`] with that address;
+//! 2. waits, idle, for a [`Command::Reconfigure`]: its rank, the members' addresses, the
+//!    membership epoch, the replica plan, the expert-state transfers, where its state comes
+//!    from (fresh initialisation, a peer for the dense state of a joining node, or a
+//!    checkpoint), and the step to resume at. It forms a new [`TcpCommunicator`], moves
+//!    states with `send_recv`, drops replicas it no longer holds, and reports
+//!    [`WorkerEvent::Migrated`];
+//! 3. trains. After every step it reports a [`StepLine`] (with its routing counts, which the
+//!    controller aggregates into the load history for rebalancing) and, every
+//!    `checkpoint.every_steps` steps, writes its parts of a checkpoint
+//!    ([`WorkerEvent::Checkpointed`]; the controller commits the checkpoint when every member
+//!    wrote its parts);
+//! 4. on any error in a step (a peer died: connection reset or timeout) discards the step and
+//!    the communicator and reports [`WorkerEvent::Failed`] with the replicas it actually holds;
+//!    on [`Command::Pause`] it stops at the next step boundary that every member agrees on and
+//!    reports [`WorkerEvent::Paused`]; after the last step it reports
+//!    [`WorkerEvent::Finished`]. In each case it goes back to 2. [`Command::Stop`] writes the
+//!    replica checksums and ends the process.
 //!
 //! ## No partial updates
 //!
 //! [`train_step_atomic`] runs every collective of a step (forward and backward exchanges, dense
-//! and expert all-reduces, then a barrier) before it applies any optimizer step, and keeps a
-//! [`Snapshot`] of the state before the update. A peer can still die while the final barrier
-//! completes for some ranks and not for others; then the survivors disagree by one step, the
-//! parent resumes at the smallest failed step and the ranks that got one step further roll back
-//! to their snapshot.
+//! and expert all-reduces, then a one-value all-reduce that doubles as the barrier and carries
+//! the pause flag) before it applies any optimizer step, and keeps a [`Snapshot`] of the state
+//! before the update. A peer can still die while that last all-reduce completes for some ranks
+//! and not for others; then the survivors disagree by one step, the controller resumes at the
+//! smallest reported step and the ranks one step further roll back to their snapshot.
+//!
+//! ## Pausing at an agreed step
+//!
+//! A scale-out or a rebalance needs every member to stop at the same step boundary. The pause
+//! request travels in the step's final all-reduce: a member that has a pending
+//! [`Command::Pause`] contributes 1, so all members learn in the same step that someone asked,
+//! finish that step and pause before the next one.
 
-use std::collections::BTreeMap;
-use std::net::SocketAddr;
-use std::sync::mpsc::Receiver;
-use std::time::{Duration, Instant};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::time::Instant;
 
-use crate::model::Corpus;
-use crate::worker::{Checksums, Started, StepLine, WorkerOptions, start};
 use anyhow::{Context, Result, anyhow, bail, ensure};
-use candle_core::Tensor;
-use lazarus_planner::migrate::{MappingMethod, PhysicalNode, lost_experts};
-use lazarus_planner::{AllocPolicy, ModelSpec, PlacePolicy, ReplanOptions, replan};
+use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::comm::TcpCommunicator;
-use crate::model::{AdamW, DenseModel, ExpertState, ExpertStore, OptimState, RoutingStats};
+use crate::checkpoint;
+use crate::comm::{Communicator, TcpCommunicator};
+use crate::model::{
+    AdamW, Corpus, DenseModel, ExpertState, ExpertStore, MoeConfig, OptimState, RoutingStats,
+};
 use crate::runtime::DistributedExperts;
-use crate::worker::{FAULT_TOLERANCE, bind_with_retry, slots_per_node};
+use crate::worker::{Checksums, StepLine};
 
-/// A command the parent sends a worker (one JSON line on its stdin).
+/// Where and how often a job writes checkpoints.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointSpec {
+    /// Root directory of the checkpoints (shared by every worker).
+    pub root: PathBuf,
+    /// Write one after every this many completed steps (0: never).
+    pub every_steps: u64,
+}
+
+/// The training job a worker runs (the first command it gets).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobSpec {
+    pub config: MoeConfig,
+    /// Steps to train in all.
+    pub steps: u64,
+    /// The data shard this worker reads (its node index: stable across reconfigurations).
+    pub shard: u64,
+    /// Node id given by the controller (names the checksum file).
+    pub node_id: u32,
+    /// Address to listen on for peers (port 0: any free port).
+    pub listen: SocketAddr,
+    /// Rendezvous and per-collective timeout of the communicator.
+    pub timeout_ms: u64,
+    pub checkpoint: Option<CheckpointSpec>,
+    /// Directory for the checksum file `rank<node_id>.json` written at [`Command::Stop`].
+    pub out: Option<PathBuf>,
+}
+
+/// Where a worker's state comes from when it applies a [`Reconfigure`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StateSource {
+    /// The first plan: dense model and the held replicas initialised from the seed (every
+    /// worker gets the same values).
+    Fresh,
+    /// Keep what it has; new replicas arrive as transfers; ranks in `dense_to` (joining
+    /// nodes) receive the dense model and its optimizer state from rank `dense_from`.
+    Peers {
+        dense_from: usize,
+        dense_to: Vec<usize>,
+    },
+    /// Some expert lost every replica: everyone loads the checkpoint under `root` whose
+    /// manifest says `step` (the controller checked it is the newest valid one).
+    Checkpoint { root: PathBuf, step: u64 },
+}
+
+/// A new membership and plan for one worker.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Reconfigure {
     /// This worker's rank in the new membership.
     pub rank: usize,
-    /// Listen addresses of the new membership, in rank order (fresh ports).
+    /// Data-plane addresses of the members, in rank order.
     pub peers: Vec<SocketAddr>,
-    /// Epoch of the new communicator.
+    /// Epoch of the new communicator (strictly increasing).
     pub epoch: u64,
+    /// Version of the controller's plan.
+    pub plan_version: u64,
     /// `[layer][expert][rank]` replicas of the new plan.
     pub replicas: Vec<Vec<Vec<u32>>>,
-    /// `(layer, expert, src rank, dst rank)` expert-state transfers, in new ranks.
+    /// `(layer, expert, src rank, dst rank)` expert-state transfers.
     pub transfers: Vec<(usize, usize, usize, usize)>,
-    /// The step to train next (the in-flight step is redone).
+    pub source: StateSource,
+    /// The step to train next.
     pub resume_step: u64,
 }
 
-/// A non-step line a worker prints on stdout (step lines are [`crate::worker::StepLine`]s).
+/// A controller command (one JSON line on the worker's stdin).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Command {
+    Job(JobSpec),
+    Reconfigure(Reconfigure),
+    /// Pause at the next step boundary every member agrees on.
+    Pause,
+    /// Write the checksums and exit.
+    Stop,
+}
+
+/// What a worker reports besides its [`StepLine`]s (one JSON line each).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum WorkerEvent {
-    /// Step `step` failed (it was discarded); the worker waits for a [`Reconfigure`].
-    Failed { step: u64, error: String },
-    /// The new mesh of `epoch` is formed and the expert states are migrated.
+    /// The job was accepted; peers reach this worker at `addr`.
+    Ready { addr: SocketAddr },
+    /// Step `step` (or a reconfiguration to resume at `step`) failed and was discarded.
+    Failed {
+        step: u64,
+        error: String,
+        /// `(layer, expert)` replicas this worker holds now.
+        held: Vec<(usize, usize)>,
+    },
+    /// Paused before step `step` (see the module docs).
+    Paused {
+        step: u64,
+        held: Vec<(usize, usize)>,
+    },
+    /// Trained every step; waiting for `Stop` (or a rollback if a peer failed in the last step).
+    Finished {
+        step: u64,
+        held: Vec<(usize, usize)>,
+    },
+    /// A reconfiguration completed; training resumes at `resume_step`.
     Migrated {
         epoch: u64,
         rank: usize,
         world: usize,
+        resume_step: u64,
+        /// Bytes of state this worker received.
+        bytes_in: u64,
         ms: f64,
     },
+    /// This worker wrote its parts of the checkpoint taken after `step` completed steps.
+    Checkpointed {
+        step: u64,
+        parts: Vec<checkpoint::PartInfo>,
+    },
+    /// Checksums of the final state (sent at `Stop`).
+    Done(Checksums),
+}
+
+/// A worker output line: a step or an event.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum WorkerLine {
+    Step(StepLine),
+    Event(WorkerEvent),
+}
+
+impl WorkerLine {
+    pub fn parse(line: &str) -> Option<Self> {
+        serde_json::from_str(line).ok()
+    }
 }
 
 /// State before the last optimizer update (to roll one step back).
@@ -97,28 +218,36 @@ impl Snapshot {
 }
 
 /// One distributed training step that applies nothing unless every collective of the step
-/// succeeded (see the [module docs](self)). Returns the loss and the pre-update snapshot.
+/// succeeded (see the [module docs](self)). `pause` is this worker's vote to pause after the
+/// step. Returns the loss, the routing counts, the pre-update snapshot and whether any member
+/// voted to pause.
 pub fn train_step_atomic(
     model: &DenseModel,
     dense_opt: &mut AdamW,
     store: &mut ExpertStore,
     experts: &mut DistributedExperts,
     tokens: &Tensor,
-) -> Result<(f32, Snapshot)> {
+    pause: bool,
+) -> Result<(f32, RoutingStats, Snapshot, bool)> {
     experts.begin_step()?;
     let mut stats = RoutingStats::default();
     let loss = model.loss(tokens, experts, &mut stats)?;
     let grads = loss.backward()?;
     let dense = experts.all_reduce_dense(model, &grads)?;
     let expert_grads = experts.reduce_expert_grads()?;
-    experts.with_comm(|c| c.barrier())??;
+    // The last collective: a barrier that also carries the pause votes.
+    let votes = experts.with_comm(|c| {
+        let all: Vec<usize> = (0..c.world()).collect();
+        let mut v = [f32::from(u8::from(pause))];
+        c.all_reduce_sum(&all, &mut v).map(|()| v[0])
+    })??;
     let loss = loss.to_scalar::<f32>()?;
     let snap = Snapshot::take(dense_opt, store)?;
     dense_opt.step_with(&dense)?;
     for ((l, e), (g1, g2)) in expert_grads {
         store.step_replica(l, e, &g1, &g2)?;
     }
-    Ok((loss, snap))
+    Ok((loss, stats, snap, votes > 0.0))
 }
 
 /// Expert state as one f32 buffer: `w1, w2, m1, v1, m2, v2`, then the step in four 16-bit
@@ -128,10 +257,18 @@ pub fn encode_state(s: &ExpertState) -> Vec<f32> {
     for xs in [&s.w1, &s.w2, &s.m1, &s.v1, &s.m2, &s.v2] {
         v.extend_from_slice(xs);
     }
-    for k in 0..4 {
-        v.push(((s.step >> (16 * k)) & 0xffff) as f32);
-    }
+    push_u64(&mut v, s.step);
     v
+}
+
+fn push_u64(v: &mut Vec<f32>, x: u64) {
+    for k in 0..4 {
+        v.push(((x >> (16 * k)) & 0xffff) as f32);
+    }
+}
+
+fn read_u64(buf: &[f32]) -> u64 {
+    (0..4).fold(0u64, |acc, k| acc | ((buf[k] as u64) << (16 * k)))
 }
 
 /// Inverse of [`encode_state`].
@@ -150,10 +287,6 @@ pub fn decode_state(
         6 * n + 4
     );
     let part = |i: usize| buf[i * n..(i + 1) * n].to_vec();
-    let mut step = 0u64;
-    for k in 0..4 {
-        step |= (buf[6 * n + k] as u64) << (16 * k);
-    }
     Ok(ExpertState {
         layer,
         expert,
@@ -165,210 +298,437 @@ pub fn decode_state(
         v1: part(3),
         m2: part(4),
         v2: part(5),
-        step,
+        step: read_u64(&buf[6 * n..]),
     })
 }
 
-/// Forms the new mesh, migrates expert states as `cmd` says, drops replicas the new plan does
-/// not give this rank, and returns the new [`DistributedExperts`].
-pub fn reconfigure(
+/// Dense optimizer state (values and moments of every parameter, then the step) as one f32
+/// buffer, for a joining node.
+pub fn encode_dense(s: &OptimState) -> Vec<f32> {
+    let n: usize = s.params.iter().map(|p| 3 * p.value.len()).sum();
+    let mut v = Vec::with_capacity(n + 4);
+    for p in &s.params {
+        v.extend_from_slice(&p.value);
+        v.extend_from_slice(&p.m);
+        v.extend_from_slice(&p.v);
+    }
+    push_u64(&mut v, s.step);
+    v
+}
+
+/// Inverse of [`encode_dense`]; names and shapes come from `template` (the receiver's own).
+pub fn decode_dense(template: &OptimState, buf: &[f32]) -> Result<OptimState> {
+    let n: usize = template.params.iter().map(|p| 3 * p.value.len()).sum();
+    ensure!(
+        buf.len() == n + 4,
+        "dense state: {} values, expected {}",
+        buf.len(),
+        n + 4
+    );
+    let mut out = template.clone();
+    let mut at = 0;
+    for p in &mut out.params {
+        let k = p.value.len();
+        for xs in [&mut p.value, &mut p.m, &mut p.v] {
+            xs.copy_from_slice(&buf[at..at + k]);
+            at += k;
+        }
+    }
+    out.step = read_u64(&buf[at..]);
+    Ok(out)
+}
+
+/// The `(layer, expert)` pairs `rank` holds at least one replica of.
+pub fn held_by(replicas: &[Vec<Vec<u32>>], rank: usize) -> BTreeSet<(usize, usize)> {
+    let mut out = BTreeSet::new();
+    for (l, layer) in replicas.iter().enumerate() {
+        for (e, row) in layer.iter().enumerate() {
+            if row.get(rank).copied().unwrap_or(0) > 0 {
+                out.insert((l, e));
+            }
+        }
+    }
+    out
+}
+
+/// A worker's training state.
+struct State {
+    cfg: MoeConfig,
+    dev: Device,
+    model: DenseModel,
+    opt: AdamW,
+    store: ExpertStore,
+}
+
+/// Applies `cmd`: new mesh, state from its source, transfers, drop of replicas no longer
+/// held. On error the store still holds at least what it held before (imports only add), so
+/// the worker can report its holdings truthfully. Returns the new runtime and the bytes
+/// received.
+fn reconfigure(
     cmd: &Reconfigure,
-    store: &mut ExpertStore,
-    d_model: usize,
-    d_ff: usize,
+    st: &mut State,
+    listener: &TcpListener,
     timeout_ms: u64,
-) -> Result<DistributedExperts> {
+) -> Result<(DistributedExperts, u64)> {
     let me = cmd.rank;
     ensure!(me < cmd.peers.len(), "new rank {me} outside the peer list");
-    let timeout = Duration::from_millis(timeout_ms.max(1));
-    let listener = bind_with_retry(cmd.peers[me], timeout)?;
+    let mine = held_by(&cmd.replicas, me);
+    match &cmd.source {
+        StateSource::Fresh => {
+            for &(l, e) in &mine {
+                if !st.store.contains(l, e) {
+                    st.store.add(l, e)?;
+                }
+            }
+        }
+        StateSource::Checkpoint { root, step } => {
+            let loaded = checkpoint::load_latest(root, &st.cfg)
+                .map_err(|e| anyhow!("loading the checkpoint: {e}"))?;
+            ensure!(
+                loaded.manifest.step == *step,
+                "the newest valid checkpoint under {} is at step {}, the controller chose step {step}",
+                root.display(),
+                loaded.manifest.step
+            );
+            st.opt
+                .import(&loaded.dense().map_err(|e| anyhow!("{e}"))?)
+                .context("restoring the dense state")?;
+            for &(l, e) in &mine {
+                let s = loaded.expert(l, e).map_err(|e| anyhow!("{e}"))?;
+                st.store.import(&s)?;
+            }
+        }
+        StateSource::Peers { .. } => {}
+    }
+    let listener = listener.try_clone().context("cloning the data listener")?;
     let mut comm = TcpCommunicator::connect(me, &cmd.peers, listener, cmd.epoch, timeout_ms)
         .with_context(|| format!("rank {me}: forming the mesh of epoch {}", cmd.epoch))?;
     let mut sends = Vec::new();
     let mut recv_from = Vec::new();
-    let mut incoming = Vec::new();
+    let mut incoming: Vec<Option<(usize, usize)>> = Vec::new();
+    if let StateSource::Peers {
+        dense_from,
+        dense_to,
+    } = &cmd.source
+    {
+        for &dst in dense_to {
+            if *dense_from == me {
+                sends.push((dst, encode_dense(&st.opt.export()?)));
+            }
+            if dst == me {
+                recv_from.push(*dense_from);
+                incoming.push(None);
+            }
+        }
+    }
     for &(l, e, src, dst) in &cmd.transfers {
         if src == me {
-            sends.push((dst, encode_state(&store.export(l, e)?)));
+            sends.push((dst, encode_state(&st.store.export(l, e)?)));
         }
         if dst == me {
             recv_from.push(src);
-            incoming.push((l, e));
+            incoming.push(Some((l, e)));
         }
     }
-    use crate::comm::Communicator;
     let got = comm
         .send_recv(sends, &recv_from)
-        .with_context(|| format!("rank {me}: migrating expert states"))?;
+        .with_context(|| format!("rank {me}: migrating states"))?;
     ensure!(
         got.len() == incoming.len(),
         "migration: wrong message count"
     );
-    for ((l, e), (_, buf)) in incoming.into_iter().zip(got) {
-        store.import(&decode_state(l, e, d_model, d_ff, &buf)?)?;
-    }
-    for (l, e) in store.replicas() {
-        let keep = cmd
-            .replicas
-            .get(l)
-            .and_then(|r| r.get(e))
-            .and_then(|r| r.get(me))
-            .is_some_and(|&c| c > 0);
-        if !keep {
-            store.remove(l, e);
+    let mut bytes_in = 0u64;
+    for (what, (_, buf)) in incoming.into_iter().zip(got) {
+        bytes_in += 4 * buf.len() as u64;
+        match what {
+            None => {
+                let template = st.opt.export()?;
+                st.opt.import(&decode_dense(&template, &buf)?)?;
+            }
+            Some((l, e)) => {
+                let s = decode_state(l, e, st.cfg.d_model, st.cfg.d_ff, &buf)?;
+                st.store.import(&s)?;
+            }
         }
     }
     comm.barrier()
         .with_context(|| format!("rank {me}: barrier after migration"))?;
-    Ok(DistributedExperts::new(
-        Box::new(comm),
-        store,
-        cmd.replicas.clone(),
-    )?)
-}
-
-/// The parent's view of one surviving worker before a replan.
-#[derive(Debug, Clone)]
-pub struct Survivor {
-    /// Stable id (the worker's original rank).
-    pub id: u32,
-    /// Its rank in the failed membership.
-    pub rank: usize,
-}
-
-/// What the parent decided in one replan.
-#[derive(Debug, Clone)]
-pub struct RecoveryPlan {
-    /// `commands[i]` for `survivors[i]`.
-    pub commands: Vec<Reconfigure>,
-    /// Stable id of each new rank.
-    pub id_of_rank: Vec<u32>,
-    pub replicas: Vec<Vec<Vec<u32>>>,
-    pub version: u64,
-}
-
-/// Holdings of the survivors under the replica plan `replicas[layer][expert][rank]`.
-pub fn survivor_nodes(replicas: &[Vec<Vec<u32>>], survivors: &[Survivor]) -> Vec<PhysicalNode> {
-    survivors
-        .iter()
-        .map(|s| PhysicalNode {
-            id: s.id,
-            holdings: replicas
-                .iter()
-                .map(|layer| {
-                    let mut ids = Vec::new();
-                    for (e, row) in layer.iter().enumerate() {
-                        for _ in 0..row.get(s.rank).copied().unwrap_or(0) {
-                            ids.push(e as u32);
-                        }
-                    }
-                    ids
-                })
-                .collect(),
-        })
-        .collect()
-}
-
-/// Replans for `survivors` (Lazarus allocation, MRO placement, optimal mapping) and builds one
-/// [`Reconfigure`] per survivor. Fails with a message naming the expert(s) when some expert
-/// lost every replica (a checkpoint restore would be needed).
-#[allow(clippy::too_many_arguments)]
-pub fn plan_recovery(
-    replicas: &[Vec<Vec<u32>>],
-    survivors: &[Survivor],
-    experts: usize,
-    bytes_per_expert: u64,
-    peers: &[SocketAddr],
-    epoch: u64,
-    resume_step: u64,
-    version: u64,
-) -> Result<RecoveryPlan> {
-    ensure!(!survivors.is_empty(), "no worker survived");
-    ensure!(peers.len() == survivors.len(), "one address per survivor");
-    let layers = replicas.len();
-    let nodes = survivor_nodes(replicas, survivors);
-    let lost = lost_experts(&nodes, layers, experts);
-    if !lost.is_empty() {
-        let names = lost
-            .iter()
-            .map(|(l, e)| format!("expert {e} of layer {l}"))
-            .collect::<Vec<_>>()
-            .join(", ");
-        bail!(
-            "{names} lost every replica; recovery would need a checkpoint restore, which lzrun \
-             does not support yet (checkpoints are a later step)"
+    for (l, e) in st.store.replicas() {
+        if !mine.contains(&(l, e)) {
+            st.store.remove(l, e);
+        }
+    }
+    for &(l, e) in &mine {
+        ensure!(
+            st.store.contains(l, e),
+            "the plan gives rank {me} expert {e} of layer {l}, but no state arrived for it"
         );
     }
-    let model = ModelSpec {
-        experts,
-        layers,
-        f: FAULT_TOLERANCE,
-    };
-    let loads = vec![vec![1u64; experts]; layers];
-    let opts = ReplanOptions {
-        alloc: AllocPolicy::Lazarus,
-        place: PlacePolicy::Mro,
-        mapping: MappingMethod::Optimal,
-        bytes_per_expert,
-    };
-    let (plan, migration) = replan(
-        &nodes,
-        slots_per_node(experts, survivors.len()),
-        &model,
-        &loads,
-        &opts,
-        version,
-    )
-    .map_err(|e| anyhow!("replanning {} survivors: {e}", survivors.len()))?;
-    let id_of_rank = plan.node_map.clone();
-    let rank_of: BTreeMap<u32, usize> = id_of_rank
-        .iter()
-        .enumerate()
-        .map(|(r, &id)| (id, r))
-        .collect();
-    let new_replicas: Vec<Vec<Vec<u32>>> = (0..layers).map(|l| plan.replicas_per_rank(l)).collect();
-    let transfers = migration
-        .transfers
-        .iter()
-        .map(|t| {
-            let src = rank_of.get(&t.src).copied();
-            let dst = rank_of.get(&t.dst).copied();
-            match (src, dst) {
-                (Some(s), Some(d)) => Ok((t.layer as usize, t.expert as usize, s, d)),
-                _ => Err(anyhow!("transfer {t:?} names an unknown node")),
-            }
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let commands = survivors
-        .iter()
-        .map(|s| {
-            let rank = *rank_of
-                .get(&s.id)
-                .ok_or_else(|| anyhow!("survivor {} is not in the new plan", s.id))?;
-            Ok(Reconfigure {
-                rank,
-                peers: peers.to_vec(),
-                epoch,
-                replicas: new_replicas.clone(),
-                transfers: transfers.clone(),
-                resume_step,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(RecoveryPlan {
-        commands,
-        id_of_rank,
-        replicas: new_replicas,
-        version: plan.version,
-    })
+    let dist = DistributedExperts::new(Box::new(comm), &st.store, cmd.replicas.clone())?;
+    Ok((dist, bytes_in))
 }
 
-/// Waits for the next command line on `commands` (the stdin reader's channel).
-pub fn wait_command(commands: &Receiver<String>) -> Result<Reconfigure> {
-    let line = commands
-        .recv()
-        .map_err(|_| anyhow!("control channel closed while waiting for a new plan"))?;
-    serde_json::from_str(&line).with_context(|| format!("parsing command {line:?}"))
+/// Writes this worker's parts of the checkpoint after `step` completed steps.
+fn write_checkpoint(
+    spec: &CheckpointSpec,
+    step: u64,
+    st: &State,
+    replicas: &[Vec<Vec<u32>>],
+    rank: usize,
+) -> Result<Vec<checkpoint::PartInfo>> {
+    let mut parts = Vec::new();
+    for name in checkpoint::parts_of(replicas, rank) {
+        let bytes = if name == checkpoint::dense_part() {
+            checkpoint::encode_dense(&st.opt.export()?)
+        } else {
+            let (l, e) = (0..replicas.len())
+                .flat_map(|l| (0..st.cfg.experts).map(move |e| (l, e)))
+                .find(|&(l, e)| checkpoint::expert_part(l, e) == name)
+                .ok_or_else(|| anyhow!("unknown checkpoint part {name}"))?;
+            checkpoint::encode_expert(&st.store.export(l, e)?)
+        };
+        parts.push(
+            checkpoint::write_part(&spec.root, step, &name, &bytes)
+                .map_err(|e| anyhow!("writing checkpoint part {name}: {e}"))?,
+        );
+    }
+    Ok(parts)
+}
+
+fn held(store: &ExpertStore) -> Vec<(usize, usize)> {
+    store.replicas()
+}
+
+fn error_text(e: &anyhow::Error) -> String {
+    e.chain()
+        .map(|c| c.to_string().lines().next().unwrap_or("").to_owned())
+        .collect::<Vec<_>>()
+        .join(": ")
+}
+
+/// Waits for the job, then runs the managed worker loop of the [module docs](self) until
+/// [`Command::Stop`]. `emit` gets every output line (JSON).
+pub fn run_managed_worker(
+    commands: &Receiver<Command>,
+    mut emit: impl FnMut(&str) -> Result<()>,
+) -> Result<Checksums> {
+    let emit_ev = |ev: &WorkerEvent, emit: &mut dyn FnMut(&str) -> Result<()>| {
+        emit(&serde_json::to_string(ev)?)
+    };
+    let job = match commands.recv() {
+        Ok(Command::Job(job)) => job,
+        Ok(other) => bail!("the first command must be Job, got {other:?}"),
+        Err(_) => bail!("control channel closed before the job arrived"),
+    };
+    let cfg = job.config.clone();
+    cfg.validate().context("model config")?;
+    let dev = Device::Cpu;
+    let model = DenseModel::new(&cfg, &dev).context("building the dense model")?;
+    let opt = model.optimizer()?;
+    let store = ExpertStore::empty(&cfg, &dev);
+    let mut st = State {
+        cfg: cfg.clone(),
+        dev,
+        model,
+        opt,
+        store,
+    };
+    let listener = TcpListener::bind(job.listen)
+        .with_context(|| format!("binding the data-plane listener {}", job.listen))?;
+    let mut addr = listener.local_addr()?;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(IpAddr::from([127, 0, 0, 1]));
+    }
+    emit_ev(&WorkerEvent::Ready { addr }, &mut emit)?;
+
+    let corpus = Corpus::embedded();
+    let tokens_per_step = (cfg.batch * cfg.seq_len) as u64;
+    let mut dist: Option<DistributedExperts> = None;
+    let mut rank = 0usize;
+    let mut replicas: Vec<Vec<Vec<u32>>> = Vec::new();
+    let mut snapshot: Option<(u64, Snapshot)> = None;
+    let mut step = 0u64;
+    let mut pause_pending = false;
+    loop {
+        let Some(d) = dist.as_mut() else {
+            // Idle: wait for the controller.
+            let cmd = commands
+                .recv()
+                .map_err(|_| anyhow!("control channel closed while waiting for a command"))?;
+            match cmd {
+                Command::Job(_) => bail!("a second Job command"),
+                Command::Pause => {}
+                Command::Stop => break,
+                Command::Reconfigure(cmd) => {
+                    let t1 = Instant::now();
+                    pause_pending = false;
+                    let restoring = matches!(cmd.source, StateSource::Checkpoint { .. });
+                    if !restoring && cmd.resume_step + 1 == step {
+                        let Some((s, snap)) =
+                            snapshot.take().filter(|(s, _)| *s == cmd.resume_step)
+                        else {
+                            bail!("no snapshot of step {} to roll back to", cmd.resume_step);
+                        };
+                        snap.restore(&mut st.opt, &mut st.store)?;
+                        step = s;
+                    }
+                    let joining = matches!(&cmd.source,
+                        StateSource::Peers { dense_to, .. } if dense_to.contains(&cmd.rank));
+                    if joining {
+                        // The dense state and the step counter come from a peer.
+                        step = cmd.resume_step;
+                        snapshot = None;
+                    }
+                    ensure!(
+                        restoring || cmd.resume_step == step,
+                        "asked to resume at step {} but this worker is at step {step}",
+                        cmd.resume_step
+                    );
+                    match reconfigure(&cmd, &mut st, &listener, job.timeout_ms) {
+                        Ok((d, bytes_in)) => {
+                            if restoring {
+                                step = cmd.resume_step;
+                                snapshot = None;
+                            }
+                            dist = Some(d);
+                            rank = cmd.rank;
+                            replicas = cmd.replicas.clone();
+                            // A fresh start checkpoints its initial state, so that losing every
+                            // replica of an expert before the first periodic checkpoint can
+                            // still be recovered.
+                            if cmd.source == StateSource::Fresh
+                                && let Some(spec) =
+                                    job.checkpoint.as_ref().filter(|c| c.every_steps > 0)
+                            {
+                                let parts = write_checkpoint(spec, step, &st, &replicas, rank)?;
+                                emit_ev(&WorkerEvent::Checkpointed { step, parts }, &mut emit)?;
+                            }
+                            let ev = WorkerEvent::Migrated {
+                                epoch: cmd.epoch,
+                                rank,
+                                world: cmd.peers.len(),
+                                resume_step: step,
+                                bytes_in,
+                                ms: ms_since(t1),
+                            };
+                            emit_ev(&ev, &mut emit)?;
+                        }
+                        Err(e) => {
+                            let ev = WorkerEvent::Failed {
+                                step: if restoring { cmd.resume_step } else { step },
+                                error: error_text(&e),
+                                held: held(&st.store),
+                            };
+                            if restoring {
+                                step = cmd.resume_step;
+                                snapshot = None;
+                            }
+                            emit_ev(&ev, &mut emit)?;
+                        }
+                    }
+                }
+            }
+            continue;
+        };
+        if step >= job.steps {
+            dist = None;
+            let ev = WorkerEvent::Finished {
+                step,
+                held: held(&st.store),
+            };
+            emit_ev(&ev, &mut emit)?;
+            continue;
+        }
+        loop {
+            match commands.try_recv() {
+                Ok(Command::Pause) => pause_pending = true,
+                Ok(Command::Stop) => return finish(&job, rank, replicas.len(), step, &st, emit),
+                Ok(other) => bail!("unexpected command while training: {other:?}"),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    bail!("control channel closed while training")
+                }
+            }
+        }
+        let t0 = Instant::now();
+        let res = corpus
+            .batch(
+                cfg.seed,
+                step,
+                job.shard,
+                cfg.batch,
+                cfg.seq_len + 1,
+                &st.dev,
+            )
+            .map_err(anyhow::Error::from)
+            .and_then(|tokens| {
+                train_step_atomic(
+                    &st.model,
+                    &mut st.opt,
+                    &mut st.store,
+                    d,
+                    &tokens,
+                    pause_pending,
+                )
+            });
+        match res {
+            Ok((loss, stats, snap, pause)) => {
+                snapshot = Some((step, snap));
+                let line = StepLine {
+                    step,
+                    loss,
+                    tokens: tokens_per_step,
+                    ms: ms_since(t0),
+                    routing: stats.counts,
+                };
+                emit(&serde_json::to_string(&line)?)?;
+                step += 1;
+                if let Some(spec) = job.checkpoint.as_ref().filter(|c| c.every_steps > 0)
+                    && step.is_multiple_of(spec.every_steps)
+                {
+                    let parts = write_checkpoint(spec, step, &st, &replicas, rank)?;
+                    emit_ev(&WorkerEvent::Checkpointed { step, parts }, &mut emit)?;
+                }
+                if pause {
+                    dist = None;
+                    pause_pending = false;
+                    let ev = WorkerEvent::Paused {
+                        step,
+                        held: held(&st.store),
+                    };
+                    emit_ev(&ev, &mut emit)?;
+                }
+            }
+            Err(e) => {
+                // Discard the step and the broken communicator, then wait for the controller.
+                dist = None;
+                let ev = WorkerEvent::Failed {
+                    step,
+                    error: error_text(&e),
+                    held: held(&st.store),
+                };
+                emit_ev(&ev, &mut emit)?;
+            }
+        }
+    }
+    finish(&job, rank, replicas.len(), step, &st, emit)
+}
+
+fn finish(
+    job: &JobSpec,
+    rank: usize,
+    _layers: usize,
+    step: u64,
+    st: &State,
+    mut emit: impl FnMut(&str) -> Result<()>,
+) -> Result<Checksums> {
+    let mut sums = Checksums::collect(rank, 0, step, &st.model, &st.store)?;
+    sums.node = Some(job.node_id);
+    if let Some(dir) = &job.out {
+        sums.write_named(dir, &format!("node{}.json", job.node_id))?;
+    }
+    emit(&serde_json::to_string(&WorkerEvent::Done(sums.clone()))?)?;
+    Ok(sums)
 }
 
 /// Elapsed milliseconds since `t`.
@@ -376,115 +736,22 @@ pub fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
-/// Like [`crate::worker::run_worker`], but recovers in place: when a step fails it reports
-/// [`WorkerEvent::Failed`], waits for a [`Reconfigure`] line on `commands`, reconfigures and
-/// resumes (see the [module docs](self)). The data shard stays `opts.rank` (the original rank)
-/// across reconfigurations, so the data schedule is unchanged. `emit` gets every output line.
-pub fn run_elastic_worker(
-    opts: &WorkerOptions,
-    commands: &Receiver<String>,
-    mut emit: impl FnMut(&str) -> Result<()>,
-) -> Result<Checksums> {
-    let mut world = opts.peers.len();
-    let mut rank = opts.rank;
-    ensure!(
-        rank < world,
-        "rank {rank} is not below the world size {world}"
-    );
-    let shard = opts.rank as u64;
-    let cfg = &opts.config;
-    let Started {
-        dev,
-        model,
-        mut opt,
-        mut store,
-        dist,
-    } = start(opts)?;
-    let mut dist = Some(dist);
-
-    let corpus = Corpus::embedded();
-    let tokens_per_step = (cfg.batch * cfg.seq_len) as u64;
-    let mut snapshot: Option<(u64, Snapshot)> = None;
-    let mut step = 0u64;
-    while step < opts.steps {
-        let t0 = Instant::now();
-        let res = match dist.as_mut() {
-            Some(d) => corpus
-                .batch(cfg.seed, step, shard, cfg.batch, cfg.seq_len + 1, &dev)
-                .map_err(anyhow::Error::from)
-                .and_then(|tokens| train_step_atomic(&model, &mut opt, &mut store, d, &tokens)),
-            None => Err(anyhow!("no communicator")),
-        };
-        match res {
-            Ok((loss, snap)) => {
-                snapshot = Some((step, snap));
-                let line = StepLine {
-                    step,
-                    loss,
-                    tokens: tokens_per_step,
-                    ms: ms_since(t0),
-                };
-                emit(&serde_json::to_string(&line)?)?;
-                step += 1;
-            }
-            Err(e) => {
-                // Discard the step and the broken communicator, then wait for the parent.
-                drop(dist.take());
-                let ev = WorkerEvent::Failed {
-                    step,
-                    error: e
-                        .chain()
-                        .map(|c| c.to_string().lines().next().unwrap_or("").to_owned())
-                        .collect::<Vec<_>>()
-                        .join(": "),
-                };
-                emit(&serde_json::to_string(&ev)?)?;
-                let cmd = wait_command(commands)?;
-                let t1 = Instant::now();
-                if cmd.resume_step < step {
-                    ensure!(
-                        cmd.resume_step + 1 == step,
-                        "cannot roll back from step {step} to {}",
-                        cmd.resume_step
-                    );
-                    let Some((s, snap)) = snapshot.take().filter(|(s, _)| *s == cmd.resume_step)
-                    else {
-                        bail!("no snapshot of step {} to roll back to", cmd.resume_step);
-                    };
-                    snap.restore(&mut opt, &mut store)?;
-                    step = s;
-                }
-                ensure!(
-                    cmd.resume_step == step,
-                    "asked to resume at step {} but this worker is at step {step}",
-                    cmd.resume_step
-                );
-                let d = reconfigure(&cmd, &mut store, cfg.d_model, cfg.d_ff, opts.timeout_ms)?;
-                rank = cmd.rank;
-                world = cmd.peers.len();
-                dist = Some(d);
-                let ev = WorkerEvent::Migrated {
-                    epoch: cmd.epoch,
-                    rank,
-                    world,
-                    ms: ms_since(t1),
-                };
-                emit(&serde_json::to_string(&ev)?)?;
-            }
+/// `(layer, expert) → ranks` holding it, from a replica plan.
+pub fn holders(replicas: &[Vec<Vec<u32>>]) -> BTreeMap<(usize, usize), Vec<usize>> {
+    let mut out = BTreeMap::new();
+    for (l, layer) in replicas.iter().enumerate() {
+        for (e, row) in layer.iter().enumerate() {
+            let ranks: Vec<usize> = (0..row.len()).filter(|&r| row[r] > 0).collect();
+            out.insert((l, e), ranks);
         }
     }
-    drop(dist);
-
-    let sums = Checksums::collect(rank, world, opts.steps, &model, &store)?;
-    if let Some(dir) = &opts.out {
-        sums.write(dir)?;
-    }
-    Ok(sums)
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::ParamState;
 
     #[test]
     fn state_roundtrip_is_exact() {
@@ -504,30 +771,43 @@ mod tests {
         };
         let back = decode_state(1, 2, 2, 3, &encode_state(&s)).unwrap();
         assert_eq!(back, s);
+        assert!(decode_state(1, 2, 2, 4, &encode_state(&s)).is_err());
     }
 
     #[test]
-    fn losing_both_holders_is_reported() {
-        let cfg = crate::model::MoeConfig::tiny();
-        let replicas = crate::worker::plan_replicas(&cfg, 3).unwrap();
-        let peers: Vec<SocketAddr> = vec!["127.0.0.1:1".parse().unwrap()];
-        let survivors = [Survivor { id: 0, rank: 0 }];
-        let err = plan_recovery(&replicas, &survivors, cfg.experts, 1, &peers, 1, 0, 0)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("lost every replica"), "{err}");
-        let peers: Vec<SocketAddr> = vec![
-            "127.0.0.1:1".parse().unwrap(),
-            "127.0.0.1:2".parse().unwrap(),
-        ];
-        let survivors = [Survivor { id: 0, rank: 0 }, Survivor { id: 1, rank: 1 }];
-        let p = plan_recovery(&replicas, &survivors, cfg.experts, 1, &peers, 1, 4, 0).unwrap();
-        assert_eq!(p.commands.len(), 2);
-        for layer in &p.replicas {
-            for row in layer {
-                assert_eq!(row.len(), 2);
-                assert!(row.iter().sum::<u32>() >= 1);
-            }
-        }
+    fn dense_roundtrip_is_exact() {
+        let p = |name: &str, k: usize, x: f32| ParamState {
+            name: name.into(),
+            shape: vec![k],
+            value: vec![x; k],
+            m: vec![x * 2.0; k],
+            v: vec![x * 3.0; k],
+        };
+        let s = OptimState {
+            step: 77,
+            params: vec![p("a", 3, 1.5), p("b", 2, -0.25)],
+        };
+        let template = OptimState {
+            step: 0,
+            params: vec![p("a", 3, 0.0), p("b", 2, 0.0)],
+        };
+        assert_eq!(decode_dense(&template, &encode_dense(&s)).unwrap(), s);
+        assert!(decode_dense(&template, &[0.0; 3]).is_err());
+    }
+
+    #[test]
+    fn lines_parse_as_steps_or_events() {
+        let step = r#"{"step":3,"loss":2.5,"tokens":10,"ms":1.0,"routing":[[1,2]]}"#;
+        assert!(matches!(WorkerLine::parse(step), Some(WorkerLine::Step(s)) if s.step == 3));
+        let ev = serde_json::to_string(&WorkerEvent::Paused {
+            step: 4,
+            held: vec![(0, 1)],
+        })
+        .unwrap();
+        assert!(matches!(
+            WorkerLine::parse(&ev),
+            Some(WorkerLine::Event(WorkerEvent::Paused { step: 4, .. }))
+        ));
+        assert!(WorkerLine::parse("not json").is_none());
     }
 }
