@@ -1,14 +1,12 @@
-//! # lazarus-executor (`lzrun`) — work in progress
+//! # lazarus-executor (`lzrun`)
 //!
-//! The measured half of Lazarus-rs: real processes, real gradients, real failures. Planned
-//! shape (see `executor/README.md`): a **control plane** (controller, one agent per node) and a
-//! **data plane** (a `Communicator` for collectives between workers, the MoE model on candle).
-//! Every placement, dispatch and migration decision is the planner's.
-//!
-//! Built so far: the communicator, the model, the control plane and the distributed expert
-//! runtime (per-layer dispatch with `lazarus_planner::dispatch`, backward exchanges, replica-group
-//! gradient all-reduce), each tested; worker processes, recovery, checkpoints and the `lzrun`
-//! binary are the next step (`executor/README.md`).
+//! The measured half of Lazarus-rs: real processes, real gradients, real failures. A **control
+//! plane** ([`control`]: the job controller and one agent per node) drives a **data plane**
+//! (managed worker processes, [`recovery`], over a [`comm::Communicator`], training the candle
+//! MoE model of [`model`] with the distributed expert runtime of [`runtime`]). Every placement,
+//! dispatch and migration decision is the planner's. [`checkpoint`] writes and verifies atomic
+//! checkpoints, [`faults`] turns flags and spot traces into fault schedules, [`metrics`] writes
+//! what a run measured. See `executor/README.md`.
 pub mod checkpoint;
 pub mod comm;
 pub mod control;

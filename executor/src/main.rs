@@ -140,7 +140,7 @@ struct AgentArgs {
     /// Shared secret (default: the LZRUN_TOKEN environment variable).
     #[arg(long, env = "LZRUN_TOKEN", hide_env_values = true)]
     token: String,
-    /// Node name, unique among live nodes (default: agent-<pid>).
+    /// Node name, unique among live nodes (default: `agent-PID`).
     #[arg(long)]
     name: Option<String>,
     /// Address this node's worker listens on for its peers (port 0: any free port).

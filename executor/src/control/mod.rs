@@ -7,6 +7,10 @@
 //! * [`agent`] — [`run_agent`]: register, heartbeat, relay plans to the runtime, report routing
 //!   counts.
 //! * [`proto`] — the messages and their framing.
+//! * [`job`] — [`JobDriver`] and [`run_job`]: the controller of a training job, sequencing the
+//!   workers' data plane (start, pause, reconfigure, checkpoint commits, stop) around
+//!   [`ControllerState`]; its agents run [`run_job_agent`]. `run_controller` / `run_agent`
+//!   are the plan-broadcast service without a data plane.
 //!
 //! # Why a length-delimited postcard protocol and not gRPC
 //! The control plane is internal: the controller and the agents are built from this crate, so

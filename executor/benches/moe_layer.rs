@@ -1,0 +1,355 @@
+//! Forward + backward throughput of ONE MoE layer on the CPU (candle), in tokens/s.
+//!
+//! The layer is the executor's MoE feed-forward, composed from the public API because the
+//! decoder's `DenseModel::moe` is private: router `x·W_r` → differentiable
+//! `candle_nn::ops::softmax` → top-k on the host (ties to the lower expert id) → gates gathered
+//! from the probabilities, renormalised over the chosen experts when `k ≥ 2` (raw probability
+//! for `k = 1`) → per-expert `index_select` of the routed tokens → [`LocalExperts`] over an
+//! [`ExpertStore`] (`gelu(x·w1)·w2`) → gate-weighted `index_add` combine, plus the Switch
+//! load-balancing loss `E·Σ_e frac_e·mean_prob_e`. One iteration computes
+//! `loss = mean(y²) + lb_loss_coef·lb` and `loss.backward()` (gradients w.r.t. the input, the
+//! router and every expert's `w1`/`w2`); no optimizer step.
+//!
+//! Inputs and weights are filled from a SplitMix64 stream that
+//! `results/executor/moe_layer_torch.py` reproduces bit for bit, so the PyTorch twin of this
+//! layer sees the same numbers and its loss and gradient norms can be compared.
+//!
+//! * `cargo bench -p lazarus-executor --bench moe_layer` — criterion, one group per
+//!   configuration, throughput in elements (= tokens) per second.
+//! * `MOE_BENCH_JSON=1 cargo bench -p lazarus-executor --bench moe_layer` — skips criterion
+//!   and prints one JSON line per configuration (warm-up, then the median of timed runs), the
+//!   format `results/executor/regenerate.sh` compares with PyTorch.
+//!
+//! candle's CPU matmul uses `RAYON_NUM_THREADS` threads (default: physical cores); set it to
+//! pin the thread count.
+
+use candle_core::backprop::GradStore;
+use candle_core::{D, Device, Result, Tensor, Var};
+use candle_nn::ops::softmax;
+use criterion::{Criterion, Throughput};
+use lazarus_executor::model::{ExpertExec, ExpertState, ExpertStore, LocalExperts, MoeConfig};
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+/// One benchmarked layer shape.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    name: &'static str,
+    d_model: usize,
+    d_ff: usize,
+    experts: usize,
+    top_k: usize,
+    tokens: usize,
+}
+
+const SHAPES: [Shape; 3] = [
+    // MoeConfig::tiny(): batch 8 × seq 32.
+    Shape {
+        name: "tiny",
+        d_model: 64,
+        d_ff: 128,
+        experts: 4,
+        top_k: 2,
+        tokens: 256,
+    },
+    Shape {
+        name: "medium",
+        d_model: 256,
+        d_ff: 1024,
+        experts: 8,
+        top_k: 2,
+        tokens: 1024,
+    },
+    // GPT-S expert shape (d 768, d_ff 3072, 8 experts, top-1) with fewer tokens.
+    Shape {
+        name: "gpt_s_expert",
+        d_model: 768,
+        d_ff: 3072,
+        experts: 8,
+        top_k: 1,
+        tokens: 512,
+    },
+];
+
+/// Seeds of the SplitMix64 streams (shared with the PyTorch script).
+const SALT_X: u64 = 1;
+const SALT_ROUTER: u64 = 2;
+const fn salt_w1(e: usize) -> u64 {
+    100 + 2 * e as u64
+}
+const fn salt_w2(e: usize) -> u64 {
+    101 + 2 * e as u64
+}
+
+/// `n` values uniform in `[-std·√3, std·√3)` (standard deviation `std`), element `i` from
+/// SplitMix64 of `(salt << 32) + i`, with 24 random bits so the f32 is exact.
+fn det_uniform(salt: u64, n: usize, std: f64) -> Vec<f32> {
+    let half_width = std * 3f64.sqrt();
+    (0..n as u64)
+        .map(|i| {
+            let mut z = (salt << 32).wrapping_add(i);
+            z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            let u = (z >> 40) as f64 / (1u64 << 24) as f64;
+            ((2.0 * u - 1.0) * half_width) as f32
+        })
+        .collect()
+}
+
+/// The layer's parameters and one input batch.
+struct Layer {
+    shape: Shape,
+    lb_loss_coef: f64,
+    device: Device,
+    /// `[tokens, d_model]`, a `Var` so the backward also produces the input gradient (the layer
+    /// sits inside a network).
+    x: Var,
+    /// `[d_model, experts]`, no bias.
+    router: Var,
+    store: ExpertStore,
+}
+
+/// Scalars of one forward + backward, for comparing with the PyTorch twin.
+struct Check {
+    loss: f32,
+    lb: f32,
+    counts: Vec<u64>,
+    grad_norm_x: f32,
+    grad_norm_router: f32,
+    grad_norm_experts: f32,
+}
+
+impl Layer {
+    fn new(shape: Shape) -> Result<Self> {
+        let device = Device::Cpu;
+        let (d, f, e) = (shape.d_model, shape.d_ff, shape.experts);
+        let cfg = MoeConfig {
+            d_model: d,
+            d_ff: f,
+            experts: e,
+            top_k: shape.top_k,
+            n_layers: 1,
+            n_heads: 1,
+            seq_len: shape.tokens,
+            batch: 1,
+            ..MoeConfig::tiny()
+        };
+        cfg.validate().map_err(candle_core::Error::wrap)?;
+        // Same scales as the model's init: N(0, 0.02) and 0.02/√(2·layers) for w2.
+        let std_out = 0.02 / (2.0 * cfg.n_layers as f64).sqrt();
+        let mut store = ExpertStore::empty(&cfg, &device);
+        for ex in 0..e {
+            store.import(&ExpertState {
+                layer: 0,
+                expert: ex,
+                d_model: d,
+                d_ff: f,
+                w1: det_uniform(salt_w1(ex), d * f, 0.02),
+                w2: det_uniform(salt_w2(ex), f * d, std_out),
+                m1: vec![0.0; d * f],
+                v1: vec![0.0; d * f],
+                m2: vec![0.0; d * f],
+                v2: vec![0.0; d * f],
+                step: 0,
+            })?;
+        }
+        let x = Tensor::from_vec(
+            det_uniform(SALT_X, shape.tokens * d, 1.0),
+            (shape.tokens, d),
+            &device,
+        )?;
+        let router = Tensor::from_vec(det_uniform(SALT_ROUTER, d * e, 0.02), (d, e), &device)?;
+        Ok(Self {
+            shape,
+            lb_loss_coef: cfg.lb_loss_coef,
+            device,
+            x: Var::from_tensor(&x)?,
+            router: Var::from_tensor(&router)?,
+            store,
+        })
+    }
+
+    /// The MoE layer on `h [n, d]`: the gate-weighted expert mix `[n, d]`, the unweighted
+    /// load-balancing loss, and the tokens routed per expert. Mirrors `DenseModel::moe`.
+    fn moe(&self, h: &Tensor) -> Result<(Tensor, Tensor, Vec<u64>)> {
+        let (n, _) = h.dims2()?;
+        let (ne, k) = (self.shape.experts, self.shape.top_k);
+        let probs = softmax(&h.matmul(self.router.as_tensor())?, D::Minus1)?;
+        let choice = top_k(&probs.to_vec2::<f32>()?, k);
+        let mut counts = vec![0u64; ne];
+        let mut tok: Vec<Vec<u32>> = vec![Vec::new(); ne];
+        let mut slot: Vec<Vec<u32>> = vec![Vec::new(); ne];
+        for (i, &e) in choice.iter().enumerate() {
+            let e = e as usize;
+            counts[e] += 1;
+            tok[e].push(u32::try_from(i / k).map_err(candle_core::Error::wrap)?);
+            slot[e].push(u32::try_from(i).map_err(candle_core::Error::wrap)?);
+        }
+        let idx = Tensor::from_slice(&choice, (n, k), &self.device)?;
+        let gates = probs.gather(&idx, 1)?;
+        let gates = if k > 1 {
+            gates.broadcast_div(&gates.sum_keepdim(1)?)?
+        } else {
+            gates
+        };
+        let gates = gates.flatten_all()?;
+        let mut batches = Vec::new();
+        let mut index = Vec::new();
+        for e in 0..ne {
+            if tok[e].is_empty() {
+                continue;
+            }
+            let ti = Tensor::from_slice(&tok[e], tok[e].len(), &self.device)?;
+            let si = Tensor::from_slice(&slot[e], slot[e].len(), &self.device)?;
+            batches.push((e, h.index_select(&ti, 0)?));
+            index.push((ti, si));
+        }
+        let ys = LocalExperts(&self.store).run_layer(0, &batches)?;
+        let mut out = h.zeros_like()?;
+        for (y, (ti, si)) in ys.iter().zip(&index) {
+            let g = gates.index_select(si, 0)?.unsqueeze(1)?;
+            out = out.index_add(ti, &y.broadcast_mul(&g)?, 0)?;
+        }
+        let frac: Vec<f32> = counts.iter().map(|&c| c as f32 / (n * k) as f32).collect();
+        let frac = Tensor::from_vec(frac, ne, &self.device)?;
+        let lb = ((probs.mean(0)? * frac)?.sum_all()? * ne as f64)?;
+        Ok((out, lb, counts))
+    }
+
+    /// One forward + backward: `loss = mean(y²) + lb_loss_coef·lb`, `loss.backward()`.
+    fn step(&self) -> Result<(f32, Tensor, Vec<u64>, GradStore)> {
+        let (y, lb, counts) = self.moe(self.x.as_tensor())?;
+        let loss = (y.sqr()?.mean_all()? + (lb.clone() * self.lb_loss_coef)?)?;
+        let grads = loss.backward()?;
+        Ok((loss.to_scalar::<f32>()?, lb, counts, grads))
+    }
+
+    fn check(&self) -> Result<Check> {
+        let (loss, lb, counts, grads) = self.step()?;
+        let norm2 = |t: &Tensor| -> Result<f64> {
+            match grads.get(t) {
+                Some(g) => Ok(f64::from(g.sqr()?.sum_all()?.to_scalar::<f32>()?)),
+                None => Ok(0.0),
+            }
+        };
+        let mut experts = 0.0;
+        for (l, e) in self.store.replicas() {
+            if let Some((w1, w2)) = self.store.vars(l, e) {
+                experts += norm2(w1.as_tensor())? + norm2(w2.as_tensor())?;
+            }
+        }
+        Ok(Check {
+            loss,
+            lb: lb.to_scalar::<f32>()?,
+            counts,
+            grad_norm_x: norm2(self.x.as_tensor())?.sqrt() as f32,
+            grad_norm_router: norm2(self.router.as_tensor())?.sqrt() as f32,
+            grad_norm_experts: experts.sqrt() as f32,
+        })
+    }
+}
+
+/// The `k` largest entries of each row, largest first; ties go to the lower expert id (the
+/// executor's routing rule).
+fn top_k(probs: &[Vec<f32>], k: usize) -> Vec<u32> {
+    let mut out = Vec::with_capacity(probs.len() * k);
+    let mut order: Vec<u32> = Vec::new();
+    for row in probs {
+        order.clear();
+        order.extend(0..row.len() as u32);
+        order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+        out.extend_from_slice(&order[..k]);
+    }
+    out
+}
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+/// JSON mode: per shape, `MOE_BENCH_WARMUP` (3) untimed runs, then timed runs until
+/// `MOE_BENCH_RUNS` (30) runs or `MOE_BENCH_SECONDS` (4) seconds, at least 5; prints the median.
+fn json_mode() -> Result<()> {
+    let warmup = env_usize("MOE_BENCH_WARMUP", 3);
+    let max_runs = env_usize("MOE_BENCH_RUNS", 30).max(1);
+    let budget = Duration::from_secs_f64(env_usize("MOE_BENCH_SECONDS", 4) as f64);
+    let threads = candle_core::utils::get_num_threads();
+    for shape in SHAPES {
+        let layer = Layer::new(shape)?;
+        let check = layer.check()?;
+        for _ in 0..warmup {
+            black_box(layer.step()?);
+        }
+        let mut times = Vec::with_capacity(max_runs);
+        let start = Instant::now();
+        while times.len() < max_runs && (times.len() < 5 || start.elapsed() < budget) {
+            let t0 = Instant::now();
+            black_box(layer.step()?);
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        times.sort_by(f64::total_cmp);
+        let median = if times.len() % 2 == 1 {
+            times[times.len() / 2]
+        } else {
+            0.5 * (times[times.len() / 2 - 1] + times[times.len() / 2])
+        };
+        let line = serde_json::json!({
+            "framework": "candle",
+            "config": shape.name,
+            "d_model": shape.d_model,
+            "d_ff": shape.d_ff,
+            "experts": shape.experts,
+            "top_k": shape.top_k,
+            "tokens": shape.tokens,
+            "threads": threads,
+            "runs": times.len(),
+            "median_s": median,
+            "min_s": times[0],
+            "tokens_per_s": shape.tokens as f64 / median,
+            "loss": check.loss,
+            "lb": check.lb,
+            "counts": check.counts,
+            "grad_norm_x": check.grad_norm_x,
+            "grad_norm_router": check.grad_norm_router,
+            "grad_norm_experts": check.grad_norm_experts,
+        });
+        println!("{line}");
+    }
+    Ok(())
+}
+
+fn criterion_mode() -> Result<()> {
+    let mut c = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
+    for shape in SHAPES {
+        let layer = Layer::new(shape)?;
+        layer.step()?;
+        let mut group = c.benchmark_group(format!("moe_layer/{}", shape.name));
+        group
+            .sample_size(10)
+            .measurement_time(Duration::from_secs(3))
+            .throughput(Throughput::Elements(shape.tokens as u64));
+        group.bench_function("fwd_bwd", |b| {
+            b.iter(|| black_box(layer.step().expect("MoE layer forward + backward")))
+        });
+        group.finish();
+    }
+    c.final_summary();
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    if std::env::var("MOE_BENCH_JSON").is_ok_and(|v| !v.is_empty() && v != "0") {
+        json_mode()
+    } else {
+        criterion_mode()
+    }
+}
