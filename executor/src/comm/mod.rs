@@ -126,3 +126,28 @@ pub trait Communicator: Send {
     /// Abort: every later op fails fast with Aborted; peers blocked on us see PeerClosed/Timeout.
     fn abort(&mut self);
 }
+
+/// Checks an all-reduce group: ranks below `world`, sorted and distinct, containing `rank`.
+pub(crate) fn check_group(
+    op: &str,
+    group: &[Rank],
+    world: usize,
+    rank: Rank,
+) -> Result<(), CommError> {
+    if let Some(&bad) = group.iter().find(|&&r| r >= world) {
+        return Err(CommError::BadShape(format!(
+            "{op}: group rank {bad} is not below world size {world}"
+        )));
+    }
+    if !group.windows(2).all(|w| w[0] < w[1]) {
+        return Err(CommError::BadShape(format!(
+            "{op}: group {group:?} is not sorted and distinct"
+        )));
+    }
+    if !group.contains(&rank) {
+        return Err(CommError::BadShape(format!(
+            "{op}: group {group:?} does not contain rank {rank}"
+        )));
+    }
+    Ok(())
+}

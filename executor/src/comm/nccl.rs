@@ -116,7 +116,7 @@ use cudarc::nccl::{Comm, Id, NcclType, ReduceOp, group_end, group_start};
 use serde::de::{self, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::{CommError, Communicator, Rank};
+use super::{CommError, Communicator, Rank, check_group};
 
 /// Longest pause between two polls of a launched round (the pause starts short and doubles).
 const POLL_MAX: Duration = Duration::from_micros(200);
@@ -1136,23 +1136,7 @@ impl Communicator for NcclCommunicator {
     fn all_reduce_sum(&mut self, group: &[Rank], buf: &mut [f32]) -> Result<(), CommError> {
         const OP: &str = "all_reduce_sum";
         self.check_live()?;
-        if let Some(&bad) = group.iter().find(|&&r| r >= self.world) {
-            return Err(CommError::BadShape(format!(
-                "{OP}: group rank {bad} is not below world size {}",
-                self.world
-            )));
-        }
-        if !group.windows(2).all(|w| w[0] < w[1]) {
-            return Err(CommError::BadShape(format!(
-                "{OP}: group {group:?} is not sorted and distinct"
-            )));
-        }
-        if !group.contains(&self.rank) {
-            return Err(CommError::BadShape(format!(
-                "{OP}: group {group:?} does not contain rank {}",
-                self.rank
-            )));
-        }
+        check_group(OP, group, self.world, self.rank)?;
         if group.len() == 1 {
             return Ok(());
         }

@@ -68,7 +68,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::wire::{self, Ack, Ctx, Elem, Hello, status, tag};
-use super::{CommError, Communicator, Rank};
+use super::{CommError, Communicator, Rank, check_group};
 
 /// Upper bound on how long the acceptor waits for one hello, so that a silent stray connection
 /// cannot hold up the rendezvous for long.
@@ -684,23 +684,7 @@ impl Communicator for TcpCommunicator {
     fn all_reduce_sum(&mut self, group: &[Rank], buf: &mut [f32]) -> Result<(), CommError> {
         const OP: &str = "all_reduce_sum";
         self.check_live()?;
-        if let Some(&bad) = group.iter().find(|&&r| r >= self.world) {
-            return Err(CommError::BadShape(format!(
-                "{OP}: group rank {bad} is not below world size {}",
-                self.world
-            )));
-        }
-        if !group.windows(2).all(|w| w[0] < w[1]) {
-            return Err(CommError::BadShape(format!(
-                "{OP}: group {group:?} is not sorted and distinct"
-            )));
-        }
-        if !group.contains(&self.rank) {
-            return Err(CommError::BadShape(format!(
-                "{OP}: group {group:?} does not contain rank {}",
-                self.rank
-            )));
-        }
+        check_group(OP, group, self.world, self.rank)?;
         let root = group[0];
         if group.len() == 1 {
             return Ok(());

@@ -756,33 +756,11 @@ async fn serve(
     ctx: &Ctx,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<(), ProtoError> {
-    let first = match tokio::time::timeout(ctx.io_timeout, framed.next()).await {
-        Err(_) => {
-            let ms = ctx.io_timeout.as_millis();
-            return reject(ctx, framed, format!("no Register within {ms} ms")).await;
-        }
-        Ok(None) => return Ok(()),
-        Ok(Some(frame)) => frame?,
-    };
-    let (version, token, node, devices) = match proto::decode::<ToController>(&first) {
-        Ok(ToController::Register {
-            version,
-            token,
-            node,
-            devices,
-        }) => (version, token, node, devices),
-        Ok(_) => return reject(ctx, framed, "the first message must be Register".into()).await,
-        Err(e) => {
-            let reason = match proto::register_version(&first) {
-                Some(agent) if agent != PROTOCOL_VERSION => Reject::Version {
-                    agent,
-                    controller: PROTOCOL_VERSION,
-                }
-                .to_string(),
-                _ => e.to_string(),
-            };
-            return reject(ctx, framed, reason).await;
-        }
+    let (version, token, node, devices) = match proto::read_register(framed, ctx.io_timeout).await?
+    {
+        proto::FirstFrame::Register(r) => (r.version, r.token, r.node, r.devices),
+        proto::FirstFrame::Closed => return Ok(()),
+        proto::FirstFrame::Reject(reason) => return reject(ctx, framed, reason).await,
     };
     // Subscribe before registering so no plan issued in between is missed.
     let mut plans = ctx.plans.subscribe();

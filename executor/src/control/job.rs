@@ -42,7 +42,7 @@ use tokio::task::JoinSet;
 use tokio::time::{Instant, MissedTickBehavior};
 
 use super::controller::{ConfigError, ControllerConfig, ControllerState};
-use super::proto::{self, Framed, PROTOCOL_VERSION, ProtoError, ToAgent, ToController};
+use super::proto::{self, Framed, ProtoError, ToAgent, ToController};
 use super::shutdown_signal;
 use crate::checkpoint;
 use crate::metrics::{RecoveryRecord, StepRecord};
@@ -970,31 +970,11 @@ async fn reject(ctx: &Ctx, framed: &mut Framed, reason: String) -> Result<(), Pr
 }
 
 async fn serve(framed: &mut Framed, ctx: &Ctx) -> Result<(), ProtoError> {
-    let first = match tokio::time::timeout(ctx.io_timeout, framed.next()).await {
-        Err(_) => {
-            let ms = ctx.io_timeout.as_millis();
-            return reject(ctx, framed, format!("no Register within {ms} ms")).await;
-        }
-        Ok(None) => return Ok(()),
-        Ok(Some(frame)) => frame?,
-    };
-    let (version, token, node, devices) = match proto::decode::<ToController>(&first) {
-        Ok(ToController::Register {
-            version,
-            token,
-            node,
-            devices,
-        }) => (version, token, node, devices),
-        Ok(_) => return reject(ctx, framed, "the first message must be Register".into()).await,
-        Err(e) => {
-            let reason = match proto::register_version(&first) {
-                Some(agent) if agent != PROTOCOL_VERSION => format!(
-                    "protocol version mismatch: agent speaks {agent}, controller {PROTOCOL_VERSION}"
-                ),
-                _ => e.to_string(),
-            };
-            return reject(ctx, framed, reason).await;
-        }
+    let (version, token, node, devices) = match proto::read_register(framed, ctx.io_timeout).await?
+    {
+        proto::FirstFrame::Register(r) => (r.version, r.token, r.node, r.devices),
+        proto::FirstFrame::Closed => return Ok(()),
+        proto::FirstFrame::Reject(reason) => return reject(ctx, framed, reason).await,
     };
     let (tx, mut rx) = mpsc::unbounded_channel();
     // Register and install the outbox under one lock, so the Job command is not lost.

@@ -220,3 +220,64 @@ mod tests {
         assert_eq!(bytes[0], 1);
     }
 }
+
+/// What an agent asked for in its `Register`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registration {
+    pub version: u16,
+    pub token: String,
+    pub node: String,
+    pub devices: usize,
+}
+
+/// The first frame of a controller connection.
+#[derive(Debug)]
+pub enum FirstFrame {
+    /// A well-formed `Register` (still to be checked against the controller's state).
+    Register(Registration),
+    /// The peer closed the connection without sending anything.
+    Closed,
+    /// Turn the peer away with this reason (timeout, wrong first message, garbage, or a
+    /// protocol version this controller does not speak).
+    Reject(String),
+}
+
+/// Reads and decodes the first frame, waiting at most `timeout`.
+pub async fn read_register(
+    framed: &mut Framed,
+    timeout: std::time::Duration,
+) -> Result<FirstFrame, ProtoError> {
+    use futures_util::StreamExt;
+    let first = match tokio::time::timeout(timeout, framed.next()).await {
+        Err(_) => {
+            let ms = timeout.as_millis();
+            return Ok(FirstFrame::Reject(format!("no Register within {ms} ms")));
+        }
+        Ok(None) => return Ok(FirstFrame::Closed),
+        Ok(Some(frame)) => frame?,
+    };
+    Ok(match decode::<ToController>(&first) {
+        Ok(ToController::Register {
+            version,
+            token,
+            node,
+            devices,
+        }) => FirstFrame::Register(Registration {
+            version,
+            token,
+            node,
+            devices,
+        }),
+        Ok(_) => FirstFrame::Reject("the first message must be Register".into()),
+        Err(e) => FirstFrame::Reject(match register_version(&first) {
+            Some(agent) if agent != PROTOCOL_VERSION => {
+                crate::control::controller::Reject::Version {
+                    agent,
+                    controller: PROTOCOL_VERSION,
+                }
+                .to_string()
+            }
+            _ => e.to_string(),
+        }),
+    })
+}
