@@ -1,7 +1,7 @@
 //! Forward + backward throughput of ONE MoE layer on the CPU (candle), in tokens/s.
 //!
-//! The layer is the executor's MoE feed-forward, composed from the public API because the
-//! decoder's `DenseModel::moe` is private: router `x·W_r` → differentiable
+//! The layer is the executor's MoE feed-forward, [`moe_layer`] (what `DenseModel` runs in every
+//! block), over local experts: router `x·W_r` → differentiable
 //! `candle_nn::ops::softmax` → top-k on the host (ties to the lower expert id) → gates gathered
 //! from the probabilities, renormalised over the chosen experts when `k ≥ 2` (raw probability
 //! for `k = 1`) → per-expert `index_select` of the routed tokens → [`LocalExperts`] over an
@@ -24,10 +24,9 @@
 //! pin the thread count.
 
 use candle_core::backprop::GradStore;
-use candle_core::{D, Device, Result, Tensor, Var};
-use candle_nn::ops::softmax;
+use candle_core::{Device, Result, Tensor, Var};
 use criterion::{Criterion, Throughput};
-use lazarus_executor::model::{ExpertExec, ExpertState, ExpertStore, LocalExperts, MoeConfig};
+use lazarus_executor::model::{ExpertState, ExpertStore, LocalExperts, MoeConfig, moe_layer};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -102,7 +101,6 @@ fn det_uniform(salt: u64, n: usize, std: f64) -> Vec<f32> {
 struct Layer {
     shape: Shape,
     lb_loss_coef: f64,
-    device: Device,
     /// `[tokens, d_model]`, a `Var` so the backward also produces the input gradient (the layer
     /// sits inside a network).
     x: Var,
@@ -164,58 +162,24 @@ impl Layer {
         Ok(Self {
             shape,
             lb_loss_coef: cfg.lb_loss_coef,
-            device,
             x: Var::from_tensor(&x)?,
             router: Var::from_tensor(&router)?,
             store,
         })
     }
 
-    /// The MoE layer on `h [n, d]`: the gate-weighted expert mix `[n, d]`, the unweighted
-    /// load-balancing loss, and the tokens routed per expert. Mirrors `DenseModel::moe`.
+    /// The executor's MoE layer ([`moe_layer`]) on `h [n, d]`: the gate-weighted expert mix
+    /// `[n, d]`, the unweighted load-balancing loss, and the tokens routed per expert.
     fn moe(&self, h: &Tensor) -> Result<(Tensor, Tensor, Vec<u64>)> {
-        let (n, _) = h.dims2()?;
-        let (ne, k) = (self.shape.experts, self.shape.top_k);
-        let probs = softmax(&h.matmul(self.router.as_tensor())?, D::Minus1)?;
-        let choice = top_k(&probs.to_vec2::<f32>()?, k);
-        let mut counts = vec![0u64; ne];
-        let mut tok: Vec<Vec<u32>> = vec![Vec::new(); ne];
-        let mut slot: Vec<Vec<u32>> = vec![Vec::new(); ne];
-        for (i, &e) in choice.iter().enumerate() {
-            let e = e as usize;
-            counts[e] += 1;
-            tok[e].push(u32::try_from(i / k).map_err(candle_core::Error::wrap)?);
-            slot[e].push(u32::try_from(i).map_err(candle_core::Error::wrap)?);
-        }
-        let idx = Tensor::from_slice(&choice, (n, k), &self.device)?;
-        let gates = probs.gather(&idx, 1)?;
-        let gates = if k > 1 {
-            gates.broadcast_div(&gates.sum_keepdim(1)?)?
-        } else {
-            gates
-        };
-        let gates = gates.flatten_all()?;
-        let mut batches = Vec::new();
-        let mut index = Vec::new();
-        for e in 0..ne {
-            if tok[e].is_empty() {
-                continue;
-            }
-            let ti = Tensor::from_slice(&tok[e], tok[e].len(), &self.device)?;
-            let si = Tensor::from_slice(&slot[e], slot[e].len(), &self.device)?;
-            batches.push((e, h.index_select(&ti, 0)?));
-            index.push((ti, si));
-        }
-        let ys = LocalExperts(&self.store).run_layer(0, &batches)?;
-        let mut out = h.zeros_like()?;
-        for (y, (ti, si)) in ys.iter().zip(&index) {
-            let g = gates.index_select(si, 0)?.unsqueeze(1)?;
-            out = out.index_add(ti, &y.broadcast_mul(&g)?, 0)?;
-        }
-        let frac: Vec<f32> = counts.iter().map(|&c| c as f32 / (n * k) as f32).collect();
-        let frac = Tensor::from_vec(frac, ne, &self.device)?;
-        let lb = ((probs.mean(0)? * frac)?.sum_all()? * ne as f64)?;
-        Ok((out, lb, counts))
+        let m = moe_layer(
+            0,
+            h,
+            self.router.as_tensor(),
+            self.shape.top_k,
+            None,
+            &mut LocalExperts(&self.store),
+        )?;
+        Ok((m.out, m.lb_loss, m.counts))
     }
 
     /// One forward + backward: `loss = mean(y²) + lb_loss_coef·lb`, `loss.backward()`.
@@ -249,20 +213,6 @@ impl Layer {
             grad_norm_experts: experts.sqrt() as f32,
         })
     }
-}
-
-/// The `k` largest entries of each row, largest first; ties go to the lower expert id (the
-/// executor's routing rule).
-fn top_k(probs: &[Vec<f32>], k: usize) -> Vec<u32> {
-    let mut out = Vec::with_capacity(probs.len() * k);
-    let mut order: Vec<u32> = Vec::new();
-    for row in probs {
-        order.clear();
-        order.extend(0..row.len() as u32);
-        order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
-        out.extend_from_slice(&order[..k]);
-    }
-    out
 }
 
 fn env_usize(name: &str, default: usize) -> usize {

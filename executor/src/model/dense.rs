@@ -327,73 +327,117 @@ impl DenseModel {
         experts: &mut dyn ExpertExec,
         stats: &mut RoutingStats,
     ) -> Result<(Tensor, Tensor)> {
-        let (n, _) = h.dims2()?;
-        let (ne, k) = (self.cfg.experts, self.cfg.top_k);
-        // Differentiable softmax: the router learns through the gates (and the lb loss).
-        let probs = softmax(&h.matmul(&blk.router_w)?, D::Minus1)?;
-        let choice = match &self.forced {
-            Some(f) => forced_choice(f, layer, n, k, ne)?,
-            None => top_k(&probs.to_vec2::<f32>()?, k),
+        let forced = match &self.forced {
+            Some(f) => Some(forced_choice(
+                f,
+                layer,
+                h.dims2()?.0,
+                self.cfg.top_k,
+                self.cfg.experts,
+            )?),
+            None => None,
         };
-        let mut counts = vec![0u64; ne];
-        let mut tok: Vec<Vec<u32>> = vec![Vec::new(); ne];
-        let mut slot: Vec<Vec<u32>> = vec![Vec::new(); ne];
-        for (i, &e) in choice.iter().enumerate() {
-            let e = e as usize;
-            counts[e] += 1;
-            tok[e].push(u32::try_from(i / k).map_err(candle_core::Error::wrap)?);
-            slot[e].push(u32::try_from(i).map_err(candle_core::Error::wrap)?);
+        let m = moe_layer(layer, h, &blk.router_w, self.cfg.top_k, forced, experts)?;
+        stats.lb_loss.push(m.lb_loss.to_scalar::<f32>()?);
+        stats.counts.push(m.counts);
+        stats.choices.push(m.choice);
+        Ok((m.out, m.lb_loss))
+    }
+}
+
+/// What one MoE layer computed ([`moe_layer`]).
+#[derive(Debug, Clone)]
+pub struct MoeOutput {
+    /// `[n, d]` gate-weighted mix of the chosen experts' outputs.
+    pub out: Tensor,
+    /// Unweighted Switch load-balancing loss (scalar; 1 when perfectly balanced).
+    pub lb_loss: Tensor,
+    /// Tokens routed to each expert.
+    pub counts: Vec<u64>,
+    /// `[token·top_k + j]` the experts chosen, token-major.
+    pub choice: Vec<u32>,
+}
+
+/// One MoE layer on `h [n, d]` with router `router_w [d, E]`: softmax router, top-`k` choice
+/// (or `forced`, `n·k` expert ids), gates, one batch per expert through `experts`, weighted
+/// combine, and the load-balancing loss. Differentiable in `h`, the router and the experts.
+pub fn moe_layer(
+    layer: usize,
+    h: &Tensor,
+    router_w: &Tensor,
+    k: usize,
+    forced: Option<Vec<u32>>,
+    experts: &mut dyn ExpertExec,
+) -> Result<MoeOutput> {
+    let (n, _) = h.dims2()?;
+    let ne = router_w.dims2()?.1;
+    let device = h.device();
+    // Differentiable softmax: the router learns through the gates (and the lb loss).
+    let probs = softmax(&h.matmul(router_w)?, D::Minus1)?;
+    let choice = match forced {
+        Some(f) => f,
+        None => top_k(&probs.to_vec2::<f32>()?, k),
+    };
+    let mut counts = vec![0u64; ne];
+    let mut tok: Vec<Vec<u32>> = vec![Vec::new(); ne];
+    let mut slot: Vec<Vec<u32>> = vec![Vec::new(); ne];
+    for (i, &e) in choice.iter().enumerate() {
+        let e = e as usize;
+        counts[e] += 1;
+        tok[e].push(u32::try_from(i / k).map_err(candle_core::Error::wrap)?);
+        slot[e].push(u32::try_from(i).map_err(candle_core::Error::wrap)?);
+    }
+    let idx = Tensor::from_slice(&choice, (n, k), device)?;
+    let gates = probs.gather(&idx, 1)?;
+    // Top-1 keeps the raw probability (Switch): renormalising one gate would make it 1 and
+    // cut the router off from the LM loss. Top-k ≥ 2 renormalises over the chosen experts.
+    let gates = if k > 1 {
+        gates.broadcast_div(&gates.sum_keepdim(1)?)?
+    } else {
+        gates
+    };
+    let gates = gates.flatten_all()?;
+    let mut batches = Vec::new();
+    let mut index = Vec::new();
+    for e in 0..ne {
+        if tok[e].is_empty() {
+            continue;
         }
-        let idx = Tensor::from_slice(&choice, (n, k), &self.device)?;
-        let gates = probs.gather(&idx, 1)?;
-        // Top-1 keeps the raw probability (Switch): renormalising one gate would make it 1 and
-        // cut the router off from the LM loss. Top-k ≥ 2 renormalises over the chosen experts.
-        let gates = if k > 1 {
-            gates.broadcast_div(&gates.sum_keepdim(1)?)?
-        } else {
-            gates
-        };
-        let gates = gates.flatten_all()?;
-        let mut batches = Vec::new();
-        let mut index = Vec::new();
-        for e in 0..ne {
-            if tok[e].is_empty() {
-                continue;
-            }
-            let ti = Tensor::from_slice(&tok[e], tok[e].len(), &self.device)?;
-            let si = Tensor::from_slice(&slot[e], slot[e].len(), &self.device)?;
-            batches.push((e, h.index_select(&ti, 0)?));
-            index.push((ti, si));
-        }
-        let ys = experts.run_layer(layer, &batches)?;
-        if ys.len() != batches.len() {
+        let ti = Tensor::from_slice(&tok[e], tok[e].len(), device)?;
+        let si = Tensor::from_slice(&slot[e], slot[e].len(), device)?;
+        batches.push((e, h.index_select(&ti, 0)?));
+        index.push((ti, si));
+    }
+    let ys = experts.run_layer(layer, &batches)?;
+    if ys.len() != batches.len() {
+        candle_core::bail!(
+            "expert exec returned {} outputs for {} batches",
+            ys.len(),
+            batches.len()
+        );
+    }
+    let mut out = h.zeros_like()?;
+    for ((y, (ti, si)), (e, x)) in ys.iter().zip(&index).zip(&batches) {
+        if y.dims() != x.dims() {
             candle_core::bail!(
-                "expert exec returned {} outputs for {} batches",
-                ys.len(),
-                batches.len()
+                "expert ({layer}, {e}) returned {:?} for input {:?}",
+                y.dims(),
+                x.dims()
             );
         }
-        let mut out = h.zeros_like()?;
-        for ((y, (ti, si)), (e, x)) in ys.iter().zip(&index).zip(&batches) {
-            if y.dims() != x.dims() {
-                candle_core::bail!(
-                    "expert ({layer}, {e}) returned {:?} for input {:?}",
-                    y.dims(),
-                    x.dims()
-                );
-            }
-            let g = gates.index_select(si, 0)?.unsqueeze(1)?;
-            out = out.index_add(ti, &y.broadcast_mul(&g)?, 0)?;
-        }
-        // Switch load balancing: E · Σ_e (tokens_e / (n·k)) · mean_t p_e(t).
-        let frac: Vec<f32> = counts.iter().map(|&c| c as f32 / (n * k) as f32).collect();
-        let frac = Tensor::from_vec(frac, ne, &self.device)?;
-        let lb = ((probs.mean(0)? * frac)?.sum_all()? * ne as f64)?;
-        stats.lb_loss.push(lb.to_scalar::<f32>()?);
-        stats.counts.push(counts);
-        stats.choices.push(choice);
-        Ok((out, lb))
+        let g = gates.index_select(si, 0)?.unsqueeze(1)?;
+        out = out.index_add(ti, &y.broadcast_mul(&g)?, 0)?;
     }
+    // Switch load balancing: E · Σ_e (tokens_e / (n·k)) · mean_t p_e(t).
+    let frac: Vec<f32> = counts.iter().map(|&c| c as f32 / (n * k) as f32).collect();
+    let frac = Tensor::from_vec(frac, ne, device)?;
+    let lb_loss = ((probs.mean(0)? * frac)?.sum_all()? * ne as f64)?;
+    Ok(MoeOutput {
+        out,
+        lb_loss,
+        counts,
+        choice,
+    })
 }
 
 /// `[s, s]` additive mask: 0 on and below the diagonal, `-1e9` above.

@@ -26,7 +26,7 @@ mod train;
 
 pub use config::{ConfigError, MoeConfig};
 pub use data::{ByteTokenizer, Corpus, EMBEDDED_CORPUS};
-pub use dense::{DenseModel, RoutingStats};
+pub use dense::{DenseModel, MoeOutput, RoutingStats, moe_layer};
 pub use experts::{ExpertExec, ExpertState, ExpertStore, ExpertWeights, LocalExperts};
 pub use init::Fnv64;
 pub use optim::{AdamW, OptimState, ParamState, ParamsAdamW};
