@@ -405,22 +405,48 @@ pub fn writer_of(replicas: &[Vec<Vec<u32>>], layer: usize, expert: usize) -> Opt
         .position(|&n| n > 0)
 }
 
-/// Names of the parts `rank` must write under that plan: [`dense_part`] for rank 0 (every
-/// worker holds the same dense state, one copy is enough), plus [`expert_part`] for every
-/// expert it is [`writer_of`]. Sorted by name.
-pub fn parts_of(replicas: &[Vec<Vec<u32>>], rank: usize) -> Vec<String> {
+/// One part of a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Part {
+    /// The dense model and its optimizer state ([`dense_part`]).
+    Dense,
+    /// One expert's weights and optimizer state ([`expert_part`]).
+    Expert { layer: usize, expert: usize },
+}
+
+impl Part {
+    /// The part's file name.
+    pub fn name(self) -> String {
+        match self {
+            Part::Dense => dense_part().to_owned(),
+            Part::Expert { layer, expert } => expert_part(layer, expert),
+        }
+    }
+}
+
+/// The parts `rank` must write under that plan: [`Part::Dense`] for rank 0 (every worker holds
+/// the same dense state, one copy is enough), plus every expert it is [`writer_of`].
+pub fn parts_to_write(replicas: &[Vec<Vec<u32>>], rank: usize) -> Vec<Part> {
     let mut parts = Vec::new();
     if rank == 0 {
-        parts.push(dense_part().to_owned());
+        parts.push(Part::Dense);
     }
     for (layer, row) in replicas.iter().enumerate() {
         for expert in 0..row.len() {
             if writer_of(replicas, layer, expert) == Some(rank) {
-                parts.push(expert_part(layer, expert));
+                parts.push(Part::Expert { layer, expert });
             }
         }
     }
     parts
+}
+
+/// Names of the parts `rank` must write under that plan ([`parts_to_write`]). Sorted by name.
+pub fn parts_of(replicas: &[Vec<Vec<u32>>], rank: usize) -> Vec<String> {
+    parts_to_write(replicas, rank)
+        .into_iter()
+        .map(Part::name)
+        .collect()
 }
 
 /// All part names a complete checkpoint of that model has (dense + one per (layer, expert)),

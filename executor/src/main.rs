@@ -84,6 +84,16 @@ enum Format {
     Json,
 }
 
+impl Format {
+    /// A log line: stdout for text, stderr for json (stdout then carries only the summary).
+    fn say(self, line: &str) {
+        match self {
+            Format::Text => println!("{line}"),
+            Format::Json => eprintln!("{line}"),
+        }
+    }
+}
+
 #[derive(Debug, Args)]
 struct LocalArgs {
     /// Nodes to start with (one agent and one worker process each). With --fault-trace: the
@@ -534,10 +544,7 @@ impl Report {
     }
 
     fn say(&self, line: &str) {
-        match self.format {
-            Format::Text => println!("{line}"),
-            Format::Json => eprintln!("{line}"),
-        }
+        self.format.say(line);
     }
 
     fn step(&mut self, r: StepRecord) {
@@ -827,8 +834,7 @@ fn local(a: LocalArgs) -> Result<()> {
         nodes.spawn(name)?;
     }
     let config = job.params.config.clone();
-    let mut joined = 0usize;
-    let say_text = a.job.format == Format::Text;
+    let format = a.job.format;
     let result = rt.block_on(drive(
         listener,
         job.cfg,
@@ -840,7 +846,10 @@ fn local(a: LocalArgs) -> Result<()> {
                     Fault::Kill { node } => {
                         let name = nodes.kill_group(*node)?;
                         handle.fault_injected();
-                        say(say_text, &format!("lzrun local: killed node {node} ({name}) with SIGKILL after step {}", rec.step));
+                        format.say(&format!(
+                            "lzrun local: killed node {node} ({name}) with SIGKILL after step {}",
+                            rec.step
+                        ));
                     }
                     Fault::KillName { name } => {
                         let i = nodes
@@ -848,15 +857,21 @@ fn local(a: LocalArgs) -> Result<()> {
                             .ok_or_else(|| anyhow!("trace kills {name}, which is not running"))?;
                         nodes.kill_group(i)?;
                         handle.fault_injected();
-                        say(say_text, &format!("lzrun local: killed node {i} ({name}) with SIGKILL after step {}", rec.step));
+                        format.say(&format!(
+                            "lzrun local: killed node {i} ({name}) with SIGKILL after step {}",
+                            rec.step
+                        ));
                     }
                     Fault::Join { name } => {
-                        joined += 1;
                         let name = name
                             .clone()
                             .unwrap_or_else(|| format!("n{}", nodes.children.len()));
                         nodes.spawn(&name)?;
-                        say(say_text, &format!("lzrun local: started node {} ({name}) after step {}", nodes.children.len() - 1, rec.step));
+                        format.say(&format!(
+                            "lzrun local: started node {} ({name}) after step {}",
+                            nodes.children.len() - 1,
+                            rec.step
+                        ));
                     }
                 }
             }
@@ -868,9 +883,8 @@ fn local(a: LocalArgs) -> Result<()> {
         let _ = std::fs::remove_dir_all(d);
     }
     result?;
-    let _ = joined;
     report.finish(&a.job, &config)?;
-    if say_text {
+    if format == Format::Text {
         let mut by_step: BTreeMap<u64, f64> = BTreeMap::new();
         for r in &report.records {
             by_step.insert(r.step, r.loss);
@@ -881,12 +895,4 @@ fn local(a: LocalArgs) -> Result<()> {
         }
     }
     Ok(())
-}
-
-fn say(text: bool, line: &str) {
-    if text {
-        println!("{line}");
-    } else {
-        eprintln!("{line}");
-    }
 }

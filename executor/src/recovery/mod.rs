@@ -41,7 +41,7 @@
 //! [`Command::Pause`] contributes 1, so all members learn in the same step that someone asked,
 //! finish that step and pause before the next one.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, TryRecvError};
@@ -57,7 +57,7 @@ use crate::model::{
     AdamW, Corpus, DenseModel, ExpertState, ExpertStore, MoeConfig, OptimState, RoutingStats,
 };
 use crate::runtime::DistributedExperts;
-use crate::worker::{Checksums, StepLine};
+use crate::worker::{Checksums, StepLine, held_replicas};
 
 /// Where and how often a job writes checkpoints.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -338,19 +338,6 @@ pub fn decode_dense(template: &OptimState, buf: &[f32]) -> Result<OptimState> {
     Ok(out)
 }
 
-/// The `(layer, expert)` pairs `rank` holds at least one replica of.
-pub fn held_by(replicas: &[Vec<Vec<u32>>], rank: usize) -> BTreeSet<(usize, usize)> {
-    let mut out = BTreeSet::new();
-    for (l, layer) in replicas.iter().enumerate() {
-        for (e, row) in layer.iter().enumerate() {
-            if row.get(rank).copied().unwrap_or(0) > 0 {
-                out.insert((l, e));
-            }
-        }
-    }
-    out
-}
-
 /// A worker's training state.
 struct State {
     cfg: MoeConfig,
@@ -372,7 +359,7 @@ fn reconfigure(
 ) -> Result<(DistributedExperts, u64)> {
     let me = cmd.rank;
     ensure!(me < cmd.peers.len(), "new rank {me} outside the peer list");
-    let mine = held_by(&cmd.replicas, me);
+    let mine: BTreeSet<(usize, usize)> = held_replicas(&cmd.replicas, me).into_iter().collect();
     match &cmd.source {
         StateSource::Fresh => {
             for &(l, e) in &mine {
@@ -477,16 +464,14 @@ fn write_checkpoint(
     rank: usize,
 ) -> Result<Vec<checkpoint::PartInfo>> {
     let mut parts = Vec::new();
-    for name in checkpoint::parts_of(replicas, rank) {
-        let bytes = if name == checkpoint::dense_part() {
-            checkpoint::encode_dense(&st.opt.export()?)
-        } else {
-            let (l, e) = (0..replicas.len())
-                .flat_map(|l| (0..st.cfg.experts).map(move |e| (l, e)))
-                .find(|&(l, e)| checkpoint::expert_part(l, e) == name)
-                .ok_or_else(|| anyhow!("unknown checkpoint part {name}"))?;
-            checkpoint::encode_expert(&st.store.export(l, e)?)
+    for part in checkpoint::parts_to_write(replicas, rank) {
+        let bytes = match part {
+            checkpoint::Part::Dense => checkpoint::encode_dense(&st.opt.export()?),
+            checkpoint::Part::Expert { layer, expert } => {
+                checkpoint::encode_expert(&st.store.export(layer, expert)?)
+            }
         };
+        let name = part.name();
         parts.push(
             checkpoint::write_part(&spec.root, step, &name, &bytes)
                 .map_err(|e| anyhow!("writing checkpoint part {name}: {e}"))?,
@@ -642,7 +627,7 @@ pub fn run_managed_worker(
         loop {
             match commands.try_recv() {
                 Ok(Command::Pause) => pause_pending = true,
-                Ok(Command::Stop) => return finish(&job, rank, replicas.len(), step, &st, emit),
+                Ok(Command::Stop) => return finish(&job, rank, step, &st, emit),
                 Ok(other) => bail!("unexpected command while training: {other:?}"),
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
@@ -711,13 +696,12 @@ pub fn run_managed_worker(
             }
         }
     }
-    finish(&job, rank, replicas.len(), step, &st, emit)
+    finish(&job, rank, step, &st, emit)
 }
 
 fn finish(
     job: &JobSpec,
     rank: usize,
-    _layers: usize,
     step: u64,
     st: &State,
     mut emit: impl FnMut(&str) -> Result<()>,
@@ -734,18 +718,6 @@ fn finish(
 /// Elapsed milliseconds since `t`.
 pub fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
-}
-
-/// `(layer, expert) → ranks` holding it, from a replica plan.
-pub fn holders(replicas: &[Vec<Vec<u32>>]) -> BTreeMap<(usize, usize), Vec<usize>> {
-    let mut out = BTreeMap::new();
-    for (l, layer) in replicas.iter().enumerate() {
-        for (e, row) in layer.iter().enumerate() {
-            let ranks: Vec<usize> = (0..row.len()).filter(|&r| row[r] > 0).collect();
-            out.insert((l, e), ranks);
-        }
-    }
-    out
 }
 
 #[cfg(test)]
