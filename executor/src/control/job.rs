@@ -138,7 +138,6 @@ enum Phase {
 #[derive(Debug, Clone)]
 struct Pending {
     kind: Kind,
-    since_ms: u64,
     detect_ms: f64,
     replan_ms: f64,
     sent_ms: u64,
@@ -148,6 +147,8 @@ struct Pending {
     transfers: usize,
     waiting: BTreeSet<u32>,
     bytes: u64,
+    /// A step completed before every member reported `Migrated`.
+    stepped: bool,
 }
 
 /// See the [module docs](self).
@@ -161,8 +162,6 @@ pub struct JobDriver {
     members: Vec<u32>,
     epoch: u64,
     plan_version: u64,
-    /// Replica plan `[layer][expert][rank]` in force.
-    replicas: Vec<Vec<Vec<u32>>>,
     /// Why the next reconfiguration happens, and since when.
     cause: Option<(Kind, u64)>,
     pending: Option<Pending>,
@@ -203,7 +202,6 @@ impl JobDriver {
             members: Vec::new(),
             epoch: 0,
             plan_version: 0,
-            replicas: Vec::new(),
             cause: None,
             pending: None,
             resuming: None,
@@ -333,8 +331,15 @@ impl JobDriver {
         match parsed {
             WorkerLine::Step(s) => {
                 // A step completes during quiescing too (the one carrying the pause vote, or
-                // the last one while others report `Finished`).
-                let counting = matches!(self.phase, Phase::Training | Phase::Quiescing);
+                // the last one while others report `Finished`), and during a reconfiguration:
+                // a member may finish the first step after it before another member's
+                // `Migrated` got here (different agent connections). Lines of an older epoch
+                // cannot arrive after a replan: a worker reports its last step before going
+                // idle, and a replan waits for every member to be idle.
+                let counting = matches!(
+                    self.phase,
+                    Phase::Training | Phase::Quiescing | Phase::Reconfiguring
+                );
                 if !self.members.contains(&node_id) || !counting {
                     return;
                 }
@@ -376,6 +381,9 @@ impl JobDriver {
                 plan_version: self.plan_version,
                 step_ms,
             };
+            if let Some(p) = self.pending.as_mut() {
+                p.stepped = true;
+            }
             if let Some((mut r, t)) = self.resuming.take() {
                 r.resume_ms = now_ms.saturating_sub(t) as f64;
                 r.total_ms = r.detect_ms + r.replan_ms + r.migrate_ms + r.resume_ms;
@@ -384,7 +392,11 @@ impl JobDriver {
             out.push(Action::Step(rec));
             let done = step + 1;
             let every = self.job.rebalance_every_steps;
-            if every > 0 && done.is_multiple_of(every) && done + 1 < self.job.steps {
+            if every > 0
+                && done.is_multiple_of(every)
+                && done + 1 < self.job.steps
+                && self.phase == Phase::Training
+            {
                 self.note_cause(Kind::Rebalance, now_ms);
                 self.pause(out);
             }
@@ -530,7 +542,7 @@ impl JobDriver {
             Phase::Reconfiguring => {
                 if self.pending.as_ref().is_some_and(|p| p.waiting.is_empty()) {
                     let p = self.pending.take().expect("checked");
-                    let rec = RecoveryRecord {
+                    let mut rec = RecoveryRecord {
                         kind: p.kind.name().into(),
                         at_step: p.at_step,
                         resume_step: p.resume_step,
@@ -552,8 +564,13 @@ impl JobDriver {
                         self.members.len(),
                         p.resume_step
                     )));
-                    self.resuming = Some((rec, now_ms));
-                    self.steps.clear();
+                    if p.stepped {
+                        // Training already resumed before the last `Migrated` arrived.
+                        rec.total_ms = rec.detect_ms + rec.replan_ms + rec.migrate_ms;
+                        out.push(Action::Reconfigured(rec));
+                    } else {
+                        self.resuming = Some((rec, now_ms));
+                    }
                     self.phase = Phase::Training;
                     // A node that became ready meanwhile joins at the next step.
                     if self
@@ -589,7 +606,7 @@ impl JobDriver {
         let (mut kind, since) = self.cause.take().unwrap_or((Kind::Rebalance, now_ms));
         let layers = self.job.config.n_layers;
         let experts = self.job.config.experts;
-        let first = self.members.is_empty() && self.replicas.is_empty();
+        let first = self.epoch == 0;
         // The holdings workers reported are what the planner starts from.
         let mut resume_step = u64::MAX;
         let mut physical = Vec::new();
@@ -756,7 +773,6 @@ impl JobDriver {
         self.plan_version = plan.version;
         let nodes_before = self.members_before;
         self.members = plan.members.clone();
-        self.replicas = replicas.clone();
         self.ckpt_parts.clear();
         self.steps.clear();
         let at_step = resume_step;
@@ -791,7 +807,6 @@ impl JobDriver {
         )));
         self.pending = Some(Pending {
             kind,
-            since_ms: since,
             detect_ms: now_ms.saturating_sub(since) as f64,
             replan_ms,
             sent_ms: now_ms,
@@ -801,9 +816,9 @@ impl JobDriver {
             transfers: transfers.len(),
             waiting: plan.members.iter().copied().collect(),
             bytes: 0,
+            stepped: false,
         });
         self.phase = Phase::Reconfiguring;
-        let _ = self.pending.as_ref().map(|p| p.since_ms);
     }
 }
 
@@ -1047,4 +1062,125 @@ async fn serve(framed: &mut Framed, ctx: &Ctx) -> Result<(), ProtoError> {
     ctx.lock().outboxes.remove(&node_id);
     ctx.with_driver(|d, now, out| d.gone(node_id, &why, now, out));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::proto::PROTOCOL_VERSION;
+    use crate::worker::StepLine;
+
+    fn driver() -> JobDriver {
+        let config = MoeConfig::tiny();
+        let mut cfg = ControllerConfig::new("t", config.experts, config.n_layers, 4);
+        cfg.initial_nodes = 2;
+        cfg.scale_out_wait_ms = 0;
+        let job = JobParams {
+            config,
+            steps: 4,
+            timeout_ms: 1_000,
+            checkpoint: None,
+            checkpoint_keep: 1,
+            out: None,
+            rebalance_every_steps: 0,
+            resume: None,
+        };
+        JobDriver::new(cfg, job).unwrap()
+    }
+
+    fn event(ev: &WorkerEvent) -> String {
+        serde_json::to_string(ev).unwrap()
+    }
+
+    fn step(step: u64) -> String {
+        serde_json::to_string(&StepLine {
+            step,
+            loss: 1.0,
+            tokens: 8,
+            ms: 1.0,
+            routing: Vec::new(),
+        })
+        .unwrap()
+    }
+
+    fn steps_in(out: &[Action]) -> Vec<u64> {
+        out.iter()
+            .filter_map(|a| match a {
+                Action::Step(r) => Some(r.step),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Two nodes started: both got their first `Reconfigure`.
+    fn started() -> (JobDriver, u32, u32) {
+        let mut d = driver();
+        let mut out = Vec::new();
+        let a = d.register(PROTOCOL_VERSION, "t", "n0", 1, 0, &mut out).unwrap();
+        let b = d.register(PROTOCOL_VERSION, "t", "n1", 1, 0, &mut out).unwrap();
+        for (id, port) in [(a, 1), (b, 2)] {
+            let addr = SocketAddr::from(([127, 0, 0, 1], port));
+            d.line(id, &event(&WorkerEvent::Ready { addr }), 1, &mut out);
+        }
+        let sent = out
+            .iter()
+            .filter(|a| matches!(a, Action::Send(_, Command::Reconfigure(_))))
+            .count();
+        assert_eq!(sent, 2);
+        (d, a, b)
+    }
+
+    fn migrated() -> String {
+        event(&WorkerEvent::Migrated {
+            epoch: 1,
+            rank: 0,
+            world: 2,
+            resume_step: 0,
+            bytes_in: 0,
+            ms: 1.0,
+        })
+    }
+
+    #[test]
+    fn a_step_completed_before_the_last_migrated_arrives_is_counted() {
+        let (mut d, a, b) = started();
+        let mut out = Vec::new();
+        d.line(a, &migrated(), 2, &mut out);
+        // Node a's relay is faster: both members' step 0 arrive before b's `Migrated`.
+        d.line(a, &step(0), 3, &mut out);
+        d.line(b, &step(0), 3, &mut out);
+        d.line(b, &migrated(), 4, &mut out);
+        d.line(a, &step(1), 5, &mut out);
+        d.line(b, &step(1), 5, &mut out);
+        assert_eq!(steps_in(&out), vec![0, 1]);
+        let recs: Vec<&RecoveryRecord> = out
+            .iter()
+            .filter_map(|a| match a {
+                Action::Reconfigured(r) => Some(r),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(recs.len(), 1);
+        assert_eq!(recs[0].resume_ms, 0.0);
+    }
+
+    #[test]
+    fn a_step_needs_every_member_and_resume_time_is_measured() {
+        let (mut d, a, b) = started();
+        let mut out = Vec::new();
+        d.line(a, &migrated(), 2, &mut out);
+        d.line(b, &migrated(), 2, &mut out);
+        d.line(a, &step(0), 10, &mut out);
+        assert!(steps_in(&out).is_empty(), "b has not reported step 0");
+        d.line(b, &step(0), 12, &mut out);
+        assert_eq!(steps_in(&out), vec![0]);
+        let rec = out
+            .iter()
+            .find_map(|a| match a {
+                Action::Reconfigured(r) => Some(r),
+                _ => None,
+            })
+            .expect("the start record");
+        assert_eq!((rec.kind.as_str(), rec.resume_ms), ("start", 10.0));
+    }
 }
