@@ -151,3 +151,41 @@ pub(crate) fn check_group(
     }
     Ok(())
 }
+
+/// Point-to-point messages `(peer, data)`.
+pub(crate) type Messages = Vec<(Rank, Vec<f32>)>;
+
+/// Checks the ranks of a [`Communicator::send_recv`] call and splits off the messages a rank
+/// sends to itself (returned first, data only, in order) from those to peers. Sending to
+/// oneself must match receiving from oneself, message for message.
+pub(crate) fn split_send_recv(
+    sends: Vec<(Rank, Vec<f32>)>,
+    recv_from: &[Rank],
+    rank: Rank,
+    world: usize,
+) -> Result<(Vec<Vec<f32>>, Messages), CommError> {
+    let check = |r: Rank, what: &str| {
+        if r < world {
+            Ok(())
+        } else {
+            Err(CommError::BadShape(format!(
+                "send_recv: {what} rank {r} is not below world size {world}"
+            )))
+        }
+    };
+    for &(dst, _) in &sends {
+        check(dst, "destination")?;
+    }
+    for &src in recv_from {
+        check(src, "source")?;
+    }
+    let (to_self, remote): (Vec<_>, Vec<_>) = sends.into_iter().partition(|(dst, _)| *dst == rank);
+    let self_expected = recv_from.iter().filter(|&&s| s == rank).count();
+    if to_self.len() != self_expected {
+        return Err(CommError::BadShape(format!(
+            "send_recv: {} messages to self but {self_expected} expected from self",
+            to_self.len()
+        )));
+    }
+    Ok((to_self.into_iter().map(|(_, d)| d).collect(), remote))
+}

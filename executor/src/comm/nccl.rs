@@ -116,7 +116,7 @@ use cudarc::nccl::{Comm, Id, NcclType, ReduceOp, group_end, group_start};
 use serde::de::{self, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::{CommError, Communicator, Rank, check_group};
+use super::{CommError, Communicator, Rank, check_group, split_send_recv};
 
 /// Longest pause between two polls of a launched round (the pause starts short and doubles).
 const POLL_MAX: Duration = Duration::from_micros(200);
@@ -670,17 +670,6 @@ impl NcclCommunicator {
         self.comm.as_ref().map(|c| &c.0).ok_or(CommError::Aborted)
     }
 
-    fn check_rank(&self, r: Rank, what: &str) -> Result<(), CommError> {
-        if r < self.world {
-            Ok(())
-        } else {
-            Err(CommError::BadShape(format!(
-                "{what} rank {r} is not below world size {}",
-                self.world
-            )))
-        }
-    }
-
     fn others(&self) -> Vec<Rank> {
         (0..self.world).filter(|&p| p != self.rank).collect()
     }
@@ -1223,21 +1212,7 @@ impl Communicator for NcclCommunicator {
     ) -> Result<Vec<(Rank, Vec<f32>)>, CommError> {
         const OP: &str = "send_recv";
         self.check_live()?;
-        for &(dst, _) in &sends {
-            self.check_rank(dst, "send_recv: destination")?;
-        }
-        for &src in recv_from {
-            self.check_rank(src, "send_recv: source")?;
-        }
-        let (to_self, remote): (Vec<_>, Vec<_>) =
-            sends.into_iter().partition(|(dst, _)| *dst == self.rank);
-        let self_expected = recv_from.iter().filter(|&&s| s == self.rank).count();
-        if to_self.len() != self_expected {
-            return Err(CommError::BadShape(format!(
-                "{OP}: {} messages to self but {self_expected} expected from self",
-                to_self.len()
-            )));
-        }
+        let (to_self, remote) = split_send_recv(sends, recv_from, self.rank, self.world)?;
         let dsts: Vec<Rank> = remote.iter().map(|(d, _)| *d).collect();
         let srcs: Vec<Rank> = recv_from
             .iter()
@@ -1310,7 +1285,7 @@ impl Communicator for NcclCommunicator {
             };
             queues[src] = msgs.into();
         }
-        queues[self.rank] = to_self.into_iter().map(|(_, d)| d).collect();
+        queues[self.rank] = to_self.into_iter().collect();
         assemble(recv_from, queues).map_err(|e| self.fail(e))
     }
 

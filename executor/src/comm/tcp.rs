@@ -68,7 +68,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::wire::{self, Ack, Ctx, Elem, Hello, status, tag};
-use super::{CommError, Communicator, Rank, check_group};
+use super::{CommError, Communicator, Rank, check_group, split_send_recv};
 
 /// Upper bound on how long the acceptor waits for one hello, so that a silent stray connection
 /// cannot hold up the rendezvous for long.
@@ -513,17 +513,6 @@ impl TcpCommunicator {
         }
     }
 
-    fn check_rank(&self, r: Rank, what: &str) -> Result<(), CommError> {
-        if r < self.world {
-            Ok(())
-        } else {
-            Err(CommError::BadShape(format!(
-                "{what} rank {r} is not below world size {}",
-                self.world
-            )))
-        }
-    }
-
     /// Sends and receives, with every peer in `io` concurrently; returns the received messages
     /// per entry of `io`. Aborts the communicator on failure.
     fn transfer<T: Elem>(
@@ -756,21 +745,7 @@ impl Communicator for TcpCommunicator {
         recv_from: &[Rank],
     ) -> Result<Vec<(Rank, Vec<f32>)>, CommError> {
         self.check_live()?;
-        for &(dst, _) in &sends {
-            self.check_rank(dst, "send_recv: destination")?;
-        }
-        for &src in recv_from {
-            self.check_rank(src, "send_recv: source")?;
-        }
-        let (to_self, remote): (Vec<_>, Vec<_>) =
-            sends.into_iter().partition(|(dst, _)| *dst == self.rank);
-        let self_expected = recv_from.iter().filter(|&&s| s == self.rank).count();
-        if to_self.len() != self_expected {
-            return Err(CommError::BadShape(format!(
-                "send_recv: {} messages to self but {self_expected} expected from self",
-                to_self.len()
-            )));
-        }
+        let (to_self, remote) = split_send_recv(sends, recv_from, self.rank, self.world)?;
         let mut io: Vec<PeerIo<'_, f32>> = (0..self.world)
             .map(|peer| PeerIo {
                 peer,
@@ -791,11 +766,7 @@ impl Communicator for TcpCommunicator {
         for (e, msgs) in io.iter().zip(got) {
             queues[e.peer] = msgs.into_iter();
         }
-        queues[self.rank] = to_self
-            .into_iter()
-            .map(|(_, d)| d)
-            .collect::<Vec<_>>()
-            .into_iter();
+        queues[self.rank] = to_self.into_iter();
         recv_from
             .iter()
             .map(|&src| {

@@ -1116,8 +1116,12 @@ mod tests {
     fn started() -> (JobDriver, u32, u32) {
         let mut d = driver();
         let mut out = Vec::new();
-        let a = d.register(PROTOCOL_VERSION, "t", "n0", 1, 0, &mut out).unwrap();
-        let b = d.register(PROTOCOL_VERSION, "t", "n1", 1, 0, &mut out).unwrap();
+        let a = d
+            .register(PROTOCOL_VERSION, "t", "n0", 1, 0, &mut out)
+            .unwrap();
+        let b = d
+            .register(PROTOCOL_VERSION, "t", "n1", 1, 0, &mut out)
+            .unwrap();
         for (id, port) in [(a, 1), (b, 2)] {
             let addr = SocketAddr::from(([127, 0, 0, 1], port));
             d.line(id, &event(&WorkerEvent::Ready { addr }), 1, &mut out);
