@@ -2,6 +2,8 @@
 //! Every blocking call is bounded: communicators use short timeouts and the harness waits for
 //! each rank with a deadline, so a bug fails a test instead of hanging it.
 
+mod common;
+
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::sync::mpsc;
 use std::thread;
@@ -60,35 +62,13 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-/// Runs `f(comm)` for every rank on its own thread and returns the results in rank order.
-/// Panics (fails the test) if a rank panics or does not finish within [`HARNESS`].
+/// [`common::run_ranks`] within [`HARNESS`].
 fn run_ranks<R, F>(comms: Vec<TcpCommunicator>, f: F) -> Vec<R>
 where
     R: Send + 'static,
     F: Fn(TcpCommunicator) -> R + Send + Sync + Clone + 'static,
 {
-    let world = comms.len();
-    let (tx, rx) = mpsc::channel();
-    for (rank, comm) in comms.into_iter().enumerate() {
-        let (tx, f) = (tx.clone(), f.clone());
-        thread::spawn(move || {
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(comm)));
-            let _ = tx.send((rank, r));
-        });
-    }
-    let deadline = Instant::now() + HARNESS;
-    let mut out: Vec<Option<R>> = (0..world).map(|_| None).collect();
-    for _ in 0..world {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let (rank, r) = rx
-            .recv_timeout(left)
-            .expect("a rank did not finish in time (hang)");
-        match r {
-            Ok(v) => out[rank] = Some(v),
-            Err(p) => std::panic::resume_unwind(p),
-        }
-    }
-    out.into_iter().map(Option::unwrap).collect()
+    common::run_ranks(comms, HARNESS, f)
 }
 
 fn group(world: usize, timeout_ms: u64) -> Vec<TcpCommunicator> {

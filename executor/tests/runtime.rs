@@ -2,10 +2,10 @@
 //! own batch shard and only its planned expert replicas, must reproduce the losses and
 //! gradients of one process computing every shard with all experts local.
 
+mod common;
+
 use std::collections::BTreeMap;
-use std::sync::mpsc;
-use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use candle_core::{Device, Result, Tensor};
 use lazarus_executor::comm::{Communicator, LocalGroup, TcpCommunicator};
@@ -101,33 +101,13 @@ fn assert_close(a: &[f32], b: &[f32], what: &str) {
     );
 }
 
+/// [`common::run_ranks`] within [`HARNESS`].
 fn run_ranks<R, F>(comms: Vec<TcpCommunicator>, f: F) -> Vec<R>
 where
     R: Send + 'static,
     F: Fn(TcpCommunicator) -> R + Send + Sync + Clone + 'static,
 {
-    let world = comms.len();
-    let (tx, rx) = mpsc::channel();
-    for (rank, comm) in comms.into_iter().enumerate() {
-        let (tx, f) = (tx.clone(), f.clone());
-        thread::spawn(move || {
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(comm)));
-            let _ = tx.send((rank, r));
-        });
-    }
-    let deadline = Instant::now() + HARNESS;
-    let mut out: Vec<Option<R>> = (0..world).map(|_| None).collect();
-    for _ in 0..world {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let (rank, r) = rx
-            .recv_timeout(left)
-            .expect("a rank did not finish in time (hang)");
-        match r {
-            Ok(v) => out[rank] = Some(v),
-            Err(p) => std::panic::resume_unwind(p),
-        }
-    }
-    out.into_iter().map(Option::unwrap).collect()
+    common::run_ranks(comms, HARNESS, f)
 }
 
 type Grads = BTreeMap<(usize, usize), (Vec<f32>, Vec<f32>)>;
