@@ -469,6 +469,13 @@ fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
         "{nodes} nodes × {slots} slots cannot hold {} experts (raise --slots)",
         config.experts
     );
+    if let Some(r) = &a.resume {
+        ensure!(
+            r.is_dir(),
+            "--resume {}: no such checkpoint directory",
+            r.display()
+        );
+    }
     let mut temp_ckpt = None;
     let checkpoint = if a.ckpt_every == 0 {
         None
@@ -489,13 +496,6 @@ fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
             every_steps: a.ckpt_every,
         })
     };
-    if let Some(r) = &a.resume {
-        ensure!(
-            r.is_dir(),
-            "--resume {}: no such checkpoint directory",
-            r.display()
-        );
-    }
     let mut cfg = ControllerConfig::new(token, config.experts, config.n_layers, slots);
     cfg.f = a.fault_tolerance;
     cfg.initial_nodes = nodes;
@@ -800,10 +800,8 @@ fn local(a: LocalArgs) -> Result<()> {
         "{} nodes is more than 64",
         schedule.initial_nodes
     );
-    let token = format!(
-        "{:016x}",
-        std::process::id() as u64 ^ (Instant::now().elapsed().as_nanos() as u64) ^ 0x9e37_79b9
-    );
+    // Keeps stray agents of other local runs out; not a secret against local users.
+    let token = format!("{:016x}", rand::random::<u64>());
     let job = job_from_args(&a.job, schedule.initial_nodes, &token)?;
     if let Some(dir) = &a.job.out {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
