@@ -303,6 +303,12 @@ fn seeded_chaos_run_finishes_with_consistent_replicas() {
     let steps = 40;
     let sched = chaos_schedule(7, 4, steps, 20, 2).unwrap();
     assert!(sched.len() >= 20);
+    // The schedule mixes joins, single kills and kills of several nodes at one step.
+    let mut kills_at: BTreeMap<u64, usize> = BTreeMap::new();
+    for ev in sched.events.iter().filter(|e| e.fault.is_kill()) {
+        *kills_at.entry(ev.after_step).or_default() += 1;
+    }
+    assert!(sched.joins() >= 1 && kills_at.values().any(|&n| n >= 2), "{sched:?}");
     let mut args: Vec<String> = ["local", "--nodes", "4", "--steps", &steps.to_string()]
         .iter()
         .map(ToString::to_string)
