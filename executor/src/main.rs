@@ -184,15 +184,8 @@ struct WorkerArgs {
     /// Membership epoch of the communicator (all workers must agree).
     #[arg(long, default_value_t = 0)]
     epoch: u64,
-    /// Training steps.
-    #[arg(long, default_value_t = 20)]
-    steps: u64,
-    /// Model configuration: a name (tiny, gpt-s, gpt-m, gpt-l) or a TOML file.
-    #[arg(long, default_value = "tiny")]
-    config: String,
-    /// Seed of the model initialisation and of the data order (overrides the config's).
-    #[arg(long)]
-    seed: Option<u64>,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Directory for the checksum file `rank<R>.json`.
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
@@ -201,8 +194,9 @@ struct WorkerArgs {
     timeout_ms: u64,
 }
 
+/// What to train and for how long (shared by jobs and stand-alone workers).
 #[derive(Debug, Args)]
-struct JobArgs {
+struct ModelArgs {
     /// Training steps.
     #[arg(long, default_value_t = 20)]
     steps: u64,
@@ -214,6 +208,12 @@ struct JobArgs {
     /// Seed of the model initialisation and of the data order (overrides the config's).
     #[arg(long)]
     seed: Option<u64>,
+}
+
+#[derive(Debug, Args)]
+struct JobArgs {
+    #[command(flatten)]
+    model: ModelArgs,
     /// Minimum replicas per expert (the paper's f; relaxed by the planner when slots run short).
     #[arg(long, default_value_t = FAULT_TOLERANCE)]
     fault_tolerance: usize,
@@ -395,8 +395,8 @@ fn worker(a: WorkerArgs) -> Result<()> {
     let opts = WorkerOptions {
         rank,
         peers: a.peers,
-        config: load_config(&a.config, a.seed)?,
-        steps: a.steps,
+        config: load_config(&a.model.config, a.model.seed)?,
+        steps: a.model.steps,
         epoch: a.epoch,
         timeout_ms: a.timeout_ms,
         out: a.out,
@@ -452,7 +452,7 @@ struct Job {
 }
 
 fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
-    ensure!(a.steps >= 1, "--steps must be at least 1 (got 0)");
+    ensure!(a.model.steps >= 1, "--steps must be at least 1 (got 0)");
     ensure!(nodes >= 1, "at least one node is needed");
     ensure!(
         a.fault_tolerance >= 1,
@@ -460,7 +460,7 @@ fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
     );
     ensure!(a.timeout_ms >= 1, "--timeout-ms must be at least 1");
     ensure!(a.ckpt_keep >= 1, "--ckpt-keep must be at least 1");
-    let config = load_config(&a.config, a.seed)?;
+    let config = load_config(&a.model.config, a.model.seed)?;
     let slots = a
         .slots
         .unwrap_or_else(|| (a.fault_tolerance * config.experts).div_ceil(nodes).max(1));
@@ -509,7 +509,7 @@ fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
         cfg,
         params: JobParams {
             config,
-            steps: a.steps,
+            steps: a.model.steps,
             timeout_ms: a.timeout_ms,
             checkpoint,
             checkpoint_keep: a.ckpt_keep,
@@ -624,7 +624,7 @@ fn controller(a: ControllerArgs) -> Result<()> {
     let listener = rt
         .block_on(tokio::net::TcpListener::bind(a.listen))
         .with_context(|| format!("listening on {}", a.listen))?;
-    let mut report = Report::new(a.job.format, a.job.steps);
+    let mut report = Report::new(a.job.format, a.job.model.steps);
     report.say(&format!(
         "lzrun controller: listening on {}, waiting for {} agents",
         a.listen, a.nodes
@@ -789,11 +789,13 @@ fn local(a: LocalArgs) -> Result<()> {
         Some(path) => {
             let trace = lazarus_traces::load(path)
                 .map_err(|e| anyhow!("--fault-trace {}: {e}", path.display()))?;
-            faults::schedule_from_trace(&trace, a.time_scale, a.job.steps, a.nodes)
+            faults::schedule_from_trace(&trace, a.time_scale, a.job.model.steps, a.nodes)
                 .map_err(|e| anyhow!("--fault-trace {}: {e}", path.display()))?
         }
-        None => faults::schedule_from_flags(a.nodes.unwrap_or(2), &a.kill, &a.join, a.job.steps)
-            .map_err(|e| anyhow!("{e}"))?,
+        None => {
+            faults::schedule_from_flags(a.nodes.unwrap_or(2), &a.kill, &a.join, a.job.model.steps)
+                .map_err(|e| anyhow!("{e}"))?
+        }
     };
     ensure!(
         schedule.initial_nodes <= 64,
@@ -814,12 +816,12 @@ fn local(a: LocalArgs) -> Result<()> {
         let _guard = rt.enter();
         tokio::net::TcpListener::from_std(std_listener)?
     };
-    let mut report = Report::new(a.job.format, a.job.steps);
+    let mut report = Report::new(a.job.format, a.job.model.steps);
     report.say(&format!(
         "lzrun local: {} nodes, config {}, {} steps, {} faults scheduled, controller {addr}",
         schedule.initial_nodes,
-        a.job.config,
-        a.job.steps,
+        a.job.model.config,
+        a.job.model.steps,
         schedule.len()
     ));
     let mut nodes = Nodes {

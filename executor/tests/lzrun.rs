@@ -308,7 +308,10 @@ fn seeded_chaos_run_finishes_with_consistent_replicas() {
     for ev in sched.events.iter().filter(|e| e.fault.is_kill()) {
         *kills_at.entry(ev.after_step).or_default() += 1;
     }
-    assert!(sched.joins() >= 1 && kills_at.values().any(|&n| n >= 2), "{sched:?}");
+    assert!(
+        sched.joins() >= 1 && kills_at.values().any(|&n| n >= 2),
+        "{sched:?}"
+    );
     let mut args: Vec<String> = ["local", "--nodes", "4", "--steps", &steps.to_string()]
         .iter()
         .map(ToString::to_string)
@@ -659,4 +662,82 @@ fn ctrl_c_stops_every_process() {
         "agents left behind"
     );
     assert_eq!(workers_left(), Vec::<u32>::new(), "workers left behind");
+}
+
+/// `lzrun worker` by hand: a fixed two-rank cluster without a controller.
+#[test]
+fn two_workers_by_hand_train_with_identical_replicas() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ports: Vec<u16> = {
+        let ls: Vec<std::net::TcpListener> = (0..2)
+            .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        ls.iter().map(|l| l.local_addr().unwrap().port()).collect()
+    };
+    let peers = format!("127.0.0.1:{},127.0.0.1:{}", ports[0], ports[1]);
+    let dir = scratch("by-hand");
+    let d = dir.to_str().unwrap().to_owned();
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let (peers, d) = (peers.clone(), d.clone());
+            thread::spawn(move || {
+                run(Command::new(LZRUN).args([
+                    "worker",
+                    "--rank",
+                    &rank.to_string(),
+                    "--world",
+                    "2",
+                    "--peers",
+                    &peers,
+                    "--steps",
+                    "3",
+                    "--out",
+                    &d,
+                ]))
+            })
+        })
+        .collect();
+    let outs: Vec<Outcome> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for o in &outs {
+        assert_eq!(o.code, Some(0), "{}", o.show());
+        assert_eq!(
+            o.stdout.lines().count(),
+            3,
+            "one JSON line per step\n{}",
+            o.show()
+        );
+    }
+    let sums: Vec<Checksums> = (0..2)
+        .map(|r| Checksums::read(&Checksums::path(&dir, r)).expect("checksum file"))
+        .collect();
+    assert_eq!(sums[0].dense, sums[1].dense, "dense weights differ");
+    let mut shared = 0;
+    for a in &sums[0].replicas {
+        for b in sums[1]
+            .replicas
+            .iter()
+            .filter(|b| (b.layer, b.expert) == (a.layer, a.expert))
+        {
+            assert_eq!(
+                a.checksum, b.checksum,
+                "replica ({}, {}) differs",
+                a.layer, a.expert
+            );
+            shared += 1;
+        }
+    }
+    assert!(shared > 0, "no expert is replicated on both workers");
+    assert_error(
+        &run(Command::new(LZRUN).args([
+            "worker",
+            "--rank",
+            "0",
+            "--world",
+            "2",
+            "--peers",
+            "127.0.0.1:1",
+        ])),
+        "--peers",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

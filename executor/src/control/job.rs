@@ -646,6 +646,12 @@ impl JobDriver {
             );
         };
         let replan_ms = t.elapsed().as_secs_f64() * 1e3;
+        let rank_of: HashMap<u32, usize> = plan
+            .members
+            .iter()
+            .enumerate()
+            .map(|(r, &id)| (id, r))
+            .collect();
         let source;
         if first {
             if let Some(root) = self.job.resume.clone() {
@@ -715,12 +721,6 @@ impl JobDriver {
                 }
             }
         } else {
-            let rank_of: HashMap<u32, usize> = plan
-                .members
-                .iter()
-                .enumerate()
-                .map(|(r, &id)| (id, r))
-                .collect();
             let dense_from = plan
                 .members
                 .iter()
@@ -737,12 +737,6 @@ impl JobDriver {
                 dense_to,
             };
         }
-        let rank_of: HashMap<u32, usize> = plan
-            .members
-            .iter()
-            .enumerate()
-            .map(|(r, &id)| (id, r))
-            .collect();
         let world = plan.members.len();
         let mut replicas = vec![vec![vec![0u32; world]; experts]; layers];
         for (id, holdings) in &plan.assignment {
