@@ -672,3 +672,73 @@ async fn rejections_and_fencing_over_tcp() {
         .unwrap()
         .unwrap();
 }
+
+/// The job controller (`run_job`, what `lzrun` runs) under paused time: a registered node that
+/// never heartbeats is declared gone one heartbeat timeout later, and its next heartbeat is
+/// refused.
+#[tokio::test(start_paused = true)]
+async fn job_controller_expires_a_silent_node_and_fences_it() {
+    use lazarus_executor::control::{JobParams, Notice, run_job};
+    use lazarus_executor::model::MoeConfig;
+
+    let model = MoeConfig::tiny();
+    let mut cfg = ControllerConfig::new(TOKEN, model.experts, model.n_layers, 4);
+    cfg.heartbeat_timeout_ms = 1_000;
+    cfg.tick_ms = 50;
+    cfg.initial_nodes = 2;
+    let job = JobParams {
+        config: model,
+        steps: 4,
+        timeout_ms: 1_000,
+        checkpoint: None,
+        checkpoint_keep: 1,
+        out: None,
+        rebalance_every_steps: 0,
+        resume: None,
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, mut notices) = mpsc::unbounded_channel();
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let server = tokio::spawn(run_job(listener, cfg, job, tx, stop_rx, |_| {}));
+
+    let mut framed = proto::framed(TcpStream::connect(addr).await.unwrap());
+    let register = ToController::Register {
+        version: V,
+        token: TOKEN.into(),
+        node: "quiet".into(),
+        devices: 1,
+    };
+    proto::send(&mut framed, &register).await.unwrap();
+    let node_id = match proto::recv::<ToAgent>(&mut framed).await.unwrap() {
+        Some(ToAgent::Registered { node_id }) => node_id,
+        other => panic!("expected Registered, got {other:?}"),
+    };
+    match proto::recv::<ToAgent>(&mut framed).await.unwrap() {
+        Some(ToAgent::Worker { line }) => assert!(line.starts_with("{\"Job\""), "{line}"),
+        other => panic!("expected the Job command, got {other:?}"),
+    }
+    let registered = Instant::now();
+    let gone = loop {
+        match tokio::time::timeout(WAIT, notices.recv()).await {
+            Ok(Some(Notice::Log(l))) if l.contains("is gone") => break l,
+            Ok(Some(_)) => {}
+            other => panic!("no expiry notice: {other:?}"),
+        }
+    };
+    assert!(gone.contains("no heartbeat"), "{gone}");
+    let waited = registered.elapsed();
+    assert!(
+        waited >= Duration::from_millis(1_000) && waited <= Duration::from_millis(1_200),
+        "expired after {waited:?}"
+    );
+    proto::send(&mut framed, &ToController::Heartbeat { node_id, step: 0 })
+        .await
+        .unwrap();
+    match proto::recv::<ToAgent>(&mut framed).await.unwrap() {
+        Some(ToAgent::Rejected { reason }) => assert!(reason.contains("expired"), "{reason}"),
+        other => panic!("expected Rejected, got {other:?}"),
+    }
+    stop_tx.send(true).unwrap();
+    server.await.unwrap().unwrap();
+}
