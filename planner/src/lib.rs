@@ -23,6 +23,7 @@ pub use error::PlanError;
 pub use place::{LayerPlacement, PlacePolicy, place};
 pub use recovery::RecoveryEstimate;
 pub use spec::{Aggregation, ClusterSpec, LoadHistory, ModelSpec};
+pub mod job;
 pub mod model;
 pub use model::{Alignment, ModelPlan, ReplanError, ReplanOptions, plan_model, replan};
 pub use place::mro_structure;

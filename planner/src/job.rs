@@ -1,0 +1,1541 @@
+//! # The job's control decisions as one pure state machine
+//!
+//! Lazarus (arXiv 2407.04656 §3, §5) is a planner *plus* a handful of control rules: replan on
+//! the survivors after a failure and migrate only what is missing; restore a checkpoint only
+//! when some expert lost every replica; take new nodes in lazily at a step boundary; rebalance
+//! from the routing history every so many steps. [`JobMachine`] holds those rules once. It is
+//! pure: no I/O, no clock, no threads. A driver feeds it [`Event`]s with the time they happened
+//! (`now_ms` on any monotonic clock) and performs the [`Action`]s it returns:
+//!
+//! * `lzrun`'s controller performs them for real (sockets to agents, files for checkpoints);
+//! * `lzsim replay`'s `lazarus` system performs them in simulation (modelled durations);
+//! * the swarm test performs them with simulated nodes and a lossy simulated network.
+//!
+//! ## The rules
+//! * **Start.** Nodes join ([`Event::Joined`]) and get their worker started; once
+//!   `initial_nodes` workers are [`Event::Ready`] (and no joined node is still starting), the
+//!   first plan (Eq. 1 + MRO, ranks in natural node-name order) goes out as one
+//!   [`Reconfiguration`] with [`StateSource::Fresh`], or, with `resume`, from the newest
+//!   checkpoint ([`Action::FindCheckpoint`] first).
+//! * **What counts as one step.** A step counts once, when every member of the current epoch
+//!   reported it ([`Event::Stepped`]); steps are counted in order from the resume step of the
+//!   epoch, reports of another epoch, of a non-member or of a step already counted are
+//!   ignored (a duplicated or late message changes nothing).
+//! * **Failures.** A member that is lost (connection closed, heartbeat expired, fenced) or whose
+//!   worker reports a failed step starts a reconfiguration: every other member is told to
+//!   [`Action::Abort`] what it is doing (a peer it no longer needs to wait for), and the machine
+//!   waits until every member is idle and reported the replicas it holds — that report, not the
+//!   last plan, is the truth the next plan starts from.
+//! * **Restore or replan.** If the survivors still hold a replica of every expert and at least
+//!   one of them holds the dense state, the next plan is an in-place replan
+//!   ([`crate::replan`] with the optimal migration mapping) with transfers between members;
+//!   otherwise every member restores the newest checkpoint (found by the driver:
+//!   [`Action::FindCheckpoint`] → [`Event::CheckpointFound`]). A start or a restore that did not
+//!   complete on every member is done again as a whole (a half-restored member mixes two
+//!   lineages).
+//! * **Resume step.** The smallest step any member with the job's state reported; members one
+//!   step ahead roll back. A restore resumes at the checkpoint's step.
+//! * **Who has the dense state.** Only a node that completed a reconfiguration
+//!   ([`Event::Migrated`] of that epoch) holds the job's dense state. A newcomer whose join was
+//!   cut short by a failure still needs it next time (it is named in `dense_to` again).
+//! * **Lazy scale-out** (paper §1.4). A ready node that is not a member joins at the first step
+//!   boundary `scale_out_wait_ms` after the first such node became ready (members are paused at
+//!   an agreed step), so a burst of arrivals costs one reconfiguration.
+//! * **Rebalance** every `rebalance_every_steps` counted steps (the paper: 200), from the
+//!   routing history, unless the job is about to end.
+//! * **Stuck members.** A member that does not answer within `member_timeout_ms` (does not go
+//!   idle when asked, does not finish a reconfiguration, makes no step progress, a worker that
+//!   never becomes ready) is declared failed and [`Action::Fence`]d: the driver stops talking
+//!   to it and kills its worker; the membership epoch moves on without it.
+//! * **Too few nodes.** When the live nodes' slots cannot hold every expert, the machine says
+//!   [`Action::WaitForNodes`] and waits for joins (a later plan restores or replans).
+//! * **Checkpoints.** Members write their parts every `checkpoint_every_steps` steps
+//!   ([`JobConfig::checkpoint_due`]); once every member wrote the parts of a step the driver is
+//!   told to [`Action::CommitCheckpoint`]. A failed commit is logged, never a node failure.
+//! * **Stop.** When every member finished the last step, every node is told to
+//!   [`Action::Stop`]; the job is over when every node sent its state checksums, which must
+//!   agree (one dense state, every replica of an expert identical) — else the job fails.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::migrate::{MappingMethod, MigrationPlan, PhysicalNode, lost_experts};
+use crate::{
+    Aggregation, Alignment, AllocPolicy, ClusterSpec, LoadHistory, ModelPlan, ModelSpec,
+    PlacePolicy, PlanError, ReplanOptions, plan_model, replan,
+};
+
+/// A node id given by the driver; never reused within a job.
+pub type NodeId = u32;
+
+/// Everything the machine decides with.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobConfig {
+    pub model: ModelSpec,
+    /// Expert-replica slots per node (`c`).
+    pub slots_per_node: usize,
+    /// Steps to train in all.
+    pub total_steps: u64,
+    /// The first plan waits for this many ready workers.
+    pub initial_nodes: usize,
+    /// A node is gone once its last heartbeat is more than this old.
+    pub heartbeat_timeout_ms: u64,
+    /// A member that does not answer (go idle, finish a reconfiguration, make progress, become
+    /// ready) within this long is declared failed and fenced.
+    pub member_timeout_ms: u64,
+    /// Lazy scale-out: ready newcomers join this long after the first of them became ready.
+    pub scale_out_wait_ms: u64,
+    /// Replan from the routing history every this many counted steps (0: never).
+    pub rebalance_every_steps: u64,
+    /// Members write a checkpoint every this many steps (0: no checkpoints).
+    pub checkpoint_every_steps: u64,
+    /// Start from the newest checkpoint instead of a fresh model.
+    pub resume: bool,
+    pub aggregation: Aggregation,
+    pub alloc: AllocPolicy,
+    pub place: PlacePolicy,
+    pub mapping: MappingMethod,
+    /// Bytes of one expert's state (weights + optimizer), for the migration estimates.
+    pub bytes_per_expert: u64,
+}
+
+impl JobConfig {
+    /// Defaults of the paper where it has them (`f` from `model`, Eq. 1 + MRO, rebalance every
+    /// 200 steps over a 200-step window, 2 min lazy scale-out) and of `lzrun` otherwise.
+    pub fn new(model: ModelSpec, slots_per_node: usize, total_steps: u64) -> Self {
+        Self {
+            model,
+            slots_per_node,
+            total_steps,
+            initial_nodes: 1,
+            heartbeat_timeout_ms: 10_000,
+            member_timeout_ms: 30_000,
+            scale_out_wait_ms: 0,
+            rebalance_every_steps: 0,
+            checkpoint_every_steps: 0,
+            resume: false,
+            aggregation: Aggregation::Sum { window_steps: 200 },
+            alloc: AllocPolicy::Lazarus,
+            place: PlacePolicy::Mro,
+            mapping: MappingMethod::Optimal,
+            bytes_per_expert: 0,
+        }
+    }
+
+    /// Whether members write a checkpoint once `completed_steps` steps are done (a fresh start
+    /// writes one at step 0, so a lost expert before the first periodic one is recoverable).
+    pub fn checkpoint_due(&self, completed_steps: u64) -> bool {
+        self.checkpoint_every_steps > 0
+            && completed_steps.is_multiple_of(self.checkpoint_every_steps)
+    }
+
+    pub fn validate(&self) -> Result<(), JobConfigError> {
+        self.model.validate()?;
+        ClusterSpec::new(1, self.slots_per_node).validate()?;
+        LoadHistory::new(self.aggregation, self.model.layers, self.model.experts)?;
+        for (name, v) in [
+            ("heartbeat_timeout_ms", self.heartbeat_timeout_ms),
+            ("member_timeout_ms", self.member_timeout_ms),
+            ("initial_nodes", self.initial_nodes as u64),
+        ] {
+            if v == 0 {
+                return Err(JobConfigError::Zero(name));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A configuration the machine cannot run with.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum JobConfigError {
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error("{0} must be at least 1")]
+    Zero(&'static str),
+}
+
+/// What a member reports about one step it trained.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct StepReport {
+    pub loss: f64,
+    pub tokens: u64,
+    pub step_ms: f64,
+    /// Routed tokens `[layer][expert]` of this member (empty: none reported).
+    pub routing: Vec<Vec<u64>>,
+}
+
+/// Why a member's worker is idle.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum IdleReason {
+    /// A step or a reconfiguration failed (and was discarded).
+    Failed(String),
+    /// Paused or aborted at a step boundary, as asked.
+    Paused,
+    /// Trained every step.
+    Finished,
+}
+
+/// A worker's final state, for the end-of-job consistency check.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct StateChecksums {
+    /// Dense model + optimizer state.
+    pub dense: u64,
+    /// `(layer, expert, checksum)` of every replica held.
+    pub replicas: Vec<(u32, u32, u64)>,
+}
+
+/// Something that happened, reported by the driver.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Event {
+    /// A node was admitted under `node` (credentials are the driver's business); `name` orders
+    /// the first plan's ranks.
+    Joined {
+        node: NodeId,
+        name: String,
+    },
+    /// The node's worker can take part in a plan.
+    Ready {
+        node: NodeId,
+    },
+    Heartbeat {
+        node: NodeId,
+    },
+    /// The node is gone (closed connection, goodbye, killed).
+    Lost {
+        node: NodeId,
+        reason: String,
+    },
+    /// A member trained `step` in `epoch`.
+    Stepped {
+        node: NodeId,
+        epoch: u64,
+        step: u64,
+        report: StepReport,
+    },
+    /// Every member of `epoch` trained the steps `first..=last` (for drivers that model the
+    /// members as one, like the simulator); counted like a full set of [`Event::Stepped`].
+    StepsDone {
+        epoch: u64,
+        first: u64,
+        last: u64,
+        routing: Vec<Vec<u64>>,
+    },
+    /// The node's worker stopped in `epoch` and waits; `step` is the next step it would train
+    /// and `held[layer]` the expert ids it holds now.
+    Idle {
+        node: NodeId,
+        epoch: u64,
+        why: IdleReason,
+        step: u64,
+        held: Vec<Vec<u32>>,
+    },
+    /// The node applied the reconfiguration of `epoch`.
+    Migrated {
+        node: NodeId,
+        epoch: u64,
+        bytes_in: u64,
+    },
+    /// A member wrote its parts of the checkpoint taken after `step` completed steps.
+    CheckpointWritten {
+        node: NodeId,
+        epoch: u64,
+        step: u64,
+    },
+    /// Answers to [`Action::CommitCheckpoint`].
+    CheckpointCommitted {
+        step: u64,
+    },
+    CheckpointFailed {
+        step: u64,
+        error: String,
+    },
+    /// Answers to [`Action::FindCheckpoint`]: the newest valid checkpoint, or why there is none.
+    CheckpointFound {
+        step: u64,
+    },
+    CheckpointMissing {
+        error: String,
+    },
+    /// The node's worker stopped (after [`Action::Stop`]) with these checksums.
+    Done {
+        node: NodeId,
+        checksums: StateChecksums,
+    },
+    /// The driver injected a fault now (starts the detection clock of the recovery record).
+    FaultInjected,
+    /// Time passes: expiries and timeouts.
+    Tick,
+}
+
+/// Why a reconfiguration happens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ReconfigKind {
+    /// The first plan (fresh or resumed).
+    Start,
+    Rebalance,
+    Join,
+    InPlace,
+    /// Some expert lost every replica: every member restores a checkpoint.
+    Restore,
+}
+
+impl ReconfigKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Start => "start",
+            Self::Rebalance => "rebalance",
+            Self::Join => "join",
+            Self::InPlace => "in-place",
+            Self::Restore => "checkpoint",
+        }
+    }
+}
+
+/// Where the members' state comes from in a [`Reconfiguration`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StateSource {
+    /// Initialised from the seed (every member the same values).
+    Fresh,
+    /// Kept; missing replicas arrive as transfers; ranks in `dense_to` receive the dense state
+    /// from rank `dense_from`.
+    Peers {
+        dense_from: usize,
+        dense_to: Vec<usize>,
+    },
+    /// Every member loads the checkpoint of `step`.
+    Checkpoint { step: u64 },
+}
+
+/// One expert state to move, between ranks of the new membership.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankTransfer {
+    pub layer: usize,
+    pub expert: usize,
+    pub src_rank: usize,
+    pub dst_rank: usize,
+}
+
+/// A new membership and plan, for every member.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Reconfiguration {
+    pub kind: ReconfigKind,
+    /// Strictly increasing; a member never talks to a peer of another epoch.
+    pub epoch: u64,
+    /// The plan; `plan.node_map` are the members in rank order.
+    pub plan: ModelPlan,
+    pub transfers: Vec<RankTransfer>,
+    pub source: StateSource,
+    /// The step every member trains next.
+    pub resume_step: u64,
+    /// The planner's estimate of the bytes migrated.
+    pub migration_bytes: u64,
+    /// The largest bytes one member sends / receives (planner estimate).
+    pub max_sent_bytes: u64,
+    pub max_recv_bytes: u64,
+}
+
+impl Reconfiguration {
+    pub fn members(&self) -> &[NodeId] {
+        &self.plan.node_map
+    }
+
+    /// `[layer][expert][rank]` replica counts (one rank per member).
+    pub fn replicas_per_member(&self) -> Vec<Vec<Vec<u32>>> {
+        let world = self.plan.node_map.len();
+        let experts = self.plan.model.experts;
+        self.plan
+            .layers
+            .iter()
+            .map(|layer| {
+                let mut r = vec![vec![0u32; world]; experts];
+                for (rank, slots) in layer.grid().iter().enumerate() {
+                    for &e in slots {
+                        r[e as usize][rank] += 1;
+                    }
+                }
+                r
+            })
+            .collect()
+    }
+}
+
+/// One counted step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepRecord {
+    pub step: u64,
+    pub epoch: u64,
+    pub plan_version: u64,
+    /// Mean loss over the members.
+    pub loss: f64,
+    pub tokens: u64,
+    /// Slowest member's step time.
+    pub step_ms: f64,
+    pub members: usize,
+    pub live_nodes: usize,
+}
+
+/// A completed reconfiguration, with its phases (the replan time is the driver's to measure).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReconfigRecord {
+    pub kind: ReconfigKind,
+    pub epoch: u64,
+    pub plan_version: u64,
+    /// Steps counted when the cause was noticed.
+    pub at_step: u64,
+    pub resume_step: u64,
+    pub nodes_before: usize,
+    pub nodes_after: usize,
+    pub transfers: usize,
+    /// Bytes the members reported receiving.
+    pub bytes: u64,
+    /// From the cause (fault, failure report, rebalance point, ready newcomer) to the plan.
+    pub detect_ms: f64,
+    /// From the plan to the last member's `Migrated`.
+    pub migrate_ms: f64,
+    /// From the last `Migrated` to the first counted step after it (0 if that came first).
+    pub resume_ms: f64,
+}
+
+/// What the driver must do.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Action {
+    /// Start the node's worker.
+    StartWorker {
+        node: NodeId,
+    },
+    /// Stop at the next step boundary all members agree on, then report [`Event::Idle`].
+    Pause {
+        node: NodeId,
+    },
+    /// Abort what the member does in `epoch` (a collective, a mesh being formed) and report
+    /// [`Event::Idle`]: a peer is gone.
+    Abort {
+        node: NodeId,
+        epoch: u64,
+    },
+    /// Send every member its part of this reconfiguration.
+    Reconfigure(Box<Reconfiguration>),
+    /// Every member wrote its parts of the checkpoint of `step`: commit it atomically and answer
+    /// [`Event::CheckpointCommitted`] or [`Event::CheckpointFailed`].
+    CommitCheckpoint {
+        step: u64,
+        members: usize,
+        plan_version: u64,
+    },
+    /// Find the newest valid checkpoint; answer [`Event::CheckpointFound`] or
+    /// [`Event::CheckpointMissing`].
+    FindCheckpoint,
+    /// The node is declared failed: stop talking to it, kill its worker.
+    Fence {
+        node: NodeId,
+        reason: String,
+    },
+    /// Stop the node's worker (it answers [`Event::Done`]).
+    Stop {
+        node: NodeId,
+    },
+    /// Too few nodes to hold every expert: wait for more.
+    WaitForNodes {
+        live: usize,
+        reason: String,
+    },
+    Record(StepRecord),
+    Reconfigured(ReconfigRecord),
+    Log(String),
+    /// The job is over.
+    Finished(Result<(), String>),
+}
+
+/// Where the job is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Phase {
+    /// Waiting for the first plan's nodes.
+    Gathering,
+    Training,
+    /// Waiting for every member to be idle.
+    Quiescing,
+    /// Waiting for the driver to find a checkpoint.
+    Restoring,
+    /// Waiting for every member's `Migrated`.
+    Reconfiguring,
+    /// Too few nodes; waiting for joins.
+    WaitingForNodes,
+    /// Waiting for every node's checksums.
+    Stopping,
+    Over,
+}
+
+#[derive(Debug, Clone)]
+struct Node {
+    name: String,
+    joined_ms: u64,
+    last_seen_ms: u64,
+    ready: bool,
+    /// Reported idle in the current epoch: why, next step, holdings.
+    idle: Option<(IdleReason, u64, Vec<Vec<u32>>)>,
+    /// Holds the job's dense state (completed a reconfiguration of the current lineage).
+    has_state: bool,
+    done: Option<StateChecksums>,
+}
+
+#[derive(Debug, Clone)]
+struct Pending {
+    kind: ReconfigKind,
+    detect_ms: f64,
+    sent_ms: u64,
+    at_step: u64,
+    resume_step: u64,
+    nodes_before: usize,
+    transfers: usize,
+    waiting: BTreeSet<NodeId>,
+    bytes: u64,
+    /// A step was counted before the last `Migrated` arrived.
+    stepped: bool,
+}
+
+/// A cause of the next reconfiguration, and since when.
+#[derive(Debug, Clone, Copy)]
+struct Cause {
+    kind: ReconfigKind,
+    since_ms: u64,
+    nodes_before: usize,
+}
+
+/// See the [module docs](self).
+#[derive(Debug, Clone)]
+pub struct JobMachine {
+    cfg: JobConfig,
+    phase: Phase,
+    nodes: BTreeMap<NodeId, Node>,
+    /// Members of the plan in force, in rank order (lost ones removed).
+    members: Vec<NodeId>,
+    epoch: u64,
+    plan_version: u64,
+    /// The last plan issued (the next replan's version base).
+    plan: Option<ModelPlan>,
+    cause: Option<Cause>,
+    pending: Option<Pending>,
+    /// A reconfiguration record waiting for the first step after it.
+    resuming: Option<(ReconfigRecord, u64)>,
+    /// The next step to count.
+    next_step: u64,
+    /// Per step, per member: reports until every member reported.
+    step_reports: BTreeMap<u64, BTreeMap<NodeId, StepReport>>,
+    checkpoint_parts: BTreeMap<u64, BTreeSet<NodeId>>,
+    last_committed: Option<u64>,
+    history: LoadHistory,
+    /// The current lineage was set up completely (Fresh/restore done on every member).
+    lineage_complete: bool,
+    /// Since when some ready node waits to join.
+    join_waiting_since: Option<u64>,
+    /// When the phase last made progress (timeouts count from here).
+    progress_ms: u64,
+}
+
+impl JobMachine {
+    pub fn new(cfg: JobConfig) -> Result<Self, JobConfigError> {
+        cfg.validate()?;
+        let history = LoadHistory::new(cfg.aggregation, cfg.model.layers, cfg.model.experts)?;
+        Ok(Self {
+            cfg,
+            phase: Phase::Gathering,
+            nodes: BTreeMap::new(),
+            members: Vec::new(),
+            epoch: 0,
+            plan_version: 0,
+            plan: None,
+            cause: None,
+            pending: None,
+            resuming: None,
+            next_step: 0,
+            step_reports: BTreeMap::new(),
+            checkpoint_parts: BTreeMap::new(),
+            last_committed: None,
+            history,
+            lineage_complete: false,
+            join_waiting_since: None,
+            progress_ms: 0,
+        })
+    }
+
+    pub fn config(&self) -> &JobConfig {
+        &self.cfg
+    }
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+    pub fn plan_version(&self) -> u64 {
+        self.plan_version
+    }
+    /// Members of the plan in force, in rank order.
+    pub fn members(&self) -> &[NodeId] {
+        &self.members
+    }
+    /// Nodes the machine considers alive.
+    pub fn live_nodes(&self) -> Vec<NodeId> {
+        self.nodes.keys().copied().collect()
+    }
+    /// The next step to be counted (= steps counted in the current lineage).
+    pub fn next_step(&self) -> u64 {
+        self.next_step
+    }
+    /// The newest checkpoint the driver reported committed.
+    pub fn last_committed_checkpoint(&self) -> Option<u64> {
+        self.last_committed
+    }
+    /// The plan in force.
+    pub fn plan(&self) -> Option<&ModelPlan> {
+        self.plan.as_ref()
+    }
+    /// Loads `[layer][expert]` from the routing history.
+    pub fn loads(&self) -> Vec<Vec<u64>> {
+        self.history.loads()
+    }
+    pub fn is_over(&self) -> bool {
+        self.phase == Phase::Over
+    }
+    /// The next step at which the machine plans a rebalance (for drivers that advance many
+    /// steps at once).
+    pub fn next_rebalance_step(&self) -> Option<u64> {
+        let every = self.cfg.rebalance_every_steps;
+        if every == 0 {
+            return None;
+        }
+        let next = (self.next_step / every + 1) * every;
+        (next + 1 < self.cfg.total_steps).then_some(next)
+    }
+
+    /// Feeds one event; the actions it causes are appended to `out`.
+    pub fn handle(&mut self, now_ms: u64, event: Event, out: &mut Vec<Action>) {
+        if self.phase == Phase::Over {
+            return;
+        }
+        match event {
+            Event::Joined { node, name } => self.joined(node, name, now_ms, out),
+            Event::Ready { node } => self.ready(node, now_ms, out),
+            Event::Heartbeat { node } => {
+                if let Some(n) = self.nodes.get_mut(&node) {
+                    n.last_seen_ms = n.last_seen_ms.max(now_ms);
+                }
+            }
+            Event::Lost { node, reason } => self.lose(node, &reason, now_ms, out),
+            Event::Stepped {
+                node,
+                epoch,
+                step,
+                report,
+            } => self.stepped(node, epoch, step, report, now_ms, out),
+            Event::StepsDone {
+                epoch,
+                first,
+                last,
+                routing,
+            } => self.steps_done(epoch, first, last, &routing, now_ms, out),
+            Event::Idle {
+                node,
+                epoch,
+                why,
+                step,
+                held,
+            } => self.idle(node, epoch, why, step, held, now_ms, out),
+            Event::Migrated {
+                node,
+                epoch,
+                bytes_in,
+            } => self.migrated(node, epoch, bytes_in, now_ms),
+            Event::CheckpointWritten { node, epoch, step } => {
+                self.checkpoint_written(node, epoch, step, out)
+            }
+            Event::CheckpointCommitted { step } => {
+                self.last_committed = Some(self.last_committed.map_or(step, |s| s.max(step)));
+                out.push(Action::Log(format!("checkpoint of step {step} committed")));
+            }
+            Event::CheckpointFailed { step, error } => out.push(Action::Log(format!(
+                "checkpoint of step {step} failed (training goes on): {error}"
+            ))),
+            Event::CheckpointFound { step } => self.restore_from(step, now_ms, out),
+            Event::CheckpointMissing { error } => self.no_checkpoint(&error, out),
+            Event::Done { node, checksums } => {
+                if let Some(n) = self.nodes.get_mut(&node) {
+                    n.done = Some(checksums);
+                }
+            }
+            Event::FaultInjected => self.note_cause(ReconfigKind::InPlace, now_ms),
+            Event::Tick => self.tick(now_ms, out),
+        }
+        self.progress(now_ms, out);
+    }
+
+    fn joined(&mut self, node: NodeId, name: String, now_ms: u64, out: &mut Vec<Action>) {
+        if self.nodes.contains_key(&node) {
+            return;
+        }
+        if self.phase == Phase::Stopping {
+            out.push(Action::Stop { node });
+            return;
+        }
+        self.nodes.insert(
+            node,
+            Node {
+                name: name.clone(),
+                joined_ms: now_ms,
+                last_seen_ms: now_ms,
+                ready: false,
+                idle: None,
+                has_state: false,
+                done: None,
+            },
+        );
+        out.push(Action::StartWorker { node });
+        out.push(Action::Log(format!("node {node} ({name}) joined")));
+    }
+
+    fn ready(&mut self, node: NodeId, now_ms: u64, out: &mut Vec<Action>) {
+        let Some(n) = self.nodes.get_mut(&node) else {
+            return;
+        };
+        if n.ready {
+            return;
+        }
+        n.ready = true;
+        if !self.members.contains(&node) && self.plan.is_some() {
+            self.join_waiting_since.get_or_insert(now_ms);
+            out.push(Action::Log(format!(
+                "node {node} ready: joins at a step boundary"
+            )));
+        }
+    }
+
+    fn note_cause(&mut self, kind: ReconfigKind, now_ms: u64) {
+        match &mut self.cause {
+            Some(c) => c.kind = c.kind.max(kind),
+            None => {
+                self.cause = Some(Cause {
+                    kind,
+                    since_ms: now_ms,
+                    nodes_before: self.members.len(),
+                })
+            }
+        }
+    }
+
+    /// A member failed or is gone: every other member stops what it does.
+    fn interrupt(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        self.note_cause(ReconfigKind::InPlace, now_ms);
+        if matches!(self.phase, Phase::Training | Phase::Reconfiguring) {
+            self.enter(Phase::Quiescing, now_ms);
+            for &m in &self.members {
+                if self.nodes[&m].idle.is_none() {
+                    out.push(Action::Abort {
+                        node: m,
+                        epoch: self.epoch,
+                    });
+                }
+            }
+        }
+    }
+
+    fn enter(&mut self, phase: Phase, now_ms: u64) {
+        self.phase = phase;
+        self.progress_ms = now_ms;
+    }
+
+    fn lose(&mut self, node: NodeId, why: &str, now_ms: u64, out: &mut Vec<Action>) {
+        let Some(n) = self.nodes.remove(&node) else {
+            return;
+        };
+        if n.done.is_some() || self.phase == Phase::Stopping {
+            return;
+        }
+        out.push(Action::Log(format!(
+            "node {node} ({}) is gone: {why}",
+            n.name
+        )));
+        if self.members.contains(&node) {
+            // Noted before the member is dropped: the record counts it among the nodes before.
+            self.note_cause(ReconfigKind::InPlace, now_ms);
+            self.members.retain(|&m| m != node);
+            if let Some(p) = self.pending.as_mut() {
+                p.waiting.remove(&node);
+            }
+            self.interrupt(now_ms, out);
+        }
+        let newcomer_left = self
+            .nodes
+            .iter()
+            .any(|(id, n)| n.ready && !self.members.contains(id));
+        if !newcomer_left {
+            self.join_waiting_since = None;
+        }
+    }
+
+    /// Fences a node that stopped answering.
+    fn fence(&mut self, node: NodeId, reason: String, now_ms: u64, out: &mut Vec<Action>) {
+        out.push(Action::Fence {
+            node,
+            reason: reason.clone(),
+        });
+        self.lose(node, &format!("fenced: {reason}"), now_ms, out);
+    }
+
+    fn tick(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        let hb = self.cfg.heartbeat_timeout_ms;
+        let expired: Vec<NodeId> = self
+            .nodes
+            .iter()
+            .filter(|(_, n)| now_ms.saturating_sub(n.last_seen_ms) > hb)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in expired {
+            self.fence(id, "no heartbeat".into(), now_ms, out);
+        }
+        let late = now_ms.saturating_sub(self.progress_ms) > self.cfg.member_timeout_ms;
+        let stuck: Vec<(NodeId, &str)> = match self.phase {
+            Phase::Gathering | Phase::WaitingForNodes => self
+                .nodes
+                .iter()
+                .filter(|(_, n)| {
+                    !n.ready && now_ms.saturating_sub(n.joined_ms) > self.cfg.member_timeout_ms
+                })
+                .map(|(&id, _)| (id, "its worker never became ready"))
+                .collect(),
+            Phase::Quiescing if late => self
+                .members
+                .iter()
+                .filter(|m| self.nodes[m].idle.is_none())
+                .map(|&m| (m, "did not stop when asked"))
+                .collect(),
+            Phase::Reconfiguring if late => self
+                .pending
+                .iter()
+                .flat_map(|p| p.waiting.iter())
+                .map(|&m| (m, "did not finish the reconfiguration"))
+                .collect(),
+            Phase::Training if late => {
+                // Progress stalled: whoever has not reported the next step is stuck.
+                let reported = self.step_reports.get(&self.next_step);
+                self.members
+                    .iter()
+                    .filter(|m| !reported.is_some_and(|r| r.contains_key(m)))
+                    .map(|&m| (m, "made no step progress"))
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
+        for (id, why) in stuck {
+            self.fence(
+                id,
+                format!("{why} within {} ms", self.cfg.member_timeout_ms),
+                now_ms,
+                out,
+            );
+        }
+        if self.phase == Phase::Training
+            && self
+                .join_waiting_since
+                .is_some_and(|t| now_ms.saturating_sub(t) >= self.cfg.scale_out_wait_ms)
+        {
+            self.note_cause(ReconfigKind::Join, now_ms);
+            self.pause_members(now_ms, out);
+        }
+    }
+
+    fn pause_members(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        if self.phase != Phase::Training {
+            return;
+        }
+        self.enter(Phase::Quiescing, now_ms);
+        for &m in &self.members {
+            out.push(Action::Pause { node: m });
+        }
+    }
+
+    fn counting(&self, node: Option<NodeId>, epoch: u64) -> bool {
+        epoch == self.epoch
+            && node.is_none_or(|n| self.members.contains(&n))
+            && matches!(
+                self.phase,
+                Phase::Training | Phase::Quiescing | Phase::Reconfiguring
+            )
+    }
+
+    fn stepped(
+        &mut self,
+        node: NodeId,
+        epoch: u64,
+        step: u64,
+        report: StepReport,
+        now_ms: u64,
+        out: &mut Vec<Action>,
+    ) {
+        if !self.counting(Some(node), epoch) || step < self.next_step {
+            return;
+        }
+        self.step_reports
+            .entry(step)
+            .or_default()
+            .entry(node)
+            .or_insert(report);
+        while let Some(entry) = self.step_reports.first_entry() {
+            if *entry.key() != self.next_step
+                || !self.members.iter().all(|m| entry.get().contains_key(m))
+            {
+                break;
+            }
+            let (step, by_node) = entry.remove_entry();
+            let mut routing: Vec<Vec<u64>> = Vec::new();
+            for r in by_node.values().filter(|r| !r.routing.is_empty()) {
+                add_counts(&mut routing, &r.routing);
+            }
+            let n = by_node.len().max(1) as f64;
+            let record = StepRecord {
+                step,
+                epoch: self.epoch,
+                plan_version: self.plan_version,
+                loss: by_node.values().map(|r| r.loss).sum::<f64>() / n,
+                tokens: by_node.values().map(|r| r.tokens).sum(),
+                step_ms: by_node.values().map(|r| r.step_ms).fold(0.0, f64::max),
+                members: self.members.len(),
+                live_nodes: self.nodes.len(),
+            };
+            self.count_steps(step, step, &routing, now_ms, out);
+            out.push(Action::Record(record));
+        }
+    }
+
+    fn steps_done(
+        &mut self,
+        epoch: u64,
+        first: u64,
+        last: u64,
+        routing: &[Vec<u64>],
+        now_ms: u64,
+        out: &mut Vec<Action>,
+    ) {
+        if !self.counting(None, epoch) || first != self.next_step || last < first {
+            return;
+        }
+        self.count_steps(first, last, routing, now_ms, out);
+    }
+
+    /// Steps `first..=last` completed on every member.
+    fn count_steps(
+        &mut self,
+        first: u64,
+        last: u64,
+        routing: &[Vec<u64>],
+        now_ms: u64,
+        out: &mut Vec<Action>,
+    ) {
+        debug_assert_eq!(first, self.next_step, "steps are counted in order");
+        if !routing.is_empty()
+            && let Err(e) = self.history.push(routing)
+        {
+            out.push(Action::Log(format!("routing counts ignored: {e}")));
+        }
+        self.next_step = last + 1;
+        self.progress_ms = now_ms;
+        if let Some(p) = self.pending.as_mut() {
+            p.stepped = true;
+        }
+        if let Some((mut r, t)) = self.resuming.take() {
+            r.resume_ms = now_ms.saturating_sub(t) as f64;
+            out.push(Action::Reconfigured(r));
+        }
+        let every = self.cfg.rebalance_every_steps;
+        let crossed = every > 0 && (first..=last).any(|s| (s + 1).is_multiple_of(every));
+        if crossed && self.next_step + 1 < self.cfg.total_steps && self.phase == Phase::Training {
+            self.note_cause(ReconfigKind::Rebalance, now_ms);
+            self.pause_members(now_ms, out);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn idle(
+        &mut self,
+        node: NodeId,
+        epoch: u64,
+        why: IdleReason,
+        step: u64,
+        held: Vec<Vec<u32>>,
+        now_ms: u64,
+        out: &mut Vec<Action>,
+    ) {
+        if epoch != self.epoch || !self.members.contains(&node) {
+            return;
+        }
+        let Some(n) = self.nodes.get_mut(&node) else {
+            return;
+        };
+        if n.idle.is_some() {
+            return;
+        }
+        n.idle = Some((why.clone(), step, held));
+        self.progress_ms = now_ms;
+        match why {
+            IdleReason::Failed(error) => {
+                out.push(Action::Log(format!(
+                    "node {node}: step {step} failed: {error}"
+                )));
+                self.interrupt(now_ms, out);
+            }
+            IdleReason::Finished => {
+                if self.phase == Phase::Training {
+                    self.enter(Phase::Quiescing, now_ms);
+                }
+            }
+            IdleReason::Paused => {}
+        }
+    }
+
+    fn migrated(&mut self, node: NodeId, epoch: u64, bytes_in: u64, now_ms: u64) {
+        if epoch != self.epoch || self.phase != Phase::Reconfiguring {
+            return;
+        }
+        let Some(p) = self.pending.as_mut() else {
+            return;
+        };
+        if p.waiting.remove(&node) {
+            p.bytes += bytes_in;
+            if let Some(n) = self.nodes.get_mut(&node) {
+                n.has_state = true;
+            }
+            self.progress_ms = now_ms;
+        }
+    }
+
+    fn checkpoint_written(&mut self, node: NodeId, epoch: u64, step: u64, out: &mut Vec<Action>) {
+        if epoch != self.epoch || !self.members.contains(&node) || !self.cfg.checkpoint_due(step) {
+            return;
+        }
+        let parts = self.checkpoint_parts.entry(step).or_default();
+        parts.insert(node);
+        if self.members.iter().all(|m| parts.contains(m)) {
+            self.checkpoint_parts.remove(&step);
+            out.push(Action::CommitCheckpoint {
+                step,
+                members: self.members.len(),
+                plan_version: self.plan_version,
+            });
+        }
+    }
+
+    /// Moves the job on once the conditions of the current phase hold.
+    fn progress(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        match self.phase {
+            Phase::Gathering => {
+                let ready = self.nodes.values().filter(|n| n.ready).count();
+                let starting = self.nodes.values().any(|n| !n.ready);
+                if ready >= self.cfg.initial_nodes && !starting {
+                    self.cause = Some(Cause {
+                        kind: ReconfigKind::Start,
+                        since_ms: now_ms,
+                        nodes_before: 0,
+                    });
+                    self.plan_next(now_ms, out);
+                }
+            }
+            Phase::WaitingForNodes => {
+                if self.nodes.values().any(|n| !n.ready) {
+                    return;
+                }
+                let slots = self.nodes.len() * self.cfg.slots_per_node;
+                if slots >= self.cfg.model.experts {
+                    self.plan_next(now_ms, out);
+                }
+            }
+            Phase::Quiescing => {
+                if !self.members.iter().all(|m| self.nodes[m].idle.is_some()) {
+                    return;
+                }
+                let finished = !self.members.is_empty()
+                    && self.members.iter().all(|m| {
+                        matches!(&self.nodes[m].idle, Some((IdleReason::Finished, s, _)) if *s >= self.cfg.total_steps)
+                    });
+                if finished {
+                    self.enter(Phase::Stopping, now_ms);
+                    for &id in self.nodes.keys() {
+                        out.push(Action::Stop { node: id });
+                    }
+                    out.push(Action::Log("every member finished; stopping".into()));
+                } else {
+                    self.plan_next(now_ms, out);
+                }
+            }
+            Phase::Reconfiguring => self.finish_reconfiguration(now_ms, out),
+            Phase::Stopping => {
+                if self.nodes.values().all(|n| n.done.is_some()) {
+                    self.phase = Phase::Over;
+                    out.push(Action::Finished(self.check_consistency()));
+                }
+            }
+            Phase::Training | Phase::Restoring | Phase::Over => {}
+        }
+    }
+
+    fn finish_reconfiguration(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        if !self.pending.as_ref().is_some_and(|p| p.waiting.is_empty()) {
+            return;
+        }
+        let p = self.pending.take().expect("checked");
+        self.lineage_complete = true;
+        let rec = ReconfigRecord {
+            kind: p.kind,
+            epoch: self.epoch,
+            plan_version: self.plan_version,
+            at_step: p.at_step,
+            resume_step: p.resume_step,
+            nodes_before: p.nodes_before,
+            nodes_after: self.members.len(),
+            transfers: p.transfers,
+            bytes: p.bytes,
+            detect_ms: p.detect_ms,
+            migrate_ms: now_ms.saturating_sub(p.sent_ms) as f64,
+            resume_ms: 0.0,
+        };
+        out.push(Action::Log(format!(
+            "epoch {}: {} reconfiguration done, {} members, resuming at step {}",
+            self.epoch,
+            p.kind.name(),
+            self.members.len(),
+            p.resume_step
+        )));
+        if p.stepped {
+            out.push(Action::Reconfigured(rec));
+        } else {
+            self.resuming = Some((rec, now_ms));
+        }
+        self.enter(Phase::Training, now_ms);
+        let newcomer = self
+            .nodes
+            .iter()
+            .any(|(id, n)| n.ready && !self.members.contains(id));
+        if newcomer {
+            self.join_waiting_since.get_or_insert(now_ms);
+        }
+    }
+
+    /// Nodes the next plan is made over: members (their reported holdings) then ready
+    /// newcomers (holding nothing), with whether each holds the job's state.
+    fn candidates(&self) -> Vec<(PhysicalNode, bool)> {
+        let newcomers = self
+            .nodes
+            .iter()
+            .filter(|(id, n)| n.ready && !self.members.contains(id))
+            .map(|(&id, _)| id);
+        self.members
+            .iter()
+            .copied()
+            .chain(newcomers)
+            .map(|id| {
+                let n = &self.nodes[&id];
+                let holdings = match (&n.idle, n.has_state) {
+                    (Some((_, _, held)), true) => held.clone(),
+                    _ => Vec::new(),
+                };
+                (PhysicalNode { id, holdings }, n.has_state)
+            })
+            .collect()
+    }
+
+    /// Plans the next membership: in place, a restore, or a fresh start.
+    fn plan_next(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        self.join_waiting_since = None;
+        let candidates = self.candidates();
+        let slots = candidates.len() * self.cfg.slots_per_node;
+        if slots < self.cfg.model.experts {
+            self.enter(Phase::WaitingForNodes, now_ms);
+            let reason = format!(
+                "{} experts do not fit in {slots} slots of {} nodes",
+                self.cfg.model.experts,
+                candidates.len()
+            );
+            out.push(Action::WaitForNodes {
+                live: self.nodes.len(),
+                reason,
+            });
+            return;
+        }
+        let first = self.plan.is_none();
+        if first && !self.cfg.resume {
+            return self.send_plan(ReconfigKind::Start, StateSource::Fresh, 0, now_ms, out);
+        }
+        let with_state: Vec<PhysicalNode> = candidates
+            .iter()
+            .filter(|(_, s)| *s)
+            .map(|(p, _)| p.clone())
+            .collect();
+        let lost = lost_experts(&with_state, self.cfg.model.layers, self.cfg.model.experts);
+        if first || !self.lineage_complete || with_state.is_empty() || !lost.is_empty() {
+            if !first && self.lineage_complete && !lost.is_empty() {
+                out.push(Action::Log(format!(
+                    "{} lost every replica: restoring a checkpoint",
+                    describe_lost(&lost)
+                )));
+            }
+            if !self.lineage_complete && !first && self.cfg.checkpoint_every_steps == 0 {
+                // An interrupted fresh start without checkpoints starts afresh.
+                return self.send_plan(ReconfigKind::Start, StateSource::Fresh, 0, now_ms, out);
+            }
+            if self.cfg.checkpoint_every_steps == 0 && !first {
+                self.enter(Phase::Over, now_ms);
+                return self.fail(
+                    format!(
+                        "{} lost every replica and checkpoints are off",
+                        describe_lost(&lost)
+                    ),
+                    out,
+                );
+            }
+            self.enter(Phase::Restoring, now_ms);
+            out.push(Action::FindCheckpoint);
+            return;
+        }
+        self.replan_in_place(&candidates, now_ms, out);
+    }
+
+    fn replan_in_place(
+        &mut self,
+        candidates: &[(PhysicalNode, bool)],
+        now_ms: u64,
+        out: &mut Vec<Action>,
+    ) {
+        let resume_step = self
+            .members
+            .iter()
+            .filter_map(|m| {
+                let n = &self.nodes[m];
+                n.has_state.then(|| n.idle.as_ref().map(|i| i.1)).flatten()
+            })
+            .min()
+            .unwrap_or(self.next_step);
+        let physical: Vec<PhysicalNode> = candidates.iter().map(|(p, _)| p.clone()).collect();
+        let options = ReplanOptions {
+            alloc: self.cfg.alloc,
+            place: self.cfg.place,
+            mapping: self.cfg.mapping,
+            bytes_per_expert: self.cfg.bytes_per_expert,
+        };
+        let made = replan(
+            &physical,
+            self.cfg.slots_per_node,
+            &self.cfg.model,
+            &self.history.loads(),
+            &options,
+            self.plan_version,
+        );
+        let (plan, migration) = match made {
+            Ok(pm) => pm,
+            Err(e) => {
+                // Holdings that no plan can be mapped onto (should not happen once lost
+                // experts were ruled out): fall back to a restore rather than stall.
+                out.push(Action::Log(format!(
+                    "in-place replan failed ({e}): restoring"
+                )));
+                self.enter(Phase::Restoring, now_ms);
+                out.push(Action::FindCheckpoint);
+                return;
+            }
+        };
+        let has_state: BTreeMap<NodeId, bool> =
+            candidates.iter().map(|(p, s)| (p.id, *s)).collect();
+        let dense_from = plan
+            .node_map
+            .iter()
+            .position(|id| has_state[id])
+            .expect("a member with state exists (checked by plan_next)");
+        let dense_to = plan
+            .node_map
+            .iter()
+            .enumerate()
+            .filter(|(_, id)| !has_state[id])
+            .map(|(r, _)| r)
+            .collect();
+        let kind = self.cause.map_or(ReconfigKind::Rebalance, |c| c.kind);
+        let source = StateSource::Peers {
+            dense_from,
+            dense_to,
+        };
+        self.issue(
+            kind,
+            plan,
+            Some(&migration),
+            source,
+            resume_step,
+            now_ms,
+            out,
+        );
+    }
+
+    /// A fresh plan over the candidates (start or restore), no transfers.
+    fn send_plan(
+        &mut self,
+        kind: ReconfigKind,
+        source: StateSource,
+        resume_step: u64,
+        now_ms: u64,
+        out: &mut Vec<Action>,
+    ) {
+        let mut ids: Vec<NodeId> = self.candidates().iter().map(|(p, _)| p.id).collect();
+        if kind == ReconfigKind::Start || self.plan.is_none() {
+            // Ranks follow node names (n2 before n10), not registration order: reproducible.
+            ids.sort_by_cached_key(|id| natural_key(&self.nodes[id].name));
+        }
+        let cluster = ClusterSpec::new(ids.len(), self.cfg.slots_per_node);
+        let made = plan_model(
+            &cluster,
+            &self.cfg.model,
+            &self.history.loads(),
+            self.cfg.alloc,
+            self.cfg.place,
+            Alignment::Aligned,
+        );
+        let mut plan = match made {
+            Ok(p) => p,
+            Err(e) => return self.fail(format!("planning {} nodes failed: {e}", ids.len()), out),
+        };
+        plan.node_map = ids;
+        plan.version = self.plan_version + 1;
+        self.issue(kind, plan, None, source, resume_step, now_ms, out);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn issue(
+        &mut self,
+        kind: ReconfigKind,
+        plan: ModelPlan,
+        migration: Option<&MigrationPlan>,
+        source: StateSource,
+        resume_step: u64,
+        now_ms: u64,
+        out: &mut Vec<Action>,
+    ) {
+        let cause = self.cause.take().unwrap_or(Cause {
+            kind,
+            since_ms: now_ms,
+            nodes_before: self.members.len(),
+        });
+        let rank: BTreeMap<NodeId, usize> = plan
+            .node_map
+            .iter()
+            .enumerate()
+            .map(|(r, &id)| (id, r))
+            .collect();
+        let transfers: Vec<RankTransfer> = migration
+            .map(|m| {
+                m.transfers
+                    .iter()
+                    .map(|t| RankTransfer {
+                        layer: t.layer as usize,
+                        expert: t.expert as usize,
+                        src_rank: rank[&t.src],
+                        dst_rank: rank[&t.dst],
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        self.epoch += 1;
+        self.plan_version = plan.version;
+        self.members = plan.node_map.clone();
+        self.next_step = resume_step;
+        self.step_reports.clear();
+        self.checkpoint_parts.clear();
+        self.resuming = None;
+        if !matches!(source, StateSource::Peers { .. }) {
+            // A new lineage: nobody holds its state until it reports `Migrated`.
+            self.lineage_complete = false;
+            for n in self.nodes.values_mut() {
+                n.has_state = false;
+            }
+        }
+        for n in self.nodes.values_mut() {
+            n.idle = None;
+        }
+        out.push(Action::Log(format!(
+            "epoch {}: plan v{} ({}) over {} nodes {:?}, {} transfers, resume at step {resume_step}",
+            self.epoch,
+            plan.version,
+            kind.name(),
+            self.members.len(),
+            self.members,
+            transfers.len()
+        )));
+        self.pending = Some(Pending {
+            kind,
+            detect_ms: now_ms.saturating_sub(cause.since_ms) as f64,
+            sent_ms: now_ms,
+            at_step: resume_step,
+            resume_step,
+            nodes_before: cause.nodes_before,
+            transfers: transfers.len(),
+            waiting: self.members.iter().copied().collect(),
+            bytes: 0,
+            stepped: false,
+        });
+        let reconfig = Reconfiguration {
+            kind,
+            epoch: self.epoch,
+            plan: plan.clone(),
+            transfers,
+            source,
+            resume_step,
+            migration_bytes: migration.map_or(0, |m| m.bytes),
+            max_sent_bytes: migration.map_or(0, |m| m.max_sent_bytes),
+            max_recv_bytes: migration.map_or(0, |m| m.max_recv_bytes),
+        };
+        self.plan = Some(plan);
+        self.enter(Phase::Reconfiguring, now_ms);
+        out.push(Action::Reconfigure(Box::new(reconfig)));
+    }
+
+    fn restore_from(&mut self, step: u64, now_ms: u64, out: &mut Vec<Action>) {
+        if self.phase != Phase::Restoring {
+            return;
+        }
+        let kind = if self.plan.is_none() {
+            ReconfigKind::Start
+        } else {
+            ReconfigKind::Restore
+        };
+        if let Some(c) = self.cause.as_mut() {
+            c.kind = kind;
+        }
+        out.push(Action::Log(format!(
+            "restoring the checkpoint of step {step}"
+        )));
+        self.send_plan(kind, StateSource::Checkpoint { step }, step, now_ms, out);
+    }
+
+    fn no_checkpoint(&mut self, error: &str, out: &mut Vec<Action>) {
+        if self.phase != Phase::Restoring {
+            return;
+        }
+        self.fail(format!("no checkpoint can be restored: {error}"), out);
+    }
+
+    fn fail(&mut self, why: String, out: &mut Vec<Action>) {
+        self.phase = Phase::Over;
+        for &id in self.nodes.keys() {
+            out.push(Action::Stop { node: id });
+        }
+        out.push(Action::Finished(Err(why)));
+    }
+
+    /// Every node's final state: one dense state, identical replicas of each expert.
+    fn check_consistency(&self) -> Result<(), String> {
+        let sums: Vec<(NodeId, &StateChecksums)> = self
+            .nodes
+            .iter()
+            .filter_map(|(&id, n)| n.done.as_ref().map(|d| (id, d)))
+            .filter(|(id, _)| self.members.contains(id))
+            .collect();
+        let mut problems = Vec::new();
+        if let Some((first_id, first)) = sums.first() {
+            for (id, s) in &sums[1..] {
+                if s.dense != first.dense {
+                    problems.push(format!(
+                        "dense state of node {id} differs from node {first_id}'s"
+                    ));
+                }
+            }
+        }
+        let mut replicas: BTreeMap<(u32, u32), (NodeId, u64)> = BTreeMap::new();
+        for (id, s) in &sums {
+            for &(l, e, c) in &s.replicas {
+                match replicas.get(&(l, e)) {
+                    Some(&(other, c0)) if c0 != c => problems.push(format!(
+                        "expert {e} of layer {l}: node {id}'s replica differs from node {other}'s"
+                    )),
+                    Some(_) => {}
+                    None => {
+                        replicas.insert((l, e), (*id, c));
+                    }
+                }
+            }
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("replicas diverged: {}", problems.join("; ")))
+        }
+    }
+
+    /// The machine's own invariants (the swarm test checks them after every event).
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let layers = self.cfg.model.layers;
+        let experts = self.cfg.model.experts;
+        for m in &self.members {
+            if !self.nodes.contains_key(m) {
+                return Err(format!("member {m} is not a live node"));
+            }
+        }
+        let training = matches!(self.phase, Phase::Training);
+        if training {
+            // Every expert has a replica on a live member.
+            let plan = self.plan.as_ref().ok_or("training without a plan")?;
+            let holders: Vec<PhysicalNode> = plan
+                .physical_nodes()
+                .into_iter()
+                .filter(|p| self.members.contains(&p.id))
+                .collect();
+            let lost = lost_experts(&holders, layers, experts);
+            if !lost.is_empty() {
+                return Err(format!(
+                    "training while {} lost every replica",
+                    describe_lost(&lost)
+                ));
+            }
+        }
+        if let Some(p) = &self.pending
+            && p.waiting.iter().any(|w| !self.members.contains(w))
+        {
+            return Err("waiting for a Migrated from a non-member".into());
+        }
+        if self.next_step > self.cfg.total_steps {
+            return Err(format!("counted step {} past the end", self.next_step));
+        }
+        Ok(())
+    }
+}
+
+fn add_counts(sum: &mut Vec<Vec<u64>>, counts: &[Vec<u64>]) {
+    if sum.is_empty() {
+        *sum = counts.to_vec();
+        return;
+    }
+    for (s, c) in sum.iter_mut().zip(counts) {
+        for (a, &b) in s.iter_mut().zip(c) {
+            *a = a.saturating_add(b);
+        }
+    }
+}
+
+fn describe_lost(lost: &[(u32, u32)]) -> String {
+    let names: Vec<String> = lost
+        .iter()
+        .take(8)
+        .map(|(l, e)| format!("expert {e} of layer {l}"))
+        .collect();
+    if lost.len() > names.len() {
+        format!("{} and {} more", names.join(", "), lost.len() - names.len())
+    } else {
+        names.join(", ")
+    }
+}
+
+/// Sort key putting `n2` before `n10`: the name without its trailing digits, then their value.
+pub fn natural_key(name: &str) -> (String, u64, String) {
+    let digits = name.len() - name.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+    let (stem, num) = name.split_at(name.len() - digits);
+    (
+        stem.to_owned(),
+        num.parse().unwrap_or(u64::MAX),
+        name.to_owned(),
+    )
+}

@@ -1,0 +1,561 @@
+//! Unit tests of the job state machine's rules ([`lazarus_planner::job`]): one scenario each.
+
+use lazarus_planner::ModelSpec;
+use lazarus_planner::job::{
+    Action, Event, IdleReason, JobConfig, JobMachine, NodeId, Phase, ReconfigKind, Reconfiguration,
+    StateChecksums, StateSource, StepReport,
+};
+
+/// 4 experts × 2 layers, f = 2, `slots` per node.
+fn config(slots: usize, steps: u64) -> JobConfig {
+    let model = ModelSpec {
+        experts: 4,
+        layers: 2,
+        f: 2,
+    };
+    let mut cfg = JobConfig::new(model, slots, steps);
+    cfg.initial_nodes = 2;
+    cfg.heartbeat_timeout_ms = 1_000;
+    cfg.member_timeout_ms = 5_000;
+    cfg
+}
+
+struct Job {
+    m: JobMachine,
+    now_ms: u64,
+    out: Vec<Action>,
+}
+
+impl Job {
+    fn new(cfg: JobConfig) -> Self {
+        Self {
+            m: JobMachine::new(cfg).unwrap(),
+            now_ms: 0,
+            out: Vec::new(),
+        }
+    }
+
+    /// Feeds `ev` at the current time and returns the actions it caused.
+    fn ev(&mut self, ev: Event) -> Vec<Action> {
+        let mut out = Vec::new();
+        self.m.handle(self.now_ms, ev, &mut out);
+        self.m.check_invariants().unwrap();
+        self.out.extend(out.clone());
+        out
+    }
+
+    fn at(&mut self, now_ms: u64) -> &mut Self {
+        self.now_ms = now_ms;
+        self
+    }
+
+    fn join(&mut self, node: NodeId) -> Vec<Action> {
+        let mut a = self.ev(Event::Joined {
+            node,
+            name: format!("n{node}"),
+        });
+        a.extend(self.ev(Event::Ready { node }));
+        a
+    }
+
+    fn migrated_all(&mut self, r: &Reconfiguration) -> Vec<Action> {
+        let mut a = Vec::new();
+        for &m in r.members() {
+            a.extend(self.ev(Event::Migrated {
+                node: m,
+                epoch: r.epoch,
+                bytes_in: 0,
+            }));
+        }
+        a
+    }
+
+    fn step_all(&mut self, step: u64) -> Vec<Action> {
+        let epoch = self.m.epoch();
+        let mut a = Vec::new();
+        for m in self.m.members().to_vec() {
+            a.extend(self.ev(Event::Stepped {
+                node: m,
+                epoch,
+                step,
+                report: StepReport {
+                    loss: 2.0,
+                    tokens: 8,
+                    step_ms: 1.0,
+                    routing: Vec::new(),
+                },
+            }));
+        }
+        a
+    }
+
+    fn idle(&mut self, node: NodeId, why: IdleReason, step: u64) -> Vec<Action> {
+        let held = self.held(node);
+        let epoch = self.m.epoch();
+        self.ev(Event::Idle {
+            node,
+            epoch,
+            why,
+            step,
+            held,
+        })
+    }
+
+    /// What `node` holds under the plan in force.
+    fn held(&self, node: NodeId) -> Vec<Vec<u32>> {
+        let plan = self.m.plan().unwrap();
+        let q = plan.node_map.iter().position(|&n| n == node);
+        match q {
+            Some(q) => plan.plan_node_contents()[q].clone(),
+            None => Vec::new(),
+        }
+    }
+}
+
+fn reconfig(actions: &[Action]) -> Option<Reconfiguration> {
+    actions.iter().find_map(|a| match a {
+        Action::Reconfigure(r) => Some((**r).clone()),
+        _ => None,
+    })
+}
+
+fn records(actions: &[Action]) -> Vec<u64> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Record(r) => Some(r.step),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Two nodes started and trained `steps` steps.
+fn started(mut cfg: JobConfig, nodes: &[NodeId], steps: u64) -> (Job, Reconfiguration) {
+    cfg.initial_nodes = nodes.len();
+    let mut j = Job::new(cfg);
+    let mut a = Vec::new();
+    for &n in nodes {
+        a.extend(j.join(n));
+    }
+    let r = reconfig(&a).expect("the first plan");
+    j.migrated_all(&r);
+    for s in 0..steps {
+        j.step_all(s);
+    }
+    (j, r)
+}
+
+#[test]
+fn the_first_plan_waits_for_initial_nodes_and_orders_ranks_by_name() {
+    let mut j = Job::new(config(4, 10));
+    let a = j.ev(Event::Joined {
+        node: 7,
+        name: "n10".into(),
+    });
+    assert!(a.contains(&Action::StartWorker { node: 7 }));
+    j.ev(Event::Ready { node: 7 });
+    assert_eq!(j.m.phase(), Phase::Gathering);
+    j.ev(Event::Joined {
+        node: 8,
+        name: "n2".into(),
+    });
+    let a = j.ev(Event::Ready { node: 8 });
+    let r = reconfig(&a).unwrap();
+    assert_eq!(r.kind, ReconfigKind::Start);
+    assert_eq!(r.source, StateSource::Fresh);
+    assert_eq!(r.members(), &[8, 7], "n2 before n10");
+    assert_eq!((r.epoch, r.resume_step), (1, 0));
+}
+
+#[test]
+fn a_step_counts_once_every_member_reported_it_in_this_epoch() {
+    let (mut j, r) = started(config(4, 10), &[0, 1], 0);
+    let report = StepReport::default();
+    let a = j.ev(Event::Stepped {
+        node: 0,
+        epoch: r.epoch,
+        step: 0,
+        report: report.clone(),
+    });
+    assert!(records(&a).is_empty());
+    // A stale epoch and a non-member change nothing.
+    for (node, epoch) in [(1, r.epoch - 1), (9, r.epoch)] {
+        let a = j.ev(Event::Stepped {
+            node,
+            epoch,
+            step: 0,
+            report: report.clone(),
+        });
+        assert!(records(&a).is_empty());
+    }
+    let a = j.ev(Event::Stepped {
+        node: 1,
+        epoch: r.epoch,
+        step: 0,
+        report: report.clone(),
+    });
+    assert_eq!(records(&a), vec![0]);
+    // A duplicate of a counted step is ignored.
+    let a = j.ev(Event::Stepped {
+        node: 1,
+        epoch: r.epoch,
+        step: 0,
+        report,
+    });
+    assert!(records(&a).is_empty());
+    assert_eq!(j.m.next_step(), 1);
+}
+
+#[test]
+fn a_lost_member_aborts_the_others_and_the_survivors_replan_in_place() {
+    let (mut j, _) = started(config(4, 10), &[0, 1, 2], 3);
+    let a = j.at(10).ev(Event::Lost {
+        node: 2,
+        reason: "killed".into(),
+    });
+    assert!(a.contains(&Action::Abort { node: 0, epoch: 1 }));
+    assert!(a.contains(&Action::Abort { node: 1, epoch: 1 }));
+    j.idle(0, IdleReason::Failed("peer".into()), 3);
+    // One member is one step ahead: the resume step is the smaller one.
+    let a = j.at(20).idle(1, IdleReason::Failed("peer".into()), 4);
+    let r = reconfig(&a).expect("in-place replan");
+    assert_eq!(r.kind, ReconfigKind::InPlace);
+    assert_eq!(r.members(), &[0, 1]);
+    assert_eq!(r.resume_step, 3);
+    assert_eq!(
+        r.source,
+        StateSource::Peers {
+            dense_from: 0,
+            dense_to: vec![]
+        }
+    );
+    assert_eq!(r.epoch, 2);
+    j.at(30).migrated_all(&r);
+    let a = j.at(35).step_all(3);
+    let rec = a
+        .iter()
+        .find_map(|a| match a {
+            Action::Reconfigured(r) => Some(r.clone()),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(
+        (rec.detect_ms, rec.migrate_ms, rec.resume_ms),
+        (10.0, 10.0, 5.0)
+    );
+    assert_eq!((rec.nodes_before, rec.nodes_after), (3, 2));
+}
+
+#[test]
+fn an_expert_without_replicas_restores_the_newest_checkpoint() {
+    let mut cfg = config(2, 20);
+    cfg.initial_nodes = 4;
+    cfg.checkpoint_every_steps = 5;
+    let (mut j, r) = started(cfg, &[0, 1, 2, 3], 7);
+    // Nodes 0 and 1 hold the same MRO block: losing both loses its experts.
+    let block: Vec<NodeId> = r.members()[..2].to_vec();
+    assert_eq!(j.held(block[0]), j.held(block[1]));
+    for &n in &block {
+        j.ev(Event::Lost {
+            node: n,
+            reason: "killed".into(),
+        });
+    }
+    let rest: Vec<NodeId> = r.members()[2..].to_vec();
+    j.idle(rest[0], IdleReason::Failed("x".into()), 7);
+    let a = j.idle(rest[1], IdleReason::Failed("x".into()), 7);
+    assert!(a.contains(&Action::FindCheckpoint));
+    assert_eq!(j.m.phase(), Phase::Restoring);
+    let a = j.ev(Event::CheckpointFound { step: 5 });
+    let r2 = reconfig(&a).unwrap();
+    assert_eq!(r2.kind, ReconfigKind::Restore);
+    assert_eq!(r2.source, StateSource::Checkpoint { step: 5 });
+    assert_eq!(r2.resume_step, 5);
+    assert!(r2.transfers.is_empty());
+}
+
+#[test]
+fn a_lost_expert_without_checkpoints_ends_the_job_naming_it() {
+    let mut cfg = config(2, 20);
+    cfg.initial_nodes = 4;
+    let (mut j, r) = started(cfg, &[0, 1, 2, 3], 2);
+    for &n in &r.members()[..2] {
+        j.ev(Event::Lost {
+            node: n,
+            reason: "killed".into(),
+        });
+    }
+    j.idle(r.members()[2], IdleReason::Failed("x".into()), 2);
+    let a = j.idle(r.members()[3], IdleReason::Failed("x".into()), 2);
+    let why = a
+        .iter()
+        .find_map(|a| match a {
+            Action::Finished(Err(w)) => Some(w.clone()),
+            _ => None,
+        })
+        .unwrap();
+    assert!(
+        why.contains("lost every replica") && why.contains("expert"),
+        "{why}"
+    );
+    assert!(j.m.is_over());
+}
+
+#[test]
+fn a_newcomer_joins_lazily_at_an_agreed_step_and_gets_the_dense_state() {
+    let mut cfg = config(4, 50);
+    cfg.scale_out_wait_ms = 100;
+    let (mut j, _) = started(cfg, &[0, 1], 2);
+    j.at(1_000).join(2);
+    j.ev(Event::Heartbeat { node: 0 });
+    j.ev(Event::Heartbeat { node: 1 });
+    let a = j.at(1_050).ev(Event::Tick);
+    assert!(
+        !a.iter().any(|a| matches!(a, Action::Pause { .. })),
+        "too early"
+    );
+    let a = j.at(1_100).ev(Event::Tick);
+    assert!(a.contains(&Action::Pause { node: 0 }) && a.contains(&Action::Pause { node: 1 }));
+    j.idle(0, IdleReason::Paused, 2);
+    let a = j.idle(1, IdleReason::Paused, 2);
+    let r = reconfig(&a).unwrap();
+    assert_eq!(r.kind, ReconfigKind::Join);
+    assert_eq!(r.members().len(), 3);
+    let rank2 = r.members().iter().position(|&n| n == 2).unwrap();
+    match &r.source {
+        StateSource::Peers { dense_to, .. } => assert_eq!(dense_to, &vec![rank2]),
+        s => panic!("{s:?}"),
+    }
+    assert!(r.transfers.iter().all(|t| t.dst_rank == rank2));
+    assert!(!r.transfers.is_empty());
+}
+
+/// Bug 1 of the control-plane issue: a newcomer whose join was cut short by a failure was
+/// treated as holding the dense state in the next replan and trained on its fresh weights.
+#[test]
+fn a_join_cut_short_by_a_failure_still_sends_the_dense_state_next_time() {
+    let (mut j, _) = started(config(4, 50), &[0, 1, 2], 1);
+    j.join(3);
+    j.ev(Event::Tick);
+    for n in [0, 1, 2] {
+        j.idle(n, IdleReason::Paused, 1);
+    }
+    let r = j.out.iter().rev().find_map(|a| match a {
+        Action::Reconfigure(r) => Some((**r).clone()),
+        _ => None,
+    });
+    let r = r.unwrap();
+    assert_eq!(r.kind, ReconfigKind::Join);
+    // Node 0 migrates, then node 2 dies before the newcomer finished.
+    j.ev(Event::Migrated {
+        node: 0,
+        epoch: r.epoch,
+        bytes_in: 0,
+    });
+    j.ev(Event::Lost {
+        node: 2,
+        reason: "killed".into(),
+    });
+    j.idle(0, IdleReason::Failed("peer".into()), 1);
+    j.idle(1, IdleReason::Failed("peer".into()), 1);
+    let a = j.idle(3, IdleReason::Failed("peer".into()), 1);
+    let r2 = reconfig(&a).unwrap();
+    let rank3 = r2.members().iter().position(|&n| n == 3).unwrap();
+    match &r2.source {
+        StateSource::Peers {
+            dense_from,
+            dense_to,
+        } => {
+            assert_eq!(
+                dense_to,
+                &vec![rank3],
+                "the newcomer still needs the dense state"
+            );
+            assert_ne!(*dense_from, rank3);
+        }
+        s => panic!("{s:?}"),
+    }
+}
+
+#[test]
+fn a_member_that_does_not_stop_when_asked_is_fenced() {
+    let (mut j, _) = started(config(4, 50), &[0, 1, 2], 1);
+    // Node 2 is stopped (SIGSTOP): it never answers, its heartbeats still come from its agent.
+    j.at(100).ev(Event::Lost {
+        node: 1,
+        reason: "killed".into(),
+    });
+    j.idle(0, IdleReason::Failed("peer".into()), 1);
+    for t in (1_000..=5_000).step_by(1_000) {
+        j.at(t).ev(Event::Heartbeat { node: 0 });
+        j.ev(Event::Heartbeat { node: 2 });
+        let a = j.ev(Event::Tick);
+        assert!(
+            !a.iter().any(|a| matches!(a, Action::Fence { .. })),
+            "t={t}"
+        );
+    }
+    j.at(5_101).ev(Event::Heartbeat { node: 0 });
+    j.ev(Event::Heartbeat { node: 2 });
+    let a = j.ev(Event::Tick);
+    assert!(a.iter().any(|a| matches!(a, Action::Fence { node: 2, .. })));
+    let r = reconfig(&a).expect("replanned without the stuck member");
+    assert_eq!(r.members(), &[0]);
+}
+
+#[test]
+fn a_stalled_step_fences_the_member_that_did_not_report_it() {
+    let (mut j, r) = started(config(4, 50), &[0, 1], 2);
+    j.ev(Event::Stepped {
+        node: 0,
+        epoch: r.epoch,
+        step: 2,
+        report: StepReport::default(),
+    });
+    for t in [2_000, 4_000, 6_000] {
+        j.at(t).ev(Event::Heartbeat { node: 0 });
+        j.ev(Event::Heartbeat { node: 1 });
+    }
+    let a = j.ev(Event::Tick);
+    assert!(
+        a.iter().any(|a| matches!(a, Action::Fence { node: 1, .. })),
+        "{a:?}"
+    );
+    assert!(a.contains(&Action::Abort { node: 0, epoch: 1 }));
+}
+
+#[test]
+fn a_silent_node_is_fenced_after_one_heartbeat_timeout() {
+    let (mut j, _) = started(config(4, 50), &[0, 1], 1);
+    j.at(1_000).ev(Event::Heartbeat { node: 0 });
+    let a = j.ev(Event::Tick);
+    assert!(a.is_empty() || !a.iter().any(|a| matches!(a, Action::Fence { .. })));
+    j.at(1_001).ev(Event::Heartbeat { node: 0 });
+    let a = j.ev(Event::Tick);
+    assert!(a.iter().any(|a| matches!(a, Action::Fence { node: 1, .. })));
+    assert!(a.contains(&Action::Abort { node: 0, epoch: 1 }));
+}
+
+#[test]
+fn a_worker_that_never_becomes_ready_does_not_stall_the_start() {
+    let mut j2 = Job::new(config(4, 10));
+    for n in 0..3 {
+        j2.ev(Event::Joined {
+            node: n,
+            name: format!("n{n}"),
+        });
+    }
+    j2.ev(Event::Ready { node: 0 });
+    j2.ev(Event::Ready { node: 1 });
+    assert!(reconfig(&j2.out).is_none(), "node 2 is still starting");
+    for n in [0, 1, 2] {
+        j2.at(5_001).ev(Event::Heartbeat { node: n });
+    }
+    let a = j2.ev(Event::Tick);
+    assert!(a.iter().any(|a| matches!(a, Action::Fence { node: 2, .. })));
+    assert_eq!(reconfig(&a).unwrap().members(), &[0, 1]);
+}
+
+#[test]
+fn rebalances_happen_every_k_counted_steps() {
+    let mut cfg = config(4, 50);
+    cfg.rebalance_every_steps = 5;
+    let (mut j, _) = started(cfg, &[0, 1], 4);
+    assert_eq!(j.m.next_rebalance_step(), Some(5));
+    let a = j.step_all(4);
+    assert!(a.contains(&Action::Pause { node: 0 }));
+    j.idle(0, IdleReason::Paused, 5);
+    let a = j.idle(1, IdleReason::Paused, 5);
+    let r = reconfig(&a).unwrap();
+    assert_eq!((r.kind, r.resume_step), (ReconfigKind::Rebalance, 5));
+}
+
+#[test]
+fn too_few_nodes_wait_for_more_then_restore() {
+    let mut cfg = config(2, 50);
+    cfg.initial_nodes = 2;
+    cfg.checkpoint_every_steps = 2;
+    let (mut j, r) = started(cfg, &[0, 1], 3);
+    j.ev(Event::Lost {
+        node: r.members()[1],
+        reason: "killed".into(),
+    });
+    let a = j.idle(r.members()[0], IdleReason::Failed("x".into()), 3);
+    assert!(
+        a.iter().any(|a| matches!(a, Action::WaitForNodes { .. })),
+        "{a:?}"
+    );
+    assert_eq!(j.m.phase(), Phase::WaitingForNodes);
+    // Two nodes had one replica of each expert (4 slots for 4 experts): the survivor lost
+    // some, so the plan over the survivor and the newcomer restores the checkpoint of step 2.
+    let a = j.join(5);
+    assert!(a.contains(&Action::FindCheckpoint), "{a:?}");
+    let a = j.ev(Event::CheckpointFound { step: 2 });
+    let r2 = reconfig(&a).expect("planned once enough nodes are there");
+    assert_eq!(r2.members().len(), 2);
+    assert_eq!((r2.kind, r2.resume_step), (ReconfigKind::Restore, 2));
+}
+
+#[test]
+fn a_checkpoint_is_committed_once_every_member_wrote_its_parts() {
+    let mut cfg = config(4, 50);
+    cfg.checkpoint_every_steps = 2;
+    let (mut j, r) = started(cfg, &[0, 1], 2);
+    let a = j.ev(Event::CheckpointWritten {
+        node: 0,
+        epoch: r.epoch,
+        step: 2,
+    });
+    assert!(
+        !a.iter()
+            .any(|a| matches!(a, Action::CommitCheckpoint { .. }))
+    );
+    let a = j.ev(Event::CheckpointWritten {
+        node: 1,
+        epoch: r.epoch,
+        step: 2,
+    });
+    assert!(a.contains(&Action::CommitCheckpoint {
+        step: 2,
+        members: 2,
+        plan_version: 1
+    }));
+    j.ev(Event::CheckpointFailed {
+        step: 2,
+        error: "disk full".into(),
+    });
+    assert_eq!(
+        j.m.phase(),
+        Phase::Training,
+        "a failed commit is not a node failure"
+    );
+}
+
+#[test]
+fn the_job_ends_when_every_member_finished_and_checks_the_replicas() {
+    for (diverge, ok) in [(false, true), (true, false)] {
+        let (mut j, _) = started(config(4, 3), &[0, 1], 3);
+        j.idle(0, IdleReason::Finished, 3);
+        let a = j.idle(1, IdleReason::Finished, 3);
+        assert!(a.contains(&Action::Stop { node: 0 }) && a.contains(&Action::Stop { node: 1 }));
+        for n in [0u32, 1] {
+            let dense = if diverge && n == 1 { 2 } else { 1 };
+            j.ev(Event::Done {
+                node: n,
+                checksums: StateChecksums {
+                    dense,
+                    replicas: vec![(0, 0, 7)],
+                },
+            });
+        }
+        let fin = j
+            .out
+            .iter()
+            .find_map(|a| match a {
+                Action::Finished(r) => Some(r.clone()),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(fin.is_ok(), ok, "{fin:?}");
+    }
+}
