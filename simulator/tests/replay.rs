@@ -377,3 +377,142 @@ fn relayout_on_the_smartmoe_trace() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown policy"));
 }
+
+/// The lazarus system's decisions are the job state machine's: a failure that leaves some
+/// expert without a replica restores the checkpoint, any other one replans in place.
+#[test]
+fn lazarus_failure_decisions_are_the_machines() {
+    use lazarus_planner::job::ReconfigKind;
+    use lazarus_planner::migrate::{PhysicalNode, lost_experts};
+    use lazarus_simulator::cost;
+    use lazarus_simulator::replay::systems::Ctx;
+    use lazarus_simulator::replay::systems::lazarus::{Driver, Order};
+    let (hw, model) = (
+        cost::hardware("rtx3090-100g").unwrap(),
+        cost::model("gpt-s").unwrap(),
+    );
+    let ctx = Ctx {
+        hw: &hw,
+        model: &model,
+    };
+    let mut started = Driver::new(&ctx, Some(100), Some(200), 200, 120_000);
+    let nodes: Vec<u32> = (0..4).collect();
+    let Some(Order::Start { layout }) = started.nodes_ready(&ctx, 0, &nodes) else {
+        panic!("four nodes start the job");
+    };
+    started.reconfigured(&ctx, 0);
+    // Skewed routing: at the rebalance (step 200) expert 0 takes most slots, the others keep
+    // the f = 2 minimum, so some pairs of nodes hold every replica of an expert.
+    let mut routing = vec![vec![1; 8]; 12];
+    routing.iter_mut().for_each(|l| l[0] = 1000);
+    started.steps_done(&ctx, 1_000_000_000, 0, 199, &routing);
+    assert!(started.pause_wanted(), "a rebalance every 200 steps");
+    let Some(Order::Reconfigure {
+        kind: ReconfigKind::Rebalance,
+        layout,
+        ..
+    }) = started.at_boundary(&ctx, 1_000_000_000, 200, &layout)
+    else {
+        panic!("the rebalance replans in place");
+    };
+    started.reconfigured(&ctx, 1_000_000_000);
+    started.steps_done(&ctx, 2_000_000_000, 200, 249, &routing);
+    started.checkpoint_saved(&ctx, 2_000_000_000, 250);
+    let survivors = |dead: &[u32]| -> Vec<PhysicalNode> {
+        layout
+            .nodes
+            .iter()
+            .zip(&layout.holdings)
+            .filter(|(id, _)| !dead.contains(id))
+            .map(|(&id, h)| PhysicalNode {
+                id,
+                holdings: h.clone(),
+            })
+            .collect()
+    };
+    let (mut restores, mut in_place) = (0, 0);
+    for a in 0..4u32 {
+        for b in a..4u32 {
+            let dead: Vec<u32> = if a == b { vec![a] } else { vec![a, b] };
+            let lost = !lost_experts(&survivors(&dead), 12, 8).is_empty();
+            let mut d = started.clone();
+            match d.failure_detected(&ctx, 3_000_000_000, &dead, 250, &layout) {
+                Some(Order::Restore { step, layout: l }) => {
+                    assert!(lost, "{dead:?}: restored with every expert alive");
+                    assert_eq!(step, 250, "the newest checkpoint");
+                    assert_eq!(l.nodes.len(), 4 - dead.len());
+                    restores += 1;
+                }
+                Some(Order::Reconfigure {
+                    kind,
+                    layout: l,
+                    migration,
+                    membership_changed,
+                }) => {
+                    assert!(!lost, "{dead:?}: in place with an expert lost");
+                    assert_eq!(kind, ReconfigKind::InPlace);
+                    assert!(membership_changed);
+                    assert_eq!(
+                        migration.bytes,
+                        migration.replicas * model.bytes_per_expert_state
+                    );
+                    assert!(l.nodes.iter().all(|n| !dead.contains(n)));
+                    assert_eq!(d.machine().next_step(), 250, "progress is kept");
+                    in_place += 1;
+                }
+                other => panic!("{dead:?}: {other:?}"),
+            }
+        }
+    }
+    // Every single failure is recovered in place (f = 2); some pairs lose an expert.
+    assert!(in_place >= 4 && restores > 0, "{in_place} {restores}");
+}
+
+/// End to end: losing two of three nodes leaves too few slots (the job waits), and the nodes
+/// that join later cannot bring back the experts only the dead held: a restore. One node that
+/// joins a running job is taken in after the lazy scale-out wait.
+#[test]
+fn lazarus_restores_after_losing_experts_and_scales_out_lazily() {
+    let dir = tmp("lz-machine");
+    std::fs::create_dir_all(&dir).unwrap();
+    let restore = dir.join("restore.csv");
+    std::fs::write(
+        &restore,
+        "0,add,a\n0,add,b\n0,add,c\n600000,remove,a\n600000,remove,b\n660000,add,d\n660000,add,e\n",
+    )
+    .unwrap();
+    let join = dir.join("join.csv");
+    std::fs::write(&join, "0,add,a\n0,add,b\n300000,add,c\n").unwrap();
+    let run = |trace: &Path, rebalance: &str| {
+        ok_json(&[
+            "replay",
+            trace.to_str().unwrap(),
+            "--model",
+            "gpt-s",
+            "--system",
+            "lazarus",
+            "--end",
+            "20m",
+            "--rebalance-every",
+            rebalance,
+            "--format",
+            "json",
+        ])
+    };
+    let r = run(&restore, "200");
+    let lz = by_system(&r, "lazarus");
+    assert_eq!(lz["fallbacks"], 1, "{lz}");
+    assert_eq!(lz["recoveries"], 0, "{lz}");
+    // Without rebalances the lazy scale-out takes the newcomer in (one reconfiguration)...
+    let j = run(&join, "0");
+    let lz = by_system(&j, "lazarus");
+    assert_eq!(lz["scale_outs"], 1, "{lz}");
+    assert_eq!(lz["fallbacks"], 0, "{lz}");
+    // ...with them, the first rebalance during the wait does (gpt-s trains 200 steps in < 2 min).
+    let j = run(&join, "200");
+    let lz = by_system(&j, "lazarus");
+    assert_eq!(lz["scale_outs"], 0, "{lz}");
+    let used = lz["avg_used_nodes"].as_f64().unwrap();
+    assert!(used > 2.5, "{lz}");
+    std::fs::remove_dir_all(dir).ok();
+}

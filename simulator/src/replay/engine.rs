@@ -14,14 +14,21 @@
 //!   that wait is charged to the recovery that follows (reconfigure or restart);
 //! * scale-out is lazy: `scale_out_wait_s` after a node becomes ready the system is asked
 //!   whether it wants more nodes, and if so it scales at the next step boundary (§1.4);
+//! * `lazarus` is not asked: its job state machine ([`Driver`]) is told what happens (node
+//!   ready or gone, failure detected, steps done, checkpoint saved, time) and the engine
+//!   performs what it decides (start, in-place reconfiguration, restore, wait, a pause at the
+//!   next step boundary), with the same modelled durations; the machine keeps its own
+//!   rebalance cadence (segments end at its next decision step) and lazy scale-out wait;
 //! * checkpoints are synchronous pauses; a failure during one loses it;
 //! * the run stops at `end_ms` (default: the trace's last event, which is still processed;
 //!   the Oobleck artifact stops just before it, so it counts one preemption fewer on P3).
 
+use super::systems::lazarus::{Driver, Order};
 use super::systems::{Ctx, Decision, Layout, Migration, NodeId, System, SystemKind};
 use super::{EventRecord, ReplayConfig, RunResult, Sample, StepCache, Summary, TimeBreakdown};
 use crate::cost::{self, StepInput};
 use crate::workload::Workload;
+use lazarus_planner::job::ReconfigKind;
 use lazarus_traces::{NodeOp, Trace};
 use serde_json::json;
 use std::cmp::Reverse;
@@ -46,10 +53,18 @@ enum Ev {
     TraceRemove(NodeId),
     NodeReady(NodeId),
     TryStart,
-    SegmentDone { generation: u64 },
-    PauseDone { generation: u64 },
-    FailureDetected { generation: u64 },
+    SegmentDone {
+        generation: u64,
+    },
+    PauseDone {
+        generation: u64,
+    },
+    FailureDetected {
+        generation: u64,
+    },
     ScaleOutDue,
+    /// Time for the lazarus machine (a lazy scale-out may be due).
+    Tick,
     Sample,
 }
 
@@ -88,6 +103,14 @@ enum Job {
     },
 }
 
+/// Who decides.
+enum Control {
+    /// The baselines answer the engine's questions at its decision points.
+    Rules(Box<dyn System>),
+    /// `lazarus`: the job state machine decides; the engine performs.
+    Machine(Box<Driver>),
+}
+
 struct StepInfo {
     step_ns: u64,
     samples_per_step: u64,
@@ -96,7 +119,7 @@ struct StepInfo {
 pub struct Engine<'a> {
     cfg: &'a ReplayConfig,
     workload: &'a Workload,
-    system: Box<dyn System>,
+    control: Control,
     queue: BinaryHeap<Reverse<(u64, u64, Ev)>>,
     seq: u64,
     now: u64,
@@ -115,7 +138,6 @@ pub struct Engine<'a> {
     ckpt_samples: u64,
     compute_since_ckpt: u64,
     last_ckpt_handled: u64,
-    last_rebalance_handled: u64,
     dead_pending: Vec<NodeId>,
     scale_out_timer: bool,
     scale_out_requested: bool,
@@ -145,7 +167,19 @@ impl<'a> Engine<'a> {
         let mut e = Engine {
             cfg,
             workload,
-            system: system.build(),
+            control: match system {
+                SystemKind::Lazarus => Control::Machine(Box::new(Driver::new(
+                    &Ctx {
+                        hw: &cfg.hardware,
+                        model: &cfg.model,
+                    },
+                    cfg.checkpoint_every_steps,
+                    cfg.rebalance_every_steps,
+                    cfg.load_window_steps,
+                    (cfg.scale_out_wait_s * 1e3).round() as u64,
+                ))),
+                _ => Control::Rules(system.build()),
+            },
             queue: BinaryHeap::new(),
             seq: 0,
             now: 0,
@@ -163,7 +197,6 @@ impl<'a> Engine<'a> {
             ckpt_samples: 0,
             compute_since_ckpt: 0,
             last_ckpt_handled: 0,
-            last_rebalance_handled: 0,
             dead_pending: Vec::new(),
             scale_out_timer: false,
             scale_out_requested: false,
@@ -208,6 +241,20 @@ impl<'a> Engine<'a> {
     fn push(&mut self, t: u64, ev: Ev) {
         self.queue.push(Reverse((t, self.seq, ev)));
         self.seq += 1;
+    }
+
+    fn rules(&mut self) -> &mut dyn System {
+        match &mut self.control {
+            Control::Rules(s) => s.as_mut(),
+            Control::Machine(_) => unreachable!("lazarus is not asked"),
+        }
+    }
+
+    fn driver(&mut self) -> Option<&mut Driver> {
+        match &mut self.control {
+            Control::Machine(d) => Some(d.as_mut()),
+            Control::Rules(_) => None,
+        }
     }
 
     fn ctx(&self) -> Ctx<'a> {
@@ -285,12 +332,20 @@ impl<'a> Engine<'a> {
                 }
                 self.state[n as usize] = NodeState::Ready;
                 self.log("node_ready", json!({"node": self.names[n as usize]}));
-                self.on_ready();
+                if self.driver().is_some() {
+                    self.machine_ready(n);
+                } else {
+                    self.on_ready();
+                }
             }
             Ev::TraceRemove(n) => self.on_remove(n),
             Ev::TryStart => {
                 if matches!(self.job, Job::Idle) {
-                    self.try_start();
+                    if self.driver().is_some() {
+                        self.machine_start();
+                    } else {
+                        self.try_start();
+                    }
                 }
             }
             Ev::SegmentDone { generation } if generation == self.generation => {
@@ -303,16 +358,25 @@ impl<'a> Engine<'a> {
             }
             Ev::ScaleOutDue => {
                 self.scale_out_timer = false;
-                let wants = match &self.layout {
+                let wants = match self.layout.clone() {
                     Some(l) if !matches!(self.job, Job::Idle) => {
-                        self.system
-                            .wants_scale_out(&self.ctx(), l, &self.ready_nodes())
+                        let (ctx, ready) = (self.ctx(), self.ready_nodes());
+                        self.rules().wants_scale_out(&ctx, &l, &ready)
                     }
                     _ => false,
                 };
                 if wants {
                     self.scale_out_requested = true;
                     self.cut_segment();
+                }
+            }
+            Ev::Tick => {
+                let (ctx, now) = (self.ctx(), self.now);
+                if let Some(d) = self.driver() {
+                    d.tick(&ctx, now);
+                    if d.pause_wanted() {
+                        self.cut_segment();
+                    }
                 }
             }
             Ev::Sample => {
@@ -327,18 +391,151 @@ impl<'a> Engine<'a> {
     }
 
     fn on_ready(&mut self) {
-        match (&self.job, &self.layout) {
+        match (self.job, self.layout.clone()) {
             (Job::Idle, _) => self.try_start(),
-            (_, Some(l))
-                if !self.scale_out_timer
-                    && self
-                        .system
-                        .wants_scale_out(&self.ctx(), l, &self.ready_nodes()) =>
-            {
-                self.scale_out_timer = true;
-                self.push(self.now + ns(self.cfg.scale_out_wait_s), Ev::ScaleOutDue);
+            (_, Some(l)) if !self.scale_out_timer => {
+                let (ctx, ready) = (self.ctx(), self.ready_nodes());
+                if self.rules().wants_scale_out(&ctx, &l, &ready) {
+                    self.scale_out_timer = true;
+                    self.push(self.now + ns(self.cfg.scale_out_wait_s), Ev::ScaleOutDue);
+                }
             }
             _ => {}
+        }
+    }
+
+    /// Lazarus: the initial cluster joins the machine together.
+    fn machine_start(&mut self) {
+        let (ctx, now, ready) = (self.ctx(), self.now, self.ready_nodes());
+        let d = self.driver().expect("lazarus");
+        match d.nodes_ready(&ctx, now, &ready) {
+            Some(order) => self.perform(order, None),
+            None => {
+                self.log("idle", json!({"ready": ready.len()}));
+                self.job = Job::Idle;
+            }
+        }
+    }
+
+    /// Lazarus: a booted node joins the machine; a lazy scale-out may be due after the wait.
+    fn machine_ready(&mut self, n: NodeId) {
+        let (ctx, now) = (self.ctx(), self.now);
+        let wait_ms = (self.cfg.scale_out_wait_s * 1e3).round() as u64;
+        let d = self.driver().expect("lazarus");
+        let order = d.nodes_ready(&ctx, now, &[n]);
+        self.push(now + wait_ms * 1_000_000, Ev::Tick);
+        if let Some(order) = order {
+            debug_assert!(
+                matches!(self.job, Job::Idle),
+                "joins only decide while idle"
+            );
+            self.perform(order, None);
+        }
+    }
+
+    /// Lazarus: performs what the machine decided. `failure`: the detection time and the dead
+    /// nodes' names when a detected failure led to it.
+    fn perform(&mut self, order: Order, failure: Option<(u64, Vec<String>)>) {
+        let (detect, dead_names) = failure.unwrap_or_default();
+        let (ctx, now) = (self.ctx(), self.now);
+        match order {
+            Order::Start { layout } => {
+                let nodes = layout.nodes.len();
+                self.set_layout(Some(*layout));
+                self.ever_started = true;
+                self.log("start", json!({"nodes": nodes}));
+                self.driver().expect("lazarus").reconfigured(&ctx, now);
+                self.at_boundary();
+            }
+            Order::Wait => {
+                // The job stopped; until nodes join the machine decides nothing more.
+                self.t.restart_ns += detect;
+                if self.layout.is_some() || !self.ever_started {
+                    self.log(
+                        "idle",
+                        json!({"ready": self.ready_nodes().len(), "dead": dead_names}),
+                    );
+                }
+                self.set_layout(None);
+                self.job = Job::Idle;
+            }
+            Order::Restore { step, layout } => {
+                self.t.restart_ns += detect;
+                self.summary.fallbacks += 1;
+                self.log(
+                    "checkpoint_fallback",
+                    json!({"dead": dead_names, "rollback_steps": self.steps - self.ckpt_steps}),
+                );
+                debug_assert_eq!(step, self.ckpt_steps, "the newest checkpoint saved");
+                self.rollback();
+                let nodes = layout.nodes.len();
+                self.set_layout(Some(*layout));
+                self.log("restart", json!({"nodes": nodes}));
+                let gpus = nodes * self.cfg.hardware.gpus_per_node;
+                let s = cost::restart_s(&self.cfg.hardware, &self.cfg.model, gpus);
+                self.pause(PauseKind::Restart, s);
+            }
+            Order::Reconfigure {
+                kind,
+                layout,
+                migration,
+                membership_changed,
+            } => {
+                let unchanged = self
+                    .layout
+                    .as_ref()
+                    .is_some_and(|l| l.replicas_per_rank == layout.replicas_per_rank);
+                if kind == ReconfigKind::Rebalance
+                    && migration.replicas == 0
+                    && !membership_changed
+                    && unchanged
+                {
+                    // Nothing moves and the step cost stays: no pause, not counted.
+                    self.set_layout(Some(*layout));
+                    self.driver().expect("lazarus").reconfigured(&ctx, now);
+                    self.at_boundary();
+                    return;
+                }
+                self.add_migration(&migration);
+                let mut pause = self.migration_pause_s(&migration);
+                if membership_changed {
+                    pause += self.cfg.hardware.communicator_rebuild_s;
+                }
+                let nodes = layout.nodes.len();
+                let (m_replicas, m_bytes) = (migration.replicas, migration.bytes);
+                let kind = match kind {
+                    ReconfigKind::InPlace | ReconfigKind::Restore | ReconfigKind::Start => {
+                        self.t.reconfigure_ns += detect;
+                        self.summary.recoveries += 1;
+                        self.log(
+                            "reconfigure",
+                            json!({"dead": dead_names, "nodes": nodes, "migrated_replicas": m_replicas,
+                                   "migrated_bytes": m_bytes, "pause_s": pause + secs(detect)}),
+                        );
+                        PauseKind::Reconfigure
+                    }
+                    ReconfigKind::Join => {
+                        self.summary.scale_outs += 1;
+                        self.log(
+                            "scale_out",
+                            json!({"nodes": nodes, "migrated_replicas": m_replicas,
+                                   "migrated_bytes": m_bytes, "pause_s": pause}),
+                        );
+                        PauseKind::ScaleOut
+                    }
+                    ReconfigKind::Rebalance => {
+                        self.summary.rebalances += 1;
+                        self.log(
+                            "rebalance",
+                            json!({"nodes": nodes, "migrated_replicas": m_replicas,
+                                   "migrated_bytes": m_bytes, "pause_s": pause}),
+                        );
+                        PauseKind::Rebalance
+                    }
+                };
+                self.set_layout(Some(*layout));
+                self.pause(kind, pause);
+            }
         }
     }
 
@@ -353,6 +550,10 @@ impl<'a> Engine<'a> {
             json!({"node": self.names[n as usize], "in_use": in_use, "was_booting": was == NodeState::Booting}),
         );
         if !in_use {
+            let (ctx, now) = (self.ctx(), self.now);
+            if let Some(order) = self.driver().and_then(|d| d.node_gone(&ctx, now, n)) {
+                self.perform(order, None);
+            }
             return;
         }
         self.summary.preemptions_in_use += 1;
@@ -406,6 +607,12 @@ impl<'a> Engine<'a> {
         {
             let elapsed = self.now - since;
             let done = (elapsed / step_ns).min(steps);
+            if done > 0 && self.driver().is_some() {
+                let (ctx, now, first) = (self.ctx(), self.now, self.steps);
+                let routing = self.workload.loads(first);
+                let d = self.driver().expect("lazarus");
+                d.steps_done(&ctx, now, first, first + done - 1, &routing);
+            }
             let sps = self.current_samples_per_step();
             self.steps += done;
             self.samples += done * sps;
@@ -485,7 +692,7 @@ impl<'a> Engine<'a> {
         let ready = self.ready_nodes();
         let loads = self.planning_loads();
         let ctx = self.ctx();
-        match self.system.start(&ctx, &ready, &loads) {
+        match self.rules().start(&ctx, &ready, &loads) {
             None => {
                 if self.layout.is_some() || !self.ever_started {
                     self.log("idle", json!({"ready": ready.len()}));
@@ -529,15 +736,24 @@ impl<'a> Engine<'a> {
         let loads = self.planning_loads();
         let ctx = self.ctx();
         let layout = self.layout.clone().expect("a failure needs a layout");
-        let decision = if std::mem::take(&mut self.force_restart) {
-            Decision::RestartFromCheckpoint
-        } else {
-            self.system.on_failure(&ctx, &layout, &dead, &ready, &loads)
-        };
         let dead_names: Vec<String> = dead
             .iter()
             .map(|&n| self.names[n as usize].clone())
             .collect();
+        let (now, steps) = (self.now, self.steps);
+        if let Some(d) = self.driver() {
+            // A restart interrupted by a failure is done again: the machine's rule.
+            let order = d.failure_detected(&ctx, now, &dead, steps, &layout);
+            self.force_restart = false;
+            let order = order.expect("every member reported idle: the machine decides");
+            return self.perform(order, Some((detect, dead_names)));
+        }
+        let decision = if std::mem::take(&mut self.force_restart) {
+            Decision::RestartFromCheckpoint
+        } else {
+            self.rules()
+                .on_failure(&ctx, &layout, &dead, &ready, &loads)
+        };
         match decision {
             Decision::Reconfigure { layout, migration } => {
                 self.t.reconfigure_ns += detect;
@@ -580,7 +796,6 @@ impl<'a> Engine<'a> {
         self.steps = self.ckpt_steps;
         self.samples = self.ckpt_samples;
         self.last_ckpt_handled = self.steps;
-        self.last_rebalance_handled = self.steps;
     }
 
     fn pause_done(&mut self) {
@@ -598,7 +813,15 @@ impl<'a> Engine<'a> {
                 self.try_start();
                 return;
             }
-            _ => {}
+            PauseKind::Reconfigure
+            | PauseKind::ScaleOut
+            | PauseKind::Rebalance
+            | PauseKind::Restart => {
+                let (ctx, now) = (self.ctx(), self.now);
+                if let Some(d) = self.driver() {
+                    d.reconfigured(&ctx, now);
+                }
+            }
         }
         self.at_boundary();
     }
@@ -609,10 +832,15 @@ impl<'a> Engine<'a> {
         self.compute_since_ckpt = 0;
         self.summary.checkpoints += 1;
         self.log("checkpoint", json!({}));
+        let (ctx, now, steps) = (self.ctx(), self.now, self.steps);
+        if let Some(d) = self.driver() {
+            d.checkpoint_saved(&ctx, now, steps);
+        }
     }
 
-    /// At a step boundary with a layout: checkpoint, rebalance and scale-out if due, in that
-    /// order, else run the next segment.
+    /// At a step boundary with a layout: checkpoint if due, then (baselines) a scale-out if
+    /// due, or (lazarus) what the machine decides if it asked for a pause; else run the next
+    /// segment.
     fn at_boundary(&mut self) {
         let Some(layout) = self.layout.clone() else {
             self.job = Job::Idle;
@@ -633,40 +861,21 @@ impl<'a> Engine<'a> {
             self.pause(PauseKind::Checkpoint, s);
             return;
         }
-        let rebalance_every = self.cfg.rebalance_every_steps.unwrap_or(0);
-        if rebalance_every > 0
-            && self.steps > 0
-            && self.steps.is_multiple_of(rebalance_every)
-            && self.last_rebalance_handled != self.steps
-        {
-            self.last_rebalance_handled = self.steps;
-            let loads = self.planning_loads();
-            let ctx = self.ctx();
-            if let Decision::Reconfigure {
-                layout: new,
-                migration,
-            } = self.system.rebalance(&ctx, &layout, &loads)
-                && (migration.replicas > 0 || new.replicas_per_rank != layout.replicas_per_rank)
-            {
-                let layout = new;
-                self.summary.rebalances += 1;
-                self.add_migration(&migration);
-                let pause = self.migration_pause_s(&migration);
-                self.log(
-                    "rebalance",
-                    json!({"migrated_replicas": migration.replicas, "migrated_bytes": migration.bytes, "pause_s": pause}),
-                );
-                self.set_layout(Some(*layout));
-                self.pause(PauseKind::Rebalance, pause);
-                return;
+        if self.driver().is_some() {
+            let (ctx, now, steps) = (self.ctx(), self.now, self.steps);
+            let d = self.driver().expect("lazarus");
+            match d.at_boundary(&ctx, now, steps, &layout) {
+                Some(order) => self.perform(order, None),
+                None => self.run_segment(&layout),
             }
+            return;
         }
         if self.scale_out_requested {
             self.scale_out_requested = false;
             let ready = self.ready_nodes();
             let loads = self.planning_loads();
             let ctx = self.ctx();
-            match self.system.scale_out(&ctx, &layout, &ready, &loads) {
+            match self.rules().scale_out(&ctx, &layout, &ready, &loads) {
                 Decision::Reconfigure { layout, migration } => {
                     self.summary.scale_outs += 1;
                     self.add_migration(&migration);
@@ -748,8 +957,12 @@ impl<'a> Engine<'a> {
             Some(k) if k > 0 => k - s % k,
             _ => u64::MAX,
         };
+        let decision = match &self.control {
+            Control::Rules(_) => until_multiple(self.cfg.rebalance_every_steps),
+            Control::Machine(d) => d.next_decision_step().map_or(u64::MAX, |k| k - s),
+        };
         let mut n = until_multiple(self.cfg.checkpoint_every_steps)
-            .min(until_multiple(self.cfg.rebalance_every_steps))
+            .min(decision)
             .min(self.workload.next_change(s).map_or(u64::MAX, |c| c - s))
             .min(1_000_000);
         if self.scale_out_requested {

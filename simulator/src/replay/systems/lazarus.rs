@@ -1,21 +1,45 @@
-//! `lazarus` (paper §3–§5): Eq. 1 allocation + MRO placement on every ready node, flexible
-//! (unpadded) dispatch, in-place reconfiguration after failures with the planner's optimal
-//! migration mapping, checkpoint fallback only when some expert lost every replica, periodic
-//! rebalance, and lazy scale-out. `f` is relaxed by the planner when slots run short.
+//! `lazarus` (paper §3–§5): the job's control rules are [`JobMachine`]'s, the same state
+//! machine `lzrun` drives. This module only translates: engine happenings become the machine's
+//! [`Event`]s, and the machine's [`Action`]s become the engine's [`Order`]s, which the engine
+//! performs with modelled durations (the cost model's migration, restart and checkpoint times).
+//!
+//! * a node becomes ready → [`Event::Joined`] + [`Event::Ready`] (the machine takes it in at the
+//!   start, after a wait for nodes, or lazily `scale_out_wait` later);
+//! * a node the job does not use is removed → [`Event::Lost`] at once; a node in use is removed
+//!   → [`Event::Lost`] once the failure is *detected* (the engine models the detection timeout),
+//!   followed by every surviving member's [`Event::Idle`] (`Failed`) with its holdings in the
+//!   current plan;
+//! * a segment of steps completes → [`Event::StepsDone`] with the workload's routed tokens of
+//!   those steps (one event per step for the last `window` steps, so the machine's routing
+//!   history is the per-step sliding window it keeps in `lzrun`);
+//! * the engine saved a checkpoint → [`Event::CheckpointWritten`] of every member, and the
+//!   machine's [`Action::CommitCheckpoint`] is answered [`Event::CheckpointCommitted`]; the
+//!   cadence is the engine's (`--ckpt-every` in steps, or Young/Daly converted to steps), the
+//!   same number the machine is configured with;
+//! * time passes → [`Event::Tick`] (when a lazy scale-out may be due);
+//! * [`Action::Pause`] (a rebalance or a join) → the members stop at the next step boundary and
+//!   report [`Event::Idle`] (`Paused`) there;
+//! * [`Action::FindCheckpoint`] → [`Event::CheckpointFound`] with the newest checkpoint the
+//!   engine saved (step 0, the fresh start, when none);
+//! * [`Action::Reconfigure`] → [`Order::Start`], [`Order::Reconfigure`] (state from peers: an
+//!   in-place reconfiguration with its migration) or [`Order::Restore`] (a restart from the
+//!   checkpoint); the engine answers [`Event::Migrated`] of every member when its modelled
+//!   pause ends ([`Driver::reconfigured`]);
+//! * [`Action::WaitForNodes`] → [`Order::Wait`]: the job idles until nodes join.
+//!
+//! The machine's own detection (heartbeats, member timeouts) is configured off: the engine
+//! models detection, and its simulated workers always answer.
 
 use super::{Ctx, Decision, Layout, Migration, NodeId, System};
 use crate::cost::Dispatch;
-use lazarus_planner::migrate::{MappingMethod, MigrationPlan, PhysicalNode, lost_experts};
-use lazarus_planner::{
-    Alignment, AllocPolicy, ModelPlan, PlacePolicy, ReplanOptions, plan_model, replan,
+use lazarus_planner::job::{
+    Action, Event, IdleReason, JobConfig, JobMachine, ReconfigKind, Reconfiguration, StateSource,
 };
-
-#[derive(Default)]
-pub struct Lazarus;
+use lazarus_planner::{Aggregation, Alignment, AllocPolicy, ModelPlan, PlacePolicy, plan_model};
 
 /// The cost model's view of a planner plan.
 fn layout_of(ctx: &Ctx, mut plan: ModelPlan) -> Layout {
-    // `replan` plans per node; the GPU split of each node's slots is a view on it.
+    // The machine plans per node; the GPU split of each node's slots is a view on it.
     plan.cluster.gpus_per_node = ctx.hw.gpus_per_node;
     Layout {
         nodes: plan.node_map.clone(),
@@ -29,76 +53,316 @@ fn layout_of(ctx: &Ctx, mut plan: ModelPlan) -> Layout {
     }
 }
 
-fn migration(m: &MigrationPlan) -> Migration {
-    Migration {
-        replicas: m.new_replicas,
-        bytes: m.bytes,
-        max_sent_bytes: m.max_sent_bytes,
-        max_recv_bytes: m.max_recv_bytes,
-    }
+/// What the engine does next, decided by the machine.
+#[derive(Debug, Clone)]
+pub enum Order {
+    /// The first plan: run on `layout` at once.
+    Start { layout: Box<Layout> },
+    /// An in-place reconfiguration (state from peers): pause for the migration (and a
+    /// communicator rebuild when the membership changed), then run on `layout`.
+    Reconfigure {
+        kind: ReconfigKind,
+        layout: Box<Layout>,
+        migration: Migration,
+        membership_changed: bool,
+    },
+    /// Every member restores the checkpoint of `step`, then runs on `layout`.
+    Restore { step: u64, layout: Box<Layout> },
+    /// Too few nodes to hold every expert: idle until more join.
+    Wait,
 }
 
-impl Lazarus {
-    /// Replans on `physical` and maps the plan onto it; `None` when no plan fits (fewer slots
-    /// than experts) or some needed expert has no holder.
-    fn reconfigure(
-        &self,
+/// The machine and its simulated members; see the [module docs](self).
+#[derive(Debug, Clone)]
+pub struct Driver {
+    machine: JobMachine,
+    /// Routing-history window (steps) of the machine's load aggregation.
+    window: u64,
+    /// The machine asked the members to stop at the next step boundary.
+    pause_wanted: bool,
+    /// Newest checkpoint the engine saved (0: the fresh start).
+    newest_checkpoint: u64,
+    /// Members of the last reconfiguration, in rank order.
+    last_members: Vec<NodeId>,
+}
+
+fn ms(now_ns: u64) -> u64 {
+    now_ns / 1_000_000
+}
+
+/// The name a node joins under: ranks of the first plan follow it (`n2` before `n10`), so the
+/// first plan's ranks are in engine node-id order.
+fn node_name(id: NodeId) -> String {
+    format!("n{id}")
+}
+
+impl Driver {
+    /// `checkpoint_every_steps`: the engine's cadence (`None`: only the fresh start's step 0
+    /// can be restored, as in the engine). `scale_out_wait_ms`: the lazy scale-out wait.
+    pub fn new(
         ctx: &Ctx,
-        physical: &[PhysicalNode],
-        loads: &[Vec<u64>],
-        version: u64,
-    ) -> Option<Decision> {
-        let options = ReplanOptions {
-            alloc: AllocPolicy::Lazarus,
-            place: PlacePolicy::Mro,
-            mapping: MappingMethod::Optimal,
-            bytes_per_expert: ctx.model.bytes_per_expert_state,
+        checkpoint_every_steps: Option<u64>,
+        rebalance_every_steps: Option<u64>,
+        load_window_steps: u64,
+        scale_out_wait_ms: u64,
+    ) -> Self {
+        let model = ctx.model.planner_spec();
+        let slots = ctx.model.slots_per_gpu * ctx.hw.gpus_per_node;
+        let window = load_window_steps.max(1);
+        let mut cfg = JobConfig::new(model, slots, u64::MAX / 4);
+        cfg.heartbeat_timeout_ms = u64::MAX;
+        cfg.member_timeout_ms = u64::MAX;
+        cfg.scale_out_wait_ms = scale_out_wait_ms;
+        cfg.rebalance_every_steps = rebalance_every_steps.unwrap_or(0);
+        cfg.checkpoint_every_steps = checkpoint_every_steps.unwrap_or(u64::MAX);
+        cfg.aggregation = Aggregation::Sum {
+            window_steps: window as usize,
         };
-        let (plan, m) = replan(
-            physical,
-            ctx.model.slots_per_gpu * ctx.hw.gpus_per_node,
-            &ctx.model.planner_spec(),
-            loads,
-            &options,
-            version,
-        )
-        .ok()?;
-        Some(Decision::Reconfigure {
-            layout: Box::new(layout_of(ctx, plan)),
-            migration: migration(&m),
-        })
+        cfg.bytes_per_expert = ctx.model.bytes_per_expert_state;
+        let machine = JobMachine::new(cfg).expect("the model profile is a valid job");
+        Self {
+            machine,
+            window,
+            pause_wanted: false,
+            newest_checkpoint: 0,
+            last_members: Vec::new(),
+        }
     }
-}
 
-fn physical_nodes(current: &Layout) -> Vec<PhysicalNode> {
-    current
-        .nodes
-        .iter()
-        .zip(&current.holdings)
-        .map(|(&id, h)| PhysicalNode {
-            id,
-            holdings: h.clone(),
-        })
-        .collect()
-}
+    pub fn machine(&self) -> &JobMachine {
+        &self.machine
+    }
 
-/// Appends the ready nodes the job does not use yet, holding nothing.
-fn add_spares(physical: &mut Vec<PhysicalNode>, current: &Layout, ready: &[NodeId]) {
-    for &id in ready {
-        if !current.nodes.contains(&id) {
-            physical.push(PhysicalNode {
-                id,
-                holdings: Vec::new(),
-            });
+    /// The step at which the machine wants the next decision point (its rebalance cadence).
+    pub fn next_decision_step(&self) -> Option<u64> {
+        self.machine.next_rebalance_step()
+    }
+
+    /// Whether the members are to stop at the next step boundary.
+    pub fn pause_wanted(&self) -> bool {
+        self.pause_wanted
+    }
+
+    /// Feeds `first` and answers the machine's requests until it has nothing more to ask.
+    fn feed(&mut self, ctx: &Ctx, now_ns: u64, first: Event) -> Option<Order> {
+        let now = ms(now_ns);
+        let mut queue = std::collections::VecDeque::from([first]);
+        let mut order = None;
+        let mut out = Vec::new();
+        while let Some(ev) = queue.pop_front() {
+            self.machine.handle(now, ev, &mut out);
+            for action in out.drain(..) {
+                match action {
+                    Action::Pause { .. } => self.pause_wanted = true,
+                    Action::FindCheckpoint => queue.push_back(Event::CheckpointFound {
+                        step: self.newest_checkpoint,
+                    }),
+                    Action::CommitCheckpoint { step, .. } => {
+                        queue.push_back(Event::CheckpointCommitted { step })
+                    }
+                    Action::Reconfigure(r) => order = Some(self.order(ctx, *r)),
+                    Action::WaitForNodes { .. } => order = Some(Order::Wait),
+                    // The job cannot go on (no plan fits): the engine idles.
+                    Action::Finished(Err(_)) => order = Some(Order::Wait),
+                    // Workers are simulated: they start with their node, stop when it goes,
+                    // and the driver reports every member idle itself (`Abort`).
+                    Action::StartWorker { .. }
+                    | Action::Abort { .. }
+                    | Action::Fence { .. }
+                    | Action::Stop { .. }
+                    | Action::Record(_)
+                    | Action::Reconfigured(_)
+                    | Action::Log(_)
+                    | Action::Finished(Ok(())) => {}
+                }
+            }
+        }
+        order
+    }
+
+    fn order(&mut self, ctx: &Ctx, r: Reconfiguration) -> Order {
+        self.pause_wanted = false;
+        let membership_changed = r.members() != self.last_members.as_slice();
+        self.last_members = r.members().to_vec();
+        let layout = Box::new(layout_of(ctx, r.plan));
+        match r.source {
+            StateSource::Fresh => Order::Start { layout },
+            StateSource::Checkpoint { step } if r.kind == ReconfigKind::Start => {
+                debug_assert_eq!(step, 0, "a job never resumes in the simulator");
+                Order::Start { layout }
+            }
+            StateSource::Checkpoint { step } => Order::Restore { step, layout },
+            StateSource::Peers { .. } => Order::Reconfigure {
+                kind: r.kind,
+                layout,
+                migration: Migration {
+                    replicas: r.transfers.len() as u64,
+                    bytes: r.migration_bytes,
+                    max_sent_bytes: r.max_sent_bytes,
+                    max_recv_bytes: r.max_recv_bytes,
+                },
+                membership_changed,
+            },
+        }
+    }
+
+    /// Nodes become ready together (the initial cluster): all join before any is ready, so
+    /// the first plan covers all of them.
+    pub fn nodes_ready(&mut self, ctx: &Ctx, now_ns: u64, nodes: &[NodeId]) -> Option<Order> {
+        let mut order = None;
+        for &node in nodes {
+            let name = node_name(node);
+            order = self
+                .feed(ctx, now_ns, Event::Joined { node, name })
+                .or(order);
+        }
+        for &node in nodes {
+            order = self.feed(ctx, now_ns, Event::Ready { node }).or(order);
+        }
+        order
+    }
+
+    /// A node the job does not use (or no longer runs on) is gone.
+    pub fn node_gone(&mut self, ctx: &Ctx, now_ns: u64, node: NodeId) -> Option<Order> {
+        let reason = "removed".to_string();
+        self.feed(ctx, now_ns, Event::Lost { node, reason })
+    }
+
+    /// Steps `first..=last` completed on every member; `routing` are one step's routed tokens
+    /// `[layer][expert]` (constant over a segment).
+    pub fn steps_done(
+        &mut self,
+        ctx: &Ctx,
+        now_ns: u64,
+        first: u64,
+        last: u64,
+        routing: &[Vec<u64>],
+    ) {
+        let epoch = self.machine.epoch();
+        // Steps older than the history window only count; the last `window` carry routing.
+        let routed_from = (last + 1).saturating_sub(self.window).max(first);
+        if routed_from > first {
+            let ev = Event::StepsDone {
+                epoch,
+                first,
+                last: routed_from - 1,
+                routing: Vec::new(),
+            };
+            self.feed(ctx, now_ns, ev);
+        }
+        for s in routed_from..=last {
+            let ev = Event::StepsDone {
+                epoch,
+                first: s,
+                last: s,
+                routing: routing.to_vec(),
+            };
+            self.feed(ctx, now_ns, ev);
+        }
+        debug_assert_eq!(self.machine.next_step(), last + 1, "steps counted in order");
+    }
+
+    /// Time passes (a lazy scale-out may be due).
+    pub fn tick(&mut self, ctx: &Ctx, now_ns: u64) {
+        let order = self.feed(ctx, now_ns, Event::Tick);
+        debug_assert!(order.is_none(), "a tick only pauses");
+    }
+
+    /// Every member reports idle at the next step `step`, holding what `current` says.
+    fn members_idle(
+        &mut self,
+        ctx: &Ctx,
+        now_ns: u64,
+        why: IdleReason,
+        step: u64,
+        current: &Layout,
+    ) -> Option<Order> {
+        self.pause_wanted = false;
+        let epoch = self.machine.epoch();
+        let mut order = None;
+        for node in self.machine.members().to_vec() {
+            let held = current
+                .nodes
+                .iter()
+                .position(|&n| n == node)
+                .map_or_else(Vec::new, |i| current.holdings[i].clone());
+            let ev = Event::Idle {
+                node,
+                epoch,
+                why: why.clone(),
+                step,
+                held,
+            };
+            order = self.feed(ctx, now_ns, ev).or(order);
+        }
+        order
+    }
+
+    /// The engine detected that `dead` (members) are gone; the survivors stopped at `step`
+    /// holding their replicas of `current`.
+    pub fn failure_detected(
+        &mut self,
+        ctx: &Ctx,
+        now_ns: u64,
+        dead: &[NodeId],
+        step: u64,
+        current: &Layout,
+    ) -> Option<Order> {
+        let mut order = None;
+        for &node in dead {
+            order = self.node_gone(ctx, now_ns, node).or(order);
+        }
+        let why = IdleReason::Failed("a peer is gone".into());
+        self.members_idle(ctx, now_ns, why, step, current).or(order)
+    }
+
+    /// At a step boundary: if the machine asked for a pause, the members stop here.
+    pub fn at_boundary(
+        &mut self,
+        ctx: &Ctx,
+        now_ns: u64,
+        step: u64,
+        current: &Layout,
+    ) -> Option<Order> {
+        if !self.pause_wanted {
+            return None;
+        }
+        self.members_idle(ctx, now_ns, IdleReason::Paused, step, current)
+    }
+
+    /// The engine finished performing the last reconfiguration: every member applied it.
+    pub fn reconfigured(&mut self, ctx: &Ctx, now_ns: u64) {
+        let epoch = self.machine.epoch();
+        for node in self.machine.members().to_vec() {
+            let ev = Event::Migrated {
+                node,
+                epoch,
+                bytes_in: 0,
+            };
+            self.feed(ctx, now_ns, ev);
+        }
+        // A join whose wait ran out during the reconfiguration is due now.
+        self.tick(ctx, now_ns);
+    }
+
+    /// The engine saved the checkpoint after `step` completed steps.
+    pub fn checkpoint_saved(&mut self, ctx: &Ctx, now_ns: u64, step: u64) {
+        self.newest_checkpoint = step;
+        let epoch = self.machine.epoch();
+        for node in self.machine.members().to_vec() {
+            self.feed(ctx, now_ns, Event::CheckpointWritten { node, epoch, step });
         }
     }
 }
 
-fn version(current: &Layout) -> u64 {
-    current.plan.as_ref().map_or(0, |p| p.version)
-}
+/// One-shot view of the same rules for `lzsim reconfig` (one failure of a given layout): a
+/// machine started on `current.nodes`, with `loads` as its routing history.
+#[derive(Default)]
+pub struct Lazarus;
 
 impl System for Lazarus {
+    /// The planner's first plan (Eq. 1 + MRO) for `loads` known in advance: used for cost
+    /// estimates (Young/Daly, `lzsim reconfig`); the replay's start is the machine's.
     fn start(&mut self, ctx: &Ctx, ready: &[NodeId], loads: &[Vec<u64>]) -> Option<Layout> {
         if ready.is_empty() {
             return None;
@@ -117,6 +381,7 @@ impl System for Lazarus {
         Some(layout_of(ctx, plan))
     }
 
+    /// The machine's decision after `dead` fail on `current`: in place, or a restore.
     fn on_failure(
         &mut self,
         ctx: &Ctx,
@@ -125,38 +390,65 @@ impl System for Lazarus {
         ready: &[NodeId],
         loads: &[Vec<u64>],
     ) -> Decision {
-        let mut physical: Vec<PhysicalNode> = physical_nodes(current)
-            .into_iter()
-            .filter(|n| !dead.contains(&n.id))
-            .collect();
-        if !lost_experts(&physical, ctx.model.moe_layers, ctx.model.experts).is_empty() {
+        let mut d = Driver::new(ctx, None, None, 1, 0);
+        // Members join under their position in `current`, so ranks follow it.
+        let positions: Vec<NodeId> = (0..current.nodes.len() as NodeId).collect();
+        let started = matches!(d.nodes_ready(ctx, 0, &positions), Some(Order::Start { .. }));
+        if !started {
             return Decision::RestartFromCheckpoint;
         }
-        // Spare ready nodes join the new plan too: the job is reconfiguring anyway.
-        add_spares(&mut physical, current, ready);
-        self.reconfigure(ctx, &physical, loads, version(current))
-            .unwrap_or(Decision::RestartFromCheckpoint)
+        d.reconfigured(ctx, 0);
+        d.steps_done(ctx, 0, 0, 0, loads);
+        // Ready nodes the layout does not use join after the start: the machine's newcomers.
+        let spares: Vec<NodeId> = ready
+            .iter()
+            .copied()
+            .filter(|id| !current.nodes.contains(id))
+            .collect();
+        for i in 0..spares.len() {
+            d.nodes_ready(ctx, 0, &[(current.nodes.len() + i) as NodeId]);
+        }
+        let physical = |p: NodeId| match current.nodes.get(p as usize) {
+            Some(&id) => id,
+            None => spares[p as usize - current.nodes.len()],
+        };
+        let dead_pos: Vec<NodeId> = dead
+            .iter()
+            .filter_map(|id| current.nodes.iter().position(|n| n == id))
+            .map(|p| p as NodeId)
+            .collect();
+        let view = Layout {
+            nodes: positions,
+            ..current.clone()
+        };
+        match d.failure_detected(ctx, 0, &dead_pos, 1, &view) {
+            Some(Order::Reconfigure {
+                mut layout,
+                migration,
+                ..
+            }) => {
+                layout.nodes = layout.nodes.iter().map(|&p| physical(p)).collect();
+                if let Some(plan) = layout.plan.as_mut() {
+                    plan.node_map = layout.nodes.clone();
+                }
+                Decision::Reconfigure { layout, migration }
+            }
+            _ => Decision::RestartFromCheckpoint,
+        }
     }
 
-    fn wants_scale_out(&self, _ctx: &Ctx, current: &Layout, ready: &[NodeId]) -> bool {
-        ready.len() > current.nodes.len()
+    /// The replay's lazarus system is [`Driver`]; this one-shot view answers failures only.
+    fn wants_scale_out(&self, _ctx: &Ctx, _current: &Layout, _ready: &[NodeId]) -> bool {
+        false
     }
 
     fn scale_out(
         &mut self,
-        ctx: &Ctx,
-        current: &Layout,
-        ready: &[NodeId],
-        loads: &[Vec<u64>],
+        _ctx: &Ctx,
+        _current: &Layout,
+        _ready: &[NodeId],
+        _loads: &[Vec<u64>],
     ) -> Decision {
-        let mut physical = physical_nodes(current);
-        add_spares(&mut physical, current, ready);
-        self.reconfigure(ctx, &physical, loads, version(current))
-            .unwrap_or(Decision::Keep)
-    }
-
-    fn rebalance(&mut self, ctx: &Ctx, current: &Layout, loads: &[Vec<u64>]) -> Decision {
-        self.reconfigure(ctx, &physical_nodes(current), loads, version(current))
-            .unwrap_or(Decision::Keep)
+        Decision::Keep
     }
 }

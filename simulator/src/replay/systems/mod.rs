@@ -1,6 +1,8 @@
 //! The training systems compared by `lzsim replay`, one module each. They share the engine
-//! ([`super::engine`]) and the cost model ([`crate::cost`]); each only decides *what* to run on
-//! which nodes and how to react to failures, joins and rebalances — through the planner.
+//! ([`super::engine`]) and the cost model ([`crate::cost`]). The baselines (`ds`, `ds-ft`)
+//! answer the engine's questions through [`System`]; `lazarus` is the planner's job state
+//! machine ([`lazarus::Driver`]), fed the engine's happenings, whose actions the engine
+//! performs.
 
 pub mod ds;
 pub mod ep;
@@ -70,7 +72,8 @@ pub struct Ctx<'a> {
     pub model: &'a ModelProfile,
 }
 
-/// One training system.
+/// One training system answering the engine's decision points (the baselines; `lazarus`'s
+/// one-shot view for `lzsim reconfig` and cost estimates).
 pub trait System {
     /// Layout for a (re)start on the `ready` nodes, or `None` when they are too few.
     fn start(&mut self, ctx: &Ctx, ready: &[NodeId], loads: &[Vec<u64>]) -> Option<Layout>;
@@ -93,10 +96,6 @@ pub trait System {
         ready: &[NodeId],
         loads: &[Vec<u64>],
     ) -> Decision;
-    /// Periodic rebalance at a step boundary (Lazarus only).
-    fn rebalance(&mut self, _ctx: &Ctx, _current: &Layout, _loads: &[Vec<u64>]) -> Decision {
-        Decision::Keep
-    }
 }
 
 /// The systems `lzsim replay` knows.
