@@ -18,16 +18,19 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use lazarus_executor::control::{
-    AgentConfig, ControllerConfig, JobHandle, JobParams, Notice, WorkerLaunch, run_job,
-    run_job_agent,
+    AgentConfig, JobHandle, JobParams, Notice, ServerConfig, WorkerLaunch, run_agent, run_job,
 };
 use lazarus_executor::faults::{self, Fault, FaultSchedule};
 use lazarus_executor::metrics::{self, RecoveryRecord, StepRecord};
 use lazarus_executor::model::MoeConfig;
-use lazarus_executor::recovery::{CheckpointSpec, Command as WorkerCommand, run_managed_worker};
+use lazarus_executor::recovery::{
+    AbortSlot, CheckpointSpec, Command as WorkerCommand, run_managed_worker,
+};
 use lazarus_executor::worker::{
     CONFIG_NAMES, FAULT_TOLERANCE, WorkerOptions, config_by_name, run_worker,
 };
+use lazarus_planner::ModelSpec;
+use lazarus_planner::job::JobConfig;
 use tokio::sync::{mpsc as tmpsc, watch};
 
 /// Elastic MoE training on worker processes, driven by the Lazarus planner.
@@ -360,6 +363,8 @@ fn worker(a: WorkerArgs) -> Result<()> {
     };
     if a.managed {
         let (tx, rx) = mpsc::channel::<WorkerCommand>();
+        let abort = AbortSlot::default();
+        let slot = abort.clone();
         thread::spawn(move || {
             for line in io::stdin().lock().lines().map_while(Result::ok) {
                 if line.trim().is_empty() {
@@ -367,6 +372,10 @@ fn worker(a: WorkerArgs) -> Result<()> {
                 }
                 match serde_json::from_str(&line) {
                     Ok(cmd) => {
+                        // The training thread may be blocked in a collective: abort it here.
+                        if let WorkerCommand::Abort { epoch } = cmd {
+                            slot.abort(epoch);
+                        }
                         if tx.send(cmd).is_err() {
                             return;
                         }
@@ -380,7 +389,7 @@ fn worker(a: WorkerArgs) -> Result<()> {
             // The agent went away: so does its node.
             std::process::exit(3);
         });
-        run_managed_worker(&rx, emit)?;
+        run_managed_worker(&rx, &abort, emit)?;
         return Ok(());
     }
     let (Some(rank), Some(world)) = (a.rank, a.world) else {
@@ -428,7 +437,7 @@ fn agent(a: AgentArgs) -> Result<()> {
                 let _ = stop_tx.send(true);
             }
         });
-        run_job_agent(&cfg, &launch, stop_rx)
+        run_agent(&cfg, &launch, stop_rx)
             .await
             .map(|_| ())
             .map_err(|e| anyhow!("agent {name}: {e}"))
@@ -445,13 +454,17 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 
 /// Everything a job needs from the command line, resolved.
 struct Job {
-    cfg: ControllerConfig,
+    server: ServerConfig,
     params: JobParams,
     /// A checkpoint directory we created and remove at the end.
     temp_ckpt: Option<PathBuf>,
 }
 
 fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
+    ensure!(
+        a.heartbeat_timeout_ms >= 1,
+        "--heartbeat-timeout-ms must be at least 1"
+    );
     ensure!(a.model.steps >= 1, "--steps must be at least 1 (got 0)");
     ensure!(nodes >= 1, "at least one node is needed");
     ensure!(
@@ -496,25 +509,44 @@ fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
             every_steps: a.ckpt_every,
         })
     };
-    let mut cfg = ControllerConfig::new(token, config.experts, config.n_layers, slots);
-    cfg.f = a.fault_tolerance;
-    cfg.initial_nodes = nodes;
-    cfg.heartbeat_timeout_ms = a.heartbeat_timeout_ms.max(1);
-    cfg.tick_ms = 50;
+    let model = ModelSpec {
+        experts: config.experts,
+        layers: config.n_layers,
+        f: a.fault_tolerance,
+    };
+    let mut rules = JobConfig::new(model, slots, a.model.steps);
+    rules.initial_nodes = nodes;
+    rules.heartbeat_timeout_ms = a.heartbeat_timeout_ms;
+    // Survivors notice a stuck peer after one collective timeout; give the stuck member that
+    // long again (and a margin) to answer before fencing it.
+    rules.member_timeout_ms = a.timeout_ms.saturating_mul(2).saturating_add(2_000);
     // Newcomers join at the next step boundary (the paper waits 2 min to batch joins; this
     // executor pauses training for them anyway).
-    cfg.scale_out_wait_ms = 0;
-    cfg.bytes_per_expert = config.expert_state_bytes() as u64;
+    rules.scale_out_wait_ms = 0;
+    rules.rebalance_every_steps = a.rebalance_every;
+    rules.checkpoint_every_steps = if checkpoint.is_some() {
+        a.ckpt_every
+    } else {
+        0
+    };
+    rules.resume = a.resume.is_some();
+    rules.bytes_per_expert = config.expert_state_bytes() as u64;
+    rules
+        .validate()
+        .map_err(|e| anyhow!("invalid job configuration: {e}"))?;
     Ok(Job {
-        cfg,
+        server: ServerConfig {
+            tick_ms: 50,
+            io_timeout_ms: a.heartbeat_timeout_ms,
+        },
         params: JobParams {
             config,
-            steps: a.model.steps,
+            rules,
+            token: token.to_owned(),
             timeout_ms: a.timeout_ms,
             checkpoint,
             checkpoint_keep: a.ckpt_keep,
             out: a.out.clone(),
-            rebalance_every_steps: a.rebalance_every,
             resume: a.resume.clone(),
         },
         temp_ckpt,
@@ -630,9 +662,14 @@ fn controller(a: ControllerArgs) -> Result<()> {
         a.listen, a.nodes
     ));
     let config = job.params.config.clone();
-    let result = rt.block_on(drive(listener, job.cfg, job.params, &mut report, |_, _| {
-        Ok(())
-    }));
+    let result = rt.block_on(drive(
+        listener,
+        job.server,
+        job.params,
+        &mut report,
+        |_| {},
+        |_, _| Ok(()),
+    ));
     if let Some(d) = job.temp_ckpt {
         let _ = std::fs::remove_dir_all(d);
     }
@@ -641,20 +678,29 @@ fn controller(a: ControllerArgs) -> Result<()> {
 }
 
 /// Runs the job server and handles its notices until the job is over (or Ctrl-C); `on_step`
-/// runs after every completed step (fault injection in `lzrun local`).
+/// runs after every completed step (fault injection in `lzrun local`), `on_fenced` with the
+/// name of every node the controller fenced.
 async fn drive(
     listener: tokio::net::TcpListener,
-    cfg: ControllerConfig,
+    server_cfg: ServerConfig,
     params: JobParams,
     report: &mut Report,
+    mut on_fenced: impl FnMut(&str),
     mut on_step: impl FnMut(&StepRecord, &JobHandle) -> Result<()>,
 ) -> Result<()> {
     let (tx, mut rx) = tmpsc::unbounded_channel();
     let (stop_tx, stop_rx) = watch::channel(false);
     let (handle_tx, handle_rx) = tokio::sync::oneshot::channel();
-    let server = tokio::spawn(run_job(listener, cfg, params, tx, stop_rx, move |h| {
-        let _ = handle_tx.send(h);
-    }));
+    let server = tokio::spawn(run_job(
+        listener,
+        server_cfg,
+        params,
+        tx,
+        stop_rx,
+        move |h| {
+            let _ = handle_tx.send(h);
+        },
+    ));
     let handle = match handle_rx.await {
         Ok(h) => h,
         Err(_) => {
@@ -680,6 +726,10 @@ async fn drive(
                 }
                 Some(Notice::Reconfigured(r)) => report.reconfigured(r),
                 Some(Notice::Log(l)) => report.say(&format!("[controller] {l}")),
+                Some(Notice::Fenced { name, reason }) => {
+                    report.say(&format!("[controller] node {name} fenced: {reason}"));
+                    on_fenced(&name);
+                }
                 Some(Notice::Finished(r)) => {
                     outcome = r.map_err(|e| anyhow!(e));
                     break;
@@ -835,12 +885,21 @@ fn local(a: LocalArgs) -> Result<()> {
     }
     let config = job.params.config.clone();
     let format = a.job.format;
+    let nodes = std::cell::RefCell::new(nodes);
     let result = rt.block_on(drive(
         listener,
-        job.cfg,
+        job.server,
         job.params,
         &mut report,
+        |name| {
+            // A fenced node's processes may be stopped, not dead: kill them for good.
+            let mut nodes = nodes.borrow_mut();
+            if let Some(i) = nodes.index_of(name) {
+                let _ = nodes.kill_group(i);
+            }
+        },
         |rec, handle| {
+            let mut nodes = nodes.borrow_mut();
             for fault in schedule.at(rec.step) {
                 match fault {
                     Fault::Kill { node } => {
@@ -878,7 +937,7 @@ fn local(a: LocalArgs) -> Result<()> {
             Ok(())
         },
     ));
-    nodes.reap(Duration::from_secs(5));
+    nodes.borrow_mut().reap(Duration::from_secs(5));
     if let Some(d) = &job.temp_ckpt {
         let _ = std::fs::remove_dir_all(d);
     }

@@ -134,6 +134,9 @@ pub struct WorkerOptions {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepLine {
     pub step: u64,
+    /// Membership epoch the step was trained in (0 for a stand-alone worker).
+    #[serde(default)]
+    pub epoch: u64,
     /// This worker's shard loss.
     pub loss: f32,
     /// Tokens predicted by this worker in this step.
@@ -309,6 +312,7 @@ pub fn run_worker(
             .with_context(|| format!("rank {rank}: step {step}"))?;
         on_step(&StepLine {
             step,
+            epoch: opts.epoch,
             loss,
             tokens: tokens_per_step,
             ms: t0.elapsed().as_secs_f64() * 1e3,

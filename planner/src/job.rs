@@ -529,6 +529,8 @@ pub struct JobMachine {
     history: LoadHistory,
     /// The current lineage was set up completely (Fresh/restore done on every member).
     lineage_complete: bool,
+    /// Some reconfiguration completed on every member (the job has started).
+    started: bool,
     /// Since when some ready node waits to join.
     join_waiting_since: Option<u64>,
     /// When the phase last made progress (timeouts count from here).
@@ -556,6 +558,7 @@ impl JobMachine {
             last_committed: None,
             history,
             lineage_complete: false,
+            started: false,
             join_waiting_since: None,
             progress_ms: 0,
         })
@@ -596,6 +599,10 @@ impl JobMachine {
     /// Loads `[layer][expert]` from the routing history.
     pub fn loads(&self) -> Vec<Vec<u64>> {
         self.history.loads()
+    }
+    /// Whether some reconfiguration completed on every member (training has begun).
+    pub fn has_started(&self) -> bool {
+        self.started
     }
     pub fn is_over(&self) -> bool {
         self.phase == Phase::Over
@@ -985,12 +992,13 @@ impl JobMachine {
                 )));
                 self.interrupt(now_ms, out);
             }
-            IdleReason::Finished => {
+            // Finished; or paused by a pause this epoch did not ask for (a late command of an
+            // earlier epoch): either way wait for every member and decide then.
+            IdleReason::Finished | IdleReason::Paused => {
                 if self.phase == Phase::Training {
                     self.enter(Phase::Quiescing, now_ms);
                 }
             }
-            IdleReason::Paused => {}
         }
     }
 
@@ -1085,6 +1093,7 @@ impl JobMachine {
         }
         let p = self.pending.take().expect("checked");
         self.lineage_complete = true;
+        self.started = true;
         let rec = ReconfigRecord {
             kind: p.kind,
             epoch: self.epoch,
@@ -1162,8 +1171,8 @@ impl JobMachine {
             });
             return;
         }
-        let first = self.plan.is_none();
-        if first && !self.cfg.resume {
+        if !self.started && !self.cfg.resume {
+            // The first start, or one that did not complete on every member: start afresh.
             return self.send_plan(ReconfigKind::Start, StateSource::Fresh, 0, now_ms, out);
         }
         let with_state: Vec<PhysicalNode> = candidates
@@ -1172,18 +1181,15 @@ impl JobMachine {
             .map(|(p, _)| p.clone())
             .collect();
         let lost = lost_experts(&with_state, self.cfg.model.layers, self.cfg.model.experts);
-        if first || !self.lineage_complete || with_state.is_empty() || !lost.is_empty() {
-            if !first && self.lineage_complete && !lost.is_empty() {
+        if !self.started || !self.lineage_complete || with_state.is_empty() || !lost.is_empty() {
+            if self.lineage_complete && !lost.is_empty() {
                 out.push(Action::Log(format!(
                     "{} lost every replica: restoring a checkpoint",
                     describe_lost(&lost)
                 )));
             }
-            if !self.lineage_complete && !first && self.cfg.checkpoint_every_steps == 0 {
-                // An interrupted fresh start without checkpoints starts afresh.
-                return self.send_plan(ReconfigKind::Start, StateSource::Fresh, 0, now_ms, out);
-            }
-            if self.cfg.checkpoint_every_steps == 0 && !first {
+            // A resumed job's start reads its checkpoint whatever the cadence.
+            if self.started && self.cfg.checkpoint_every_steps == 0 {
                 self.enter(Phase::Over, now_ms);
                 return self.fail(
                     format!(
@@ -1283,7 +1289,7 @@ impl JobMachine {
         out: &mut Vec<Action>,
     ) {
         let mut ids: Vec<NodeId> = self.candidates().iter().map(|(p, _)| p.id).collect();
-        if kind == ReconfigKind::Start || self.plan.is_none() {
+        if kind == ReconfigKind::Start {
             // Ranks follow node names (n2 before n10), not registration order: reproducible.
             ids.sort_by_cached_key(|id| natural_key(&self.nodes[id].name));
         }
@@ -1398,10 +1404,10 @@ impl JobMachine {
         if self.phase != Phase::Restoring {
             return;
         }
-        let kind = if self.plan.is_none() {
-            ReconfigKind::Start
-        } else {
+        let kind = if self.started {
             ReconfigKind::Restore
+        } else {
+            ReconfigKind::Start
         };
         if let Some(c) = self.cause.as_mut() {
             c.kind = kind;

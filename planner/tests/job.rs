@@ -559,3 +559,14 @@ fn the_job_ends_when_every_member_finished_and_checks_the_replicas() {
         assert_eq!(fin.is_ok(), ok, "{fin:?}");
     }
 }
+
+/// A pause nobody asked for in this epoch (a late `Pause` of an earlier one reached a worker
+/// after its reconfiguration) must not leave the job training with every member idle.
+#[test]
+fn an_unrequested_pause_is_not_a_stall() {
+    let (mut j, _) = started(config(4, 50), &[0, 1], 3);
+    j.idle(0, IdleReason::Paused, 3);
+    let a = j.idle(1, IdleReason::Paused, 3);
+    let r = reconfig(&a).expect("replanned instead of waiting for steps");
+    assert_eq!((r.kind, r.resume_step), (ReconfigKind::Rebalance, 3));
+}

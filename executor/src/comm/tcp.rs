@@ -215,6 +215,7 @@ fn remaining(deadline: Instant) -> Duration {
 }
 
 /// Accepts one connection from each rank in `0..rank` (see the module docs).
+#[allow(clippy::too_many_arguments)]
 fn accept_lower(
     listener: &TcpListener,
     rank: Rank,
@@ -223,11 +224,12 @@ fn accept_lower(
     timeout_ms: u64,
     deadline: Instant,
     stop: &AtomicBool,
+    abort: &AtomicBool,
 ) -> Result<Vec<(Rank, TcpStream)>, CommError> {
     let mut got: Vec<Option<TcpStream>> = (0..rank).map(|_| None).collect();
     let mut missing = rank;
     while missing > 0 {
-        if stop.load(Ordering::SeqCst) {
+        if stop.load(Ordering::SeqCst) || abort.load(Ordering::SeqCst) {
             return Err(CommError::Aborted);
         }
         let first_missing = got.iter().position(Option::is_none).unwrap_or(0);
@@ -307,6 +309,7 @@ fn answer_hello(
 
 /// Connects to rank `peer` at `addr` and performs the handshake, retrying refused connections
 /// (the peer may not have bound its listener yet) until the deadline.
+#[allow(clippy::too_many_arguments)]
 fn connect_to(
     addr: SocketAddr,
     peer: Rank,
@@ -315,6 +318,7 @@ fn connect_to(
     epoch: u64,
     timeout_ms: u64,
     deadline: Instant,
+    abort: &AtomicBool,
 ) -> Result<TcpStream, CommError> {
     use std::io::{Read, Write};
     let op = "rendezvous";
@@ -324,6 +328,9 @@ fn connect_to(
         ms: timeout_ms,
     };
     let stream = loop {
+        if abort.load(Ordering::SeqCst) {
+            return Err(CommError::Aborted);
+        }
         let left = remaining(deadline);
         if left.is_zero() {
             return Err(timed_out());
@@ -409,6 +416,28 @@ impl TcpCommunicator {
         epoch: u64,
         timeout_ms: u64,
     ) -> Result<Self, CommError> {
+        Self::connect_abortable(
+            rank,
+            peers,
+            listener,
+            epoch,
+            timeout_ms,
+            Arc::new(AtomicBool::new(false)),
+        )
+    }
+
+    /// [`connect`](Self::connect) that gives up with [`CommError::Aborted`] as soon as `abort`
+    /// is set (by another thread: the controller announced that a member of this epoch is
+    /// gone, so waiting for it until the rendezvous timeout is pointless). The communicator
+    /// keeps `abort` as its abort flag.
+    pub fn connect_abortable(
+        rank: Rank,
+        peers: &[SocketAddr],
+        listener: TcpListener,
+        epoch: u64,
+        timeout_ms: u64,
+        abort: Arc<AtomicBool>,
+    ) -> Result<Self, CommError> {
         let world = peers.len();
         if rank >= world {
             return Err(CommError::BadShape(format!(
@@ -425,13 +454,17 @@ impl TcpCommunicator {
             let (accepted, connected) = thread::scope(|s| {
                 let acceptor = (rank > 0).then(|| {
                     thread::Builder::new().spawn_scoped(s, || {
-                        accept_lower(&listener, rank, world, epoch, timeout_ms, deadline, &stop)
+                        accept_lower(
+                            &listener, rank, world, epoch, timeout_ms, deadline, &stop, &abort,
+                        )
                     })
                 });
                 let connected: Result<Vec<_>, CommError> = (rank + 1..world)
                     .map(|p| {
-                        connect_to(peers[p], p, rank, world, epoch, timeout_ms, deadline)
-                            .map(|s| (p, s))
+                        connect_to(
+                            peers[p], p, rank, world, epoch, timeout_ms, deadline, &abort,
+                        )
+                        .map(|s| (p, s))
                     })
                     .collect();
                 if connected.is_err() {
@@ -459,7 +492,7 @@ impl TcpCommunicator {
             links,
             send_seq: vec![0; world],
             recv_seq: vec![0; world],
-            aborted: Arc::new(AtomicBool::new(false)),
+            aborted: abort,
         })
     }
 

@@ -1,18 +1,18 @@
-//! The agent: one per node. It registers with the controller, heartbeats, forwards every plan to
-//! the node's runtime and reports the runtime's routing counts.
+//! The agent: one per node. It registers with the controller, heartbeats, starts the node's
+//! worker process and relays the controller's commands to it and its output lines back.
 //!
-//! Heartbeats must never wait on the runtime: a slow runtime would otherwise look like a dead
-//! node. So plans are handed over through a one-plan mailbox — while the runtime has not taken
-//! the previous one, a newer plan replaces it (only the latest plan matters) — and the heartbeat
-//! timer keeps running meanwhile.
+//! Heartbeats come from the agent, a separate process from the worker, so heavy compute in
+//! the worker cannot starve them: a node that stops heartbeating is gone (the agent, the host
+//! or the network), one that heartbeats but stops answering is stuck — the controller tells the
+//! two apart and fences either.
 
 use std::time::Duration;
 
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio::time::MissedTickBehavior;
 
-use super::proto::{self, Framed, PROTOCOL_VERSION, PlanMsg, ProtoError, ToAgent, ToController};
+use super::proto::{self, Framed, PROTOCOL_VERSION, ProtoError, ToAgent, ToController};
 use super::shutdown_signal;
 
 /// Where and as whom an agent connects.
@@ -55,13 +55,6 @@ impl AgentConfig {
     }
 }
 
-/// One training step's routed-token counts from the runtime, `counts[layer][expert]`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StepCounts {
-    pub step: u64,
-    pub counts: Vec<Vec<u64>>,
-}
-
 /// How an agent ended without error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AgentExit {
@@ -89,8 +82,6 @@ pub enum AgentError {
     ControllerClosed,
     #[error("controller sent an unexpected {0}")]
     Unexpected(&'static str),
-    #[error("the runtime's plan channel is closed")]
-    RuntimeGone,
     #[error("cannot start the worker process {exe}: {source}")]
     WorkerSpawn { exe: String, source: std::io::Error },
     #[error("the worker process exited: {0}")]
@@ -149,7 +140,6 @@ impl Agent {
                 heartbeat_every: Duration::from_millis(cfg.heartbeat_every_ms),
             }),
             Some(ToAgent::Rejected { reason }) => Err(AgentError::Rejected { reason }),
-            Some(ToAgent::Plan(_)) => Err(AgentError::Unexpected("Plan before Registered")),
             Some(ToAgent::Shutdown) => Err(AgentError::Unexpected("Shutdown before Registered")),
             Some(ToAgent::Worker { .. }) => {
                 Err(AgentError::Unexpected("worker command before Registered"))
@@ -162,85 +152,6 @@ impl Agent {
     pub fn node_id(&self) -> u32 {
         self.node_id
     }
-
-    /// Main loop: heartbeats every `heartbeat_every_ms` (carrying the last step the runtime
-    /// reported), forwards every plan to `plans` (members or not; only the latest one if the
-    /// runtime lags), sends each [`StepCounts`] from `stats` as `RoutingStats` (a closed
-    /// `stats` just stops reporting). Ends on the controller's `Shutdown` (`Ok`), on the local
-    /// `shutdown` turning `true` or its sender dropping (`Bye`, then `Ok`), on `Rejected`
-    /// (`Err` with the controller's reason), or when the runtime drops `plans` (`Bye`, then
-    /// `Err`).
-    pub async fn run(
-        mut self,
-        plans: mpsc::Sender<PlanMsg>,
-        mut stats: mpsc::Receiver<StepCounts>,
-        mut shutdown: watch::Receiver<bool>,
-    ) -> Result<AgentExit, AgentError> {
-        let node_id = self.node_id;
-        let framed = &mut self.framed;
-        let start = tokio::time::Instant::now() + self.heartbeat_every;
-        let mut heartbeat = tokio::time::interval_at(start, self.heartbeat_every);
-        heartbeat.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        let mut mailbox: Option<PlanMsg> = None;
-        let mut stats_open = true;
-        let mut step = 0u64;
-        loop {
-            tokio::select! {
-                _ = shutdown_signal(&mut shutdown) => {
-                    proto::send(framed, &ToController::Bye { node_id }).await?;
-                    return Ok(AgentExit::LocalShutdown);
-                }
-                msg = proto::recv::<ToAgent>(framed) => match msg? {
-                    Some(ToAgent::Plan(plan)) => mailbox = Some(plan),
-                    Some(ToAgent::Shutdown) => return Ok(AgentExit::ControllerShutdown),
-                    // Plan-relay agents run no managed worker.
-                    Some(ToAgent::Worker { .. }) => {}
-                    Some(ToAgent::Rejected { reason }) => {
-                        return Err(AgentError::Rejected { reason });
-                    }
-                    Some(ToAgent::Registered { .. }) => {
-                        return Err(AgentError::Unexpected("second Registered"));
-                    }
-                    None => return Err(AgentError::ControllerClosed),
-                },
-                permit = plans.reserve(), if mailbox.is_some() => match permit {
-                    Ok(permit) => {
-                        if let Some(plan) = mailbox.take() {
-                            permit.send(plan);
-                        }
-                    }
-                    Err(_) => {
-                        proto::send(framed, &ToController::Bye { node_id }).await?;
-                        return Err(AgentError::RuntimeGone);
-                    }
-                },
-                _ = heartbeat.tick() => {
-                    proto::send(framed, &ToController::Heartbeat { node_id, step }).await?;
-                }
-                report = stats.recv(), if stats_open => match report {
-                    Some(StepCounts { step: s, counts }) => {
-                        step = step.max(s);
-                        let msg = ToController::RoutingStats { node_id, step: s, counts };
-                        proto::send(framed, &msg).await?;
-                    }
-                    None => stats_open = false,
-                },
-            }
-        }
-    }
-}
-
-/// Registers and runs an agent ([`Agent::register`] then [`Agent::run`]).
-pub async fn run_agent(
-    cfg: &AgentConfig,
-    plans: mpsc::Sender<PlanMsg>,
-    stats: mpsc::Receiver<StepCounts>,
-    shutdown: watch::Receiver<bool>,
-) -> Result<AgentExit, AgentError> {
-    Agent::register(cfg)
-        .await?
-        .run(plans, stats, shutdown)
-        .await
 }
 
 /// How an agent runs its node's worker process under a job controller.
@@ -252,13 +163,13 @@ pub struct WorkerLaunch {
     pub listen: std::net::SocketAddr,
 }
 
-/// A job agent ([`crate::control::job`]): registers, heartbeats, starts its worker process on
+/// The agent ([`crate::control::controller`]): registers, heartbeats, starts its worker process on
 /// the controller's `Job` command and relays, one JSON line each, the controller's commands to
 /// the worker's stdin and the worker's stdout lines to the controller. Ends with `Ok` when the
 /// worker exited cleanly (after `Stop`) or the controller shut the job down, and with an error
 /// when the worker failed, the controller went away or rejected the node. The worker dies with
 /// the agent (its stdin closes), so killing an agent kills its node.
-pub async fn run_job_agent(
+pub async fn run_agent(
     cfg: &AgentConfig,
     launch: &WorkerLaunch,
     mut shutdown: watch::Receiver<bool>,
@@ -328,7 +239,6 @@ pub async fn run_job_agent(
                         let _ = w.flush().await;
                     }
                 }
-                Some(ToAgent::Plan(_)) => {}
                 Some(ToAgent::Shutdown) => {
                     if let Some(mut c) = child.take() {
                         drop(stdin.take());

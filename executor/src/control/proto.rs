@@ -26,10 +26,11 @@ use tokio::net::TcpStream;
 use tokio_util::codec::LengthDelimitedCodec;
 
 /// Version of the control protocol; bumped on any change of a message layout.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 
-/// Largest frame either side accepts (64 MiB). A plan for 1000 nodes × 32 layers × 32 slots
-/// is about 1 M varint expert ids, a few MiB; the cap leaves an order of magnitude of room.
+/// Largest frame either side accepts (64 MiB). A reconfiguration for 1000 nodes × 32 layers ×
+/// 32 experts (the replica matrix, JSON) is a few MiB; the cap leaves an order of magnitude of
+/// room.
 pub const MAX_FRAME_BYTES: usize = 64 << 20;
 
 /// A TCP stream framed into length-delimited messages.
@@ -59,16 +60,9 @@ pub enum ToController {
     },
     /// Liveness; `step` is the last training step the node's runtime reported.
     Heartbeat { node_id: u32, step: u64 },
-    /// Tokens routed to each expert by this node in training step `step`: `counts[layer][expert]`.
-    RoutingStats {
-        node_id: u32,
-        step: u64,
-        counts: Vec<Vec<u64>>,
-    },
     /// Graceful departure; the node is removed at once (no heartbeat timeout).
     Bye { node_id: u32 },
-    /// One output line of the node's worker (a step or a `WorkerEvent`, JSON), relayed as is
-    /// (protocol 2).
+    /// One output line of the node's worker (a step or a `WorkerEvent`, JSON), relayed as is.
     Worker { node_id: u32, line: String },
 }
 
@@ -80,47 +74,27 @@ pub enum ToAgent {
     /// Registration refused, or the node was fenced out (expired, protocol violation). The
     /// controller closes the connection after sending it. Must stay variant 1 (module docs).
     Rejected { reason: String },
-    /// A new plan; sent to every live agent, members or not.
-    Plan(PlanMsg),
     /// The controller is shutting down; the agent should stop.
     Shutdown,
-    /// One command line for the node's worker (a `recovery::Command`, JSON), relayed as is
-    /// (protocol 2).
+    /// One command line for the node's worker (a `recovery::Command`, JSON), relayed as is.
     Worker { line: String },
 }
 
-/// A whole-model plan as the runtime needs it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PlanMsg {
-    /// Increases by one with every plan the controller issues (the first is 1).
-    pub version: u64,
-    /// Node ids taking part, in plan-node order: `members[i]` plays plan node `i` (the data
-    /// plane's node rank).
-    pub members: Vec<u32>,
-    /// Per member, in `members` order: `(node_id, holdings)` with `holdings[layer]` = the expert
-    /// ids in that node's slots (duplicates = several replicas of one expert).
-    pub assignment: Vec<(u32, Vec<Vec<u32>>)>,
-    /// Expert states to fetch before training resumes: `(layer, expert, src, dst)` node ids.
-    /// Empty when `restore_from_checkpoint` is set.
-    pub transfers: Vec<(u32, u32, u32, u32)>,
-    /// Some expert lost every replica: every member loads its whole assignment (and the
-    /// non-expert state) from the last checkpoint instead of fetching from peers.
-    pub restore_from_checkpoint: bool,
-}
-
-impl PlanMsg {
-    /// Whether `node_id` takes part in this plan.
-    pub fn is_member(&self, node_id: u32) -> bool {
-        self.members.contains(&node_id)
-    }
-
-    /// What `node_id` must hold under this plan (`[layer]` → expert ids), if it is a member.
-    pub fn holdings_of(&self, node_id: u32) -> Option<&[Vec<u32>]> {
-        self.assignment
-            .iter()
-            .find(|(id, _)| *id == node_id)
-            .map(|(_, h)| h.as_slice())
-    }
+/// Why a registration was refused; its `Display` is the `reason` sent to the agent.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Reject {
+    #[error("protocol version mismatch: agent speaks v{agent}, controller speaks v{controller}")]
+    Version { agent: u16, controller: u16 },
+    #[error("wrong cluster token")]
+    BadToken,
+    #[error("node name {0:?} is already registered and alive")]
+    DuplicateName(String),
+    #[error("node {0:?} reports 0 devices")]
+    NoDevices(String),
+    #[error("node ids exhausted")]
+    IdsExhausted,
+    #[error("the job is over")]
+    Over,
 }
 
 /// Why a message could not be encoded, decoded, sent or received.
@@ -270,13 +244,11 @@ pub async fn read_register(
         }),
         Ok(_) => FirstFrame::Reject("the first message must be Register".into()),
         Err(e) => FirstFrame::Reject(match register_version(&first) {
-            Some(agent) if agent != PROTOCOL_VERSION => {
-                crate::control::controller::Reject::Version {
-                    agent,
-                    controller: PROTOCOL_VERSION,
-                }
-                .to_string()
+            Some(agent) if agent != PROTOCOL_VERSION => Reject::Version {
+                agent,
+                controller: PROTOCOL_VERSION,
             }
+            .to_string(),
             _ => e.to_string(),
         }),
     })

@@ -44,7 +44,9 @@
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
@@ -52,6 +54,7 @@ use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint;
+use crate::comm::tcp::AbortHandle;
 use crate::comm::{Communicator, TcpCommunicator};
 use crate::model::{
     AdamW, Corpus, DenseModel, ExpertState, ExpertStore, MoeConfig, OptimState, RoutingStats,
@@ -131,6 +134,11 @@ pub enum Command {
     Reconfigure(Reconfigure),
     /// Pause at the next step boundary every member agrees on.
     Pause,
+    /// A member of `epoch` is gone: abort the collective or rendezvous in flight (without
+    /// waiting for its timeout) and report `Failed`.
+    Abort {
+        epoch: u64,
+    },
     /// Write the checksums and exit.
     Stop,
 }
@@ -142,6 +150,7 @@ pub enum WorkerEvent {
     Ready { addr: SocketAddr },
     /// Step `step` (or a reconfiguration to resume at `step`) failed and was discarded.
     Failed {
+        epoch: u64,
         step: u64,
         error: String,
         /// `(layer, expert)` replicas this worker holds now.
@@ -149,11 +158,13 @@ pub enum WorkerEvent {
     },
     /// Paused before step `step` (see the module docs).
     Paused {
+        epoch: u64,
         step: u64,
         held: Vec<(usize, usize)>,
     },
     /// Trained every step; waiting for `Stop` (or a rollback if a peer failed in the last step).
     Finished {
+        epoch: u64,
         step: u64,
         held: Vec<(usize, usize)>,
     },
@@ -169,6 +180,7 @@ pub enum WorkerEvent {
     },
     /// This worker wrote its parts of the checkpoint taken after `step` completed steps.
     Checkpointed {
+        epoch: u64,
         step: u64,
         parts: Vec<checkpoint::PartInfo>,
     },
@@ -187,6 +199,59 @@ pub enum WorkerLine {
 impl WorkerLine {
     pub fn parse(line: &str) -> Option<Self> {
         serde_json::from_str(line).ok()
+    }
+}
+
+/// Lets the thread that reads the controller's commands abort the communicator of the
+/// worker's current epoch while the training thread is blocked in a rendezvous or a
+/// collective ([`Command::Abort`]).
+#[derive(Debug, Default, Clone)]
+pub struct AbortSlot(Arc<Mutex<SlotState>>);
+
+#[derive(Debug, Default)]
+struct SlotState {
+    epoch: u64,
+    flag: Arc<AtomicBool>,
+    handle: Option<AbortHandle>,
+    /// The newest epoch an abort was asked for (it may arrive before the reconfiguration).
+    aborted: Option<u64>,
+}
+
+impl AbortSlot {
+    fn lock(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Aborts the communicator of `epoch` (now, or as soon as one is formed).
+    pub fn abort(&self, epoch: u64) {
+        let mut st = self.lock();
+        st.aborted = Some(st.aborted.map_or(epoch, |a| a.max(epoch)));
+        if st.epoch == epoch {
+            st.flag.store(true, Ordering::SeqCst);
+            if let Some(h) = &st.handle {
+                h.abort();
+            }
+        }
+    }
+
+    /// A fresh abort flag for the rendezvous of `epoch`.
+    fn arm(&self, epoch: u64) -> Arc<AtomicBool> {
+        let mut st = self.lock();
+        let flag = Arc::new(AtomicBool::new(st.aborted.is_some_and(|a| a >= epoch)));
+        st.epoch = epoch;
+        st.flag = flag.clone();
+        st.handle = None;
+        flag
+    }
+
+    fn set_handle(&self, handle: AbortHandle) {
+        let mut st = self.lock();
+        if st.flag.load(Ordering::SeqCst) {
+            handle.abort();
+        }
+        st.handle = Some(handle);
     }
 }
 
@@ -347,6 +412,23 @@ struct State {
     store: ExpertStore,
 }
 
+impl State {
+    /// The model as initialised from the config's seed (every worker the same values).
+    fn fresh(cfg: &MoeConfig) -> Result<Self> {
+        let dev = Device::Cpu;
+        let model = DenseModel::new(cfg, &dev).context("building the dense model")?;
+        let opt = model.optimizer()?;
+        let store = ExpertStore::empty(cfg, &dev);
+        Ok(Self {
+            cfg: cfg.clone(),
+            dev,
+            model,
+            opt,
+            store,
+        })
+    }
+}
+
 /// Applies `cmd`: new mesh, state from its source, transfers, drop of replicas no longer
 /// held. On error the store still holds at least what it held before (imports only add), so
 /// the worker can report its holdings truthfully. Returns the new runtime and the bytes
@@ -356,6 +438,7 @@ fn reconfigure(
     st: &mut State,
     listener: &TcpListener,
     timeout_ms: u64,
+    abort: &AbortSlot,
 ) -> Result<(DistributedExperts, u64)> {
     let me = cmd.rank;
     ensure!(me < cmd.peers.len(), "new rank {me} outside the peer list");
@@ -388,8 +471,11 @@ fn reconfigure(
         StateSource::Peers { .. } => {}
     }
     let listener = listener.try_clone().context("cloning the data listener")?;
-    let mut comm = TcpCommunicator::connect(me, &cmd.peers, listener, cmd.epoch, timeout_ms)
-        .with_context(|| format!("rank {me}: forming the mesh of epoch {}", cmd.epoch))?;
+    let flag = abort.arm(cmd.epoch);
+    let mut comm =
+        TcpCommunicator::connect_abortable(me, &cmd.peers, listener, cmd.epoch, timeout_ms, flag)
+            .with_context(|| format!("rank {me}: forming the mesh of epoch {}", cmd.epoch))?;
+    abort.set_handle(comm.abort_handle()?);
     let mut sends = Vec::new();
     let mut recv_from = Vec::new();
     let mut incoming: Vec<Option<(usize, usize)>> = Vec::new();
@@ -495,6 +581,7 @@ fn error_text(e: &anyhow::Error) -> String {
 /// [`Command::Stop`]. `emit` gets every output line (JSON).
 pub fn run_managed_worker(
     commands: &Receiver<Command>,
+    abort: &AbortSlot,
     mut emit: impl FnMut(&str) -> Result<()>,
 ) -> Result<Checksums> {
     let emit_ev = |ev: &WorkerEvent, emit: &mut dyn FnMut(&str) -> Result<()>| {
@@ -507,17 +594,7 @@ pub fn run_managed_worker(
     };
     let cfg = job.config.clone();
     cfg.validate().context("model config")?;
-    let dev = Device::Cpu;
-    let model = DenseModel::new(&cfg, &dev).context("building the dense model")?;
-    let opt = model.optimizer()?;
-    let store = ExpertStore::empty(&cfg, &dev);
-    let mut st = State {
-        cfg: cfg.clone(),
-        dev,
-        model,
-        opt,
-        store,
-    };
+    let mut st = State::fresh(&cfg)?;
     let listener = TcpListener::bind(job.listen)
         .with_context(|| format!("binding the data-plane listener {}", job.listen))?;
     let mut addr = listener.local_addr()?;
@@ -533,6 +610,7 @@ pub fn run_managed_worker(
     let mut replicas: Vec<Vec<Vec<u32>>> = Vec::new();
     let mut snapshot: Option<(u64, Snapshot)> = None;
     let mut step = 0u64;
+    let mut epoch = 0u64;
     let mut pause_pending = false;
     loop {
         let Some(d) = dist.as_mut() else {
@@ -542,11 +620,19 @@ pub fn run_managed_worker(
                 .map_err(|_| anyhow!("control channel closed while waiting for a command"))?;
             match cmd {
                 Command::Job(_) => bail!("a second Job command"),
-                Command::Pause => {}
+                // Idle already: the controller has (or will get) this worker's idle report.
+                Command::Pause | Command::Abort { .. } => {}
                 Command::Stop => break,
                 Command::Reconfigure(cmd) => {
                     let t1 = Instant::now();
                     pause_pending = false;
+                    epoch = cmd.epoch;
+                    if cmd.source == StateSource::Fresh && (step != 0 || !st.store.is_empty()) {
+                        // A start that did not complete everywhere is redone from scratch.
+                        st = State::fresh(&cfg)?;
+                        step = cmd.resume_step;
+                        snapshot = None;
+                    }
                     let restoring = matches!(cmd.source, StateSource::Checkpoint { .. });
                     if !restoring && cmd.resume_step + 1 == step {
                         let Some((s, snap)) =
@@ -569,7 +655,7 @@ pub fn run_managed_worker(
                         "asked to resume at step {} but this worker is at step {step}",
                         cmd.resume_step
                     );
-                    match reconfigure(&cmd, &mut st, &listener, job.timeout_ms) {
+                    match reconfigure(&cmd, &mut st, &listener, job.timeout_ms, abort) {
                         Ok((d, bytes_in)) => {
                             if restoring {
                                 step = cmd.resume_step;
@@ -586,7 +672,8 @@ pub fn run_managed_worker(
                                     job.checkpoint.as_ref().filter(|c| c.every_steps > 0)
                             {
                                 let parts = write_checkpoint(spec, step, &st, &replicas, rank)?;
-                                emit_ev(&WorkerEvent::Checkpointed { step, parts }, &mut emit)?;
+                                let ev = WorkerEvent::Checkpointed { epoch, step, parts };
+                                emit_ev(&ev, &mut emit)?;
                             }
                             let ev = WorkerEvent::Migrated {
                                 epoch: cmd.epoch,
@@ -600,6 +687,7 @@ pub fn run_managed_worker(
                         }
                         Err(e) => {
                             let ev = WorkerEvent::Failed {
+                                epoch,
                                 step: if restoring { cmd.resume_step } else { step },
                                 error: error_text(&e),
                                 held: held(&st.store),
@@ -618,6 +706,7 @@ pub fn run_managed_worker(
         if step >= job.steps {
             dist = None;
             let ev = WorkerEvent::Finished {
+                epoch,
                 step,
                 held: held(&st.store),
             };
@@ -627,6 +716,8 @@ pub fn run_managed_worker(
         loop {
             match commands.try_recv() {
                 Ok(Command::Pause) => pause_pending = true,
+                // The communicator was aborted by the command reader; the step below fails.
+                Ok(Command::Abort { .. }) => {}
                 Ok(Command::Stop) => return finish(&job, rank, step, &st, emit),
                 Ok(other) => bail!("unexpected command while training: {other:?}"),
                 Err(TryRecvError::Empty) => break,
@@ -661,6 +752,7 @@ pub fn run_managed_worker(
                 snapshot = Some((step, snap));
                 let line = StepLine {
                     step,
+                    epoch,
                     loss,
                     tokens: tokens_per_step,
                     ms: ms_since(t0),
@@ -672,12 +764,13 @@ pub fn run_managed_worker(
                     && step.is_multiple_of(spec.every_steps)
                 {
                     let parts = write_checkpoint(spec, step, &st, &replicas, rank)?;
-                    emit_ev(&WorkerEvent::Checkpointed { step, parts }, &mut emit)?;
+                    emit_ev(&WorkerEvent::Checkpointed { epoch, step, parts }, &mut emit)?;
                 }
                 if pause {
                     dist = None;
                     pause_pending = false;
                     let ev = WorkerEvent::Paused {
+                        epoch,
                         step,
                         held: held(&st.store),
                     };
@@ -688,6 +781,7 @@ pub fn run_managed_worker(
                 // Discard the step and the broken communicator, then wait for the controller.
                 dist = None;
                 let ev = WorkerEvent::Failed {
+                    epoch,
                     step,
                     error: error_text(&e),
                     held: held(&st.store),
@@ -772,6 +866,7 @@ mod tests {
         let step = r#"{"step":3,"loss":2.5,"tokens":10,"ms":1.0,"routing":[[1,2]]}"#;
         assert!(matches!(WorkerLine::parse(step), Some(WorkerLine::Step(s)) if s.step == 3));
         let ev = serde_json::to_string(&WorkerEvent::Paused {
+            epoch: 1,
             step: 4,
             held: vec![(0, 1)],
         })
