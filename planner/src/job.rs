@@ -751,6 +751,8 @@ impl JobMachine {
             return;
         };
         if n.done.is_some() || self.phase == Phase::Stopping {
+            // No replan any more, but a member is a live node.
+            self.members.retain(|&m| m != node);
             return;
         }
         out.push(Action::Log(format!(

@@ -559,3 +559,23 @@ fn the_job_ends_when_every_member_finished_and_checks_the_replicas() {
         assert_eq!(fin.is_ok(), ok, "{fin:?}");
     }
 }
+
+/// Found by the swarm test (seed 255): a node lost while the job stops stayed a member, so
+/// the machine's own invariant (every member is a live node) broke.
+#[test]
+fn a_node_lost_while_stopping_leaves_the_membership_and_the_job_ends() {
+    let (mut j, _) = started(config(4, 3), &[0, 1], 3);
+    j.idle(0, IdleReason::Finished, 3);
+    j.idle(1, IdleReason::Finished, 3);
+    assert_eq!(j.m.phase(), Phase::Stopping);
+    j.ev(Event::Done {
+        node: 0,
+        checksums: StateChecksums::default(),
+    });
+    let a = j.ev(Event::Lost {
+        node: 1,
+        reason: "killed".into(),
+    });
+    assert!(!j.m.members().contains(&1));
+    assert!(a.contains(&Action::Finished(Ok(()))), "{a:?}");
+}
