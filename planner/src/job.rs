@@ -1408,6 +1408,10 @@ impl JobMachine {
         if let Some(c) = self.cause.as_mut() {
             c.kind = kind;
         }
+        if self.candidates().len() * self.cfg.slots_per_node < self.cfg.model.experts {
+            // Nodes were lost while the checkpoint was looked for: wait for more.
+            return self.plan_next(now_ms, out);
+        }
         out.push(Action::Log(format!(
             "restoring the checkpoint of step {step}"
         )));

@@ -579,3 +579,38 @@ fn a_node_lost_while_stopping_leaves_the_membership_and_the_job_ends() {
     assert!(!j.m.members().contains(&1));
     assert!(a.contains(&Action::Finished(Ok(()))), "{a:?}");
 }
+
+/// Found by the swarm test (seed 67): a node lost while the checkpoint was being looked for
+/// left too few nodes, and the restore's plan failed the job instead of waiting for nodes.
+#[test]
+fn a_restore_that_lost_a_node_meanwhile_waits_for_nodes() {
+    let mut cfg = config(2, 20);
+    cfg.checkpoint_every_steps = 2;
+    let (mut j, r) = started(cfg, &[0, 1, 2, 3], 3);
+    for &n in &r.members()[..2] {
+        j.ev(Event::Lost {
+            node: n,
+            reason: "killed".into(),
+        });
+    }
+    let rest: Vec<NodeId> = r.members()[2..].to_vec();
+    j.idle(rest[0], IdleReason::Failed("x".into()), 3);
+    let a = j.idle(rest[1], IdleReason::Failed("x".into()), 3);
+    assert!(a.contains(&Action::FindCheckpoint));
+    j.ev(Event::Lost {
+        node: rest[0],
+        reason: "killed".into(),
+    });
+    let a = j.ev(Event::CheckpointFound { step: 2 });
+    assert!(
+        a.iter().any(|a| matches!(a, Action::WaitForNodes { .. })),
+        "{a:?}"
+    );
+    assert_eq!(j.m.phase(), Phase::WaitingForNodes);
+    assert!(!j.m.is_over());
+    let a = j.join(7);
+    assert!(a.contains(&Action::FindCheckpoint), "{a:?}");
+    let a = j.ev(Event::CheckpointFound { step: 2 });
+    let r2 = reconfig(&a).expect("planned once enough nodes are there");
+    assert_eq!((r2.kind, r2.resume_step), (ReconfigKind::Restore, 2));
+}
