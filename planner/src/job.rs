@@ -767,6 +767,11 @@ impl JobMachine {
                 p.waiting.remove(&node);
             }
             self.interrupt(now_ms, out);
+            // Steps every survivor reported were trained: count them (the survivors resume
+            // after them).
+            if !self.members.is_empty() && self.phase == Phase::Quiescing {
+                self.count_reported(now_ms, out);
+            }
         }
         let newcomer_left = self
             .nodes
@@ -884,6 +889,11 @@ impl JobMachine {
             .or_default()
             .entry(node)
             .or_insert(report);
+        self.count_reported(now_ms, out);
+    }
+
+    /// Counts, in order, the steps every member reported.
+    fn count_reported(&mut self, now_ms: u64, out: &mut Vec<Action>) {
         while let Some(entry) = self.step_reports.first_entry() {
             if *entry.key() != self.next_step
                 || !self.members.iter().all(|m| entry.get().contains_key(m))

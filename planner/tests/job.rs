@@ -614,3 +614,28 @@ fn a_restore_that_lost_a_node_meanwhile_waits_for_nodes() {
     let r2 = reconfig(&a).expect("planned once enough nodes are there");
     assert_eq!((r2.kind, r2.resume_step), (ReconfigKind::Restore, 2));
 }
+
+/// Found by the swarm test (seed 207): every surviving member trained and reported a step,
+/// the member that had not reported it was lost, and the step was never counted (the
+/// survivors resumed after it).
+#[test]
+fn a_step_every_survivor_reported_counts_when_the_last_holdout_is_lost() {
+    let (mut j, _) = started(config(4, 50), &[0, 1, 2], 5);
+    let epoch = j.m.epoch();
+    for n in [0, 1] {
+        j.ev(Event::Stepped {
+            node: n,
+            epoch,
+            step: 5,
+            report: StepReport::default(),
+        });
+    }
+    let a = j.ev(Event::Lost {
+        node: 2,
+        reason: "killed".into(),
+    });
+    assert_eq!(records(&a), vec![5]);
+    j.idle(0, IdleReason::Failed("peer".into()), 6);
+    let a = j.idle(1, IdleReason::Failed("peer".into()), 6);
+    assert_eq!(reconfig(&a).unwrap().resume_step, 6);
+}
