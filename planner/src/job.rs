@@ -525,6 +525,9 @@ pub struct JobMachine {
     /// Per step, per member: reports until every member reported.
     step_reports: BTreeMap<u64, BTreeMap<NodeId, StepReport>>,
     checkpoint_parts: BTreeMap<u64, BTreeSet<NodeId>>,
+    /// The newest checkpoint step this epoch asked to commit (a late duplicate of one of its
+    /// parts must not commit it again).
+    commit_asked: Option<u64>,
     last_committed: Option<u64>,
     history: LoadHistory,
     /// The current lineage was set up completely (Fresh/restore done on every member).
@@ -553,6 +556,7 @@ impl JobMachine {
             next_step: 0,
             step_reports: BTreeMap::new(),
             checkpoint_parts: BTreeMap::new(),
+            commit_asked: None,
             last_committed: None,
             history,
             lineage_complete: false,
@@ -1023,13 +1027,18 @@ impl JobMachine {
     }
 
     fn checkpoint_written(&mut self, node: NodeId, epoch: u64, step: u64, out: &mut Vec<Action>) {
-        if epoch != self.epoch || !self.members.contains(&node) || !self.cfg.checkpoint_due(step) {
+        if epoch != self.epoch
+            || !self.members.contains(&node)
+            || !self.cfg.checkpoint_due(step)
+            || self.commit_asked.is_some_and(|s| step <= s)
+        {
             return;
         }
         let parts = self.checkpoint_parts.entry(step).or_default();
         parts.insert(node);
         if self.members.iter().all(|m| parts.contains(m)) {
             self.checkpoint_parts.remove(&step);
+            self.commit_asked = Some(step);
             out.push(Action::CommitCheckpoint {
                 step,
                 members: self.members.len(),
@@ -1358,6 +1367,7 @@ impl JobMachine {
         self.next_step = resume_step;
         self.step_reports.clear();
         self.checkpoint_parts.clear();
+        self.commit_asked = None;
         self.resuming = None;
         if !matches!(source, StateSource::Peers { .. }) {
             // A new lineage: nobody holds its state until it reports `Migrated`.

@@ -639,3 +639,27 @@ fn a_step_every_survivor_reported_counts_when_the_last_holdout_is_lost() {
     let a = j.idle(1, IdleReason::Failed("peer".into()), 6);
     assert_eq!(reconfig(&a).unwrap().resume_step, 6);
 }
+
+/// Found by the swarm test (seed 44): a duplicated `CheckpointWritten` arriving after the
+/// commit made the machine commit the same checkpoint again.
+#[test]
+fn a_duplicated_checkpoint_report_does_not_commit_again() {
+    let mut cfg = config(4, 50);
+    cfg.checkpoint_every_steps = 2;
+    let (mut j, r) = started(cfg, &[0, 1], 2);
+    let mut commits = 0;
+    for _ in 0..2 {
+        for node in [0, 1] {
+            let a = j.ev(Event::CheckpointWritten {
+                node,
+                epoch: r.epoch,
+                step: 2,
+            });
+            commits += a
+                .iter()
+                .filter(|a| matches!(a, Action::CommitCheckpoint { .. }))
+                .count();
+        }
+    }
+    assert_eq!(commits, 1);
+}
