@@ -837,6 +837,12 @@ impl JobMachine {
                     .map(|&m| (m, "made no step progress"))
                     .collect()
             }
+            Phase::Stopping if late => self
+                .nodes
+                .iter()
+                .filter(|(_, n)| n.done.is_none())
+                .map(|(&id, _)| (id, "did not stop when asked"))
+                .collect(),
             _ => Vec::new(),
         };
         for (id, why) in stuck {

@@ -663,3 +663,28 @@ fn a_duplicated_checkpoint_report_does_not_commit_again() {
     }
     assert_eq!(commits, 1);
 }
+
+/// Found by the swarm test (seed 274): a node whose worker hung (its agent still heartbeats)
+/// never answered `Stop`, and the job waited for its checksums forever.
+#[test]
+fn a_node_that_does_not_stop_is_fenced_and_the_job_ends() {
+    let (mut j, _) = started(config(4, 3), &[0, 1], 3);
+    j.idle(0, IdleReason::Finished, 3);
+    j.idle(1, IdleReason::Finished, 3);
+    j.ev(Event::Done {
+        node: 0,
+        checksums: StateChecksums::default(),
+    });
+    j.at(4_000).ev(Event::Heartbeat { node: 1 });
+    j.ev(Event::Heartbeat { node: 0 });
+    let a = j.ev(Event::Tick);
+    assert!(!j.m.is_over(), "{a:?}");
+    j.at(5_500).ev(Event::Heartbeat { node: 1 });
+    j.ev(Event::Heartbeat { node: 0 });
+    let a = j.ev(Event::Tick);
+    assert!(
+        a.iter().any(|a| matches!(a, Action::Fence { node: 1, .. })),
+        "{a:?}"
+    );
+    assert!(a.contains(&Action::Finished(Ok(()))), "{a:?}");
+}
