@@ -757,6 +757,9 @@ impl JobMachine {
         if n.done.is_some() || self.phase == Phase::Stopping {
             // No replan any more, but a member is a live node.
             self.members.retain(|&m| m != node);
+            if let Some(p) = self.pending.as_mut() {
+                p.waiting.remove(&node);
+            }
             return;
         }
         out.push(Action::Log(format!(

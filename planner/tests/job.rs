@@ -688,3 +688,35 @@ fn a_node_that_does_not_stop_is_fenced_and_the_job_ends() {
     );
     assert!(a.contains(&Action::Finished(Ok(()))), "{a:?}");
 }
+
+/// Found by the swarm test (seed 2588): the members finished while a reconfiguration was
+/// still waiting for a `Migrated`; the node it waited for was then lost while stopping and
+/// stayed in the waiting set.
+#[test]
+fn a_node_lost_while_stopping_is_not_waited_for() {
+    let (mut j, _) = started(config(4, 3), &[0, 1, 2], 3);
+    j.join(3);
+    j.ev(Event::Tick);
+    for n in [0, 1, 2] {
+        j.idle(n, IdleReason::Paused, 3);
+    }
+    let r = reconfig(&j.out.clone()[j.out.len().saturating_sub(8)..]).unwrap();
+    assert_eq!(r.members().len(), 4);
+    j.ev(Event::Migrated {
+        node: 0,
+        epoch: r.epoch,
+        bytes_in: 0,
+    });
+    j.ev(Event::Lost {
+        node: 1,
+        reason: "killed".into(),
+    });
+    for n in [0, 2, 3] {
+        j.idle(n, IdleReason::Finished, 3);
+    }
+    assert_eq!(j.m.phase(), Phase::Stopping);
+    j.ev(Event::Lost {
+        node: 2,
+        reason: "killed".into(),
+    });
+}
