@@ -1244,7 +1244,9 @@ impl JobMachine {
                 n.has_state.then(|| n.idle.as_ref().map(|i| i.1)).flatten()
             })
             .min()
-            .unwrap_or(self.next_step);
+            // Not past the first uncounted step: members that trained a step a member without
+            // state never reported roll it back (else it would never be counted).
+            .map_or(self.next_step, |s| s.min(self.next_step));
         let physical: Vec<PhysicalNode> = candidates.iter().map(|(p, _)| p.clone()).collect();
         let options = ReplanOptions {
             alloc: self.cfg.alloc,

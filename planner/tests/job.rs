@@ -720,3 +720,47 @@ fn a_node_lost_while_stopping_is_not_waited_for() {
         reason: "killed".into(),
     });
 }
+
+/// Found by the swarm test (seed 18499): a join was cut short after the old members trained
+/// one more step that the newcomer (whose `Migrated` came too late to count) never reported;
+/// the replan resumed after that step, which was never counted.
+#[test]
+fn an_in_place_replan_resumes_at_the_first_uncounted_step() {
+    let (mut j, _) = started(config(4, 50), &[0, 1, 2], 5);
+    j.join(3);
+    j.ev(Event::Tick);
+    for n in [0, 1, 2] {
+        j.idle(n, IdleReason::Paused, 5);
+    }
+    let r = reconfig(&j.out.clone()[j.out.len().saturating_sub(8)..]).unwrap();
+    for n in [0, 1, 2] {
+        j.ev(Event::Migrated {
+            node: n,
+            epoch: r.epoch,
+            bytes_in: 0,
+        });
+    }
+    j.ev(Event::Lost {
+        node: 2,
+        reason: "killed".into(),
+    });
+    j.ev(Event::Migrated {
+        node: 3,
+        epoch: r.epoch,
+        bytes_in: 0,
+    });
+    for n in [0, 1] {
+        j.ev(Event::Stepped {
+            node: n,
+            epoch: r.epoch,
+            step: 5,
+            report: StepReport::default(),
+        });
+    }
+    j.idle(0, IdleReason::Failed("peer".into()), 6);
+    j.idle(1, IdleReason::Failed("peer".into()), 6);
+    let a = j.idle(3, IdleReason::Failed("peer".into()), 5);
+    assert!(!records(&j.out).contains(&5));
+    let r2 = reconfig(&a).unwrap();
+    assert_eq!(r2.resume_step, 5, "step 5 was never counted");
+}
