@@ -525,6 +525,9 @@ pub struct JobMachine {
     /// Per step, per member: reports until every member reported.
     step_reports: BTreeMap<u64, BTreeMap<NodeId, StepReport>>,
     checkpoint_parts: BTreeMap<u64, BTreeSet<NodeId>>,
+    /// The newest checkpoint step this epoch asked to commit (a late duplicate of one of its
+    /// parts must not commit it again).
+    commit_asked: Option<u64>,
     last_committed: Option<u64>,
     history: LoadHistory,
     /// The current lineage was set up completely (Fresh/restore done on every member).
@@ -555,6 +558,7 @@ impl JobMachine {
             next_step: 0,
             step_reports: BTreeMap::new(),
             checkpoint_parts: BTreeMap::new(),
+            commit_asked: None,
             last_committed: None,
             history,
             lineage_complete: false,
@@ -758,6 +762,11 @@ impl JobMachine {
             return;
         };
         if n.done.is_some() || self.phase == Phase::Stopping {
+            // No replan any more, but a member is a live node.
+            self.members.retain(|&m| m != node);
+            if let Some(p) = self.pending.as_mut() {
+                p.waiting.remove(&node);
+            }
             return;
         }
         out.push(Action::Log(format!(
@@ -772,6 +781,11 @@ impl JobMachine {
                 p.waiting.remove(&node);
             }
             self.interrupt(now_ms, out);
+            // Steps every survivor reported were trained: count them (the survivors resume
+            // after them).
+            if !self.members.is_empty() && self.phase == Phase::Quiescing {
+                self.count_reported(now_ms, out);
+            }
         }
         let newcomer_left = self
             .nodes
@@ -833,6 +847,12 @@ impl JobMachine {
                     .map(|&m| (m, "made no step progress"))
                     .collect()
             }
+            Phase::Stopping if late => self
+                .nodes
+                .iter()
+                .filter(|(_, n)| n.done.is_none())
+                .map(|(&id, _)| (id, "did not stop when asked"))
+                .collect(),
             _ => Vec::new(),
         };
         for (id, why) in stuck {
@@ -889,6 +909,11 @@ impl JobMachine {
             .or_default()
             .entry(node)
             .or_insert(report);
+        self.count_reported(now_ms, out);
+    }
+
+    /// Counts, in order, the steps every member reported.
+    fn count_reported(&mut self, now_ms: u64, out: &mut Vec<Action>) {
         while let Some(entry) = self.step_reports.first_entry() {
             if *entry.key() != self.next_step
                 || !self.members.iter().all(|m| entry.get().contains_key(m))
@@ -1019,13 +1044,18 @@ impl JobMachine {
     }
 
     fn checkpoint_written(&mut self, node: NodeId, epoch: u64, step: u64, out: &mut Vec<Action>) {
-        if epoch != self.epoch || !self.members.contains(&node) || !self.cfg.checkpoint_due(step) {
+        if epoch != self.epoch
+            || !self.members.contains(&node)
+            || !self.cfg.checkpoint_due(step)
+            || self.commit_asked.is_some_and(|s| step <= s)
+        {
             return;
         }
         let parts = self.checkpoint_parts.entry(step).or_default();
         parts.insert(node);
         if self.members.iter().all(|m| parts.contains(m)) {
             self.checkpoint_parts.remove(&step);
+            self.commit_asked = Some(step);
             out.push(Action::CommitCheckpoint {
                 step,
                 members: self.members.len(),
@@ -1220,7 +1250,9 @@ impl JobMachine {
                 n.has_state.then(|| n.idle.as_ref().map(|i| i.1)).flatten()
             })
             .min()
-            .unwrap_or(self.next_step);
+            // Not past the first uncounted step: members that trained a step a member without
+            // state never reported roll it back (else it would never be counted).
+            .map_or(self.next_step, |s| s.min(self.next_step));
         let physical: Vec<PhysicalNode> = candidates.iter().map(|(p, _)| p.clone()).collect();
         let options = ReplanOptions {
             alloc: self.cfg.alloc,
@@ -1352,6 +1384,7 @@ impl JobMachine {
         self.next_step = resume_step;
         self.step_reports.clear();
         self.checkpoint_parts.clear();
+        self.commit_asked = None;
         self.resuming = None;
         if !matches!(source, StateSource::Peers { .. }) {
             // A new lineage: nobody holds its state until it reports `Migrated`.
@@ -1411,6 +1444,10 @@ impl JobMachine {
         };
         if let Some(c) = self.cause.as_mut() {
             c.kind = kind;
+        }
+        if self.candidates().len() * self.cfg.slots_per_node < self.cfg.model.experts {
+            // Nodes were lost while the checkpoint was looked for: wait for more.
+            return self.plan_next(now_ms, out);
         }
         out.push(Action::Log(format!(
             "restoring the checkpoint of step {step}"

@@ -570,3 +570,208 @@ fn an_unrequested_pause_is_not_a_stall() {
     let r = reconfig(&a).expect("replanned instead of waiting for steps");
     assert_eq!((r.kind, r.resume_step), (ReconfigKind::Rebalance, 3));
 }
+
+/// Found by the swarm test (seed 255): a node lost while the job stops stayed a member, so
+/// the machine's own invariant (every member is a live node) broke.
+#[test]
+fn a_node_lost_while_stopping_leaves_the_membership_and_the_job_ends() {
+    let (mut j, _) = started(config(4, 3), &[0, 1], 3);
+    j.idle(0, IdleReason::Finished, 3);
+    j.idle(1, IdleReason::Finished, 3);
+    assert_eq!(j.m.phase(), Phase::Stopping);
+    j.ev(Event::Done {
+        node: 0,
+        checksums: StateChecksums::default(),
+    });
+    let a = j.ev(Event::Lost {
+        node: 1,
+        reason: "killed".into(),
+    });
+    assert!(!j.m.members().contains(&1));
+    assert!(a.contains(&Action::Finished(Ok(()))), "{a:?}");
+}
+
+/// Found by the swarm test (seed 67): a node lost while the checkpoint was being looked for
+/// left too few nodes, and the restore's plan failed the job instead of waiting for nodes.
+#[test]
+fn a_restore_that_lost_a_node_meanwhile_waits_for_nodes() {
+    let mut cfg = config(2, 20);
+    cfg.checkpoint_every_steps = 2;
+    let (mut j, r) = started(cfg, &[0, 1, 2, 3], 3);
+    for &n in &r.members()[..2] {
+        j.ev(Event::Lost {
+            node: n,
+            reason: "killed".into(),
+        });
+    }
+    let rest: Vec<NodeId> = r.members()[2..].to_vec();
+    j.idle(rest[0], IdleReason::Failed("x".into()), 3);
+    let a = j.idle(rest[1], IdleReason::Failed("x".into()), 3);
+    assert!(a.contains(&Action::FindCheckpoint));
+    j.ev(Event::Lost {
+        node: rest[0],
+        reason: "killed".into(),
+    });
+    let a = j.ev(Event::CheckpointFound { step: 2 });
+    assert!(
+        a.iter().any(|a| matches!(a, Action::WaitForNodes { .. })),
+        "{a:?}"
+    );
+    assert_eq!(j.m.phase(), Phase::WaitingForNodes);
+    assert!(!j.m.is_over());
+    let a = j.join(7);
+    assert!(a.contains(&Action::FindCheckpoint), "{a:?}");
+    let a = j.ev(Event::CheckpointFound { step: 2 });
+    let r2 = reconfig(&a).expect("planned once enough nodes are there");
+    assert_eq!((r2.kind, r2.resume_step), (ReconfigKind::Restore, 2));
+}
+
+/// Found by the swarm test (seed 207): every surviving member trained and reported a step,
+/// the member that had not reported it was lost, and the step was never counted (the
+/// survivors resumed after it).
+#[test]
+fn a_step_every_survivor_reported_counts_when_the_last_holdout_is_lost() {
+    let (mut j, _) = started(config(4, 50), &[0, 1, 2], 5);
+    let epoch = j.m.epoch();
+    for n in [0, 1] {
+        j.ev(Event::Stepped {
+            node: n,
+            epoch,
+            step: 5,
+            report: StepReport::default(),
+        });
+    }
+    let a = j.ev(Event::Lost {
+        node: 2,
+        reason: "killed".into(),
+    });
+    assert_eq!(records(&a), vec![5]);
+    j.idle(0, IdleReason::Failed("peer".into()), 6);
+    let a = j.idle(1, IdleReason::Failed("peer".into()), 6);
+    assert_eq!(reconfig(&a).unwrap().resume_step, 6);
+}
+
+/// Found by the swarm test (seed 44): a duplicated `CheckpointWritten` arriving after the
+/// commit made the machine commit the same checkpoint again.
+#[test]
+fn a_duplicated_checkpoint_report_does_not_commit_again() {
+    let mut cfg = config(4, 50);
+    cfg.checkpoint_every_steps = 2;
+    let (mut j, r) = started(cfg, &[0, 1], 2);
+    let mut commits = 0;
+    for _ in 0..2 {
+        for node in [0, 1] {
+            let a = j.ev(Event::CheckpointWritten {
+                node,
+                epoch: r.epoch,
+                step: 2,
+            });
+            commits += a
+                .iter()
+                .filter(|a| matches!(a, Action::CommitCheckpoint { .. }))
+                .count();
+        }
+    }
+    assert_eq!(commits, 1);
+}
+
+/// Found by the swarm test (seed 274): a node whose worker hung (its agent still heartbeats)
+/// never answered `Stop`, and the job waited for its checksums forever.
+#[test]
+fn a_node_that_does_not_stop_is_fenced_and_the_job_ends() {
+    let (mut j, _) = started(config(4, 3), &[0, 1], 3);
+    j.idle(0, IdleReason::Finished, 3);
+    j.idle(1, IdleReason::Finished, 3);
+    j.ev(Event::Done {
+        node: 0,
+        checksums: StateChecksums::default(),
+    });
+    j.at(4_000).ev(Event::Heartbeat { node: 1 });
+    j.ev(Event::Heartbeat { node: 0 });
+    let a = j.ev(Event::Tick);
+    assert!(!j.m.is_over(), "{a:?}");
+    j.at(5_500).ev(Event::Heartbeat { node: 1 });
+    j.ev(Event::Heartbeat { node: 0 });
+    let a = j.ev(Event::Tick);
+    assert!(
+        a.iter().any(|a| matches!(a, Action::Fence { node: 1, .. })),
+        "{a:?}"
+    );
+    assert!(a.contains(&Action::Finished(Ok(()))), "{a:?}");
+}
+
+/// Found by the swarm test (seed 2588): the members finished while a reconfiguration was
+/// still waiting for a `Migrated`; the node it waited for was then lost while stopping and
+/// stayed in the waiting set.
+#[test]
+fn a_node_lost_while_stopping_is_not_waited_for() {
+    let (mut j, _) = started(config(4, 3), &[0, 1, 2], 3);
+    j.join(3);
+    j.ev(Event::Tick);
+    for n in [0, 1, 2] {
+        j.idle(n, IdleReason::Paused, 3);
+    }
+    let r = reconfig(&j.out.clone()[j.out.len().saturating_sub(8)..]).unwrap();
+    assert_eq!(r.members().len(), 4);
+    j.ev(Event::Migrated {
+        node: 0,
+        epoch: r.epoch,
+        bytes_in: 0,
+    });
+    j.ev(Event::Lost {
+        node: 1,
+        reason: "killed".into(),
+    });
+    for n in [0, 2, 3] {
+        j.idle(n, IdleReason::Finished, 3);
+    }
+    assert_eq!(j.m.phase(), Phase::Stopping);
+    j.ev(Event::Lost {
+        node: 2,
+        reason: "killed".into(),
+    });
+}
+
+/// Found by the swarm test (seed 18499): a join was cut short after the old members trained
+/// one more step that the newcomer (whose `Migrated` came too late to count) never reported;
+/// the replan resumed after that step, which was never counted.
+#[test]
+fn an_in_place_replan_resumes_at_the_first_uncounted_step() {
+    let (mut j, _) = started(config(4, 50), &[0, 1, 2], 5);
+    j.join(3);
+    j.ev(Event::Tick);
+    for n in [0, 1, 2] {
+        j.idle(n, IdleReason::Paused, 5);
+    }
+    let r = reconfig(&j.out.clone()[j.out.len().saturating_sub(8)..]).unwrap();
+    for n in [0, 1, 2] {
+        j.ev(Event::Migrated {
+            node: n,
+            epoch: r.epoch,
+            bytes_in: 0,
+        });
+    }
+    j.ev(Event::Lost {
+        node: 2,
+        reason: "killed".into(),
+    });
+    j.ev(Event::Migrated {
+        node: 3,
+        epoch: r.epoch,
+        bytes_in: 0,
+    });
+    for n in [0, 1] {
+        j.ev(Event::Stepped {
+            node: n,
+            epoch: r.epoch,
+            step: 5,
+            report: StepReport::default(),
+        });
+    }
+    j.idle(0, IdleReason::Failed("peer".into()), 6);
+    j.idle(1, IdleReason::Failed("peer".into()), 6);
+    let a = j.idle(3, IdleReason::Failed("peer".into()), 5);
+    assert!(!records(&j.out).contains(&5));
+    let r2 = reconfig(&a).unwrap();
+    assert_eq!(r2.resume_step, 5, "step 5 was never counted");
+}
