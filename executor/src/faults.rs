@@ -867,16 +867,10 @@ mod tests {
 
     #[test]
     fn real_p3_trace() {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../shared/traces/bamboo/traces/p3-trace.csv"
-        );
-        let path = std::path::Path::new(path);
-        if !path.exists() {
-            eprintln!("skipping: {} not found", path.display());
+        let Some(path) = lazarus_traces::shared::or_skip("bamboo/traces/p3-trace.csv") else {
             return;
-        }
-        let trace = lazarus_traces::load(path).unwrap();
+        };
+        let trace = lazarus_traces::load(&path).unwrap();
         let s = schedule_from_trace(&trace, 60.0, 100, Some(8)).unwrap();
         assert!((1..=8).contains(&s.initial_nodes));
         assert_eq!(s.initial_names.len(), s.initial_nodes);

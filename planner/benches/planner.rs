@@ -17,25 +17,14 @@ use lazarus_planner::{
     Alignment, AllocPolicy, ClusterSpec, ModelSpec, PlacePolicy, ReplanOptions, dispatch,
     plan_model, replan,
 };
+use lazarus_traces::zipf::ZipfLoads;
 use rand::rngs::Xoshiro256PlusPlus;
-use rand::seq::SliceRandom;
 use rand::{RngExt, SeedableRng};
 use std::hint::black_box;
 
 /// Zipf(1.0) loads with a different hot set per layer (seeded).
 fn zipf_loads(layers: usize, experts: usize, seed: u64) -> Vec<Vec<u64>> {
-    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
-    (0..layers)
-        .map(|_| {
-            let mut perm: Vec<usize> = (0..experts).collect();
-            perm.shuffle(&mut rng);
-            let mut row = vec![0u64; experts];
-            for (rank, &e) in perm.iter().enumerate() {
-                row[e] = (1_000_000.0 / (rank + 1) as f64) as u64 + 1;
-            }
-            row
-        })
-        .collect()
+    ZipfLoads::new(1.0, experts, layers, seed).loads(0)
 }
 
 fn bench_replan(c: &mut Criterion) {

@@ -215,7 +215,7 @@ mod tests {
 
     #[test]
     fn golden_eq1_reference_vector() {
-        // Reference §2.2 / §10: N·c = 60, f = 2.
+        // Eq. 1 (§4.1) with N·c = 60 (10 GPUs × 6 slots), f = 2: a vector checked by hand.
         let a = allocate(AllocPolicy::Lazarus, &[1, 1, 1, 1, 2, 4, 10, 20], 60, 2).unwrap();
         assert_eq!(a.replicas, vec![2, 2, 2, 2, 2, 5, 15, 30]);
     }

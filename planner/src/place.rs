@@ -224,7 +224,8 @@ pub fn place(
     LayerPlacement::from_grid(grid, replicas.len(), Some(replicas))
 }
 
-/// The MRO structure derived from the replica counts alone (§3.3 of our reference):
+/// The MRO structure derived from the replica counts alone (our reading of
+/// the paper's MRO construction, §4.1 and App. A.2):
 /// experts sorted ascending by `(replicas, id)`, cut into groups of `c` consecutive experts;
 /// group `i` owns a block of `r_{rep(i)}` consecutive nodes (its representative — least
 /// replicated member — has that many replicas), the last block truncated by `N`.

@@ -128,7 +128,7 @@ impl ModelSpec {
 }
 
 /// How routing history is turned into the loads `t_e` that drive allocation. The paper does not
-/// specify a window or smoothing (§2.3 of our reference), so both common choices are offered.
+/// specify a window or smoothing (§4.1), so both common choices are offered.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Aggregation {

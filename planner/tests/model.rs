@@ -1,4 +1,4 @@
-//! Whole-model plans on real gate loads (SmartMoE trace, read from `../shared`): aligning the
+//! Whole-model plans on real gate loads (the SmartMoE trace, from the shared-traces directory): aligning the
 //! layers' MRO blocks keeps model-level recovery near the weakest layer's, far above an
 //! independent per-layer mapping.
 
@@ -7,28 +7,22 @@ use lazarus_planner::recovery::exact;
 use lazarus_planner::{
     Alignment, AllocPolicy, ClusterSpec, ModelSpec, PlacePolicy, PlanError, plan_model,
 };
+use lazarus_traces::routing::GateTrace;
 
 /// Per-layer loads for a GPT-L-like model (E = 16, 12 layers) from the SmartMoE global counts at
-/// one iteration: layers 0..12 of the 24, the 16 most-loaded of the 32 experts (reference
-/// `../shared/traces/routing/README.md`, "Using it with Lazarus-style models").
-pub(crate) fn smartmoe_loads(iter: u64, layers: usize, experts: usize) -> Vec<Vec<u64>> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/traces/routing/smartmoe/derived/global_expert_counts.csv"
-    );
-    let text = std::fs::read_to_string(path).expect("SmartMoE trace in ../shared/traces/routing");
-    let mut out = Vec::new();
-    for line in text.lines().skip(1) {
-        let v: Vec<u64> = line.split(',').map(|x| x.trim().parse().unwrap()).collect();
-        if v[0] == iter && (v[1] as usize) < layers {
-            let mut counts = v[2..].to_vec();
-            counts.sort_unstable_by(|a, b| b.cmp(a));
-            counts.truncate(experts);
-            out.push(counts);
-        }
-    }
-    assert_eq!(out.len(), layers);
-    out
+/// one iteration: the first `layers` of the 24 layers, the `experts` most-loaded of the 32
+/// experts, most loaded first (the reading of the Lazarus paper's "loads of the top experts at
+/// each layer", arXiv 2407.04656 §6.2). `None`, after one `skipped:` line, when the shared
+/// SmartMoE trace is absent.
+pub(crate) fn smartmoe_loads(iter: u64, layers: usize, experts: usize) -> Option<Vec<Vec<u64>>> {
+    let path =
+        lazarus_traces::shared::or_skip("routing/smartmoe/derived/global_expert_counts.csv")?;
+    let trace = GateTrace::load(&path, layers, experts).unwrap();
+    Some(
+        trace
+            .top_loads_at_iteration(iter)
+            .expect("a sampled iteration"),
+    )
 }
 
 /// Eq. 1 allocation + MRO placement for every layer.
@@ -60,7 +54,9 @@ fn aligned_layers_beat_independent_mapping() {
         layers: 12,
         f: 2,
     };
-    let loads = smartmoe_loads(2001, 12, 16);
+    let Some(loads) = smartmoe_loads(2001, 12, 16) else {
+        return;
+    };
     let aligned = mro_plan(&cluster, &model, &loads, Alignment::Aligned).unwrap();
     for k in 2..=6 {
         let weakest = aligned
@@ -104,7 +100,10 @@ fn identical_block_sizes_make_model_equal_to_one_layer() {
         layers: 4,
         f: 2,
     };
-    let loads = vec![smartmoe_loads(3001, 1, 16).remove(0); 4];
+    let Some(mut layers) = smartmoe_loads(3001, 1, 16) else {
+        return;
+    };
+    let loads = vec![layers.remove(0); 4];
     let p = mro_plan(&cluster, &model, &loads, Alignment::Aligned).unwrap();
     let blocks = mro_structure(&p.allocations[0].replicas, 10, 6).block_sizes;
     for k in 0..=10 {
@@ -156,7 +155,9 @@ mod reconfiguration {
             layers: 12,
             f: 2,
         };
-        let loads = smartmoe_loads(2001, 12, 16);
+        let Some(loads) = smartmoe_loads(2001, 12, 16) else {
+            return;
+        };
         let start = mro_plan(&ClusterSpec::new(10, 6), &model, &loads, Alignment::Aligned).unwrap();
         // Nodes 3 and 7 fail (neither holds a whole MRO block of every layer alone).
         let survivors: Vec<_> = start
@@ -239,7 +240,10 @@ mod reconfiguration {
             layers: 1,
             f: 2,
         };
-        let loads = vec![smartmoe_loads(2001, 1, 16).remove(0)];
+        let Some(mut layers) = smartmoe_loads(2001, 1, 16) else {
+            return;
+        };
+        let loads = vec![layers.remove(0)];
         let start = mro_plan(&ClusterSpec::new(10, 6), &model, &loads, Alignment::Aligned).unwrap();
         // MRO's first block is nodes {0, 1}: losing both loses its representative.
         let survivors: Vec<_> = start

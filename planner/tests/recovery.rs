@@ -1,4 +1,5 @@
-//! Recovery-probability golden vectors (reference §10, paper Figs. 4 and 5) and the optimality
+//! Recovery-probability golden vectors (the MRO closed form by inclusion–exclusion over
+//! the group blocks, checked by brute force; paper Figs. 4 and 5) and the optimality
 //! of MRO against brute force over all placements of tiny clusters.
 
 use lazarus_planner::place::{LayerPlacement, PlacePolicy, mro_structure, place};

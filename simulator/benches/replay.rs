@@ -2,7 +2,8 @@
 //!
 //! * `replay/p3_full_gpt_l_3_systems`: the whole 11.4-hour Bamboo P3 trace (32 nodes), GPT-L on
 //!   rtx3090-100g, lazarus + ds-ft + ds, one after the other on one core. Reads the trace from
-//!   `../shared/traces` and is skipped when it is absent.
+//!   the shared-traces directory (`$LAZARUS_TRACES`, else `../shared/traces`) and is skipped,
+//!   with one line, when it is absent.
 //! * `sweep/hazard_0.3_100_seeds`: 100 stochastic 4-hour traces × 3 systems through the same
 //!   code path as `lzsim sweep` (rayon over the machine's cores); the 10,000-seed goal (< 60 s
 //!   on 2 cores) scales linearly from it.
@@ -26,14 +27,11 @@ struct SweepCli {
 }
 
 fn bench(c: &mut Criterion) {
-    let p3 = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/traces/bamboo/traces/p3-trace.csv"
-    );
     let mut g = c.benchmark_group("replay");
     g.sample_size(10);
-    if std::path::Path::new(p3).exists() {
-        let cli = ReplayCli::parse_from(["bench", p3, "--model", "gpt-l"]);
+    if let Some(p3) = lazarus_traces::shared::or_skip("bamboo/traces/p3-trace.csv") {
+        let p3 = p3.display().to_string();
+        let cli = ReplayCli::parse_from(["bench", &p3, "--model", "gpt-l"]);
         let r = resolve(&cli.args).expect("resolve");
         g.bench_function("p3_full_gpt_l_3_systems", |b| {
             b.iter(|| {
@@ -42,8 +40,6 @@ fn bench(c: &mut Criterion) {
                 }
             })
         });
-    } else {
-        eprintln!("skipping replay/p3_full_gpt_l_3_systems: {p3} not found");
     }
     g.finish();
     let mut g = c.benchmark_group("sweep");

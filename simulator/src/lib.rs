@@ -1,6 +1,11 @@
 //! Lazarus-rs simulator: the library behind `lzsim`.
 //!
-//! * [`plan_cmd`], [`recovery_cmd`]: replica plans and recovery probabilities (planner front-ends);
+//! * [`plan_cmd`], [`recovery_cmd`]: replica plans and recovery probabilities (planner
+//!   front-ends; the rows come from [`recovery`]);
+//! * [`relayout`]: re-layout policies replayed over a routing trace; [`relayout_cmd`] is its
+//!   command;
+//! * [`plot`]: charts of the domain modules' rows; `*_cmd` modules only parse, call a domain
+//!   module and print;
 //! * [`replay`]: the discrete-event simulator of MoE training under node failures, with the
 //!   systems it compares ([`replay::systems`]), on the cost model of [`cost`] and the expert-load
 //!   workloads of [`workload`]; [`replay_cmd`], [`sweep_cmd`], [`failures_cmd`] are its commands.
@@ -15,7 +20,9 @@ pub mod loads;
 pub mod plan_cmd;
 pub mod plot;
 pub mod reconfig_cmd;
+pub mod recovery;
 pub mod recovery_cmd;
+pub mod relayout;
 pub mod relayout_cmd;
 pub mod replay;
 pub mod replay_cmd;

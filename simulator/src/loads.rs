@@ -1,9 +1,8 @@
 //! Where `lzsim plan` / `lzsim recovery` get per-layer expert loads from.
 
 use anyhow::{Context, Result, bail};
-use rand::SeedableRng;
-use rand::rngs::Xoshiro256PlusPlus;
-use rand::seq::SliceRandom;
+use lazarus_traces::routing::{GateTrace, GateTraceError};
+use lazarus_traces::zipf::{LayerRanking, ZipfLoads};
 use std::path::Path;
 
 /// Tokens per layer used to scale synthetic (Zipf) loads; only ratios matter to the planner.
@@ -24,40 +23,27 @@ pub fn from_list(text: &str, experts: usize, layers: usize) -> Result<Vec<Vec<u6
 /// `--zipf S`: load of the expert with popularity rank `i` (0 = hottest) is
 /// `10^6 / (i+1)^S`, rounded. Layer 0 ranks experts by id (expert 0 hottest); every further
 /// layer uses a permutation seeded by `seed + layer`, since real layers disagree on which
-/// experts are hot (paper Fig. 2).
+/// experts are hot (paper Fig. 2). See [`ZipfLoads`], [`LayerRanking::FirstById`].
 pub fn zipf(s: f64, experts: usize, layers: usize, seed: u64) -> Result<Vec<Vec<u64>>> {
     if !(s.is_finite() && s >= 0.0) {
         bail!("--zipf must be a finite exponent >= 0 (got {s})");
     }
-    let base: Vec<u64> = (0..experts)
-        .map(|i| (ZIPF_TOKENS_PER_LAYER / ((i + 1) as f64).powf(s)).round() as u64)
-        .collect();
-    Ok((0..layers)
-        .map(|l| {
-            if l == 0 {
-                return base.clone();
-            }
-            let mut perm: Vec<usize> = (0..experts).collect();
-            perm.shuffle(&mut Xoshiro256PlusPlus::seed_from_u64(
-                seed.wrapping_add(l as u64),
-            ));
-            let mut row = vec![0; experts];
-            for (rank, &e) in perm.iter().enumerate() {
-                row[e] = base[rank];
-            }
-            row
-        })
-        .collect())
+    let z = ZipfLoads {
+        hottest_load: ZIPF_TOKENS_PER_LAYER,
+        ranking: LayerRanking::FirstById,
+        ..ZipfLoads::new(s, experts, layers, seed)
+    };
+    Ok(z.loads(0))
 }
 
 /// `--loads-file F`. Two formats:
 /// * a plain matrix: one line per layer, `experts` non-negative integers separated by commas or
 ///   spaces; blank lines and `#` comments ignored. Needs at least `layers` lines; extra lines are
 ///   ignored.
-/// * the SmartMoE derived gate trace (`iter,layer,e0,…` header, see
-///   `shared/traces/routing/README.md`): the rows of iteration `iter` (default: the last), its
-///   first `layers` layers, and — when the trace has more experts than the model — each layer's
-///   `experts` most-loaded experts (the reading of Lazarus's "loads of the top experts").
+/// * the SmartMoE derived gate trace (`iter,layer,e0,…` header, see [`GateTrace`]): the rows
+///   of iteration `iter` (default: the last), its first `layers` layers, and — when the trace
+///   has more experts than the model — each layer's `experts` most-loaded experts, most loaded
+///   first (the reading of the paper's "loads of the top experts at each layer", §6.2).
 pub fn from_file(
     path: &Path,
     experts: usize,
@@ -114,44 +100,18 @@ fn smartmoe_rows(
     layers: usize,
     iter: Option<u64>,
 ) -> Result<Vec<Vec<u64>>> {
-    let mut rows: Vec<(u64, u64, Vec<u64>)> = Vec::new();
-    for (i, raw) in text.lines().enumerate().skip(1) {
-        let line = raw.trim();
-        if line.is_empty() {
-            continue;
-        }
-        let v = parse_row(line).with_context(|| format!("line {}", i + 1))?;
-        if v.len() < 3 {
-            bail!("line {}: expected iter,layer,e0,…", i + 1);
-        }
-        rows.push((v[0], v[1], v[2..].to_vec()));
-    }
-    let want = match iter {
-        Some(i) => i,
-        None => rows
-            .iter()
-            .map(|r| r.0)
-            .max()
-            .context("no data rows in the trace")?,
-    };
-    let mut out = Vec::new();
-    for layer in 0..layers as u64 {
-        let (_, _, counts) = rows
-            .iter()
-            .find(|r| r.0 == want && r.1 == layer)
-            .with_context(|| format!("no row for iteration {want}, layer {layer}"))?;
-        if counts.len() < experts {
-            bail!(
-                "the trace has {} experts per layer, fewer than --experts {experts}",
-                counts.len()
-            );
-        }
-        let mut top = counts.clone();
-        top.sort_unstable_by(|a, b| b.cmp(a));
-        top.truncate(experts);
-        out.push(top);
-    }
-    Ok(out)
+    let trace = GateTrace::parse(text, layers, experts).map_err(|e| match e {
+        // Name the flag the user can change.
+        GateTraceError::TooFewExperts { source_experts, .. } => anyhow::anyhow!(
+            "the trace has {source_experts} experts per layer, fewer than --experts {experts}"
+        ),
+        e => e.into(),
+    })?;
+    // `parse` rejects a trace without data rows, so there is a last iteration.
+    let want = iter.unwrap_or_else(|| *trace.iterations().last().unwrap_or(&0));
+    trace
+        .top_loads_at_iteration(want)
+        .with_context(|| format!("no row for iteration {want}, layer 0"))
 }
 
 #[cfg(test)]

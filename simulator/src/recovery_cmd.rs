@@ -1,12 +1,10 @@
-//! `lzsim recovery`.
+//! `lzsim recovery`: parses the arguments, computes [`crate::recovery`] rows and prints them.
 
 use crate::SpecArgs;
+use crate::recovery::{self, Method, Query};
 use anyhow::{Context, bail};
 use clap::Args;
-use lazarus_planner::place::mro_structure;
-use lazarus_planner::recovery::{exact, exact_domains, monte_carlo, mro_closed_form};
-use lazarus_planner::{PlacePolicy, RecoveryEstimate};
-use serde::Serialize;
+use lazarus_planner::PlacePolicy;
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]
@@ -35,17 +33,6 @@ pub struct RecoveryArgs {
     /// Also draw probability vs. failures to this file (.png or .svg).
     #[arg(long)]
     pub plot: Option<PathBuf>,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct Row {
-    pub place: String,
-    pub failed: usize,
-    pub probability: f64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub ci_low: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub ci_high: Option<f64>,
 }
 
 /// `0..6` (inclusive), `4`, `1,2,5`.
@@ -100,42 +87,28 @@ pub fn run(args: &RecoveryArgs) -> anyhow::Result<()> {
         bail!("--trials must be at least 1");
     }
     let loads = spec.loads()?;
-    let mut rows = Vec::new();
-    for place in places {
-        let plan = spec.plan(place, &loads)?;
-        for &k in &failed {
-            let est = match args.method.as_str() {
-                "closed" => {
-                    if place != PlacePolicy::Mro {
-                        bail!("--method closed applies to --place mro only (got {place})");
-                    }
-                    let st = mro_structure(&plan.allocations[0].replicas, spec.nodes, spec.slots);
-                    if st.spread_fallback {
-                        bail!("this layer fell back to spread placement; use --method exact");
-                    }
-                    RecoveryEstimate::exact(mro_closed_form(&st.block_sizes, spec.nodes, k))
-                }
-                "mc" => monte_carlo(
-                    &plan.layers,
-                    domains.as_deref(),
-                    k,
-                    args.trials,
-                    spec.seed.wrapping_add(k as u64),
-                )?,
-                _ => RecoveryEstimate::exact(match &domains {
-                    Some(d) => exact_domains(&plan.layers, d, k)?,
-                    None => exact(&plan.layers, k)?,
-                }),
-            };
-            rows.push(Row {
-                place: place.name().to_string(),
-                failed: k,
-                probability: est.probability,
-                ci_low: est.ci_low,
-                ci_high: est.ci_high,
-            });
-        }
-    }
+    let plans = places
+        .into_iter()
+        .map(|place| Ok((place, spec.plan(place, &loads)?)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let method = match args.method.as_str() {
+        "closed" => Method::Closed,
+        "mc" => Method::MonteCarlo {
+            trials: args.trials,
+            seed: spec.seed,
+        },
+        _ => Method::Exact,
+    };
+    let rows = recovery::rows(
+        &plans,
+        &Query {
+            nodes: spec.nodes,
+            slots: spec.slots,
+            failed: &failed,
+            domains: domains.as_deref(),
+            method,
+        },
+    )?;
     if let Some(path) = &args.plot {
         let title = format!(
             "{} nodes x {} slots, {} experts, {} layer(s), f={} ({})",

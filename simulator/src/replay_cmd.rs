@@ -7,6 +7,8 @@ use crate::replay::{self, ReplayConfig, RunResult, output};
 use crate::workload::Workload;
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use lazarus_traces::routing::GateTrace;
+use lazarus_traces::zipf::ZipfLoads;
 use lazarus_traces::{FitMode, Trace};
 use rayon::prelude::*;
 use serde_json::json;
@@ -148,22 +150,15 @@ impl Setup {
         let mut model = cost::model(&sim.model)?;
         let systems = parse_systems(&sim.system).map_err(anyhow::Error::msg)?;
         let workload = match &sim.loads_trace {
-            Some(p) => Workload::Trace(crate::workload::load_gate_trace(
-                p,
-                model.moe_layers,
-                model.experts,
-            )?),
+            Some(p) => Workload::Trace(GateTrace::load(p, model.moe_layers, model.experts)?),
             None => {
                 if !(sim.zipf.is_finite() && sim.zipf >= 0.0) {
                     bail!("--zipf must be a finite exponent >= 0 (got {})", sim.zipf);
                 }
-                Workload::Zipf {
-                    s: sim.zipf,
+                Workload::Zipf(ZipfLoads {
                     drift_every_steps: sim.drift_every.max(1),
-                    seed: sim.seed,
-                    experts: model.experts,
-                    layers: model.moe_layers,
-                }
+                    ..ZipfLoads::new(sim.zipf, model.experts, model.moe_layers, sim.seed)
+                })
             }
         };
         if let Some(f) = sim.f {

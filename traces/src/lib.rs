@@ -4,19 +4,21 @@
 //! (`lzrun --fault-trace`): a validated list of `add` / `remove` events on named nodes
 //! ([`Trace`]), parsers for the public trace formats, slicing ([`Trace::window`]), fitting onto
 //! a smaller cluster ([`Trace::fit`], [`FitMode`]) and seeded synthetic generators
-//! ([`synth`]).
+//! ([`synth`]). Also the expert-load side: the SmartMoE gate-trace parser
+//! ([`routing::GateTrace`]) and the synthetic drifting-Zipf loads ([`zipf::ZipfLoads`]), and
+//! where tests find the third-party traces ([`shared`]).
 //!
 //! Everything is pure and deterministic; the only I/O is the thin [`load`] helper.
 //!
 //! * Formats ([`TraceFormat`]): F1 Bamboo CSV `time_ms,add|remove,node` (the primary replay
 //!   format: the AWS P3 and g4dn spot traces), F2 JSON lines `[time_ms, op, {"nodes": [...]}]`
-//!   (Parcae and SpotServe replays), F5 SkyPilot count series. Format names follow the
-//!   shared traces README.
+//!   (Parcae and SpotServe replays), F5 SkyPilot count series (the F-numbers are our
+//!   format names).
 //! * Semantics: events are sorted by time; at equal times adds come before removes (the
 //!   Bamboo and Oobleck simulators' `(time, kind)` queue order); a batch of events at one
 //!   time stamp takes effect atomically.
 //! * Third-party traces are never copied into this repository; tests read them from
-//!   `../shared/traces/`.
+//!   [`shared::dir`] (`$LAZARUS_TRACES`, else `../shared/traces/`) and skip when absent.
 //!
 //! ```
 //! use lazarus_traces::{FitMode, TraceFormat, parse};
@@ -32,8 +34,11 @@
 pub mod error;
 pub mod fit;
 pub mod parse;
+pub mod routing;
+pub mod shared;
 pub mod synth;
 pub mod trace;
+pub mod zipf;
 
 pub use error::{ParseEnumError, TraceError};
 pub use fit::FitMode;

@@ -17,7 +17,7 @@ use crate::trace::{NodeOp, Trace, TraceEvent};
 /// hostile input (`"data": [1e15]`) from exhausting memory.
 pub const MAX_SYNTH_EVENTS: u64 = 1_000_000;
 
-/// The accepted file formats (see the shared traces README for F1, F2, F5).
+/// The accepted file formats (F1, F2, F5: see the crate documentation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TraceFormat {
     /// F1, Bamboo event CSV: one `time_ms,op,node` row per event, `op` is `add` or `remove`.

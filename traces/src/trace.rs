@@ -102,7 +102,7 @@ impl fmt::Display for TraceEvent {
 ///
 /// **Counting semantics.** All events with the same time stamp form one *batch* that takes
 /// effect atomically: "live nodes at time t" is #adds − #removes over the events with
-/// `time_ms <= t` (the definition in the shared traces README). [`Trace::max_live`] and
+/// `time_ms <= t` (the counting of the Bamboo and Oobleck simulators' event queues). [`Trace::max_live`] and
 /// [`Trace::min_live`] are taken over the counts after each batch.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Trace {
@@ -320,7 +320,7 @@ impl Trace {
     /// become `add`s at time 0, in the order they were added; then every event with
     /// `start_ms <= time_ms < end_ms` follows, shifted by `−start_ms` (so events at exactly
     /// `start_ms` land at 0, after the carried-over adds). Node names are kept. This is the
-    /// slice-and-rebase of the shared reference (its `awk` one-liner) and of Parcae's
+    /// usual slice-and-rebase (an `awk` one-liner over the CSV) and that of Parcae's
     /// `trace_gen.py` without the 1-minute quantisation. `end_ms <= start_ms` gives an empty
     /// trace.
     pub fn window(&self, start_ms: u64, end_ms: u64) -> Trace {

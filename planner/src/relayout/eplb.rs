@@ -1,5 +1,5 @@
 //! DeepSeek's expert-parallel load balancer (EPLB) as a re-layout baseline, re-implemented from
-//! its description (`deepseek-ai/EPLB`, `eplb.py` at `d52c72d`; our reference §2).
+//! its description (`deepseek-ai/EPLB`, `eplb.py` at `d52c72d`).
 //!
 //! EPLB is **stateless**: it ignores the current layout and rebuilds one from the expert loads
 //! `w_e = Σ_d traffic[d][e]` alone, in three steps:

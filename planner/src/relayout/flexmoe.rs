@@ -1,5 +1,5 @@
 //! FlexMoE-style incremental re-layout (Nie et al., SIGMOD 2023), as ported into LAER-MoE's
-//! `solver.flexmoe_method` (our reference §3): small rounds that each move at most one copy per
+//! `solver.flexmoe_method`: small rounds that each move at most one copy per
 //! node from the coldest replicated expert to the hottest one.
 //!
 //! Starting from the current layout, while the balance ratio `max_d load_d / min_d load_d`

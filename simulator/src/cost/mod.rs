@@ -19,8 +19,8 @@
 //! largest-remainder apportionment (`T_e = ⌊A·load_e/Σload⌋`, leftovers to the largest
 //! remainders, ties to the lower expert): `Σ_e T_e = A` exactly. **Every rank routes the same
 //! distribution** (`T[e][rank] = T_e`): a simplification — the SmartMoE trace shows a rank's
-//! distribution within total-variation 0.015 of the global one after warm-up
-//! (`shared/traces/routing/README.md`), so per-rank skew is small next to per-expert skew.
+//! distribution within total-variation 0.015 of the global one after warm-up (measured on its
+//! per-rank counts), so per-rank skew is small next to per-expert skew.
 //!
 //! **Dense compute** (same on every rank):
 //! `tokens_per_gpu · (6·dense_matmul_params + 12·layers·seq_len·width) / gpu_flops_effective`

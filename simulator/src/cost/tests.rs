@@ -1,20 +1,16 @@
 use super::*;
-use crate::workload::{Workload, load_gate_trace};
 use lazarus_planner::{Alignment, AllocPolicy, PlacePolicy, plan_model};
-use std::path::Path;
+use lazarus_traces::routing::GateTrace;
+use lazarus_traces::zipf::ZipfLoads;
 use std::time::Instant;
 
-const SMARTMOE: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../shared/traces/routing/smartmoe/derived/global_expert_counts.csv"
-);
-
-/// SmartMoE loads of step 2000 (iteration 2001) for `model`.
-fn smartmoe_loads(model: &ModelProfile) -> Vec<Vec<u64>> {
-    load_gate_trace(Path::new(SMARTMOE), model.moe_layers, model.experts)
-        .unwrap()
-        .loads_at_step(2000)
-        .to_vec()
+/// SmartMoE loads of step 2000 (iteration 2001) for `model`; `None` (after one `skipped:`
+/// line) when the shared SmartMoE trace is absent.
+fn smartmoe_loads(model: &ModelProfile) -> Option<Vec<Vec<u64>>> {
+    let path =
+        lazarus_traces::shared::or_skip("routing/smartmoe/derived/global_expert_counts.csv")?;
+    let trace = GateTrace::load(&path, model.moe_layers, model.experts).unwrap();
+    Some(trace.loads_at_step(2000).to_vec())
 }
 
 /// Lazarus's layout: Eq. 1 allocation + aligned MRO placement on `nodes` nodes.
@@ -116,7 +112,9 @@ fn paper_testbed_throughput() {
     let hw = hardware("rtx3090-100g").unwrap();
     for name in ["gpt-s", "gpt-m", "gpt-l"] {
         let m = model(name).unwrap();
-        let loads = smartmoe_loads(&m);
+        let Some(loads) = smartmoe_loads(&m) else {
+            return;
+        };
         let laz = lazarus_step(&hw, &m, 10, &loads);
         let ds = ds_step(&hw, &m, 10, &loads);
         show(&format!("{name} Lazarus (10 GPUs)"), &laz);
@@ -142,7 +140,9 @@ fn padded_all_to_all_is_at_least_unpadded_on_the_same_placement() {
         let m = model(name).unwrap();
         let gpus = usable_ep_gpus(&m, 10);
         let lay = uniform_ep_layout(&m, gpus).unwrap();
-        let loads = smartmoe_loads(&m);
+        let Some(loads) = smartmoe_loads(&m) else {
+            return;
+        };
         let mut input = StepInput {
             gpus,
             replicas_per_rank: &lay.replicas_per_rank,
@@ -194,13 +194,7 @@ fn more_skew_makes_padded_ep_slower() {
     let m = model("gpt-s").unwrap();
     let mut last = 0.0;
     for s in [0.0, 0.5, 1.0, 1.5, 2.0, 3.0] {
-        let w = Workload::Zipf {
-            s,
-            drift_every_steps: 0,
-            seed: 11,
-            experts: m.experts,
-            layers: m.moe_layers,
-        };
+        let w = ZipfLoads::new(s, m.experts, m.moe_layers, 11);
         let ds = ds_step(&hw, &m, 10, &w.loads(0));
         assert!(ds.total_s > last, "s = {s}: {} after {last}", ds.total_s);
         last = ds.total_s;
@@ -377,7 +371,9 @@ fn ds_ft_replicas_inside_a_group_split_tokens() {
 fn step_cost_is_fast() {
     let hw = hardware("rtx3090-100g").unwrap();
     let m = model("gpt-l").unwrap();
-    let loads = smartmoe_loads(&m);
+    let Some(loads) = smartmoe_loads(&m) else {
+        return;
+    };
     let r = lazarus_replicas(&hw, &m, 10, &loads);
     let input = StepInput {
         gpus: 10,
@@ -404,13 +400,7 @@ fn deepseek_at_scale() {
     let hw = hardware("h200-400g").unwrap();
     let m = model("deepseek-v3").unwrap();
     let gpus = 1024;
-    let w = Workload::Zipf {
-        s: 1.0,
-        drift_every_steps: 0,
-        seed: 5,
-        experts: m.experts,
-        layers: m.moe_layers,
-    };
+    let w = ZipfLoads::new(1.0, m.experts, m.moe_layers, 5);
     let loads = w.loads(0);
     let t0 = Instant::now();
     let r = lazarus_replicas(&hw, &m, gpus / hw.gpus_per_node, &loads);
