@@ -55,6 +55,10 @@ pub enum MappingMethod {
     /// Plan node `q` is physical node `q` (input order): identities are fixed, only the
     /// transfers are planned — e.g. a re-layout on the same devices.
     Identity,
+    /// [`MappingMethod::Optimal`] up to [`HUNGARIAN_MAX_NODES`] nodes; beyond, windowed
+    /// Hungarian over rank-aligned windows ([`scalable_assignment`]): `O(N·W·(stride + W))`
+    /// instead of `O(N³)`, never worse than the rank-aligned identity mapping.
+    Scalable,
 }
 
 impl fmt::Display for MappingMethod {
@@ -63,13 +67,16 @@ impl fmt::Display for MappingMethod {
             MappingMethod::Greedy => "greedy",
             MappingMethod::Optimal => "optimal",
             MappingMethod::Identity => "identity",
+            MappingMethod::Scalable => "scalable",
         })
     }
 }
 
 /// Error from parsing a [`MappingMethod`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown mapping method {0:?} (expected \"greedy\", \"optimal\" or \"identity\")")]
+#[error(
+    "unknown mapping method {0:?} (expected \"greedy\", \"optimal\", \"identity\" or \"scalable\")"
+)]
 pub struct ParseMappingMethodError(pub String);
 
 impl FromStr for MappingMethod {
@@ -84,6 +91,8 @@ impl FromStr for MappingMethod {
             Ok(MappingMethod::Optimal)
         } else if t.eq_ignore_ascii_case("identity") {
             Ok(MappingMethod::Identity)
+        } else if t.eq_ignore_ascii_case("scalable") {
+            Ok(MappingMethod::Scalable)
         } else {
             Err(ParseMappingMethodError(s.to_owned()))
         }
@@ -358,6 +367,57 @@ impl Instance {
         &bits[i * s..(i + 1) * s]
     }
 
+    /// `cost[q][p]` for one plan node and one physical node.
+    fn pair_cost(&self, q: usize, p: usize) -> u64 {
+        self.node(&self.need, q)
+            .iter()
+            .zip(self.node(&self.have, p))
+            .map(|(&a, &b)| u64::from((a & !b).count_ones()))
+            .sum()
+    }
+
+    /// Windowed Hungarian (see [`scalable_assignment`]). Plan node `q` and physical node `q`
+    /// (input order) share a rank; windows of `w` consecutive ranks are solved exactly, then
+    /// windows shifted by `w/2` re-solve each window's plan nodes over the physical nodes they
+    /// hold, which repairs pairings cut by the first window boundaries. Every step is optimal
+    /// over a set that contains the current pairing, so the cost never increases from the
+    /// rank-aligned identity.
+    fn scalable(&self, w: usize) -> Vec<usize> {
+        let n = self.dims.nodes;
+        if n <= HUNGARIAN_MAX_NODES {
+            return min_cost_assignment(&self.cost_matrix());
+        }
+        let w = w.max(2);
+        let mut assign: Vec<usize> = (0..n).collect();
+        for offset in [0, w / 2] {
+            let mut lo = 0;
+            let mut hi = offset.min(n);
+            if hi == 0 {
+                hi = w.min(n);
+            }
+            while lo < n {
+                let qs: Vec<usize> = (lo..hi).collect();
+                let ps: Vec<usize> = qs.iter().map(|&q| assign[q]).collect();
+                let cost: Vec<Vec<u64>> = qs
+                    .iter()
+                    .map(|&q| ps.iter().map(|&p| self.pair_cost(q, p)).collect())
+                    .collect();
+                let before: u64 = (0..qs.len()).map(|i| cost[i][i]).sum();
+                let sol = min_cost_assignment(&cost);
+                let after = assignment_cost(&cost, &sol);
+                // Keep the old pairing on ties so that the result is stable.
+                if after < before {
+                    for (i, &j) in sol.iter().enumerate() {
+                        assign[qs[i]] = ps[j];
+                    }
+                }
+                lo = hi;
+                hi = (hi + w).min(n);
+            }
+        }
+        assign
+    }
+
     fn cost_matrix(&self) -> Vec<Vec<u64>> {
         let n = self.dims.nodes;
         (0..n)
@@ -375,6 +435,30 @@ impl Instance {
             })
             .collect()
     }
+}
+
+/// Largest node count [`MappingMethod::Scalable`] solves with the exact Hungarian algorithm
+/// (`O(N³)`: about 20 M steps here, a few ms).
+pub const HUNGARIAN_MAX_NODES: usize = 256;
+
+/// Window of the windowed Hungarian above [`HUNGARIAN_MAX_NODES`].
+pub const SCALABLE_WINDOW: usize = 128;
+
+/// The [`MappingMethod::Scalable`] assignment on its own: the plan-node → physical-index
+/// pairing. Exact (Hungarian) up to [`HUNGARIAN_MAX_NODES`] nodes. Beyond, a windowed
+/// Hungarian over rank-aligned windows of `window` nodes — plan node `q` starts paired with
+/// physical node `q`, so list the physical nodes in their previous plan order (what
+/// [`crate::model::ModelPlan::physical_nodes`] returns, minus the failed ones): under Lazarus'
+/// aligned MRO (arXiv 2407.04656 §4.1) a replan on one node fewer shifts block boundaries by a
+/// few ranks, so good partners sit at nearby ranks. `O(N·window·(stride + window))` time,
+/// `O(N·stride)` memory; the total never exceeds the identity pairing's.
+pub fn scalable_assignment(
+    plan_nodes: &[Vec<Vec<u32>>],
+    physical: &[PhysicalNode],
+    experts: usize,
+    window: usize,
+) -> Result<Vec<usize>, MigrateError> {
+    Ok(Instance::new(plan_nodes, physical, experts)?.scalable(window))
 }
 
 /// Cost of every (plan node, physical node) pairing: `cost[q][p]` = number of distinct
@@ -599,11 +683,11 @@ pub fn map_nodes(
     let inst = Instance::new(plan_nodes, physical, experts)?;
     let dims = inst.dims;
     let n = dims.nodes;
-    let cost = inst.cost_matrix();
     let plan_to_phys = match method {
-        MappingMethod::Greedy => greedy_assignment(&cost),
-        MappingMethod::Optimal => min_cost_assignment(&cost),
+        MappingMethod::Greedy => greedy_assignment(&inst.cost_matrix()),
+        MappingMethod::Optimal => min_cost_assignment(&inst.cost_matrix()),
         MappingMethod::Identity => (0..n).collect(),
+        MappingMethod::Scalable => inst.scalable(SCALABLE_WINDOW),
     };
     let mut phys_to_plan = vec![0usize; n];
     for (q, &p) in plan_to_phys.iter().enumerate() {
@@ -629,8 +713,7 @@ pub fn map_nodes(
         dst: u32,
         key: u32,
     }
-    let mut needs: Vec<Need> =
-        Vec::with_capacity(usize::try_from(assignment_cost(&cost, &plan_to_phys)).unwrap_or(0));
+    let mut needs: Vec<Need> = Vec::new();
     let mut lost: Option<usize> = None;
     for (p, &q) in phys_to_plan.iter().enumerate() {
         let need = inst.node(&inst.need, q);

@@ -9,10 +9,15 @@ use crate::replay::window_loads;
 use crate::replay_cmd::{Setup, SimArgs};
 use anyhow::{Result, bail};
 use clap::Args;
+use lazarus_planner::migrate::{MappingMethod, PhysicalNode, lost_experts};
+use lazarus_planner::{
+    Alignment, AllocPolicy, ClusterSpec, ModelSpec, PlacePolicy, ReplanOptions, plan_model, replan,
+};
 use rand::SeedableRng;
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::seq::SliceRandom;
 use serde::Serialize;
+use std::time::Instant;
 
 #[derive(Args, Debug)]
 pub struct ReconfigArgs {
@@ -31,6 +36,20 @@ pub struct ReconfigArgs {
     pub max_sets: usize,
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     pub format: String,
+    /// Cluster-shape mode (frontier scale): GPUs per node. Giving any of `--gpus-per-node`,
+    /// `--slots`, `--experts`, `--layers` plans that shape directly with the planner (Zipf loads
+    /// from `--zipf`/`--seed`), fails `--fail` seeded nodes once and times the replan.
+    #[arg(long)]
+    pub gpus_per_node: Option<usize>,
+    /// Cluster-shape mode: expert slots per node (`c`, all GPUs together).
+    #[arg(long)]
+    pub slots: Option<usize>,
+    /// Cluster-shape mode: experts per MoE layer.
+    #[arg(long)]
+    pub experts: Option<usize>,
+    /// Cluster-shape mode: MoE layers.
+    #[arg(long)]
+    pub layers: Option<usize>,
     #[command(flatten)]
     pub sim: SimArgs,
 }
@@ -50,6 +69,9 @@ pub struct ReconfigReport {
     pub transfer_s_mean: f64,
     /// Detection timeout + communicator rebuild + transfer.
     pub reconfig_s_mean: f64,
+    /// Wall time of the planner's replan (allocation + placement + mapping), mean per failure
+    /// set.
+    pub replan_ms: f64,
 }
 
 fn subsets(n: usize, k: usize) -> Vec<Vec<NodeId>> {
@@ -80,6 +102,9 @@ pub fn report(a: &ReconfigArgs) -> Result<ReconfigReport> {
             a.nodes
         );
     }
+    if a.gpus_per_node.is_some() || a.slots.is_some() || a.experts.is_some() || a.layers.is_some() {
+        return shape_report(a);
+    }
     if lazarus_planner::recovery::binomial(a.nodes, a.fail) > 5e7 {
         bail!(
             "C({}, {}) failure sets are too many to list",
@@ -105,6 +130,7 @@ pub fn report(a: &ReconfigArgs) -> Result<ReconfigReport> {
         sets.truncate(a.max_sets);
     }
     let (mut unrecoverable, mut reps, mut secs) = (0usize, Vec::new(), Vec::new());
+    let started = Instant::now();
     for dead in &sets {
         let alive: Vec<NodeId> = ready
             .iter()
@@ -124,6 +150,7 @@ pub fn report(a: &ReconfigArgs) -> Result<ReconfigReport> {
             _ => unrecoverable += 1,
         }
     }
+    let replan_ms = started.elapsed().as_secs_f64() * 1e3 / sets.len().max(1) as f64;
     let n = reps.len().max(1) as f64;
     let transfer = secs.iter().sum::<f64>() / n;
     Ok(ReconfigReport {
@@ -138,6 +165,116 @@ pub fn report(a: &ReconfigArgs) -> Result<ReconfigReport> {
         replicas_max: reps.iter().copied().max().unwrap_or(0),
         transfer_s_mean: transfer,
         reconfig_s_mean: cost::reconfigure_s(&cfg.hardware) + transfer,
+        replan_ms,
+    })
+}
+
+/// Largest `nodes × slots × layers` the shape mode plans (about 10 GB of plan state).
+const MAX_SHAPE_SLOTS: usize = 1 << 30;
+
+/// Cluster-shape mode: plan the given shape directly, fail `--fail` seeded nodes, time the
+/// replan with the planner's scalable mapping.
+fn shape_report(a: &ReconfigArgs) -> Result<ReconfigReport> {
+    let gpus = a.gpus_per_node.unwrap_or(8);
+    let slots = a.slots.unwrap_or(32);
+    let experts = a.experts.unwrap_or(256);
+    let layers = a.layers.unwrap_or(58);
+    for (name, v) in [
+        ("--gpus-per-node", gpus),
+        ("--slots", slots),
+        ("--experts", experts),
+        ("--layers", layers),
+    ] {
+        if v == 0 {
+            bail!("{name} must be at least 1");
+        }
+    }
+    if !a.sim.zipf.is_finite() || a.sim.zipf < 0.0 {
+        bail!("--zipf must be a finite number >= 0 (got {})", a.sim.zipf);
+    }
+    let f = a.sim.f.unwrap_or(2);
+    if a.nodes
+        .checked_mul(slots)
+        .and_then(|x| x.checked_mul(layers))
+        .is_none_or(|x| x > MAX_SHAPE_SLOTS)
+    {
+        bail!(
+            "--nodes x --slots x --layers exceeds {MAX_SHAPE_SLOTS} replica slots (too large to plan)"
+        );
+    }
+    let survivors_slots = (a.nodes - a.fail) * slots;
+    if survivors_slots < experts * f {
+        bail!(
+            "{} surviving nodes x {slots} slots cannot hold {experts} experts x f = {f}",
+            a.nodes - a.fail
+        );
+    }
+    let setup = Setup::new(&a.sim)?;
+    let hw = &setup.base.hardware;
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(a.sim.seed);
+    let loads: Vec<Vec<u64>> = (0..layers)
+        .map(|_| {
+            let mut perm: Vec<usize> = (0..experts).collect();
+            perm.shuffle(&mut rng);
+            let mut row = vec![0u64; experts];
+            for (rank, &e) in perm.iter().enumerate() {
+                row[e] = (1e6 / ((rank + 1) as f64).powf(a.sim.zipf)) as u64 + 1;
+            }
+            row
+        })
+        .collect();
+    let model = ModelSpec { experts, layers, f };
+    let plan = plan_model(
+        &ClusterSpec::new(a.nodes, slots).with_gpus_per_node(gpus),
+        &model,
+        &loads,
+        AllocPolicy::Lazarus,
+        PlacePolicy::Mro,
+        Alignment::Aligned,
+    )?;
+    let mut ids: Vec<u32> = (0..a.nodes as u32).collect();
+    ids.shuffle(&mut rng);
+    let dead: Vec<u32> = ids[..a.fail].to_vec();
+    let survivors: Vec<PhysicalNode> = plan
+        .physical_nodes()
+        .into_iter()
+        .filter(|n| !dead.contains(&n.id))
+        .collect();
+    drop(plan);
+    let lost = !lost_experts(&survivors, layers, experts).is_empty();
+    let options = ReplanOptions {
+        alloc: AllocPolicy::Lazarus,
+        place: PlacePolicy::Mro,
+        mapping: MappingMethod::Scalable,
+        bytes_per_expert: setup.base.model.bytes_per_expert_state,
+    };
+    let started = Instant::now();
+    let result = if lost {
+        None
+    } else {
+        Some(replan(&survivors, slots, &model, &loads, &options, 0)?)
+    };
+    let replan_ms = started.elapsed().as_secs_f64() * 1e3;
+    let (reps, transfer) = match &result {
+        Some((_, m)) => (
+            m.new_replicas,
+            cost::migration_s(hw, m.max_sent_bytes, m.max_recv_bytes, false),
+        ),
+        None => (0, 0.0),
+    };
+    Ok(ReconfigReport {
+        model: format!("custom E={experts} L={layers}"),
+        nodes: a.nodes,
+        failed: a.fail,
+        step: a.step,
+        failure_sets: 1,
+        unrecoverable: usize::from(lost),
+        replicas_mean: reps as f64,
+        replicas_min: reps,
+        replicas_max: reps,
+        transfer_s_mean: transfer,
+        reconfig_s_mean: cost::reconfigure_s(hw) + transfer,
+        replan_ms,
     })
 }
 
@@ -148,7 +285,8 @@ pub fn run(a: &ReconfigArgs) -> Result<()> {
     } else {
         println!(
             "{} on {} nodes, {} failing at step {}: {} failure sets, {} unrecoverable (checkpoint)\n\
-             replicas transferred: mean {:.1} (min {}, max {}); transfer {:.2} s; reconfiguration {:.1} s",
+             replicas transferred: mean {:.1} (min {}, max {}); transfer {:.2} s; reconfiguration {:.1} s; \
+             replan {:.1} ms",
             r.model,
             r.nodes,
             r.failed,
@@ -159,7 +297,8 @@ pub fn run(a: &ReconfigArgs) -> Result<()> {
             r.replicas_min,
             r.replicas_max,
             r.transfer_s_mean,
-            r.reconfig_s_mean
+            r.reconfig_s_mean,
+            r.replan_ms
         );
     }
     Ok(())

@@ -224,8 +224,22 @@ fn bad_arguments_exit_2_with_one_clear_line() {
             "mro only",
         ),
         (
-            &["recovery", "--nodes", "70", "--failed", "3"],
-            "at most 64 nodes",
+            &["reconfig", "--nodes", "64", "--fail", "1", "--slots", "0"],
+            "--slots must be at least 1",
+        ),
+        (
+            &[
+                "reconfig",
+                "--nodes",
+                "4",
+                "--fail",
+                "1",
+                "--experts",
+                "100",
+                "--slots",
+                "2",
+            ],
+            "cannot hold",
         ),
         (&["recovery", "--zipf=-1"], "--zipf"),
         (
@@ -244,4 +258,29 @@ fn bad_arguments_exit_2_with_one_clear_line() {
         assert!(!err.contains("panicked"), "{args:?} panicked");
         assert!(out.stdout.is_empty(), "{args:?} wrote to stdout");
     }
+}
+
+#[test]
+fn reconfig_cluster_shape_reports_replan_ms() {
+    let v = stdout_json(&[
+        "reconfig",
+        "--nodes",
+        "300",
+        "--gpus-per-node",
+        "8",
+        "--slots",
+        "16",
+        "--experts",
+        "64",
+        "--layers",
+        "4",
+        "--fail",
+        "1",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(v["nodes"], 300);
+    assert_eq!(v["failure_sets"], 1);
+    assert!(v["replan_ms"].as_f64().unwrap() > 0.0);
+    assert!(v["replicas_mean"].as_f64().unwrap() >= 0.0);
 }

@@ -34,6 +34,7 @@
 pub mod eplb;
 pub mod flexmoe;
 pub mod laer;
+pub mod laer_reference;
 pub mod policy;
 
 use crate::error::PlanError;
