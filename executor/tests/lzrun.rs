@@ -579,71 +579,27 @@ fn processes_mentioning(needle: &str) -> Vec<u32> {
 
 #[test]
 fn ctrl_c_stops_every_process() {
-    use std::io::{BufRead, BufReader};
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let mut child = Command::new(LZRUN)
-        .args([
-            "local",
-            "--nodes",
-            "3",
-            "--steps",
-            "100000",
-            "--ckpt-every",
-            "0",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let out = child.stdout.take().unwrap();
-    thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let mut err = child.stderr.take().unwrap();
-    let err_t = thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
-    // The first line names the controller address, which every agent's command line carries.
-    let first = rx.recv_timeout(Duration::from_secs(60)).unwrap();
-    let addr = first
-        .split("controller ")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no controller address in {first:?}"))
-        .trim()
-        .to_owned();
-    loop {
-        let line = rx.recv_timeout(Duration::from_secs(120)).expect("training");
-        if line.contains(" iteration ") {
-            break;
-        }
-    }
+    let mut live = Live::start(&[
+        "local",
+        "--nodes",
+        "3",
+        "--steps",
+        "100000",
+        "--ckpt-every",
+        "0",
+    ]);
+    live.wait_for(" iteration ");
+    let addr = live.addr.clone();
     assert_eq!(processes_mentioning(&addr).len(), 3, "three agents run");
     // Workers started before this point (possibly some of another run: only their ending is
     // checked, not their number).
     let workers = processes_mentioning("worker --managed");
     assert!(workers.len() >= 3, "workers: {workers:?}");
-    let pid = i32::try_from(child.id()).unwrap();
-    // SAFETY: signals a child process we own.
-    unsafe {
-        libc::kill(pid, libc::SIGINT);
-    }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "lzrun ignored Ctrl-C");
-        thread::sleep(Duration::from_millis(20));
-    };
-    let stderr = err_t.join().unwrap();
-    assert_eq!(status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("interrupted"), "{stderr}");
+    signal(i32::try_from(live.child.id()).unwrap(), libc::SIGINT);
+    let o = live.finish();
+    assert_eq!(o.code, Some(2), "{}", o.show());
+    assert!(o.stderr.contains("interrupted"), "{}", o.show());
     let workers_left = || -> Vec<u32> {
         processes_mentioning("worker --managed")
             .into_iter()
