@@ -988,3 +988,44 @@ fn a_stopped_agent_is_fenced_and_the_survivors_reconfigure() {
     assert_eq!(assert_consistent(&dir, &MoeConfig::tiny()).len(), 3);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A rebalance replans from the routing history: with the load-balancing loss off, the router
+/// skews and the first rebalance moves expert states (the plan really changes), through the
+/// same pause-and-migrate path as a join.
+#[test]
+fn a_rebalance_under_skewed_routing_changes_the_plan() {
+    let dir = scratch("rebalance");
+    let config = dir.join("skew.toml");
+    std::fs::write(&config, "base = \"tiny\"\nlb_loss_coef = 0.0\n").unwrap();
+    let o = lzrun(&[
+        "local",
+        "--nodes",
+        "3",
+        "--steps",
+        "30",
+        "--rebalance-every",
+        "5",
+        "--config",
+        config.to_str().unwrap(),
+        "--format",
+        "json",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    let s = o.summary();
+    assert_eq!(s.steps, 30);
+    let rebalances: Vec<_> = s
+        .reconfigurations
+        .iter()
+        .filter(|r| r.kind == "rebalance")
+        .collect();
+    assert!(rebalances.len() >= 4, "{}", o.show());
+    assert!(
+        rebalances.iter().any(|r| r.transfers > 0),
+        "no rebalance moved anything: {rebalances:?}"
+    );
+    let versions: Vec<u64> = s.reconfigurations.iter().map(|r| r.plan_version).collect();
+    assert!(versions.windows(2).all(|w| w[0] < w[1]), "{versions:?}");
+    assert_consistent(&dir, &MoeConfig::tiny());
+    let _ = std::fs::remove_dir_all(&dir);
+}
