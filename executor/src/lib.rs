@@ -2,7 +2,7 @@
 //!
 //! The measured half of Lazarus-rs: real processes, real gradients, real failures. A **control
 //! plane** ([`control`]: the job controller and one agent per node) drives a **data plane**
-//! (managed worker processes, [`recovery`], over a [`comm::Communicator`], training the candle
+//! (managed worker processes, [`worker`], over a [`comm::Communicator`], training the candle
 //! MoE model of [`model`] with the distributed expert runtime of [`runtime`]). Every placement,
 //! dispatch and migration decision is the planner's. [`checkpoint`] writes and verifies atomic
 //! checkpoints, [`faults`] turns flags and spot traces into fault schedules, [`metrics`] writes
@@ -13,6 +13,5 @@ pub mod control;
 pub mod faults;
 pub mod metrics;
 pub mod model;
-pub mod recovery;
 pub mod runtime;
 pub mod worker;

@@ -23,7 +23,7 @@ use lazarus_executor::control::{
 use lazarus_executor::faults::{self, Fault, FaultSchedule};
 use lazarus_executor::metrics::{self, RecoveryRecord, StepRecord};
 use lazarus_executor::model::MoeConfig;
-use lazarus_executor::recovery::{
+use lazarus_executor::worker::{
     AbortSlot, CheckpointSpec, Command as WorkerCommand, run_managed_worker,
 };
 use lazarus_executor::worker::{

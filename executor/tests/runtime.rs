@@ -12,7 +12,8 @@ use lazarus_executor::comm::{Communicator, LocalGroup, TcpCommunicator};
 use lazarus_executor::model::{
     Corpus, DenseModel, ExpertStore, LocalExperts, MoeConfig, RoutingStats,
 };
-use lazarus_executor::runtime::{DistributedExperts, train_step};
+use lazarus_executor::runtime::DistributedExperts;
+use lazarus_executor::worker::train_step;
 
 const T_MS: u64 = 20_000;
 const HARNESS: Duration = Duration::from_secs(240);
@@ -342,7 +343,8 @@ fn train_worker(comm: TcpCommunicator, world: usize, steps: u64) -> Vec<Snapshot
     let mut losses = Vec::new();
     for step in 0..steps {
         let tokens = shard(&corpus, &c, step, rank).unwrap();
-        let (loss, _) = train_step(&model, &mut opt, &mut store, &mut dist, &tokens).unwrap();
+        let (loss, _, _, _) =
+            train_step(&model, &mut opt, &mut store, &mut dist, &tokens, false).unwrap();
         assert!(loss.is_finite());
         losses.push(loss);
         let sums = store

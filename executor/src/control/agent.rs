@@ -209,9 +209,9 @@ pub async fn run_agent(
             }
             msg = proto::recv::<ToAgent>(&mut framed) => match msg? {
                 Some(ToAgent::Worker { line }) => {
-                    let mut cmd: crate::recovery::Command = serde_json::from_str(&line)
+                    let mut cmd: crate::worker::Command = serde_json::from_str(&line)
                         .map_err(|e| AgentError::BadCommand(format!("{e}: {line}")))?;
-                    if let crate::recovery::Command::Job(job) = &mut cmd {
+                    if let crate::worker::Command::Job(job) = &mut cmd {
                         job.listen = launch.listen;
                         if child.is_none() {
                             let mut c = Command::new(&launch.exe)

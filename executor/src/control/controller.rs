@@ -27,10 +27,10 @@ use super::proto::{PROTOCOL_VERSION, Registration, Reject, ToAgent};
 use crate::checkpoint;
 use crate::metrics::{RecoveryRecord, StepRecord};
 use crate::model::MoeConfig;
-use crate::recovery::{
+use crate::worker::Checksums;
+use crate::worker::{
     CheckpointSpec, Command, JobSpec, Reconfigure, StateSource, WorkerEvent, WorkerLine,
 };
-use crate::worker::Checksums;
 
 /// What a job trains and how, besides the control rules ([`JobConfig`]).
 #[derive(Debug, Clone, PartialEq)]

@@ -76,7 +76,7 @@ pub enum ToAgent {
     Rejected { reason: String },
     /// The controller is shutting down; the agent should stop.
     Shutdown,
-    /// One command line for the node's worker (a `recovery::Command`, JSON), relayed as is.
+    /// One command line for the node's worker (a `worker::Command`, JSON), relayed as is.
     Worker { line: String },
 }
 

@@ -1,7 +1,7 @@
 //! [`DistributedExperts`]: expert execution across workers (see the [module docs](super)).
 
 use crate::comm::{Communicator, Rank};
-use crate::model::{AdamW, DenseModel, ExpertExec, ExpertStore, ExpertWeights, RoutingStats};
+use crate::model::{DenseModel, ExpertExec, ExpertStore, ExpertWeights};
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor, Var};
 use lazarus_planner::dispatch::{DispatchPlan, RecvBlock, plan};
 use std::collections::BTreeMap;
@@ -504,25 +504,4 @@ impl ExpertExec for DistributedExperts {
         }
         Ok(out)
     }
-}
-
-/// One distributed training step on this worker's `tokens` shard: forward through `experts`,
-/// `loss.backward()` (which runs the backward exchanges), dense gradients summed over all
-/// ranks and applied with `dense_opt`, expert gradients summed over each expert's replicas and
-/// applied to `store`. Returns this worker's (shard) loss and routing statistics.
-pub fn train_step(
-    model: &DenseModel,
-    dense_opt: &mut AdamW,
-    store: &mut ExpertStore,
-    experts: &mut DistributedExperts,
-    tokens: &Tensor,
-) -> Result<(f32, RoutingStats)> {
-    experts.begin_step()?;
-    let mut stats = RoutingStats::default();
-    let loss = model.loss(tokens, experts, &mut stats)?;
-    let grads = loss.backward()?;
-    let dense = experts.all_reduce_dense(model, &grads)?;
-    dense_opt.step_with(&dense)?;
-    experts.step_experts(store)?;
-    Ok((loss.to_scalar::<f32>()?, stats))
 }

@@ -36,7 +36,7 @@
 //! holding a replica (left fold in rank order: bit-identical everywhere) and applies
 //! [`ExpertStore::step_replica`](crate::model::ExpertStore::step_replica);
 //! [`DistributedExperts::all_reduce_dense`] sums the dense gradients over all ranks.
-//! [`train_step`] composes one whole step. Gradients are **summed** over workers (the loss of
+//! [`crate::worker::train_step`] composes one whole step. Gradients are **summed** over workers (the loss of
 //! the step is the sum of the workers' shard losses).
 //!
 //! Host staging: activations travel as f32 through host memory; on a non-CPU device the op runs
@@ -44,4 +44,4 @@
 
 mod experts;
 
-pub use experts::{DistributedExperts, LayerLog, train_step};
+pub use experts::{DistributedExperts, LayerLog};

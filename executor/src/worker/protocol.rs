@@ -1,0 +1,283 @@
+//! What a worker and its controller say to each other (one JSON line each, relayed by the
+//! node's agent): the controller's [`Command`]s on the worker's stdin, the worker's
+//! [`StepLine`]s and [`WorkerEvent`]s on its stdout, and the [`Checksums`] of its final state.
+
+use std::fs;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow};
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint;
+use crate::model::{DenseModel, ExpertStore, Fnv64, MoeConfig};
+
+/// One training step as a worker reports it (one JSON line on stdout).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepLine {
+    pub step: u64,
+    /// Membership epoch the step was trained in (0 for a stand-alone worker).
+    #[serde(default)]
+    pub epoch: u64,
+    /// This worker's shard loss.
+    pub loss: f32,
+    /// Tokens predicted by this worker in this step.
+    pub tokens: u64,
+    /// Wall-clock time of the step in milliseconds.
+    pub ms: f64,
+    /// `[layer][expert]` tokens this worker routed to each expert in this step (the
+    /// controller's load history for rebalancing).
+    #[serde(default)]
+    pub routing: Vec<Vec<u64>>,
+}
+
+/// Checksum of one held expert replica.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaChecksum {
+    pub layer: usize,
+    pub expert: usize,
+    /// [`ExpertStore::checksum`]: weights, optimizer moments and step.
+    pub checksum: u64,
+    /// [`ExpertStore::weights_checksum`]: weights only.
+    pub weights_checksum: u64,
+}
+
+/// What a worker holds after training: written to `<out>/rank<R>.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Checksums {
+    /// Node id under a controller (`lzrun local`); absent for a stand-alone worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<u32>,
+    pub rank: usize,
+    pub world: usize,
+    pub steps: u64,
+    /// FNV-1a over every dense variable's f32 values, in `named_vars` order.
+    pub dense: u64,
+    pub replicas: Vec<ReplicaChecksum>,
+}
+
+impl Checksums {
+    /// Checksums of a worker's dense weights and of every replica it holds.
+    pub fn collect(
+        rank: usize,
+        world: usize,
+        steps: u64,
+        model: &DenseModel,
+        store: &ExpertStore,
+    ) -> Result<Self> {
+        let mut dense = Fnv64::default();
+        for (_, v) in model.named_vars() {
+            dense.write_f32s(&v.as_tensor().flatten_all()?.to_vec1::<f32>()?);
+        }
+        let replicas = store
+            .replicas()
+            .into_iter()
+            .map(|(layer, expert)| {
+                let missing = || anyhow!("replica ({layer}, {expert}) vanished");
+                Ok(ReplicaChecksum {
+                    layer,
+                    expert,
+                    checksum: store.checksum(layer, expert).ok_or_else(missing)?,
+                    weights_checksum: store.weights_checksum(layer, expert).ok_or_else(missing)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            node: None,
+            rank,
+            world,
+            steps,
+            dense: dense.finish(),
+            replicas,
+        })
+    }
+
+    /// The file a worker of rank `rank` writes into `dir`.
+    pub fn path(dir: &Path, rank: usize) -> PathBuf {
+        dir.join(format!("rank{rank}.json"))
+    }
+
+    /// Writes `<dir>/rank<R>.json` (through a temporary file and a rename).
+    pub fn write(&self, dir: &Path) -> Result<PathBuf> {
+        self.write_named(dir, &format!("rank{}.json", self.rank))
+    }
+
+    /// Writes `<dir>/<name>` (through a temporary file and a rename).
+    pub fn write_named(&self, dir: &Path, name: &str) -> Result<PathBuf> {
+        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let path = dir.join(name);
+        let tmp = dir.join(format!(".{name}.tmp"));
+        fs::write(&tmp, serde_json::to_vec_pretty(self)?)
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        fs::rename(&tmp, &path).with_context(|| format!("renaming to {}", path.display()))?;
+        Ok(path)
+    }
+
+    /// Reads a file written by [`Checksums::write`].
+    pub fn read(path: &Path) -> Result<Self> {
+        let bytes = fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        serde_json::from_slice(&bytes).with_context(|| format!("parsing {}", path.display()))
+    }
+}
+
+/// Where and how often a job writes checkpoints.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointSpec {
+    /// Root directory of the checkpoints (shared by every worker).
+    pub root: PathBuf,
+    /// Write one after every this many completed steps (0: never).
+    pub every_steps: u64,
+}
+
+/// The training job a worker runs (the first command it gets).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobSpec {
+    pub config: MoeConfig,
+    /// Steps to train in all.
+    pub steps: u64,
+    /// The data shard this worker reads (its node index: stable across reconfigurations).
+    pub shard: u64,
+    /// Node id given by the controller (names the checksum file).
+    pub node_id: u32,
+    /// Address to listen on for peers (port 0: any free port).
+    pub listen: SocketAddr,
+    /// Rendezvous and per-collective timeout of the communicator.
+    pub timeout_ms: u64,
+    pub checkpoint: Option<CheckpointSpec>,
+    /// Directory for the checksum file `rank<node_id>.json` written at [`Command::Stop`].
+    pub out: Option<PathBuf>,
+}
+
+/// Where a worker's state comes from when it applies a [`Reconfigure`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StateSource {
+    /// The first plan: dense model and the held replicas initialised from the seed (every
+    /// worker gets the same values).
+    Fresh,
+    /// Keep what it has; new replicas arrive as transfers; ranks in `dense_to` (joining
+    /// nodes) receive the dense model and its optimizer state from rank `dense_from`.
+    Peers {
+        dense_from: usize,
+        dense_to: Vec<usize>,
+    },
+    /// Some expert lost every replica: everyone loads the checkpoint under `root` whose
+    /// manifest says `step` (the controller checked it is the newest valid one).
+    Checkpoint { root: PathBuf, step: u64 },
+}
+
+/// A new membership and plan for one worker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reconfigure {
+    /// This worker's rank in the new membership.
+    pub rank: usize,
+    /// Data-plane addresses of the members, in rank order.
+    pub peers: Vec<SocketAddr>,
+    /// Epoch of the new communicator (strictly increasing).
+    pub epoch: u64,
+    /// Version of the controller's plan.
+    pub plan_version: u64,
+    /// `[layer][expert][rank]` replicas of the new plan.
+    pub replicas: Vec<Vec<Vec<u32>>>,
+    /// `(layer, expert, src rank, dst rank)` expert-state transfers.
+    pub transfers: Vec<(usize, usize, usize, usize)>,
+    pub source: StateSource,
+    /// The step to train next.
+    pub resume_step: u64,
+}
+
+/// A controller command (one JSON line on the worker's stdin).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Command {
+    Job(JobSpec),
+    Reconfigure(Reconfigure),
+    /// Pause at the next step boundary every member agrees on.
+    Pause,
+    /// A member of `epoch` is gone: abort the collective or rendezvous in flight (without
+    /// waiting for its timeout) and report `Failed`.
+    Abort {
+        epoch: u64,
+    },
+    /// Write the checksums and exit.
+    Stop,
+}
+
+/// What a worker reports besides its [`StepLine`]s (one JSON line each).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum WorkerEvent {
+    /// The job was accepted; peers reach this worker at `addr`.
+    Ready { addr: SocketAddr },
+    /// Step `step` (or a reconfiguration to resume at `step`) failed and was discarded.
+    Failed {
+        epoch: u64,
+        step: u64,
+        error: String,
+        /// `(layer, expert)` replicas this worker holds now.
+        held: Vec<(usize, usize)>,
+    },
+    /// Paused before step `step` (see the module docs).
+    Paused {
+        epoch: u64,
+        step: u64,
+        held: Vec<(usize, usize)>,
+    },
+    /// Trained every step; waiting for `Stop` (or a rollback if a peer failed in the last step).
+    Finished {
+        epoch: u64,
+        step: u64,
+        held: Vec<(usize, usize)>,
+    },
+    /// A reconfiguration completed; training resumes at `resume_step`.
+    Migrated {
+        epoch: u64,
+        rank: usize,
+        world: usize,
+        resume_step: u64,
+        /// Bytes of state this worker received.
+        bytes_in: u64,
+        ms: f64,
+    },
+    /// This worker wrote its parts of the checkpoint taken after `step` completed steps.
+    Checkpointed {
+        epoch: u64,
+        step: u64,
+        parts: Vec<checkpoint::PartInfo>,
+    },
+    /// Checksums of the final state (sent at `Stop`).
+    Done(Checksums),
+}
+
+/// A worker output line: a step or an event.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum WorkerLine {
+    Step(StepLine),
+    Event(WorkerEvent),
+}
+
+impl WorkerLine {
+    pub fn parse(line: &str) -> Option<Self> {
+        serde_json::from_str(line).ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_parse_as_steps_or_events() {
+        let step = r#"{"step":3,"loss":2.5,"tokens":10,"ms":1.0,"routing":[[1,2]]}"#;
+        assert!(matches!(WorkerLine::parse(step), Some(WorkerLine::Step(s)) if s.step == 3));
+        let ev = serde_json::to_string(&WorkerEvent::Paused {
+            epoch: 1,
+            step: 4,
+            held: vec![(0, 1)],
+        })
+        .unwrap();
+        assert!(matches!(
+            WorkerLine::parse(&ev),
+            Some(WorkerLine::Event(WorkerEvent::Paused { step: 4, .. }))
+        ));
+        assert!(WorkerLine::parse("not json").is_none());
+    }
+}
