@@ -345,6 +345,7 @@ fn seeded_chaos_run_finishes_with_consistent_replicas() {
     );
     args.push(d);
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    eprintln!("ARGS {}", argv.join(" "));
     let o = lzrun(&argv);
     let s = o.summary();
     assert_eq!(s.steps, steps);

@@ -1,0 +1,39 @@
+//! `lzrun agent`: one node's agent (registers, heartbeats, runs the node's worker).
+
+use anyhow::{Context, Result, anyhow};
+use lazarus_executor::control::{AgentConfig, WorkerLaunch, run_agent};
+use tokio::sync::watch;
+
+use crate::args::AgentArgs;
+use crate::drive::runtime;
+
+/// Registers with the controller and runs this node until the job ends (or Ctrl-C).
+pub fn agent(a: AgentArgs) -> Result<()> {
+    let name = a
+        .name
+        .clone()
+        .unwrap_or_else(|| format!("agent-{}", std::process::id()));
+    let mut cfg = AgentConfig::new(&a.controller, &a.token, &name, 1);
+    cfg.heartbeat_every_ms = a.heartbeat_ms;
+    cfg.register_timeout_ms = a.register_timeout_ms;
+    if let Some(v) = a.protocol_version {
+        cfg.protocol_version = v;
+    }
+    let launch = WorkerLaunch {
+        exe: std::env::current_exe().context("locating the lzrun executable")?,
+        listen: a.data_addr,
+    };
+    let rt = runtime()?;
+    rt.block_on(async {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        tokio::spawn(async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                let _ = stop_tx.send(true);
+            }
+        });
+        run_agent(&cfg, &launch, stop_rx)
+            .await
+            .map(|_| ())
+            .map_err(|e| anyhow!("agent {name}: {e}"))
+    })
+}

@@ -1,0 +1,198 @@
+//! The options of each subcommand (clap derive structs) and their value parsers.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+use lazarus_executor::faults;
+use lazarus_executor::worker::FAULT_TOLERANCE;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// Log lines and a loss table.
+    Text,
+    /// Only the summary object on stdout (logs go to stderr).
+    Json,
+}
+
+impl Format {
+    /// A log line: stdout for text, stderr for json (stdout then carries only the summary).
+    pub fn say(self, line: &str) {
+        match self {
+            Format::Text => println!("{line}"),
+            Format::Json => eprintln!("{line}"),
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct LocalArgs {
+    /// Nodes to start with (one agent and one worker process each). With --fault-trace: the
+    /// most nodes the trace is fitted to (default: as many as it has).
+    #[arg(long)]
+    pub nodes: Option<usize>,
+    /// SIGKILL node NODE (0-based launch index; joined nodes get the next indices) with its
+    /// worker once every worker completed step STEP. Repeatable; several at one step fail
+    /// together.
+    #[arg(long, value_name = "NODE@STEP", value_parser = parse_kill)]
+    pub kill: Vec<(usize, u64)>,
+    /// Start a new node once every worker completed step STEP; it joins at the next step
+    /// boundary and receives its experts. Repeatable.
+    #[arg(long, value_name = "@STEP", value_parser = parse_join)]
+    pub join: Vec<u64>,
+    /// Replay a node-availability trace: Bamboo CSV `time_ms,add|remove,node`, Parcae /
+    /// SpotServe JSON lines or a SkyPilot count series (the formats of `lzsim replay`). Nodes
+    /// live at time 0 start the job; removals kill, additions join.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["kill", "join"])]
+    pub fault_trace: Option<PathBuf>,
+    /// Trace seconds one training step stands for: an event at trace time t fires after step
+    /// ⌊t / X⌋.
+    #[arg(
+        long,
+        value_name = "X",
+        default_value_t = 60.0,
+        requires = "fault_trace"
+    )]
+    pub time_scale: f64,
+    #[command(flatten)]
+    pub job: JobArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct ControllerArgs {
+    /// Address to listen on for agents.
+    #[arg(long, default_value = "127.0.0.1:29400")]
+    pub listen: SocketAddr,
+    /// Agents to wait for before the first plan.
+    #[arg(long, default_value_t = 2)]
+    pub nodes: usize,
+    /// Shared secret agents must present (default: the LZRUN_TOKEN environment variable).
+    #[arg(long, env = "LZRUN_TOKEN", hide_env_values = true)]
+    pub token: String,
+    #[command(flatten)]
+    pub job: JobArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct AgentArgs {
+    /// The controller's address, HOST:PORT.
+    #[arg(long)]
+    pub controller: String,
+    /// Shared secret (default: the LZRUN_TOKEN environment variable).
+    #[arg(long, env = "LZRUN_TOKEN", hide_env_values = true)]
+    pub token: String,
+    /// Node name, unique among live nodes (default: `agent-PID`).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Address this node's worker listens on for its peers (port 0: any free port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub data_addr: SocketAddr,
+    /// Heartbeat period in milliseconds.
+    #[arg(long, default_value_t = 200)]
+    pub heartbeat_ms: u64,
+    /// Give up registering after this many milliseconds.
+    #[arg(long, default_value_t = 5_000)]
+    pub register_timeout_ms: u64,
+    /// Protocol version to announce (tests of the controller's version check only).
+    #[arg(long, hide = true)]
+    pub protocol_version: Option<u16>,
+}
+
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    /// Take commands from a controller (JSON lines on stdin); set by `lzrun agent`.
+    #[arg(long, conflicts_with_all = ["rank", "world", "peers"])]
+    pub managed: bool,
+    /// This worker's rank, 0-based.
+    #[arg(long, required_unless_present = "managed")]
+    pub rank: Option<usize>,
+    /// Number of workers; must equal the number of --peers.
+    #[arg(long, required_unless_present = "managed")]
+    pub world: Option<usize>,
+    /// Listen address of every rank in rank order, e.g. 127.0.0.1:4000,127.0.0.1:4001.
+    #[arg(long, value_delimiter = ',', required_unless_present = "managed")]
+    pub peers: Vec<SocketAddr>,
+    /// Membership epoch of the communicator (all workers must agree).
+    #[arg(long, default_value_t = 0)]
+    pub epoch: u64,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Directory for the checksum file `rank<R>.json`.
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Rendezvous and per-collective timeout in milliseconds.
+    #[arg(long, default_value_t = 60_000)]
+    pub timeout_ms: u64,
+}
+
+/// What to train and for how long (shared by jobs and stand-alone workers).
+#[derive(Debug, Args)]
+pub struct ModelArgs {
+    /// Training steps.
+    #[arg(long, default_value_t = 20)]
+    pub steps: u64,
+    /// Model configuration: tiny (fast on CPU), gpt-s, gpt-m, gpt-l (the paper's, for GPUs), or
+    /// a TOML file: `base = "tiny"` plus any field of the model config to override (d_model,
+    /// n_layers, n_heads, d_ff, experts, top_k, seq_len, batch, lb_loss_coef, lr, seed, vocab).
+    #[arg(long, default_value = "tiny")]
+    pub config: String,
+    /// Seed of the model initialisation and of the data order (overrides the config's).
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+#[derive(Debug, Args)]
+pub struct JobArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Minimum replicas per expert (the paper's f; relaxed by the planner when slots run short).
+    #[arg(long, default_value_t = FAULT_TOLERANCE)]
+    pub fault_tolerance: usize,
+    /// Expert slots per node (default: ⌈f·E / nodes⌉, enough for f replicas of every expert).
+    #[arg(long)]
+    pub slots: Option<usize>,
+    /// Directory of the checkpoints (default: `<metrics-out>/ckpt` or `<out>/ckpt`, else a
+    /// temporary directory removed at the end).
+    #[arg(long, value_name = "DIR")]
+    pub ckpt_dir: Option<PathBuf>,
+    /// Checkpoint after every K completed steps (0: never; then a failure that loses every
+    /// replica of an expert ends the job).
+    #[arg(long, value_name = "K", default_value_t = 5)]
+    pub ckpt_every: u64,
+    /// Checkpoints to keep.
+    #[arg(long, default_value_t = 3)]
+    pub ckpt_keep: usize,
+    /// Start from the newest valid checkpoint under DIR (a checkpoint root) instead of a fresh
+    /// model; steps before the checkpoint's are not trained again.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
+    /// Replan from the routing statistics every K steps and migrate through the same path
+    /// (0: only on membership changes).
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    pub rebalance_every: u64,
+    /// Directory for the workers' replica checksum files `node<ID>.json`.
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Write summary.json, timeseries.csv (the simulator's columns), steps.csv and
+    /// reconfigurations.jsonl into DIR.
+    #[arg(long, value_name = "DIR")]
+    pub metrics_out: Option<PathBuf>,
+    /// Output: text (log lines) or json (only the summary object on stdout).
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+    /// Workers' rendezvous and per-collective timeout in milliseconds (a silent peer is
+    /// declared dead after it).
+    #[arg(long, default_value_t = 10_000)]
+    pub timeout_ms: u64,
+    /// A node whose agent sent no heartbeat for this long is dead.
+    #[arg(long, default_value_t = 3_000)]
+    pub heartbeat_timeout_ms: u64,
+}
+
+fn parse_kill(s: &str) -> Result<(usize, u64), String> {
+    faults::parse_kill(s).map_err(|e| e.to_string())
+}
+
+fn parse_join(s: &str) -> Result<u64, String> {
+    faults::parse_join(s).map_err(|e| e.to_string())
+}

@@ -1,0 +1,51 @@
+//! Model configurations: a built-in name, or a TOML file (`base` + overrides).
+
+use std::path::Path;
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use lazarus_executor::model::MoeConfig;
+use lazarus_executor::worker::{CONFIG_NAMES, config_by_name};
+
+/// A model configuration by name, or from a TOML file (`base` + overrides).
+pub fn load_config(spec: &str, seed: Option<u64>) -> Result<MoeConfig> {
+    let path = Path::new(spec);
+    let mut cfg = if CONFIG_NAMES.contains(&spec) {
+        config_by_name(spec)?
+    } else if spec.ends_with(".toml") || path.exists() {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading config file {}", path.display()))?;
+        let mut table: toml::Table = text
+            .parse()
+            .map_err(|e| anyhow!("config file {}: {e}", path.display()))?;
+        let base = match table.remove("base") {
+            None => "tiny".to_owned(),
+            Some(toml::Value::String(s)) => s,
+            Some(v) => bail!(
+                "config file {}: base must be a string, got {v}",
+                path.display()
+            ),
+        };
+        let mut merged: toml::Table =
+            toml::Table::try_from(config_by_name(&base)?).context("encoding the base config")?;
+        for (k, v) in table {
+            ensure!(
+                merged.contains_key(&k),
+                "config file {}: unknown field {k:?} (fields: base, {})",
+                path.display(),
+                merged.keys().cloned().collect::<Vec<_>>().join(", ")
+            );
+            merged.insert(k, v);
+        }
+        toml::Value::Table(merged)
+            .try_into()
+            .map_err(|e| anyhow!("config file {}: {e}", path.display()))?
+    } else {
+        config_by_name(spec)?
+    };
+    if let Some(seed) = seed {
+        cfg.seed = seed;
+    }
+    cfg.validate()
+        .map_err(|e| anyhow!("model config {spec}: {e}"))?;
+    Ok(cfg)
+}

@@ -1,0 +1,37 @@
+//! `lzrun controller`: the controller of a multi-machine job.
+
+use anyhow::{Context, Result, ensure};
+
+use crate::args::ControllerArgs;
+use crate::drive::{drive, runtime};
+use crate::job::job_from_args;
+use crate::report::Report;
+
+/// Listens for agents, waits for `--nodes` of them, runs the job and prints its report.
+pub fn controller(a: ControllerArgs) -> Result<()> {
+    ensure!(!a.token.is_empty(), "the token is empty");
+    let job = job_from_args(&a.job, a.nodes, &a.token)?;
+    let rt = runtime()?;
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(a.listen))
+        .with_context(|| format!("listening on {}", a.listen))?;
+    let mut report = Report::new(a.job.format, a.job.model.steps);
+    report.say(&format!(
+        "lzrun controller: listening on {}, waiting for {} agents",
+        a.listen, a.nodes
+    ));
+    let config = job.params.config.clone();
+    let result = rt.block_on(drive(
+        listener,
+        job.server,
+        job.params,
+        &mut report,
+        |_| {},
+        |_, _| Ok(()),
+    ));
+    if let Some(d) = job.temp_ckpt {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    result?;
+    report.finish(&a.job, &config)
+}

@@ -1,0 +1,109 @@
+//! `lzrun`: elastic MoE training on worker processes.
+//!
+//! `lzrun local` runs a controller and one agent process per node on this machine (like
+//! `torchrun --standalone`); `lzrun controller` and `lzrun agent` run the same pieces across
+//! machines; `lzrun worker` is one training process (started by an agent, or by hand for a
+//! fixed cluster). See `--help`.
+
+mod agent;
+mod args;
+mod config;
+mod controller;
+mod drive;
+mod job;
+mod local;
+mod nodes;
+mod report;
+mod worker;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::args::{AgentArgs, ControllerArgs, LocalArgs, WorkerArgs};
+
+/// Elastic MoE training on worker processes, driven by the Lazarus planner.
+///
+/// A controller plans with the Lazarus planner (Eq. 1 allocation, MRO placement, optimal
+/// migration); one agent per node starts that node's worker process and relays plans and
+/// reports; workers hold the dense model and only the expert replicas their plan assigns, send
+/// tokens over TCP to whichever replica the dispatch plan picks, and keep replicas of one expert
+/// bit-identical. When a node dies the survivors discard the step, the controller replans on
+/// them and they migrate expert states and resume in place; only when some expert lost every
+/// replica do they restore the last checkpoint. Start with `lzrun local`.
+#[derive(Debug, Parser)]
+#[command(name = "lzrun", version, arg_required_else_help = true)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Train on this machine: a controller plus one agent (and worker) process per node.
+    ///
+    /// With no options it trains the tiny model on 2 nodes for 20 steps and prints
+    /// Megatron-style log lines and the loss. Faults: `--kill NODE@STEP` SIGKILLs a node (its
+    /// agent and worker) after STEP, `--join @STEP` starts a new node, `--fault-trace FILE
+    /// --time-scale X` replays a spot trace (the formats `lzsim replay` reads). Each
+    /// reconfiguration prints its detect / replan / migrate / resume times. Ctrl-C stops every
+    /// process. Exit status 2 on bad input or a failed job.
+    Local(LocalArgs),
+    /// The controller of a multi-machine job: waits for `--nodes` agents, then trains.
+    ///
+    /// Agents must present the shared token (`--token` or the LZRUN_TOKEN environment
+    /// variable). Listens on loopback unless `--listen` says otherwise. Checkpoints must be on a
+    /// file system every node sees.
+    Controller(ControllerArgs),
+    /// One node's agent: registers with the controller, heartbeats, runs the node's worker.
+    Agent(AgentArgs),
+    /// One training process (one device); started by an agent (`--managed`) or by hand.
+    ///
+    /// By hand (a fixed cluster, no controller, no recovery): computes the same whole-model
+    /// plan as every other worker from (--world, --config), keeps only its own expert
+    /// replicas, binds its address in --peers, connects to every other rank, trains --steps
+    /// steps on shard --rank of the embedded corpus, prints one JSON line per step and, with
+    /// --out, writes the checksums of its replicas and dense weights to `DIR/rank<R>.json`.
+    /// With --managed it reads the controller's commands (JSON lines) on stdin instead.
+    Worker(WorkerArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            return match e.kind() {
+                ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+                    let _ = e.print();
+                    ExitCode::SUCCESS
+                }
+                ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+                    let _ = e.print();
+                    ExitCode::from(2)
+                }
+                _ => {
+                    let text = e.to_string();
+                    let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("");
+                    let msg = first.trim().trim_start_matches("error:").trim();
+                    eprintln!("error: {msg} (see `lzrun --help`)");
+                    ExitCode::from(2)
+                }
+            };
+        }
+    };
+    let res = match cli.cmd {
+        Cmd::Local(a) => local::local(a),
+        Cmd::Controller(a) => controller::controller(a),
+        Cmd::Agent(a) => agent::agent(a),
+        Cmd::Worker(a) => worker::worker(a),
+    };
+    match res {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let msg = format!("{e:#}").replace('\n', " ");
+            eprintln!("error: {msg}");
+            ExitCode::from(2)
+        }
+    }
+}
