@@ -389,7 +389,7 @@ fn assert_no_loss_spike(metrics: &Path, initial_loss: f64) {
 /// a kill and a join in one in-place reconfiguration, the newcomer in `dense_to`) gives EVERY
 /// member a loss of 8–9 at the first step after it (3.0 before and after), while the final
 /// replicas and dense states agree. Run with `cargo test -p lazarus-executor --test lzrun --
-/// --ignored`; it loops the Bamboo P3 trace (skipped without it) and then asserts no spike.
+/// --ignored` (runs the Bamboo P3 trace, skipped without it, and asserts no spike).
 #[test]
 #[ignore = "open bug 4 (one-step loss spike after a kill + join reconfiguration); see the doc"]
 fn a_p3_spot_trace_run_has_no_loss_spike_and_consistent_replicas() {
