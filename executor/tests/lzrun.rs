@@ -925,13 +925,18 @@ fn signal(pid: i32, sig: i32) {
     }
 }
 
-/// Bug 2: a live but stuck worker (SIGSTOP) stalled the job forever: the survivors timed out
-/// on it and then nothing happened. It is fenced within the member timeout and the job
-/// finishes on the others.
-#[test]
-fn a_stopped_worker_is_fenced_and_the_job_finishes_without_it() {
+/// Which process of a node a test stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stopped {
+    Agent,
+    Worker,
+}
+
+/// 4 nodes, 60 steps, no checkpoints, `flag`: SIGSTOPs node `name`'s agent or worker after
+/// step 3 and returns the outcome and the directory of the replica checksums.
+fn run_with_a_stopped_process(name: &str, which: Stopped, flag: [&str; 2]) -> (Outcome, PathBuf) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = scratch("stopped-worker");
+    let dir = scratch(&format!("stopped-{which:?}"));
     let d = dir.to_str().unwrap();
     let mut live = Live::start(&[
         "local",
@@ -939,17 +944,32 @@ fn a_stopped_worker_is_fenced_and_the_job_finishes_without_it() {
         "4",
         "--steps",
         "60",
-        "--timeout-ms",
-        "1000",
+        flag[0],
+        flag[1],
         "--ckpt-every",
         "0",
         "--out",
         d,
     ]);
     live.wait_for(" iteration        3/");
-    let (_, worker) = live.node("n2");
-    signal(worker, libc::SIGSTOP);
-    let o = live.finish();
+    let (agent, worker) = live.node(name);
+    signal(
+        if which == Stopped::Agent {
+            agent
+        } else {
+            worker
+        },
+        libc::SIGSTOP,
+    );
+    (live.finish(), dir)
+}
+
+/// Bug 2: a live but stuck worker (SIGSTOP) stalled the job forever: the survivors timed out
+/// on it and then nothing happened. It is fenced within the member timeout and the job
+/// finishes on the others.
+#[test]
+fn a_stopped_worker_is_fenced_and_the_job_finishes_without_it() {
+    let (o, dir) = run_with_a_stopped_process("n2", Stopped::Worker, ["--timeout-ms", "1000"]);
     assert_eq!(o.code, Some(0), "{}", o.show());
     assert!(o.stdout.contains("node n2 fenced"), "{}", o.show());
     assert!(o.stdout.contains(" iteration       60/"), "{}", o.show());
@@ -962,26 +982,8 @@ fn a_stopped_worker_is_fenced_and_the_job_finishes_without_it() {
 /// reconfigure without it, and the job finishes on them.
 #[test]
 fn a_stopped_agent_is_fenced_and_the_survivors_reconfigure() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = scratch("stopped-agent");
-    let d = dir.to_str().unwrap();
-    let mut live = Live::start(&[
-        "local",
-        "--nodes",
-        "4",
-        "--steps",
-        "60",
-        "--heartbeat-timeout-ms",
-        "1000",
-        "--ckpt-every",
-        "0",
-        "--out",
-        d,
-    ]);
-    live.wait_for(" iteration        3/");
-    let (agent, _) = live.node("n1");
-    signal(agent, libc::SIGSTOP);
-    let o = live.finish();
+    let (o, dir) =
+        run_with_a_stopped_process("n1", Stopped::Agent, ["--heartbeat-timeout-ms", "1000"]);
     assert_eq!(o.code, Some(0), "{}", o.show());
     assert!(o.stdout.contains("no heartbeat"), "{}", o.show());
     assert!(o.stdout.contains("node n1 fenced"), "{}", o.show());

@@ -105,6 +105,18 @@ impl<E: FnMut(&str) -> Result<()>> Worker<'_, E> {
         self.st.store.replicas()
     }
 
+    /// Reports that the step or reconfiguration at `self.step` failed; back to idle.
+    fn failed(&mut self, e: &anyhow::Error) -> Result<Phase> {
+        let ev = WorkerEvent::Failed {
+            epoch: self.epoch,
+            step: self.step,
+            error: error_text(e),
+            held: self.held(),
+        };
+        self.event(&ev)?;
+        Ok(Phase::Idle)
+    }
+
     fn idle(&mut self, commands: &Receiver<Command>) -> Result<Phase> {
         let cmd = commands
             .recv()
@@ -177,16 +189,7 @@ impl<E: FnMut(&str) -> Result<()>> Worker<'_, E> {
                 self.event(&ev)?;
                 Ok(Phase::Training(Box::new(dist)))
             }
-            Err(e) => {
-                let ev = WorkerEvent::Failed {
-                    epoch: self.epoch,
-                    step: self.step,
-                    error: error_text(&e),
-                    held: self.held(),
-                };
-                self.event(&ev)?;
-                Ok(Phase::Idle)
-            }
+            Err(e) => self.failed(&e),
         }
     }
 
@@ -258,17 +261,8 @@ impl<E: FnMut(&str) -> Result<()>> Worker<'_, E> {
             });
         let (loss, stats, snap, pause) = match res {
             Ok(r) => r,
-            Err(e) => {
-                // Discard the step and the broken communicator, then wait for the controller.
-                let ev = WorkerEvent::Failed {
-                    epoch: self.epoch,
-                    step: self.step,
-                    error: error_text(&e),
-                    held: self.held(),
-                };
-                self.event(&ev)?;
-                return Ok(Phase::Idle);
-            }
+            // Discard the step and the broken communicator, then wait for the controller.
+            Err(e) => return self.failed(&e),
         };
         self.snapshot = Some((self.step, snap));
         let line = StepLine {
