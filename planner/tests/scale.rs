@@ -381,21 +381,18 @@ fn assert_within_2pct(name: &str, old: (f64, u64), new: (f64, u64)) {
     assert!(new.1 as f64 <= 1.02 * old.1 as f64, "{name} bytes");
 }
 
-/// `LAZARUS_TRACES` replaces `../shared/traces` when set.
+/// Layer 0 of the SmartMoE gate trace, one row of 32 expert counts per sampled iteration
+/// (skips with one line when the trace is absent; `LAZARUS_TRACES` points elsewhere).
 fn smartmoe_counts() -> Option<Vec<Vec<u64>>> {
-    let dir = std::env::var("LAZARUS_TRACES")
-        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/traces").into());
-    let path = format!("{dir}/routing/smartmoe/derived/global_expert_counts.csv");
-    let text = std::fs::read_to_string(&path).ok()?;
-    // iter,layer,e0..e31; layer 0 only.
+    let path =
+        lazarus_traces::shared::or_skip("routing/smartmoe/derived/global_expert_counts.csv")?;
+    // All 32 experts kept: rows in trace expert order.
+    let trace = lazarus_traces::routing::GateTrace::load(&path, 1, 32).expect("SmartMoE trace");
     Some(
-        text.lines()
-            .skip(1)
-            .filter_map(|l| {
-                let f: Vec<&str> = l.split(',').collect();
-                (f.get(1) == Some(&"0"))
-                    .then(|| f[2..].iter().filter_map(|x| x.parse().ok()).collect())
-            })
+        trace
+            .iterations()
+            .iter()
+            .map(|&it| trace.loads_at_iteration(it).expect("a sampled iteration")[0].clone())
             .collect(),
     )
 }
@@ -403,7 +400,6 @@ fn smartmoe_counts() -> Option<Vec<Vec<u64>>> {
 #[test]
 fn laer_quality_on_smartmoe_trace_matches_reference() {
     let Some(counts) = smartmoe_counts() else {
-        eprintln!("SKIP laer_quality_on_smartmoe_trace_matches_reference: SmartMoE trace absent");
         return;
     };
     let topo = Topology {
