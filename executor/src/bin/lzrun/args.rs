@@ -181,10 +181,11 @@ pub struct JobArgs {
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
     /// Workers' rendezvous and per-collective timeout in milliseconds (a silent peer is
-    /// declared dead after it).
+    /// declared dead after it). A member that stops answering the controller (a hung or
+    /// stopped worker) is fenced after twice this plus 2 s.
     #[arg(long, default_value_t = 10_000)]
     pub timeout_ms: u64,
-    /// A node whose agent sent no heartbeat for this long is dead.
+    /// A node whose agent sent no heartbeat for this long is dead (and fenced).
     #[arg(long, default_value_t = 3_000)]
     pub heartbeat_timeout_ms: u64,
 }
