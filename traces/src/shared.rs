@@ -33,14 +33,18 @@ pub fn path(rel: &str) -> Option<PathBuf> {
 }
 
 /// [`path`], printing one `skipped: <file> not found (set LAZARUS_TRACES)` line on stderr
-/// when the file is absent: for tests and benches that need a third-party trace.
+/// when the file is absent: for tests and benches that need a third-party trace. The line is
+/// written to the process's stderr directly, so the test harness's output capture does not
+/// hide it.
 pub fn or_skip(rel: &str) -> Option<PathBuf> {
+    use std::io::Write;
     let p = path(rel);
     if p.is_none() {
-        eprintln!(
-            "skipped: {} not found (set {ENV_VAR})",
+        let line = format!(
+            "skipped: {} not found (set {ENV_VAR})\n",
             dir().join(rel).display()
         );
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
     }
     p
 }
