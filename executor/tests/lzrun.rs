@@ -245,6 +245,67 @@ fn losing_every_replica_falls_back_to_the_checkpoint_and_completes() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Issue 14 item 3: one survivor of four cannot hold every expert. The job waits for nodes
+/// (saying for what), `lzrun local` starts the scheduled joins at once instead of after steps
+/// that cannot come, and the job restores the newest checkpoint onto the survivor and the
+/// newcomer.
+#[test]
+fn too_few_survivors_wait_for_joins_then_restore() {
+    let dir = scratch("too-few");
+    let d = dir.to_str().unwrap();
+    let o = lzrun(&[
+        "local",
+        "--nodes",
+        "4",
+        "--steps",
+        "10",
+        "--kill",
+        "0@4",
+        "--kill",
+        "1@4",
+        "--kill",
+        "2@4",
+        "--join",
+        "@7",
+        "--ckpt-every",
+        "2",
+        "--format",
+        "json",
+        "--out",
+        d,
+    ]);
+    let s = o.summary();
+    assert_eq!(s.steps, 10, "{}", o.show());
+    assert!(
+        o.stderr.contains("waiting for nodes") && o.stderr.contains("need at least 2 nodes"),
+        "{}",
+        o.show()
+    );
+    assert!(
+        o.stderr.contains("early (scheduled after step 7)"),
+        "{}",
+        o.show()
+    );
+    let rec = s
+        .reconfigurations
+        .iter()
+        .find(|r| r.kind == "checkpoint")
+        .unwrap_or_else(|| panic!("no restore\n{}", o.show()));
+    assert_eq!(rec.resume_step, 4, "{rec:?}");
+    assert_eq!(assert_consistent(&dir, &MoeConfig::tiny()).len(), 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// With no join left to wait for, `lzrun local` says so at once (exit 2) instead of hanging.
+#[test]
+fn too_few_survivors_and_no_joins_left_exit_2() {
+    let o = lzrun(&[
+        "local", "--nodes", "4", "--steps", "10", "--kill", "0@3", "--kill", "1@3", "--kill", "2@3",
+    ]);
+    assert_eq!(o.code, Some(2), "{}", o.show());
+    assert!(o.stderr.contains("starts no more"), "{}", o.show());
+}
+
 #[test]
 fn without_checkpoints_a_lost_expert_ends_the_job_with_exit_2() {
     let o = lzrun(&[

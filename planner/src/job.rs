@@ -48,7 +48,8 @@
 //!   never becomes ready) is declared failed and [`Action::Fence`]d: the driver stops talking
 //!   to it and kills its worker; the membership epoch moves on without it.
 //! * **Too few nodes.** When the live nodes' slots cannot hold every expert, the machine says
-//!   [`Action::WaitForNodes`] and waits for joins (a later plan restores or replans).
+//!   [`Action::WaitForNodes`] and waits for joins (a later plan restores or replans) — for at
+//!   most [`JobConfig::wait_for_nodes_ms`], then the job fails saying what it waited for.
 //! * **Checkpoints.** Members write their parts every `checkpoint_every_steps` steps
 //!   ([`JobConfig::checkpoint_due`]); once every member wrote the parts of a step the driver is
 //!   told to [`Action::CommitCheckpoint`]. A failed commit is logged, never a node failure.
@@ -86,6 +87,10 @@ pub struct JobConfig {
     pub member_timeout_ms: u64,
     /// Lazy scale-out: ready newcomers join this long after the first of them became ready.
     pub scale_out_wait_ms: u64,
+    /// With too few nodes to hold every expert, the job waits this long for joins, then
+    /// fails (0: waits for ever, as a replay of a trace whose nodes come back does).
+    #[serde(default)]
+    pub wait_for_nodes_ms: u64,
     /// Replan from the routing history every this many counted steps (0: never).
     pub rebalance_every_steps: u64,
     /// Members write a checkpoint every this many steps (0: no checkpoints).
@@ -112,6 +117,7 @@ impl JobConfig {
             heartbeat_timeout_ms: 10_000,
             member_timeout_ms: 30_000,
             scale_out_wait_ms: 0,
+            wait_for_nodes_ms: 0,
             rebalance_every_steps: 0,
             checkpoint_every_steps: 0,
             resume: false,
@@ -536,6 +542,8 @@ pub struct JobMachine {
     started: bool,
     /// Since when some ready node waits to join.
     join_waiting_since: Option<u64>,
+    /// Since when the job waits for enough nodes to hold every expert.
+    nodes_waiting_since: Option<u64>,
     /// When the phase last made progress (timeouts count from here).
     progress_ms: u64,
 }
@@ -564,6 +572,7 @@ impl JobMachine {
             lineage_complete: false,
             started: false,
             join_waiting_since: None,
+            nodes_waiting_since: None,
             progress_ms: 0,
         })
     }
@@ -870,6 +879,24 @@ impl JobMachine {
         {
             self.note_cause(ReconfigKind::Join, now_ms);
             self.pause_members(now_ms, out);
+        }
+        let wait_ms = self.cfg.wait_for_nodes_ms;
+        if self.phase == Phase::WaitingForNodes
+            && wait_ms > 0
+            && self
+                .nodes_waiting_since
+                .is_some_and(|t| now_ms.saturating_sub(t) > wait_ms)
+        {
+            self.enter(Phase::Over, now_ms);
+            let why = format!(
+                "gave up after waiting {:.0} s for nodes: {} experts need at least {} nodes of {} slots, {} live",
+                wait_ms as f64 / 1e3,
+                self.cfg.model.experts,
+                self.cfg.model.experts.div_ceil(self.cfg.slots_per_node),
+                self.cfg.slots_per_node,
+                self.nodes.len()
+            );
+            self.fail(why, out);
         }
     }
 
@@ -1190,9 +1217,16 @@ impl JobMachine {
         let slots = candidates.len() * self.cfg.slots_per_node;
         if slots < self.cfg.model.experts {
             self.enter(Phase::WaitingForNodes, now_ms);
+            self.nodes_waiting_since.get_or_insert(now_ms);
+            let wait = match self.cfg.wait_for_nodes_ms {
+                0 => String::new(),
+                ms => format!(" (waiting up to {:.0} s)", ms as f64 / 1e3),
+            };
             let reason = format!(
-                "{} experts do not fit in {slots} slots of {} nodes",
+                "{} experts need at least {} nodes of {} slots, {} ready{wait}",
                 self.cfg.model.experts,
+                self.cfg.model.experts.div_ceil(self.cfg.slots_per_node),
+                self.cfg.slots_per_node,
                 candidates.len()
             );
             out.push(Action::WaitForNodes {
@@ -1201,6 +1235,7 @@ impl JobMachine {
             });
             return;
         }
+        self.nodes_waiting_since = None;
         if !self.started && !self.cfg.resume {
             // The first start, or one that did not complete on every member: start afresh.
             return self.send_plan(ReconfigKind::Start, StateSource::Fresh, 0, now_ms, out);

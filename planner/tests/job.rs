@@ -497,6 +497,43 @@ fn too_few_nodes_wait_for_more_then_restore() {
 }
 
 #[test]
+fn waiting_for_nodes_gives_up_after_wait_for_nodes_ms() {
+    let mut cfg = config(2, 50);
+    cfg.checkpoint_every_steps = 2;
+    cfg.wait_for_nodes_ms = 10_000;
+    let (mut j, r) = started(cfg, &[0, 1], 3);
+    let survivor = r.members()[0];
+    j.ev(Event::Lost {
+        node: r.members()[1],
+        reason: "killed".into(),
+    });
+    let t0 = j.now_ms;
+    let a = j.idle(survivor, IdleReason::Failed("x".into()), 3);
+    let said = a.iter().find_map(|a| match a {
+        Action::WaitForNodes { reason, .. } => Some(reason.clone()),
+        _ => None,
+    });
+    let said = said.expect("waits for nodes");
+    assert!(said.contains("need at least 2 nodes of 2 slots"), "{said}");
+    // The survivor stays alive; until the limit the job only waits.
+    for t in (t0 + 500..=t0 + 10_000).step_by(500) {
+        j.at(t).ev(Event::Heartbeat { node: survivor });
+        let a = j.ev(Event::Tick);
+        assert!(!a.iter().any(|a| matches!(a, Action::Finished(_))), "{a:?}");
+    }
+    j.at(t0 + 10_500).ev(Event::Heartbeat { node: survivor });
+    let a = j.ev(Event::Tick);
+    let why = a.iter().find_map(|a| match a {
+        Action::Finished(Err(why)) => Some(why.clone()),
+        _ => None,
+    });
+    let why = why.expect("the job fails once the wait is over");
+    assert!(why.contains("waiting 10 s for nodes"), "{why}");
+    assert!(a.contains(&Action::Stop { node: survivor }), "{a:?}");
+    assert_eq!(j.m.phase(), Phase::Over);
+}
+
+#[test]
 fn a_checkpoint_is_committed_once_every_member_wrote_its_parts() {
     let mut cfg = config(4, 50);
     cfg.checkpoint_every_steps = 2;

@@ -58,6 +58,11 @@ pub enum Notice {
     Step(StepRecord),
     Reconfigured(RecoveryRecord),
     Log(String),
+    /// Too few nodes to hold every expert: the job waits for joins (`reason` says for what).
+    WaitingForNodes {
+        live: usize,
+        reason: String,
+    },
     /// The node named so was declared failed, and why (its processes should be killed).
     Fenced {
         name: String,
@@ -323,10 +328,9 @@ impl Controller {
                 out.push(Output::Close(node));
                 Self::notice(out, Notice::Fenced { name, reason });
             }
-            Action::WaitForNodes { live, reason } => Self::notice(
-                out,
-                Notice::Log(format!("waiting for nodes ({live} live): {reason}")),
-            ),
+            Action::WaitForNodes { live, reason } => {
+                Self::notice(out, Notice::WaitingForNodes { live, reason })
+            }
             Action::Record(r) => {
                 let start = *self.start_ms.get_or_insert(now_ms);
                 let rec = StepRecord {

@@ -188,6 +188,17 @@ pub struct JobArgs {
     /// A node whose agent sent no heartbeat for this long is dead (and fenced).
     #[arg(long, default_value_t = 3_000)]
     pub heartbeat_timeout_ms: u64,
+    /// When the live nodes' slots cannot hold every expert, wait this many milliseconds for
+    /// nodes to join (then replan, or restore the newest checkpoint if an expert lost every
+    /// replica); after that the job fails. 0: wait for ever. `lzrun local` starts the
+    /// schedule's next joins at once while it waits.
+    #[arg(
+        long,
+        alias = "wait-for-nodes",
+        value_name = "MS",
+        default_value_t = 600_000
+    )]
+    pub wait_for_nodes_ms: u64,
 }
 
 fn parse_kill(s: &str) -> Result<(usize, u64), String> {

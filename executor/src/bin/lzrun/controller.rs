@@ -3,7 +3,7 @@
 use anyhow::{Context, Result, ensure};
 
 use crate::args::ControllerArgs;
-use crate::drive::{drive, runtime};
+use crate::drive::{NoHooks, drive, runtime};
 use crate::job::job_from_args;
 use crate::report::Report;
 
@@ -26,8 +26,7 @@ pub fn controller(a: ControllerArgs) -> Result<()> {
         job.server,
         job.params,
         &mut report,
-        |_| {},
-        |_, _| Ok(()),
+        &mut NoHooks,
     ));
     if let Some(d) = job.temp_ckpt {
         let _ = std::fs::remove_dir_all(d);

@@ -18,16 +18,36 @@ pub fn runtime() -> Result<tokio::runtime::Runtime> {
         .context("starting the tokio runtime")
 }
 
-/// Runs the job server and handles its notices until the job is over (or Ctrl-C); `on_step`
-/// runs after every completed step (fault injection in `lzrun local`), `on_fenced` with the
-/// name of every node the controller fenced.
+/// What whoever runs the job does when the controller reports something (`lzrun local`
+/// injects its faults); an error ends the job.
+pub trait Hooks {
+    /// After every completed step (once per step).
+    fn on_step(&mut self, _rec: &StepRecord, _job: &JobHandle) -> Result<()> {
+        Ok(())
+    }
+
+    /// With the name of every node the controller fenced.
+    fn on_fenced(&mut self, _name: &str) {}
+
+    /// When the job starts waiting for nodes to join.
+    fn on_waiting(&mut self, _job: &JobHandle) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// No hooks: a controller whose nodes come and go on their own.
+pub struct NoHooks;
+
+impl Hooks for NoHooks {}
+
+/// Runs the job server and handles its notices until the job is over (or Ctrl-C), calling
+/// `hooks` on the way.
 pub async fn drive(
     listener: tokio::net::TcpListener,
     server_cfg: ServerConfig,
     params: JobParams,
     report: &mut Report,
-    mut on_fenced: impl FnMut(&str),
-    mut on_step: impl FnMut(&StepRecord, &JobHandle) -> Result<()>,
+    hooks: &mut impl Hooks,
 ) -> Result<()> {
     let (tx, mut rx) = tmpsc::unbounded_channel();
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -60,16 +80,23 @@ pub async fn drive(
                     let first = seen.insert(r.step);
                     let rec = r.clone();
                     report.step(r);
-                    if first && let Err(e) = on_step(&rec, &handle) {
+                    if first && let Err(e) = hooks.on_step(&rec, &handle) {
                         outcome = Err(e);
                         break;
                     }
                 }
                 Some(Notice::Reconfigured(r)) => report.reconfigured(r),
                 Some(Notice::Log(l)) => report.say(&format!("[controller] {l}")),
+                Some(Notice::WaitingForNodes { live, reason }) => {
+                    report.say(&format!("[controller] waiting for nodes ({live} live): {reason}"));
+                    if let Err(e) = hooks.on_waiting(&handle) {
+                        outcome = Err(e);
+                        break;
+                    }
+                }
                 Some(Notice::Fenced { name, reason }) => {
                     report.say(&format!("[controller] node {name} fenced: {reason}"));
-                    on_fenced(&name);
+                    hooks.on_fenced(&name);
                 }
                 Some(Notice::Finished(r)) => {
                     outcome = r.map_err(|e| anyhow!(e));

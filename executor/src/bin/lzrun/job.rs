@@ -84,6 +84,7 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
     // executor pauses training for them anyway).
     rules.scale_out_wait_ms = 0;
     rules.rebalance_every_steps = a.rebalance_every;
+    rules.wait_for_nodes_ms = a.wait_for_nodes_ms;
     rules.checkpoint_every_steps = if checkpoint.is_some() {
         a.ckpt_every
     } else {

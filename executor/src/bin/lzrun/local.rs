@@ -1,18 +1,18 @@
 //! `lzrun local`: a controller plus one agent (and worker) process per node on this machine,
 //! with the faults of a schedule (`--kill`, `--join`, `--fault-trace`) injected between steps.
 
-use std::cell::RefCell;
+use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, ensure};
+use anyhow::{Context, Result, anyhow, bail, ensure};
 use lazarus_executor::control::JobHandle;
 use lazarus_executor::faults::{self, Fault, FaultSchedule};
 use lazarus_executor::metrics::StepRecord;
 use tokio::runtime::Runtime;
 
 use crate::args::{Format, LocalArgs};
-use crate::drive::{drive, runtime};
+use crate::drive::{Hooks, drive, runtime};
 use crate::job::job_from_args;
 use crate::nodes::Nodes;
 use crate::report::Report;
@@ -48,22 +48,20 @@ pub fn local(a: LocalArgs) -> Result<()> {
     }
     let config = job.params.config.clone();
     let format = a.job.format;
-    let nodes = RefCell::new(nodes);
+    let mut faults = Faults {
+        nodes,
+        schedule,
+        format,
+        fired: BTreeSet::new(),
+    };
     let result = rt.block_on(drive(
         listener,
         job.server,
         job.params,
         &mut report,
-        |name| {
-            // A fenced node's processes may be stopped, not dead: kill them for good.
-            let mut nodes = nodes.borrow_mut();
-            if let Some(i) = nodes.index_of(name) {
-                let _ = nodes.kill_group(i);
-            }
-        },
-        |rec, handle| inject_faults(&mut nodes.borrow_mut(), &schedule, rec, handle, format),
+        &mut faults,
     ));
-    nodes.borrow_mut().reap(Duration::from_secs(5));
+    faults.nodes.reap(Duration::from_secs(5));
     if let Some(d) = &job.temp_ckpt {
         let _ = std::fs::remove_dir_all(d);
     }
@@ -103,47 +101,95 @@ fn bind_controller(rt: &Runtime) -> Result<(tokio::net::TcpListener, SocketAddr)
     Ok((listener, addr))
 }
 
-/// Injects the faults the schedule holds for the step `rec` completed: kills and joins.
-fn inject_faults(
-    nodes: &mut Nodes,
-    schedule: &FaultSchedule,
-    rec: &StepRecord,
-    handle: &JobHandle,
+/// The schedule's faults, injected as the job goes.
+struct Faults {
+    nodes: Nodes,
+    schedule: FaultSchedule,
     format: Format,
-) -> Result<()> {
-    for fault in schedule.at(rec.step) {
-        match fault {
-            Fault::Kill { node } => {
-                let name = nodes.kill_group(*node)?;
-                handle.fault_injected();
-                format.say(&format!(
-                    "lzrun local: killed node {node} ({name}) with SIGKILL after step {}",
-                    rec.step
-                ));
-            }
-            Fault::KillName { name } => {
-                let i = nodes
-                    .index_of(name)
-                    .ok_or_else(|| anyhow!("trace kills {name}, which is not running"))?;
-                nodes.kill_group(i)?;
-                handle.fault_injected();
-                format.say(&format!(
-                    "lzrun local: killed node {i} ({name}) with SIGKILL after step {}",
-                    rec.step
-                ));
-            }
-            Fault::Join { name } => {
-                let name = name
-                    .clone()
-                    .unwrap_or_else(|| format!("n{}", nodes.launched()));
-                nodes.spawn(&name)?;
-                format.say(&format!(
-                    "lzrun local: started node {} ({name}) after step {}",
-                    nodes.launched() - 1,
-                    rec.step
-                ));
-            }
+    /// Indices of the schedule's events already injected.
+    fired: BTreeSet<usize>,
+}
+
+impl Hooks for Faults {
+    /// Injects the faults the schedule holds for the step `rec` completed: kills and joins.
+    fn on_step(&mut self, rec: &StepRecord, job: &JobHandle) -> Result<()> {
+        let due: Vec<usize> = (0..self.schedule.events.len())
+            .filter(|i| self.schedule.events[*i].after_step == rec.step)
+            .collect();
+        self.inject(&due, &format!("after step {}", rec.step), job)
+    }
+
+    /// A fenced node's processes may be stopped, not dead: kill them for good.
+    fn on_fenced(&mut self, name: &str) {
+        if let Some(i) = self.nodes.index_of(name) {
+            let _ = self.nodes.kill_group(i);
         }
     }
-    Ok(())
+
+    /// No step completes while the job waits for nodes, so the joins scheduled after a later
+    /// step would never come: start the next ones now. With none left the wait is hopeless.
+    fn on_waiting(&mut self, job: &JobHandle) -> Result<()> {
+        let next = self
+            .schedule
+            .events
+            .iter()
+            .enumerate()
+            .find(|(i, e)| e.fault.is_join() && !self.fired.contains(i))
+            .map(|(_, e)| e.after_step);
+        let Some(step) = next else {
+            bail!(
+                "the job waits for nodes to join, and the fault schedule starts no more \
+                 (add a --join, or give each node more --slots)"
+            );
+        };
+        let due: Vec<usize> = (0..self.schedule.events.len())
+            .filter(|&i| {
+                let e = &self.schedule.events[i];
+                e.after_step == step && e.fault.is_join() && !self.fired.contains(&i)
+            })
+            .collect();
+        self.inject(&due, &format!("early (scheduled after step {step})"), job)
+    }
+}
+
+impl Faults {
+    /// Injects the schedule's events `due` that have not fired yet; `when` is for the log.
+    fn inject(&mut self, due: &[usize], when: &str, handle: &JobHandle) -> Result<()> {
+        for &i in due {
+            if !self.fired.insert(i) {
+                continue;
+            }
+            let nodes = &mut self.nodes;
+            match &self.schedule.events[i].fault {
+                Fault::Kill { node } => {
+                    let name = nodes.kill_group(*node)?;
+                    handle.fault_injected();
+                    self.format.say(&format!(
+                        "lzrun local: killed node {node} ({name}) with SIGKILL {when}"
+                    ));
+                }
+                Fault::KillName { name } => {
+                    let i = nodes
+                        .index_of(name)
+                        .ok_or_else(|| anyhow!("trace kills {name}, which is not running"))?;
+                    nodes.kill_group(i)?;
+                    handle.fault_injected();
+                    self.format.say(&format!(
+                        "lzrun local: killed node {i} ({name}) with SIGKILL {when}"
+                    ));
+                }
+                Fault::Join { name } => {
+                    let name = name
+                        .clone()
+                        .unwrap_or_else(|| format!("n{}", nodes.launched()));
+                    nodes.spawn(&name)?;
+                    self.format.say(&format!(
+                        "lzrun local: started node {} ({name}) {when}",
+                        nodes.launched() - 1
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
 }
