@@ -16,6 +16,7 @@ use lazarus_executor::model::MoeConfig;
 use lazarus_planner::ModelSpec;
 use lazarus_planner::job::JobConfig;
 use proptest::prelude::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -188,15 +189,20 @@ struct Server {
     task: tokio::task::JoinHandle<()>,
 }
 
+/// Ticks every 50 ms, 1 s to register, the default connection limits.
+fn server_config() -> ServerConfig {
+    ServerConfig::new(50, 1_000)
+}
+
 async fn start(params: JobParams) -> Server {
+    start_with(params, server_config()).await
+}
+
+async fn start_with(params: JobParams, server: ServerConfig) -> Server {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let (tx, notices) = mpsc::unbounded_channel();
     let (stop, stop_rx) = watch::channel(false);
-    let server = ServerConfig {
-        tick_ms: 50,
-        io_timeout_ms: 1_000,
-    };
     let task = tokio::spawn(async move {
         run_job(listener, server, params, tx, stop_rx, |_| {})
             .await
@@ -383,5 +389,159 @@ async fn an_agent_whose_worker_never_starts_is_fenced_and_the_job_starts_without
     );
     let plan = server.log_with("epoch 1: plan v1").await;
     assert!(plan.contains(&format!("[{a}, {b}]")), "{plan}");
+    server.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Abuse by peers (issue 14, item 5): memory, connections, registration fields, log lines
+// ---------------------------------------------------------------------------------------------
+
+/// How soon the controller must close a connection it refuses outright: far below the 1 s it
+/// grants for a Register (virtual time).
+const AT_ONCE: Duration = Duration::from_millis(100);
+
+/// Whether the controller closes `stream` within `within` without sending anything.
+async fn closed_within(stream: &mut TcpStream, within: Duration) -> bool {
+    let mut buf = [0u8; 64];
+    match tokio::time::timeout(within, stream.read(&mut buf)).await {
+        // End of stream, or a reset (it closed with our bytes unread).
+        Ok(Ok(0) | Err(_)) => true,
+        Ok(Ok(n)) => panic!("expected the connection to close, got {n} bytes"),
+        Err(_) => false,
+    }
+}
+
+/// A connection that has sent the 4-byte length prefix of a `len`-byte frame and a few bytes.
+async fn announcing(addr: &str, len: usize) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let prefix = u32::try_from(len).unwrap().to_be_bytes();
+    // The controller may already have closed it: write errors are fine.
+    let _ = s.write_all(&prefix).await;
+    let _ = s.write_all(&[0; 16]).await;
+    s
+}
+
+/// Before registering, a peer could announce 64 MiB frames and the controller reserved that
+/// much for each, on any number of connections (32 of them: 2 GB). Now a first frame over
+/// 4 KiB closes the connection at once, and agents still register.
+#[tokio::test(start_paused = true)]
+async fn huge_length_prefixes_before_registration_are_closed_at_once() {
+    let server = start(params(2)).await;
+    let addr = server.addr.clone();
+    let mut flood = Vec::new();
+    for _ in 0..32 {
+        flood.push(announcing(&addr, proto::MAX_FRAME_BYTES - 1).await);
+    }
+    for (i, s) in flood.iter_mut().enumerate() {
+        assert!(
+            closed_within(s, AT_ONCE).await,
+            "connection {i} announcing 64 MiB is still open"
+        );
+    }
+    // The cap is exact: one byte over is refused too.
+    let mut over = announcing(&addr, proto::MAX_REGISTER_FRAME_BYTES + 1).await;
+    assert!(closed_within(&mut over, AT_ONCE).await);
+    // A Register with a 100 KB node name is such a frame.
+    let long_name = ToController::Register {
+        version: V,
+        token: TOKEN.into(),
+        node: "n".repeat(100_000),
+        devices: 1,
+    };
+    let payload = proto::encode(&long_name).unwrap();
+    let mut long = announcing(&addr, payload.len()).await;
+    let _ = long.write_all(&payload[16..]).await;
+    assert!(closed_within(&mut long, AT_ONCE).await);
+    let (_agent, _) = register(&addr, "after-the-flood").await;
+    server.shutdown().await;
+}
+
+/// Any number of connections could stay open without registering. Now at most
+/// `max_pending_conns` unregistered and `max_conns` in all are kept; more are closed as soon
+/// as they are accepted, and the slots come back when connections end.
+#[tokio::test(start_paused = true)]
+async fn connections_over_the_limits_are_closed_at_once() {
+    let config = ServerConfig {
+        max_pending_conns: 2,
+        max_conns: 3,
+        ..server_config()
+    };
+    let server = start_with(params(2), config).await;
+    let addr = server.addr.clone();
+    // Two idle connections take both unregistered slots: a third is closed at once...
+    let mut idle = Vec::new();
+    for _ in 0..2 {
+        idle.push(TcpStream::connect(&addr).await.unwrap());
+    }
+    let mut third = TcpStream::connect(&addr).await.unwrap();
+    assert!(
+        closed_within(&mut third, AT_ONCE).await,
+        "over max_pending_conns"
+    );
+    // ...while the two keep their slots (until their Register deadline).
+    for s in &mut idle {
+        assert!(!closed_within(s, AT_ONCE).await);
+    }
+    // They leave: their slots are free again.
+    drop(idle);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    // Two registered nodes and one idle connection fill all three slots: a fourth connection
+    // is closed at once although an unregistered slot is free.
+    let (_a, _) = register(&addr, "a").await;
+    let (_b, _) = register(&addr, "b").await;
+    let idle = TcpStream::connect(&addr).await.unwrap();
+    let mut fourth = TcpStream::connect(&addr).await.unwrap();
+    assert!(closed_within(&mut fourth, AT_ONCE).await, "over max_conns");
+    drop(idle);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let (_c, _) = register(&addr, "c").await;
+    server.shutdown().await;
+}
+
+/// A slow sender cannot hold an unregistered slot: the whole first frame must arrive within
+/// `io_timeout_ms` (1 s here), however steadily it trickles in.
+#[tokio::test(start_paused = true)]
+async fn a_register_trickled_byte_by_byte_is_cut_off_at_the_deadline() {
+    let server = start(params(2)).await;
+    let slow = ToController::Register {
+        version: V,
+        token: TOKEN.into(),
+        node: "a-node-that-sends-one-byte-every-100-ms".into(),
+        devices: 1,
+    };
+    let payload = proto::encode(&slow).unwrap();
+    let mut frame = u32::try_from(payload.len()).unwrap().to_be_bytes().to_vec();
+    frame.extend_from_slice(&payload);
+    assert!(
+        frame.len() > 20,
+        "the frame must take longer than the deadline"
+    );
+    let (mut rd, mut wr) = TcpStream::connect(&server.addr).await.unwrap().into_split();
+    let t0 = Instant::now();
+    let trickle = tokio::spawn(async move {
+        for b in frame {
+            if wr.write_all(&[b]).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        wr
+    });
+    // The controller answers why and closes (or the close overtakes the answer as a reset).
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(WAIT, rd.read_to_end(&mut got))
+        .await
+        .unwrap();
+    let waited = t0.elapsed();
+    assert!(
+        waited >= Duration::from_millis(1_000) && waited <= Duration::from_millis(1_100),
+        "closed after {waited:?}"
+    );
+    if got.len() > 4 {
+        let reason = expect_rejected(proto::decode(&got[4..]).ok());
+        assert!(reason.contains("no Register within 1000 ms"), "{reason}");
+    }
+    trickle.abort();
+    let (_ok, _) = register(&server.addr, "prompt").await;
     server.shutdown().await;
 }

@@ -16,7 +16,10 @@
 //! Decoding never panics: a garbage, truncated or over-long frame is a [`ProtoError`], and the
 //! decoders reject trailing bytes (postcard alone would ignore them). Frames are capped at
 //! [`MAX_FRAME_BYTES`] by the codec, so a corrupt length prefix cannot make a peer allocate
-//! gigabytes.
+//! gigabytes. The codec reserves a frame's announced length as soon as it has read the prefix,
+//! so the controller caps the first frame of a connection, before the peer has shown the
+//! token, at [`MAX_REGISTER_FRAME_BYTES`] and raises the cap only after a successful
+//! registration (see `server`).
 
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
@@ -33,13 +36,25 @@ pub const PROTOCOL_VERSION: u16 = 3;
 /// room.
 pub const MAX_FRAME_BYTES: usize = 64 << 20;
 
+/// Largest first frame the controller reads from a connection that has not registered yet
+/// (4 KiB). A `Register` is a version, a token and a node name: a few hundred bytes with any
+/// sensible token. Anything bigger is not an agent, and the small cap keeps what
+/// unauthenticated peers can make the controller allocate to this much per connection.
+pub const MAX_REGISTER_FRAME_BYTES: usize = 4 << 10;
+
 /// A TCP stream framed into length-delimited messages.
 pub type Framed = tokio_util::codec::Framed<TcpStream, LengthDelimitedCodec>;
 
 /// Wraps a connected stream with the protocol's codec (frame cap [`MAX_FRAME_BYTES`]).
 pub fn framed(stream: TcpStream) -> Framed {
+    framed_with_cap(stream, MAX_FRAME_BYTES)
+}
+
+/// Wraps a connected stream with the protocol's codec, frames capped at `max_frame_bytes` in
+/// both directions (`Framed::codec_mut().set_max_frame_length` changes it later).
+pub fn framed_with_cap(stream: TcpStream, max_frame_bytes: usize) -> Framed {
     let codec = LengthDelimitedCodec::builder()
-        .max_frame_length(MAX_FRAME_BYTES)
+        .max_frame_length(max_frame_bytes)
         .new_codec();
     tokio_util::codec::Framed::new(stream, codec)
 }
