@@ -9,8 +9,8 @@ use bytes::Bytes;
 use futures_util::SinkExt;
 use lazarus_executor::control::proto::{self, ProtoError, Registration};
 use lazarus_executor::control::{
-    Controller, JobParams, Notice, PROTOCOL_VERSION, Reject, ServerConfig, ToAgent, ToController,
-    run_job,
+    Agent, AgentConfig, AgentError, Controller, JobParams, Notice, Output, PROTOCOL_VERSION,
+    Reject, ServerConfig, ToAgent, ToController, run_job,
 };
 use lazarus_executor::model::MoeConfig;
 use lazarus_planner::ModelSpec;
@@ -544,4 +544,143 @@ async fn a_register_trickled_byte_by_byte_is_cut_off_at_the_deadline() {
     trickle.abort();
     let (_ok, _) = register(&server.addr, "prompt").await;
     server.shutdown().await;
+}
+
+/// A token holder could register `usize::MAX` devices, a 100 KB name or a name carrying
+/// newlines and ANSI escapes that forge log lines. Names are now 1..=253 bytes of
+/// `[A-Za-z0-9._:-]`, devices 1..=1024, and the reason never echoes the raw name.
+#[test]
+fn registration_refuses_absurd_device_counts_and_names() {
+    let mut c = Controller::new(params(2)).unwrap();
+    let mut out = Vec::new();
+    let mut r = |reg: Registration| c.register(&reg, 0, &mut out);
+    for devices in [usize::MAX, 1_025] {
+        assert_eq!(
+            r(reg(TOKEN, "many", devices, V)),
+            Err(Reject::TooManyDevices {
+                node: "many".into(),
+                devices
+            })
+        );
+    }
+    let forged = "evil\n[lzrun] node 0 fenced: \u{1b}[2Jgone";
+    for name in [
+        String::new(),
+        "n".repeat(100_000),
+        "n".repeat(254),
+        forged.to_owned(),
+        "tab\there".into(),
+        "space here".into(),
+        "rtl\u{202e}txt".into(),
+        "caf\u{e9}".into(),
+    ] {
+        let reason = match r(reg(TOKEN, &name, 1, V)) {
+            Err(e @ Reject::BadName { .. }) => e.to_string(),
+            other => panic!("{name:?} was not refused for its name: {other:?}"),
+        };
+        assert!(reason.len() < 200, "{reason}");
+        assert!(!reason.chars().any(char::is_control), "{reason:?}");
+        assert!(!reason.contains('\u{202e}'), "{reason:?}");
+    }
+    // What is allowed: host names, addresses, the longest DNS name, many devices.
+    for (name, devices) in [
+        ("gpu-17.cluster.example", 1_024),
+        ("10.0.0.3:29500", 8),
+        ("node_1", 1),
+        (&*"a".repeat(253), 1),
+    ] {
+        assert!(r(reg(TOKEN, name, devices, V)).is_ok(), "{name}");
+    }
+    // The token is checked before anything else, so strangers learn nothing about the rules.
+    assert_eq!(r(reg("wrong", "", usize::MAX, V)), Err(Reject::BadToken));
+}
+
+/// Two registered, ready nodes and the controller's outputs so far (the first plan).
+fn ready_pair() -> (Controller, Vec<Output>, u32, u32) {
+    let mut c = Controller::new(params(2)).unwrap();
+    let mut out = Vec::new();
+    let a = c.register(&reg(TOKEN, "a", 1, V), 0, &mut out).unwrap();
+    let b = c.register(&reg(TOKEN, "b", 1, V), 0, &mut out).unwrap();
+    for (id, port) in [(a, 7001), (b, 7002)] {
+        let line = format!("{{\"Ready\":{{\"addr\":\"127.0.0.1:{port}\"}}}}");
+        c.line(id, &line, 1, &mut out);
+    }
+    (c, out, a, b)
+}
+
+/// The `Reconfigure` commands in `out`, by node.
+fn reconfigures(out: &[Output]) -> Vec<(u32, lazarus_executor::worker::Reconfigure)> {
+    use lazarus_executor::worker::Command;
+    out.iter()
+        .filter_map(|o| match o {
+            Output::Send(id, ToAgent::Worker { line }) => {
+                match serde_json::from_str::<Command>(line).ok()? {
+                    Command::Reconfigure(r) => Some((*id, r)),
+                    _ => None,
+                }
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// A worker's error text reaches the controller's log: a newline or escape sequence in it
+/// could forge log lines. It is escaped now.
+#[test]
+fn worker_errors_are_escaped_before_they_are_logged() {
+    let (mut c, out, a, _) = ready_pair();
+    let epoch = reconfigures(&out)[0].1.epoch;
+    let error = "boom\n[lzrun] node 1 fenced: forged\u{1b}[31m";
+    let line = serde_json::json!({
+        "Failed": {"epoch": epoch, "step": 0, "error": error, "held": []}
+    })
+    .to_string();
+    let mut out = Vec::new();
+    c.line(a, &line, 2, &mut out);
+    let logs: Vec<&String> = out
+        .iter()
+        .filter_map(|o| match o {
+            Output::Notice(Notice::Log(l)) => Some(l),
+            _ => None,
+        })
+        .collect();
+    let failed = logs
+        .iter()
+        .find(|l| l.contains("failed"))
+        .unwrap_or_else(|| panic!("no failure logged: {logs:?}"));
+    assert!(failed.contains(r"boom\n[lzrun]"), "{failed}");
+    assert!(failed.contains(r"\u{1b}[31m"), "{failed}");
+    for l in &logs {
+        assert!(!l.chars().any(char::is_control), "{l:?}");
+    }
+}
+
+/// The agent prints the controller's rejection reason; from a rogue controller that text
+/// could carry escape sequences. The agent escapes it.
+#[tokio::test(start_paused = true)]
+async fn an_agent_escapes_the_rejection_reason_it_prints() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let rogue = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        let mut conn = proto::framed(stream);
+        let _ = proto::recv::<ToController>(&mut conn).await;
+        let reason = "no\n[lzrun] all is well\u{1b}[2J".to_owned();
+        proto::send(&mut conn, &ToAgent::Rejected { reason })
+            .await
+            .unwrap();
+    });
+    let cfg = AgentConfig::new(addr, TOKEN, "a", 1);
+    let reason = match Agent::register(&cfg).await {
+        Err(AgentError::Rejected { reason }) => reason,
+        other => panic!("expected a rejection, got {other:?}"),
+    };
+    assert_eq!(reason, r"no\n[lzrun] all is well\u{1b}[2J");
+    rogue.await.unwrap();
+    // An agent whose Register would exceed the controller's first-frame cap says so itself.
+    let cfg = AgentConfig::new("127.0.0.1:1", "t".repeat(5_000), "a", 1);
+    assert!(matches!(
+        Agent::register(&cfg).await,
+        Err(AgentError::RegisterTooLarge { .. })
+    ));
 }

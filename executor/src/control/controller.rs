@@ -23,7 +23,10 @@ use lazarus_planner::job::{
     Reconfiguration, StateChecksums, StepReport,
 };
 
-use super::proto::{PROTOCOL_VERSION, Registration, Reject, ToAgent};
+use super::printable;
+use super::proto::{
+    MAX_DEVICES_PER_NODE, MAX_NODE_NAME_BYTES, PROTOCOL_VERSION, Registration, Reject, ToAgent,
+};
 use crate::checkpoint;
 use crate::metrics::{RecoveryRecord, StepRecord};
 use crate::model::MoeConfig;
@@ -120,8 +123,8 @@ impl Controller {
         &self.checksums
     }
 
-    /// Admits a node: protocol version, token, at least one device, a name no live node uses.
-    /// Ids are never reused.
+    /// Admits a node: protocol version, token, a well-formed name no live node uses (see
+    /// [`check_node_name`]), 1 to [`MAX_DEVICES_PER_NODE`] devices. Ids are never reused.
     pub fn register(
         &mut self,
         reg: &Registration,
@@ -137,8 +140,19 @@ impl Controller {
         if !tokens_match(&reg.token, &self.params.token) {
             return Err(Reject::BadToken);
         }
+        // The name goes into log lines and notices from here on, so it is checked first.
+        if let Err(why) = check_node_name(&reg.node) {
+            let name = format!("\"{}\"", printable(&reg.node, 64));
+            return Err(Reject::BadName { name, why });
+        }
         if reg.devices == 0 {
             return Err(Reject::NoDevices(reg.node.clone()));
+        }
+        if reg.devices > MAX_DEVICES_PER_NODE {
+            return Err(Reject::TooManyDevices {
+                node: reg.node.clone(),
+                devices: reg.devices,
+            });
         }
         if self.names.values().any(|n| *n == reg.node) {
             return Err(Reject::DuplicateName(reg.node.clone()));
@@ -231,7 +245,11 @@ impl Controller {
                 step,
                 error,
                 held,
-            } => idle(epoch, IdleReason::Failed(error), step, &held),
+            } => {
+                // The machine logs the error; it comes from the worker, so it is escaped.
+                let error = printable(&error, MAX_WORKER_ERROR_CHARS);
+                idle(epoch, IdleReason::Failed(error), step, &held)
+            }
             WorkerEvent::Paused { epoch, step, held } => {
                 idle(epoch, IdleReason::Paused, step, &held)
             }
@@ -501,6 +519,27 @@ fn holdings_of(held: &[(usize, usize)], layers: usize) -> Vec<Vec<u32>> {
     }
     out
 }
+
+/// Why `name` cannot name a node, if it cannot: it must be 1 to [`MAX_NODE_NAME_BYTES`] bytes of
+/// ASCII letters, digits, `.`, `_`, `:` and `-` — enough for host names, addresses and the
+/// names of availability traces, and nothing that could break a log line apart.
+pub fn check_node_name(name: &str) -> Result<(), &'static str> {
+    if name.is_empty() {
+        return Err("it is empty");
+    }
+    if name.len() > MAX_NODE_NAME_BYTES {
+        const _: () = assert!(MAX_NODE_NAME_BYTES == 253, "update the message below");
+        return Err("it is longer than 253 bytes");
+    }
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-');
+    if !name.chars().all(allowed) {
+        return Err("only ASCII letters, digits, '.', '_', ':' and '-' are allowed");
+    }
+    Ok(())
+}
+
+/// Longest worker error kept in a log line (characters); a real one is a line or two.
+const MAX_WORKER_ERROR_CHARS: usize = 2_000;
 
 /// Constant-time comparison, so the token cannot be guessed byte by byte from timings.
 fn tokens_match(given: &str, expected: &str) -> bool {

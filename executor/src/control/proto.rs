@@ -37,10 +37,20 @@ pub const PROTOCOL_VERSION: u16 = 3;
 pub const MAX_FRAME_BYTES: usize = 64 << 20;
 
 /// Largest first frame the controller reads from a connection that has not registered yet
-/// (4 KiB). A `Register` is a version, a token and a node name: a few hundred bytes with any
-/// sensible token. Anything bigger is not an agent, and the small cap keeps what
-/// unauthenticated peers can make the controller allocate to this much per connection.
+/// (4 KiB). A `Register` is a version, a token and a node name of at most
+/// [`MAX_NODE_NAME_BYTES`]: a few hundred bytes with any sensible token. Anything bigger is not
+/// an agent, and the small cap keeps what unauthenticated peers can make the controller
+/// allocate to this much per connection.
 pub const MAX_REGISTER_FRAME_BYTES: usize = 4 << 10;
+
+/// Longest node name accepted at registration: 253 bytes, the longest DNS name, so any host
+/// name fits.
+pub const MAX_NODE_NAME_BYTES: usize = 253;
+
+/// Most devices one node may announce. Nothing in this executor needs more than a handful; the
+/// bound keeps an absurd count (up to `usize::MAX`) from reaching whatever is later sized or
+/// summed by it.
+pub const MAX_DEVICES_PER_NODE: usize = 1024;
 
 /// A TCP stream framed into length-delimited messages.
 pub type Framed = tokio_util::codec::Framed<TcpStream, LengthDelimitedCodec>;
@@ -106,6 +116,11 @@ pub enum Reject {
     DuplicateName(String),
     #[error("node {0:?} reports 0 devices")]
     NoDevices(String),
+    #[error("node {node:?} reports {devices} devices; at most {MAX_DEVICES_PER_NODE} are accepted")]
+    TooManyDevices { node: String, devices: usize },
+    /// `name` is an escaped preview of the refused name (it may hold anything).
+    #[error("node name {name} refused: {why}")]
+    BadName { name: String, why: &'static str },
     #[error("node ids exhausted")]
     IdsExhausted,
     #[error("the job is over")]
