@@ -684,3 +684,36 @@ async fn an_agent_escapes_the_rejection_reason_it_prints() {
         Err(AgentError::RegisterTooLarge { .. })
     ));
 }
+
+/// The workers' mesh ports are authenticated by a secret the controller sends with every
+/// reconfiguration: the same for every member of an epoch, fresh for the next epoch.
+#[test]
+fn every_epoch_gets_a_fresh_mesh_secret_shared_by_its_members() {
+    use lazarus_executor::comm::MeshSecret;
+    let (mut c, out, a, b) = ready_pair();
+    let first = reconfigures(&out);
+    assert_eq!(first.len(), 2, "{out:?}");
+    let epoch = first[0].1.epoch;
+    let secret = first[0].1.secret.clone();
+    assert!(
+        first
+            .iter()
+            .all(|(_, r)| r.secret == secret && r.epoch == epoch)
+    );
+    assert_ne!(secret, MeshSecret::unset());
+    assert_eq!(format!("{secret:?}"), "MeshSecret(..)");
+    // Both members fail the start: the controller plans a new epoch.
+    let mut out = Vec::new();
+    for id in [a, b] {
+        let line = serde_json::json!({
+            "Failed": {"epoch": epoch, "step": 0, "error": "mesh lost", "held": []}
+        })
+        .to_string();
+        c.line(id, &line, 2, &mut out);
+    }
+    let second = reconfigures(&out);
+    assert_eq!(second.len(), 2, "{out:?}");
+    assert!(second[0].1.epoch > epoch);
+    assert_eq!(second[0].1.secret, second[1].1.secret);
+    assert_ne!(second[0].1.secret, secret);
+}

@@ -28,6 +28,7 @@ use super::proto::{
     MAX_DEVICES_PER_NODE, MAX_NODE_NAME_BYTES, PROTOCOL_VERSION, Registration, Reject, ToAgent,
 };
 use crate::checkpoint;
+use crate::comm::MeshSecret;
 use crate::metrics::{RecoveryRecord, StepRecord};
 use crate::model::MoeConfig;
 use crate::worker::Checksums;
@@ -439,11 +440,14 @@ impl Controller {
             .map(|t| (t.layer, t.expert, t.src_rank, t.dst_rank))
             .collect();
         self.parts.clear();
+        // Fresh for every epoch: only this epoch's members can join its mesh.
+        let secret = MeshSecret::random();
         for (rank, &node) in members.iter().enumerate() {
             let cmd = Reconfigure {
                 rank,
                 peers: peers.clone(),
                 epoch: r.epoch,
+                secret: secret.clone(),
                 plan_version: r.plan.version,
                 replicas: replicas.clone(),
                 transfers: transfers.clone(),
@@ -543,6 +547,5 @@ const MAX_WORKER_ERROR_CHARS: usize = 2_000;
 
 /// Constant-time comparison, so the token cannot be guessed byte by byte from timings.
 fn tokens_match(given: &str, expected: &str) -> bool {
-    let (a, b) = (given.as_bytes(), expected.as_bytes());
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    crate::comm::constant_time_eq(given.as_bytes(), expected.as_bytes())
 }

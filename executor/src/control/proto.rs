@@ -28,8 +28,10 @@ use serde::{Deserialize, Serialize};
 use tokio::net::TcpStream;
 use tokio_util::codec::LengthDelimitedCodec;
 
-/// Version of the control protocol; bumped on any change of a message layout.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// Version of the control protocol; bumped on any change of a message layout, including the
+/// worker commands agents relay (an agent parses and re-encodes them). 4: `Reconfigure`
+/// carries the mesh secret.
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// Largest frame either side accepts (64 MiB). A reconfiguration for 1000 nodes × 32 layers ×
 /// 32 experts (the replica matrix, JSON) is a few MiB; the cap leaves an order of magnitude of
