@@ -9,12 +9,16 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use lazarus_executor::comm::{CommError, Communicator, LocalGroup, Rank, TcpCommunicator};
+use lazarus_executor::comm::{
+    CommError, Communicator, LocalGroup, MeshSecret, Rank, TcpCommunicator,
+};
 
 /// Per-operation timeout for tests where every rank participates promptly.
 const T_MS: u64 = 5_000;
 /// How long the harness waits for any rank before failing the test.
 const HARNESS: Duration = Duration::from_secs(60);
+/// The mesh secret of the tests that form meshes by hand.
+const S: MeshSecret = MeshSecret::from_bytes([0x5a; MeshSecret::LEN]);
 
 /// SplitMix64: a small deterministic generator, so every rank can regenerate what others sent.
 struct Rng(u64);
@@ -458,8 +462,8 @@ fn epoch_mismatch_on_handshake_is_rejected() {
     let (l1, a1) = bind();
     let peers = [a0, a1];
     let t0 = Instant::now();
-    let h0 = thread::spawn(move || TcpCommunicator::connect(0, &peers, l0, 1, 500));
-    let h1 = thread::spawn(move || TcpCommunicator::connect(1, &peers, l1, 2, 500));
+    let h0 = thread::spawn(move || TcpCommunicator::connect(0, &peers, l0, 1, &S, 500));
+    let h1 = thread::spawn(move || TcpCommunicator::connect(1, &peers, l1, 2, &S, 500));
     let r0 = h0.join().unwrap();
     let r1 = h1.join().unwrap();
     assert!(
@@ -487,15 +491,15 @@ fn stale_connector_is_rejected_and_the_new_mesh_still_forms() {
     let (l_old, a_old) = bind();
     let peers = [a0, a1];
     // Rank 1 of epoch 8 waits for rank 0 of epoch 8.
-    let h1 = thread::spawn(move || TcpCommunicator::connect(1, &peers, l1, 8, 3_000));
+    let h1 = thread::spawn(move || TcpCommunicator::connect(1, &peers, l1, 8, &S, 3_000));
     // A leftover rank 0 of epoch 7 dials first and is turned away...
-    let stale = TcpCommunicator::connect(0, &[a_old, a1], l_old, 7, 3_000);
+    let stale = TcpCommunicator::connect(0, &[a_old, a1], l_old, 7, &S, 3_000);
     assert!(
         matches!(&stale, Err(CommError::Protocol(m)) if m.contains("epoch")),
         "{stale:?}"
     );
     // ...and the rightful rank 0 joins.
-    let mut c0 = TcpCommunicator::connect(0, &peers, l0, 8, 3_000).expect("rank 0");
+    let mut c0 = TcpCommunicator::connect(0, &peers, l0, 8, &S, 3_000).expect("rank 0");
     let mut c1 = h1.join().unwrap().expect("rank 1");
     assert_eq!((c0.epoch(), c1.epoch()), (8, 8));
     let h = thread::spawn(move || c1.all_gather_u64(&[1]).map(|v| (v, c1)));
@@ -510,8 +514,8 @@ fn wrong_world_or_missing_peer_fails_rendezvous_in_time() {
     let (l1, a1) = bind();
     let (_l2, a2) = bind();
     let t0 = Instant::now();
-    let h1 = thread::spawn(move || TcpCommunicator::connect(1, &[a0, a1], l1, 0, 500));
-    let r0 = TcpCommunicator::connect(0, &[a0, a1, a2], l0, 0, 500);
+    let h1 = thread::spawn(move || TcpCommunicator::connect(1, &[a0, a1], l1, 0, &S, 500));
+    let r0 = TcpCommunicator::connect(0, &[a0, a1, a2], l0, 0, &S, 500);
     assert!(
         matches!(&r0, Err(CommError::Protocol(m)) if m.contains("world")),
         "{r0:?}"
@@ -520,7 +524,7 @@ fn wrong_world_or_missing_peer_fails_rendezvous_in_time() {
     // The peer's listener is bound but nobody ever answers: a timeout naming it.
     let (l0, a0) = bind();
     let (_silent, silent_addr) = bind();
-    let r = TcpCommunicator::connect(0, &[a0, silent_addr], l0, 0, 300);
+    let r = TcpCommunicator::connect(0, &[a0, silent_addr], l0, 0, &S, 300);
     assert!(
         matches!(
             r,
@@ -536,7 +540,7 @@ fn wrong_world_or_missing_peer_fails_rendezvous_in_time() {
     // A bad rank is an argument error.
     let (l0, a0) = bind();
     assert!(matches!(
-        TcpCommunicator::connect(1, &[a0], l0, 0, 100),
+        TcpCommunicator::connect(1, &[a0], l0, 0, &S, 100),
         Err(CommError::BadShape(_))
     ));
 }
@@ -605,14 +609,14 @@ fn connector_retries_until_the_peer_listener_is_bound() {
         return;
     };
     let (l0, a0) = bind();
-    let h0 = thread::spawn(move || TcpCommunicator::connect(0, &[a0, a1], l0, 3, 3_000));
+    let h0 = thread::spawn(move || TcpCommunicator::connect(0, &[a0, a1], l0, 3, &S, 3_000));
     thread::sleep(Duration::from_millis(200));
     // Rebinding the released port can only fail if someone else took it meanwhile.
     let Ok(l1) = TcpListener::bind(a1) else {
         let _ = h0.join();
         return;
     };
-    let r1 = TcpCommunicator::connect(1, &[a0, a1], l1, 3, 3_000);
+    let r1 = TcpCommunicator::connect(1, &[a0, a1], l1, 3, &S, 3_000);
     let r0 = h0.join().unwrap();
     let (mut c0, mut c1) = match (r0, r1) {
         (Ok(c0), Ok(c1)) => (c0, c1),
@@ -624,4 +628,91 @@ fn connector_retries_until_the_peer_listener_is_bound() {
     let h = thread::spawn(move || c0.barrier());
     c1.barrier().expect("barrier 1");
     h.join().unwrap().expect("barrier 0");
+}
+
+/// A hello as this protocol writes it: magic `LZCOMM02`, epoch, world, rank (`u64`
+/// little-endian each), then the 32-byte mesh secret.
+fn hello(epoch: u64, world: u64, rank: u64, secret: &[u8; MeshSecret::LEN]) -> Vec<u8> {
+    let mut b = b"LZCOMM02".to_vec();
+    for x in [epoch, world, rank] {
+        b.extend_from_slice(&x.to_le_bytes());
+    }
+    b.extend_from_slice(secret);
+    b
+}
+
+/// The mesh ports took anyone who spoke the handshake: an intruder who knew the epoch, the
+/// world size and a rank that had not connected yet (none of them secret) took that rank's
+/// place, and the real one was turned away; silent connections held up the rendezvous one
+/// second each. Now a hello must carry the mesh secret and silent connections wait side by
+/// side: intruders are dropped, and the mesh forms at once and runs.
+#[test]
+fn intruders_without_the_mesh_secret_are_dropped_and_the_mesh_still_forms() {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    let (l0, a0) = bind();
+    let (l1, a1) = bind();
+    let peers = [a0, a1];
+    let secret = MeshSecret::random();
+    let s1 = secret.clone();
+    let h1 = thread::spawn(move || TcpCommunicator::connect(1, &peers, l1, 5, &s1, 10_000));
+    // Silent connections first: each would have held up the acceptor for a second.
+    let silent: Vec<TcpStream> = (0..5).map(|_| TcpStream::connect(a1).unwrap()).collect();
+    // The hello of the old protocol, which had no secret, claiming rank 0.
+    let mut old = TcpStream::connect(a1).unwrap();
+    let mut v1 = hello(5, 2, 0, &[0; MeshSecret::LEN]);
+    v1[..8].copy_from_slice(b"LZCOMM01");
+    old.write_all(&v1[..32]).unwrap();
+    // Today's hello with a wrong secret: refused without a word about the mesh.
+    let mut wrong = TcpStream::connect(a1).unwrap();
+    wrong
+        .write_all(&hello(5, 2, 0, &[0xaa; MeshSecret::LEN]))
+        .unwrap();
+    wrong.set_read_timeout(Some(HARNESS)).unwrap();
+    let mut ack = [0u8; 33];
+    wrong.read_exact(&mut ack).unwrap();
+    assert_eq!(&ack[..8], b"LZCOMM02");
+    assert_eq!(ack[32], 4, "status: wrong secret");
+    assert!(
+        ack[8..32].iter().all(|&b| b == 0),
+        "identity leaked: {ack:?}"
+    );
+    assert!(
+        matches!(wrong.read(&mut [0u8; 8]), Ok(0) | Err(_)),
+        "still open"
+    );
+    // Garbage of a hello's length.
+    let mut junk = TcpStream::connect(a1).unwrap();
+    junk.write_all(&[0xee; 64]).unwrap();
+    let t0 = Instant::now();
+    let mut c0 = TcpCommunicator::connect(0, &peers, l0, 5, &secret, 10_000).expect("rank 0");
+    let mut c1 = h1.join().unwrap().expect("rank 1");
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_millis(2_500),
+        "the mesh took {took:?}"
+    );
+    let h = thread::spawn(move || c1.all_gather_u64(&[1]).map(|v| (v, c1)));
+    assert_eq!(c0.all_gather_u64(&[0]).unwrap(), vec![vec![0], vec![1]]);
+    assert_eq!(h.join().unwrap().unwrap().0, vec![vec![0], vec![1]]);
+    drop((silent, old, junk));
+}
+
+/// A legitimate peer with another secret (say, a member of an older epoch) is told why.
+#[test]
+fn a_peer_with_another_secret_is_told_why() {
+    let (l0, a0) = bind();
+    let (l1, a1) = bind();
+    let peers = [a0, a1];
+    let h1 = thread::spawn(move || TcpCommunicator::connect(1, &peers, l1, 0, &S, 500));
+    let other = MeshSecret::from_bytes([1; MeshSecret::LEN]);
+    let r0 = TcpCommunicator::connect(0, &peers, l0, 0, &other, 500);
+    assert!(
+        matches!(&r0, Err(CommError::Protocol(m)) if m.contains("wrong mesh secret")),
+        "{r0:?}"
+    );
+    assert!(matches!(
+        h1.join().unwrap(),
+        Err(CommError::Timeout { peer: 0, .. })
+    ));
 }

@@ -9,13 +9,14 @@ use bytes::Bytes;
 use futures_util::SinkExt;
 use lazarus_executor::control::proto::{self, ProtoError, Registration};
 use lazarus_executor::control::{
-    Controller, JobParams, Notice, PROTOCOL_VERSION, Reject, ServerConfig, ToAgent, ToController,
-    run_job,
+    Agent, AgentConfig, AgentError, Controller, JobParams, Notice, Output, PROTOCOL_VERSION,
+    Reject, ServerConfig, ToAgent, ToController, run_job,
 };
 use lazarus_executor::model::MoeConfig;
 use lazarus_planner::ModelSpec;
 use lazarus_planner::job::JobConfig;
 use proptest::prelude::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -188,15 +189,20 @@ struct Server {
     task: tokio::task::JoinHandle<()>,
 }
 
+/// Ticks every 50 ms, 1 s to register, the default connection limits.
+fn server_config() -> ServerConfig {
+    ServerConfig::new(50, 1_000)
+}
+
 async fn start(params: JobParams) -> Server {
+    start_with(params, server_config()).await
+}
+
+async fn start_with(params: JobParams, server: ServerConfig) -> Server {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let (tx, notices) = mpsc::unbounded_channel();
     let (stop, stop_rx) = watch::channel(false);
-    let server = ServerConfig {
-        tick_ms: 50,
-        io_timeout_ms: 1_000,
-    };
     let task = tokio::spawn(async move {
         run_job(listener, server, params, tx, stop_rx, |_| {})
             .await
@@ -384,4 +390,330 @@ async fn an_agent_whose_worker_never_starts_is_fenced_and_the_job_starts_without
     let plan = server.log_with("epoch 1: plan v1").await;
     assert!(plan.contains(&format!("[{a}, {b}]")), "{plan}");
     server.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Abuse by peers (issue 14, item 5): memory, connections, registration fields, log lines
+// ---------------------------------------------------------------------------------------------
+
+/// How soon the controller must close a connection it refuses outright: far below the 1 s it
+/// grants for a Register (virtual time).
+const AT_ONCE: Duration = Duration::from_millis(100);
+
+/// Whether the controller closes `stream` within `within` without sending anything.
+async fn closed_within(stream: &mut TcpStream, within: Duration) -> bool {
+    let mut buf = [0u8; 64];
+    match tokio::time::timeout(within, stream.read(&mut buf)).await {
+        // End of stream, or a reset (it closed with our bytes unread).
+        Ok(Ok(0) | Err(_)) => true,
+        Ok(Ok(n)) => panic!("expected the connection to close, got {n} bytes"),
+        Err(_) => false,
+    }
+}
+
+/// A connection that has sent the 4-byte length prefix of a `len`-byte frame and a few bytes.
+async fn announcing(addr: &str, len: usize) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let prefix = u32::try_from(len).unwrap().to_be_bytes();
+    // The controller may already have closed it: write errors are fine.
+    let _ = s.write_all(&prefix).await;
+    let _ = s.write_all(&[0; 16]).await;
+    s
+}
+
+/// Before registering, a peer could announce 64 MiB frames and the controller reserved that
+/// much for each, on any number of connections (32 of them: 2 GB). Now a first frame over
+/// 4 KiB closes the connection at once, and agents still register.
+#[tokio::test(start_paused = true)]
+async fn huge_length_prefixes_before_registration_are_closed_at_once() {
+    let server = start(params(2)).await;
+    let addr = server.addr.clone();
+    let mut flood = Vec::new();
+    for _ in 0..32 {
+        flood.push(announcing(&addr, proto::MAX_FRAME_BYTES - 1).await);
+    }
+    for (i, s) in flood.iter_mut().enumerate() {
+        assert!(
+            closed_within(s, AT_ONCE).await,
+            "connection {i} announcing 64 MiB is still open"
+        );
+    }
+    // The cap is exact: one byte over is refused too.
+    let mut over = announcing(&addr, proto::MAX_REGISTER_FRAME_BYTES + 1).await;
+    assert!(closed_within(&mut over, AT_ONCE).await);
+    // A Register with a 100 KB node name is such a frame.
+    let long_name = ToController::Register {
+        version: V,
+        token: TOKEN.into(),
+        node: "n".repeat(100_000),
+        devices: 1,
+    };
+    let payload = proto::encode(&long_name).unwrap();
+    let mut long = announcing(&addr, payload.len()).await;
+    let _ = long.write_all(&payload[16..]).await;
+    assert!(closed_within(&mut long, AT_ONCE).await);
+    let (_agent, _) = register(&addr, "after-the-flood").await;
+    server.shutdown().await;
+}
+
+/// Any number of connections could stay open without registering. Now at most
+/// `max_pending_conns` unregistered and `max_conns` in all are kept; more are closed as soon
+/// as they are accepted, and the slots come back when connections end.
+#[tokio::test(start_paused = true)]
+async fn connections_over_the_limits_are_closed_at_once() {
+    let config = ServerConfig {
+        max_pending_conns: 2,
+        max_conns: 3,
+        ..server_config()
+    };
+    let server = start_with(params(2), config).await;
+    let addr = server.addr.clone();
+    // Two idle connections take both unregistered slots: a third is closed at once...
+    let mut idle = Vec::new();
+    for _ in 0..2 {
+        idle.push(TcpStream::connect(&addr).await.unwrap());
+    }
+    let mut third = TcpStream::connect(&addr).await.unwrap();
+    assert!(
+        closed_within(&mut third, AT_ONCE).await,
+        "over max_pending_conns"
+    );
+    // ...while the two keep their slots (until their Register deadline).
+    for s in &mut idle {
+        assert!(!closed_within(s, AT_ONCE).await);
+    }
+    // They leave: their slots are free again.
+    drop(idle);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    // Two registered nodes and one idle connection fill all three slots: a fourth connection
+    // is closed at once although an unregistered slot is free.
+    let (_a, _) = register(&addr, "a").await;
+    let (_b, _) = register(&addr, "b").await;
+    let idle = TcpStream::connect(&addr).await.unwrap();
+    let mut fourth = TcpStream::connect(&addr).await.unwrap();
+    assert!(closed_within(&mut fourth, AT_ONCE).await, "over max_conns");
+    drop(idle);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let (_c, _) = register(&addr, "c").await;
+    server.shutdown().await;
+}
+
+/// A slow sender cannot hold an unregistered slot: the whole first frame must arrive within
+/// `io_timeout_ms` (1 s here), however steadily it trickles in.
+#[tokio::test(start_paused = true)]
+async fn a_register_trickled_byte_by_byte_is_cut_off_at_the_deadline() {
+    let server = start(params(2)).await;
+    let slow = ToController::Register {
+        version: V,
+        token: TOKEN.into(),
+        node: "a-node-that-sends-one-byte-every-100-ms".into(),
+        devices: 1,
+    };
+    let payload = proto::encode(&slow).unwrap();
+    let mut frame = u32::try_from(payload.len()).unwrap().to_be_bytes().to_vec();
+    frame.extend_from_slice(&payload);
+    assert!(
+        frame.len() > 20,
+        "the frame must take longer than the deadline"
+    );
+    let (mut rd, mut wr) = TcpStream::connect(&server.addr).await.unwrap().into_split();
+    let t0 = Instant::now();
+    let trickle = tokio::spawn(async move {
+        for b in frame {
+            if wr.write_all(&[b]).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        wr
+    });
+    // The controller answers why and closes (or the close overtakes the answer as a reset).
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(WAIT, rd.read_to_end(&mut got))
+        .await
+        .unwrap();
+    let waited = t0.elapsed();
+    assert!(
+        waited >= Duration::from_millis(1_000) && waited <= Duration::from_millis(1_100),
+        "closed after {waited:?}"
+    );
+    if got.len() > 4 {
+        let reason = expect_rejected(proto::decode(&got[4..]).ok());
+        assert!(reason.contains("no Register within 1000 ms"), "{reason}");
+    }
+    trickle.abort();
+    let (_ok, _) = register(&server.addr, "prompt").await;
+    server.shutdown().await;
+}
+
+/// A token holder could register `usize::MAX` devices, a 100 KB name or a name carrying
+/// newlines and ANSI escapes that forge log lines. Names are now 1..=253 bytes of
+/// `[A-Za-z0-9._:-]`, devices 1..=1024, and the reason never echoes the raw name.
+#[test]
+fn registration_refuses_absurd_device_counts_and_names() {
+    let mut c = Controller::new(params(2)).unwrap();
+    let mut out = Vec::new();
+    let mut r = |reg: Registration| c.register(&reg, 0, &mut out);
+    for devices in [usize::MAX, 1_025] {
+        assert_eq!(
+            r(reg(TOKEN, "many", devices, V)),
+            Err(Reject::TooManyDevices {
+                node: "many".into(),
+                devices
+            })
+        );
+    }
+    let forged = "evil\n[lzrun] node 0 fenced: \u{1b}[2Jgone";
+    for name in [
+        String::new(),
+        "n".repeat(100_000),
+        "n".repeat(254),
+        forged.to_owned(),
+        "tab\there".into(),
+        "space here".into(),
+        "rtl\u{202e}txt".into(),
+        "caf\u{e9}".into(),
+    ] {
+        let reason = match r(reg(TOKEN, &name, 1, V)) {
+            Err(e @ Reject::BadName { .. }) => e.to_string(),
+            other => panic!("{name:?} was not refused for its name: {other:?}"),
+        };
+        assert!(reason.len() < 200, "{reason}");
+        assert!(!reason.chars().any(char::is_control), "{reason:?}");
+        assert!(!reason.contains('\u{202e}'), "{reason:?}");
+    }
+    // What is allowed: host names, addresses, the longest DNS name, many devices.
+    for (name, devices) in [
+        ("gpu-17.cluster.example", 1_024),
+        ("10.0.0.3:29500", 8),
+        ("node_1", 1),
+        (&*"a".repeat(253), 1),
+    ] {
+        assert!(r(reg(TOKEN, name, devices, V)).is_ok(), "{name}");
+    }
+    // The token is checked before anything else, so strangers learn nothing about the rules.
+    assert_eq!(r(reg("wrong", "", usize::MAX, V)), Err(Reject::BadToken));
+}
+
+/// Two registered, ready nodes and the controller's outputs so far (the first plan).
+fn ready_pair() -> (Controller, Vec<Output>, u32, u32) {
+    let mut c = Controller::new(params(2)).unwrap();
+    let mut out = Vec::new();
+    let a = c.register(&reg(TOKEN, "a", 1, V), 0, &mut out).unwrap();
+    let b = c.register(&reg(TOKEN, "b", 1, V), 0, &mut out).unwrap();
+    for (id, port) in [(a, 7001), (b, 7002)] {
+        let line = format!("{{\"Ready\":{{\"addr\":\"127.0.0.1:{port}\"}}}}");
+        c.line(id, &line, 1, &mut out);
+    }
+    (c, out, a, b)
+}
+
+/// The `Reconfigure` commands in `out`, by node.
+fn reconfigures(out: &[Output]) -> Vec<(u32, lazarus_executor::worker::Reconfigure)> {
+    use lazarus_executor::worker::Command;
+    out.iter()
+        .filter_map(|o| match o {
+            Output::Send(id, ToAgent::Worker { line }) => {
+                match serde_json::from_str::<Command>(line).ok()? {
+                    Command::Reconfigure(r) => Some((*id, r)),
+                    _ => None,
+                }
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// A worker's error text reaches the controller's log: a newline or escape sequence in it
+/// could forge log lines. It is escaped now.
+#[test]
+fn worker_errors_are_escaped_before_they_are_logged() {
+    let (mut c, out, a, _) = ready_pair();
+    let epoch = reconfigures(&out)[0].1.epoch;
+    let error = "boom\n[lzrun] node 1 fenced: forged\u{1b}[31m";
+    let line = serde_json::json!({
+        "Failed": {"epoch": epoch, "step": 0, "error": error, "held": []}
+    })
+    .to_string();
+    let mut out = Vec::new();
+    c.line(a, &line, 2, &mut out);
+    let logs: Vec<&String> = out
+        .iter()
+        .filter_map(|o| match o {
+            Output::Notice(Notice::Log(l)) => Some(l),
+            _ => None,
+        })
+        .collect();
+    let failed = logs
+        .iter()
+        .find(|l| l.contains("failed"))
+        .unwrap_or_else(|| panic!("no failure logged: {logs:?}"));
+    assert!(failed.contains(r"boom\n[lzrun]"), "{failed}");
+    assert!(failed.contains(r"\u{1b}[31m"), "{failed}");
+    for l in &logs {
+        assert!(!l.chars().any(char::is_control), "{l:?}");
+    }
+}
+
+/// The agent prints the controller's rejection reason; from a rogue controller that text
+/// could carry escape sequences. The agent escapes it.
+#[tokio::test(start_paused = true)]
+async fn an_agent_escapes_the_rejection_reason_it_prints() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let rogue = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        let mut conn = proto::framed(stream);
+        let _ = proto::recv::<ToController>(&mut conn).await;
+        let reason = "no\n[lzrun] all is well\u{1b}[2J".to_owned();
+        proto::send(&mut conn, &ToAgent::Rejected { reason })
+            .await
+            .unwrap();
+    });
+    let cfg = AgentConfig::new(addr, TOKEN, "a", 1);
+    let reason = match Agent::register(&cfg).await {
+        Err(AgentError::Rejected { reason }) => reason,
+        other => panic!("expected a rejection, got {other:?}"),
+    };
+    assert_eq!(reason, r"no\n[lzrun] all is well\u{1b}[2J");
+    rogue.await.unwrap();
+    // An agent whose Register would exceed the controller's first-frame cap says so itself.
+    let cfg = AgentConfig::new("127.0.0.1:1", "t".repeat(5_000), "a", 1);
+    assert!(matches!(
+        Agent::register(&cfg).await,
+        Err(AgentError::RegisterTooLarge { .. })
+    ));
+}
+
+/// The workers' mesh ports are authenticated by a secret the controller sends with every
+/// reconfiguration: the same for every member of an epoch, fresh for the next epoch.
+#[test]
+fn every_epoch_gets_a_fresh_mesh_secret_shared_by_its_members() {
+    use lazarus_executor::comm::MeshSecret;
+    let (mut c, out, a, b) = ready_pair();
+    let first = reconfigures(&out);
+    assert_eq!(first.len(), 2, "{out:?}");
+    let epoch = first[0].1.epoch;
+    let secret = first[0].1.secret.clone();
+    assert!(
+        first
+            .iter()
+            .all(|(_, r)| r.secret == secret && r.epoch == epoch)
+    );
+    assert_ne!(secret, MeshSecret::unset());
+    assert_eq!(format!("{secret:?}"), "MeshSecret(..)");
+    // Both members fail the start: the controller plans a new epoch.
+    let mut out = Vec::new();
+    for id in [a, b] {
+        let line = serde_json::json!({
+            "Failed": {"epoch": epoch, "step": 0, "error": "mesh lost", "held": []}
+        })
+        .to_string();
+        c.line(id, &line, 2, &mut out);
+    }
+    let second = reconfigures(&out);
+    assert_eq!(second.len(), 2, "{out:?}");
+    assert!(second[0].1.epoch > epoch);
+    assert_eq!(second[0].1.secret, second[1].1.secret);
+    assert_ne!(second[0].1.secret, secret);
 }

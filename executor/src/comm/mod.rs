@@ -37,6 +37,93 @@ mod wire;
 
 pub use tcp::{AbortHandle, LocalGroup, TcpCommunicator};
 
+/// The secret of one mesh: every member presents it when it connects to another
+/// ([`TcpCommunicator::connect`]), and a connection without it is dropped, so only the workers
+/// the controller told about the membership can join it. The controller draws a fresh one for
+/// every epoch and sends it with the reconfiguration; a member of an older epoch, or anyone
+/// who learnt an older secret, cannot join a newer mesh.
+///
+/// It travels in clear (like the cluster token): it keeps strangers and stale members out, it
+/// does not defend against an eavesdropper on the network. `Debug` does not print it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct MeshSecret([u8; MeshSecret::LEN]);
+
+impl MeshSecret {
+    /// Length in bytes (256 bits: not guessable).
+    pub const LEN: usize = 32;
+
+    /// A fresh secret from the thread-local CSPRNG (ChaCha seeded by the OS).
+    pub fn random() -> Self {
+        Self(rand::random())
+    }
+
+    /// All zeros, for meshes without a controller to hand out a secret (stand-alone workers,
+    /// whose peers are given on the command line): it keeps out nothing but foreign protocols.
+    pub const fn unset() -> Self {
+        Self([0; Self::LEN])
+    }
+
+    pub const fn from_bytes(bytes: [u8; Self::LEN]) -> Self {
+        Self(bytes)
+    }
+
+    pub fn as_bytes(&self) -> &[u8; Self::LEN] {
+        &self.0
+    }
+
+    /// Whether `given` is this secret, in time independent of where they differ (so a
+    /// stranger cannot find it byte by byte from response times).
+    pub fn matches(&self, given: &[u8]) -> bool {
+        constant_time_eq(&self.0, given)
+    }
+}
+
+impl std::fmt::Debug for MeshSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MeshSecret(..)")
+    }
+}
+
+/// As 64 lowercase hex digits (it travels in the controller's JSON commands).
+impl serde::Serialize for MeshSecret {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use std::fmt::Write;
+        let mut hex = String::with_capacity(2 * Self::LEN);
+        for b in self.0 {
+            let _ = write!(hex, "{b:02x}");
+        }
+        s.serialize_str(&hex)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for MeshSecret {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let hex = String::deserialize(d)?;
+        let bad = || D::Error::custom(format!("a mesh secret is {} hex digits", 2 * Self::LEN));
+        if hex.len() != 2 * Self::LEN {
+            return Err(bad());
+        }
+        let mut out = [0u8; Self::LEN];
+        let nibble = |c: u8| char::from(c).to_digit(16).ok_or_else(bad);
+        for (o, pair) in out.iter_mut().zip(hex.as_bytes().chunks_exact(2)) {
+            *o = u8::try_from(nibble(pair[0])? << 4 | nibble(pair[1])?).map_err(|_| bad())?;
+        }
+        Ok(Self(out))
+    }
+}
+
+/// `a == b`, in time that depends only on the lengths (for secrets: a mismatch found early
+/// takes as long as one found late).
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    // Keeps the compiler from turning the fold into an early-exit comparison.
+    std::hint::black_box(diff) == 0
+}
+
 /// Index of a worker in the current membership, `0..world`.
 pub type Rank = usize;
 

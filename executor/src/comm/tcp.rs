@@ -9,13 +9,19 @@
 //! rank's progress and the scheme cannot deadlock (connecting only needs the peer's listener to
 //! be bound: the kernel completes the TCP handshake from the backlog; until it is bound the
 //! connector retries). Over each new connection the connector sends a hello (magic and protocol
-//! version, membership epoch, world size, its rank); the acceptor answers with its own identity
-//! and a verdict. A hello from another epoch or world size, from a rank that is not a lower rank
-//! still expected, or that is not this protocol at all is rejected and that connection closed,
-//! while the acceptor keeps waiting for the right one: a stale worker of an old membership that
-//! still dials our address cannot join (or break) the new mesh. The connector checks that the
-//! acceptor is the rank it meant to reach. Everything must finish within `timeout_ms`, else
-//! [`CommError::Timeout`] with op `"rendezvous"` names a missing peer.
+//! version, membership epoch, world size, its rank, and the mesh's [`MeshSecret`]); the
+//! acceptor answers with its own identity and a verdict. A hello without the secret, from
+//! another epoch or world size, from a rank that is not a lower rank still expected, or that is
+//! not this protocol at all is rejected and that connection closed, while the acceptor keeps
+//! waiting for the right one: neither a stranger who can reach the port nor a stale worker of
+//! an old membership that still dials our address can join (or break) the new mesh. The
+//! secret is checked first, so a connection without it learns nothing about the mesh. The
+//! acceptor reads the hellos of all its pending connections side by side (non-blocking), so a
+//! connection that sends nothing holds up no one; it is dropped after `HELLO_WAIT`, and at
+//! most `MAX_STRAY_HELLOS` connections beyond the expected peers wait at once (the oldest
+//! gives way). The connector checks that the acceptor is the rank it meant to reach.
+//! Everything must finish within `timeout_ms`, else [`CommError::Timeout`] with op
+//! `"rendezvous"` names a missing peer.
 //!
 //! ## Re-forming on a new membership
 //!
@@ -60,6 +66,7 @@
 //! handful of peers this is negligible next to the payloads, and it keeps the communicator free
 //! of background threads and shared state.
 
+use std::collections::VecDeque;
 use std::io::ErrorKind;
 use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
@@ -68,11 +75,15 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::wire::{self, Ack, Ctx, Elem, Hello, status, tag};
-use super::{CommError, Communicator, Rank, check_group, split_send_recv};
+use super::{CommError, Communicator, MeshSecret, Rank, check_group, split_send_recv};
 
-/// Upper bound on how long the acceptor waits for one hello, so that a silent stray connection
-/// cannot hold up the rendezvous for long.
+/// How long a connection may take to send its hello before the acceptor drops it (a peer
+/// sends it right after connecting).
 const HELLO_WAIT: Duration = Duration::from_secs(1);
+/// Connections whose hello is still arriving that the acceptor keeps besides one per expected
+/// peer; strays beyond that (scanners, stale members, a flood) push out the oldest, so they
+/// cannot exhaust the process's file descriptors.
+const MAX_STRAY_HELLOS: usize = 64;
 /// Pause between polls of the non-blocking listener and between connection retries.
 const POLL: Duration = Duration::from_millis(2);
 const RETRY: Duration = Duration::from_millis(10);
@@ -214,6 +225,14 @@ fn remaining(deadline: Instant) -> Duration {
     deadline.saturating_duration_since(Instant::now())
 }
 
+/// A connection whose hello is still arriving.
+struct PendingHello {
+    stream: TcpStream,
+    hello: [u8; Hello::LEN],
+    filled: usize,
+    since: Instant,
+}
+
 /// Accepts one connection from each rank in `0..rank` (see the module docs).
 #[allow(clippy::too_many_arguments)]
 fn accept_lower(
@@ -221,43 +240,88 @@ fn accept_lower(
     rank: Rank,
     world: usize,
     epoch: u64,
+    secret: &MeshSecret,
     timeout_ms: u64,
     deadline: Instant,
     stop: &AtomicBool,
     abort: &AtomicBool,
 ) -> Result<Vec<(Rank, TcpStream)>, CommError> {
+    use std::io::Read;
     let mut got: Vec<Option<TcpStream>> = (0..rank).map(|_| None).collect();
     let mut missing = rank;
+    let mut pending: VecDeque<PendingHello> = VecDeque::new();
     while missing > 0 {
         if stop.load(Ordering::SeqCst) || abort.load(Ordering::SeqCst) {
             return Err(CommError::Aborted);
         }
-        let first_missing = got.iter().position(Option::is_none).unwrap_or(0);
-        let timed_out = || CommError::Timeout {
-            peer: first_missing,
-            op: "rendezvous",
-            ms: timeout_ms,
-        };
-        match listener.accept() {
-            Ok((stream, _)) => {
-                if let Some(r) = answer_hello(&stream, rank, world, epoch, deadline, &got) {
-                    got[r] = Some(stream);
+        if remaining(deadline).is_zero() {
+            let first_missing = got.iter().position(Option::is_none).unwrap_or(0);
+            return Err(CommError::Timeout {
+                peer: first_missing,
+                op: "rendezvous",
+                ms: timeout_ms,
+            });
+        }
+        let mut busy = false;
+        loop {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    busy = true;
+                    // Non-blocking, so that one silent connection holds up no other.
+                    if stream.set_nonblocking(true).is_err() {
+                        continue;
+                    }
+                    if pending.len() >= missing + MAX_STRAY_HELLOS {
+                        pending.pop_front();
+                    }
+                    pending.push_back(PendingHello {
+                        stream,
+                        hello: [0; Hello::LEN],
+                        filled: 0,
+                        since: Instant::now(),
+                    });
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                // A connection reset before we accepted it, or a signal: keep going.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::ConnectionAborted | ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => return Err(CommError::Io(e)),
+            }
+        }
+        let mut i = 0;
+        while i < pending.len() {
+            let p = &mut pending[i];
+            let read = (&p.stream).read(&mut p.hello[p.filled..]);
+            let keep = match read {
+                // Closed before finishing its hello.
+                Ok(0) => false,
+                Ok(n) => {
+                    busy = true;
+                    p.filled += n;
+                    true
+                }
+                Err(e) => matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted),
+            };
+            let complete = p.filled == Hello::LEN;
+            let expired = p.since.elapsed() >= HELLO_WAIT;
+            if keep && !complete && !expired {
+                i += 1;
+                continue;
+            }
+            let Some(p) = pending.remove(i) else { break };
+            if keep && complete {
+                let r = answer_hello(&p, rank, world, epoch, secret, deadline, &got);
+                if let Some(r) = r {
+                    got[r] = Some(p.stream);
                     missing -= 1;
                 }
             }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if remaining(deadline).is_zero() {
-                    return Err(timed_out());
-                }
-                thread::sleep(POLL);
-            }
-            // A connection reset before we accepted it, or a signal: keep going.
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    ErrorKind::ConnectionAborted | ErrorKind::Interrupted
-                ) => {}
-            Err(e) => return Err(CommError::Io(e)),
+        }
+        if !busy {
+            thread::sleep(POLL);
         }
     }
     Ok(got
@@ -267,28 +331,24 @@ fn accept_lower(
         .collect())
 }
 
-/// Reads a hello on a freshly accepted connection and answers it. Returns the connector's rank
-/// if it is accepted; on any failure or rejection the connection is dropped.
+/// Answers a complete hello. Returns the connector's rank if it is accepted; on a rejection
+/// the caller drops the connection.
 fn answer_hello(
-    stream: &TcpStream,
+    p: &PendingHello,
     rank: Rank,
     world: usize,
     epoch: u64,
+    secret: &MeshSecret,
     deadline: Instant,
     got: &[Option<TcpStream>],
 ) -> Option<Rank> {
-    use std::io::{Read, Write};
-    let wait = remaining(deadline)
-        .min(HELLO_WAIT)
-        .max(Duration::from_millis(1));
-    stream.set_nonblocking(false).ok()?;
-    stream.set_read_timeout(Some(wait)).ok()?;
-    stream.set_write_timeout(Some(wait)).ok()?;
-    let mut b = [0u8; Hello::LEN];
-    (&mut &*stream).read_exact(&mut b).ok()?;
-    let hello = Hello::decode(&b)?;
+    use std::io::Write;
+    // Not this protocol (or another version of it): no answer at all.
+    let hello = Hello::decode(&p.hello)?;
     let r = usize::try_from(hello.rank).ok();
-    let verdict = if hello.epoch != epoch {
+    let verdict = if !secret.matches(&hello.secret) {
+        status::BAD_SECRET
+    } else if hello.epoch != epoch {
         status::EPOCH_MISMATCH
     } else if hello.world != world as u64 {
         status::WORLD_MISMATCH
@@ -297,13 +357,27 @@ fn answer_hello(
     } else {
         status::OK
     };
-    let ack = Ack {
-        epoch,
-        world: world as u64,
-        rank: rank as u64,
-        status: verdict,
+    let ack = if verdict == status::BAD_SECRET {
+        Ack {
+            epoch: 0,
+            world: 0,
+            rank: 0,
+            status: verdict,
+        }
+    } else {
+        Ack {
+            epoch,
+            world: world as u64,
+            rank: rank as u64,
+            status: verdict,
+        }
     };
-    (&mut &*stream).write_all(&ack.encode()).ok()?;
+    let wait = remaining(deadline)
+        .min(HELLO_WAIT)
+        .max(Duration::from_millis(1));
+    p.stream.set_nonblocking(false).ok()?;
+    p.stream.set_write_timeout(Some(wait)).ok()?;
+    (&mut &p.stream).write_all(&ack.encode()).ok()?;
     if verdict == status::OK { r } else { None }
 }
 
@@ -316,6 +390,7 @@ fn connect_to(
     rank: Rank,
     world: usize,
     epoch: u64,
+    secret: &MeshSecret,
     timeout_ms: u64,
     deadline: Instant,
     abort: &AtomicBool,
@@ -360,6 +435,7 @@ fn connect_to(
         epoch,
         world: world as u64,
         rank: rank as u64,
+        secret: *secret.as_bytes(),
     };
     let io = |e| wire::map_io(e, peer, op, timeout_ms);
     (&mut &stream).write_all(&hello.encode()).map_err(io)?;
@@ -390,6 +466,9 @@ fn connect_to(
             ));
         }
         status::BAD_RANK => return reject("rank not expected (duplicate or not lower)".into()),
+        status::BAD_SECRET => {
+            return reject("wrong mesh secret (not a member of this mesh)".into());
+        }
         s => return reject(format!("unknown status {s}")),
     }
     if ack.rank != peer as u64 || ack.epoch != epoch || ack.world != world as u64 {
@@ -406,14 +485,17 @@ impl TcpCommunicator {
     /// Forms this rank's part of the mesh for membership `epoch` (see the module docs).
     ///
     /// `peers[r]` is the listen address of rank r (`peers[rank]` is not used: `listener` is this
-    /// rank's, already bound); `world = peers.len()`. Blocks until connected to every other
-    /// rank, or fails within about `timeout_ms`; `timeout_ms` (at least 1) is also the per-read
-    /// and per-write timeout afterwards. The listener is dropped once the mesh is formed.
+    /// rank's, already bound); `world = peers.len()`. Every member must pass the same `secret`;
+    /// connections that do not present it are turned away. Blocks until connected to every
+    /// other rank, or fails within about `timeout_ms`; `timeout_ms` (at least 1) is also the
+    /// per-read and per-write timeout afterwards. The listener is dropped once the mesh is
+    /// formed.
     pub fn connect(
         rank: Rank,
         peers: &[SocketAddr],
         listener: TcpListener,
         epoch: u64,
+        secret: &MeshSecret,
         timeout_ms: u64,
     ) -> Result<Self, CommError> {
         Self::connect_abortable(
@@ -421,6 +503,7 @@ impl TcpCommunicator {
             peers,
             listener,
             epoch,
+            secret,
             timeout_ms,
             Arc::new(AtomicBool::new(false)),
         )
@@ -435,6 +518,7 @@ impl TcpCommunicator {
         peers: &[SocketAddr],
         listener: TcpListener,
         epoch: u64,
+        secret: &MeshSecret,
         timeout_ms: u64,
         abort: Arc<AtomicBool>,
     ) -> Result<Self, CommError> {
@@ -455,14 +539,15 @@ impl TcpCommunicator {
                 let acceptor = (rank > 0).then(|| {
                     thread::Builder::new().spawn_scoped(s, || {
                         accept_lower(
-                            &listener, rank, world, epoch, timeout_ms, deadline, &stop, &abort,
+                            &listener, rank, world, epoch, secret, timeout_ms, deadline, &stop,
+                            &abort,
                         )
                     })
                 });
                 let connected: Result<Vec<_>, CommError> = (rank + 1..world)
                     .map(|p| {
                         connect_to(
-                            peers[p], p, rank, world, epoch, timeout_ms, deadline, &abort,
+                            peers[p], p, rank, world, epoch, secret, timeout_ms, deadline, &abort,
                         )
                         .map(|s| (p, s))
                     })
@@ -850,7 +935,8 @@ impl LocalGroup {
         Self::with_epoch(world, 0, timeout_ms)
     }
 
-    /// `world` communicators on 127.0.0.1 for membership `epoch`, in rank order.
+    /// `world` communicators on 127.0.0.1 for membership `epoch`, in rank order, sharing a
+    /// fresh [`MeshSecret`].
     pub fn with_epoch(
         world: usize,
         epoch: u64,
@@ -867,13 +953,14 @@ impl LocalGroup {
             .map(TcpListener::local_addr)
             .collect::<Result<Vec<_>, _>>()?;
         let addrs = &addrs;
+        let secret = &MeshSecret::random();
         thread::scope(|s| {
             let handles: Vec<_> = listeners
                 .into_iter()
                 .enumerate()
                 .map(|(rank, l)| {
                     thread::Builder::new().spawn_scoped(s, move || {
-                        TcpCommunicator::connect(rank, addrs, l, epoch, timeout_ms)
+                        TcpCommunicator::connect(rank, addrs, l, epoch, secret, timeout_ms)
                     })
                 })
                 .collect();

@@ -19,7 +19,7 @@
 
 use std::io::{self, ErrorKind, Read, Write};
 
-use super::{CommError, Rank};
+use super::{CommError, MeshSecret, Rank};
 
 /// Size of a message header.
 pub(crate) const HEADER_LEN: usize = 25;
@@ -199,19 +199,21 @@ pub(crate) fn read_msg<R: Read, T: Elem>(
     Ok(out)
 }
 
-/// Identifies the communicator's handshake (and its version).
-pub(crate) const MAGIC: [u8; 8] = *b"LZCOMM01";
+/// Identifies the communicator's handshake (and its version: 02 added the mesh secret).
+pub(crate) const MAGIC: [u8; 8] = *b"LZCOMM02";
 
-/// Connector to acceptor: "I am `rank` of a `world`-rank membership `epoch`".
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Connector to acceptor: "I am `rank` of a `world`-rank membership `epoch`, and I know its
+/// secret". Layout: magic, epoch, world, rank (`u64` little-endian each), the 32-byte secret.
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Hello {
     pub epoch: u64,
     pub world: u64,
     pub rank: u64,
+    pub secret: [u8; MeshSecret::LEN],
 }
 
 impl Hello {
-    pub(crate) const LEN: usize = 32;
+    pub(crate) const LEN: usize = 32 + MeshSecret::LEN;
 
     pub(crate) fn encode(&self) -> [u8; Self::LEN] {
         let mut b = Vec::with_capacity(Self::LEN);
@@ -219,6 +221,7 @@ impl Hello {
         b.extend_from_slice(&self.epoch.to_le_bytes());
         b.extend_from_slice(&self.world.to_le_bytes());
         b.extend_from_slice(&self.rank.to_le_bytes());
+        b.extend_from_slice(&self.secret);
         let mut out = [0u8; Self::LEN];
         out.copy_from_slice(&b);
         out
@@ -226,11 +229,25 @@ impl Hello {
 
     /// `None` if the bytes are not a handshake of this protocol version.
     pub(crate) fn decode(b: &[u8; Self::LEN]) -> Option<Self> {
+        let mut secret = [0u8; MeshSecret::LEN];
+        secret.copy_from_slice(&b[32..]);
         (b[..8] == MAGIC).then(|| Self {
             epoch: u64_at(b, 8),
             world: u64_at(b, 16),
             rank: u64_at(b, 24),
+            secret,
         })
+    }
+}
+
+/// Leaves the secret out.
+impl std::fmt::Debug for Hello {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hello")
+            .field("epoch", &self.epoch)
+            .field("world", &self.world)
+            .field("rank", &self.rank)
+            .finish_non_exhaustive()
     }
 }
 
@@ -241,6 +258,9 @@ pub(crate) mod status {
     pub(crate) const WORLD_MISMATCH: u8 = 2;
     /// The connector's rank is not a lower rank still expected by the acceptor.
     pub(crate) const BAD_RANK: u8 = 3;
+    /// The connector does not know the mesh secret; the acceptor's identity fields are then
+    /// zero (a stranger learns nothing about the mesh).
+    pub(crate) const BAD_SECRET: u8 = 4;
 }
 
 /// Acceptor to connector: the acceptor's own identity and its verdict.
@@ -392,8 +412,11 @@ mod tests {
             epoch: 3,
             world: 5,
             rank: 2,
+            secret: [7; MeshSecret::LEN],
         };
         assert_eq!(Hello::decode(&h.encode()), Some(h));
+        assert_eq!(&h.encode()[32..], &[7; MeshSecret::LEN]);
+        assert!(!format!("{h:?}").contains('7'), "{h:?}");
         let a = Ack {
             epoch: 3,
             world: 5,

@@ -12,8 +12,19 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::MissedTickBehavior;
 
-use super::proto::{self, Framed, PROTOCOL_VERSION, ProtoError, ToAgent, ToController};
-use super::shutdown_signal;
+use super::proto::{
+    self, Framed, MAX_REGISTER_FRAME_BYTES, PROTOCOL_VERSION, ProtoError, ToAgent, ToController,
+};
+use super::{printable, shutdown_signal};
+
+/// Longest rejection reason an agent prints (characters); the controller's are one line.
+const MAX_REASON_CHARS: usize = 1_000;
+
+fn rejected(reason: &str) -> AgentError {
+    AgentError::Rejected {
+        reason: printable(reason, MAX_REASON_CHARS),
+    }
+}
 
 /// Where and as whom an agent connects.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,8 +87,14 @@ pub enum AgentError {
     },
     #[error("controller at {addr} did not answer Register within {ms} ms")]
     RegisterTimeout { addr: String, ms: u64 },
+    /// `reason` is escaped: it comes from the other end of a network connection.
     #[error("controller rejected node: {reason}")]
     Rejected { reason: String },
+    #[error(
+        "the Register message is {bytes} bytes, more than the controller reads before \
+         registration ({MAX_REGISTER_FRAME_BYTES}): shorten the token or the node name"
+    )]
+    RegisterTooLarge { bytes: usize },
     #[error("controller closed the connection")]
     ControllerClosed,
     #[error("controller sent an unexpected {0}")]
@@ -106,6 +123,17 @@ impl Agent {
         if cfg.heartbeat_every_ms == 0 {
             return Err(AgentError::ZeroHeartbeat);
         }
+        let register = ToController::Register {
+            version: cfg.protocol_version,
+            token: cfg.token.clone(),
+            node: cfg.node.clone(),
+            devices: cfg.devices,
+        };
+        // The controller would just close the connection; say why here instead.
+        let bytes = proto::encode(&register)?.len();
+        if bytes > MAX_REGISTER_FRAME_BYTES {
+            return Err(AgentError::RegisterTooLarge { bytes });
+        }
         let limit = Duration::from_millis(cfg.register_timeout_ms);
         let timed_out = || AgentError::RegisterTimeout {
             addr: cfg.addr.clone(),
@@ -121,12 +149,6 @@ impl Agent {
         // Small frames, latency matters more than throughput.
         let _ = stream.set_nodelay(true);
         let mut framed = proto::framed(stream);
-        let register = ToController::Register {
-            version: cfg.protocol_version,
-            token: cfg.token.clone(),
-            node: cfg.node.clone(),
-            devices: cfg.devices,
-        };
         let answer = tokio::time::timeout(limit, async {
             proto::send(&mut framed, &register).await?;
             proto::recv::<ToAgent>(&mut framed).await
@@ -139,7 +161,7 @@ impl Agent {
                 node_id,
                 heartbeat_every: Duration::from_millis(cfg.heartbeat_every_ms),
             }),
-            Some(ToAgent::Rejected { reason }) => Err(AgentError::Rejected { reason }),
+            Some(ToAgent::Rejected { reason }) => Err(rejected(&reason)),
             Some(ToAgent::Shutdown) => Err(AgentError::Unexpected("Shutdown before Registered")),
             Some(ToAgent::Worker { .. }) => {
                 Err(AgentError::Unexpected("worker command before Registered"))
@@ -249,7 +271,7 @@ pub async fn run_agent(
                     }
                     return Ok(AgentExit::ControllerShutdown);
                 }
-                Some(ToAgent::Rejected { reason }) => return Err(AgentError::Rejected { reason }),
+                Some(ToAgent::Rejected { reason }) => return Err(rejected(&reason)),
                 Some(ToAgent::Registered { .. }) => {
                     return Err(AgentError::Unexpected("second Registered"));
                 }

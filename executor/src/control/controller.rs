@@ -23,8 +23,12 @@ use lazarus_planner::job::{
     Reconfiguration, StateChecksums, StepReport,
 };
 
-use super::proto::{PROTOCOL_VERSION, Registration, Reject, ToAgent};
+use super::printable;
+use super::proto::{
+    MAX_DEVICES_PER_NODE, MAX_NODE_NAME_BYTES, PROTOCOL_VERSION, Registration, Reject, ToAgent,
+};
 use crate::checkpoint;
+use crate::comm::MeshSecret;
 use crate::metrics::{RecoveryRecord, StepRecord};
 use crate::model::MoeConfig;
 use crate::worker::Checksums;
@@ -125,8 +129,8 @@ impl Controller {
         &self.checksums
     }
 
-    /// Admits a node: protocol version, token, at least one device, a name no live node uses.
-    /// Ids are never reused.
+    /// Admits a node: protocol version, token, a well-formed name no live node uses (see
+    /// [`check_node_name`]), 1 to [`MAX_DEVICES_PER_NODE`] devices. Ids are never reused.
     pub fn register(
         &mut self,
         reg: &Registration,
@@ -142,8 +146,19 @@ impl Controller {
         if !tokens_match(&reg.token, &self.params.token) {
             return Err(Reject::BadToken);
         }
+        // The name goes into log lines and notices from here on, so it is checked first.
+        if let Err(why) = check_node_name(&reg.node) {
+            let name = format!("\"{}\"", printable(&reg.node, 64));
+            return Err(Reject::BadName { name, why });
+        }
         if reg.devices == 0 {
             return Err(Reject::NoDevices(reg.node.clone()));
+        }
+        if reg.devices > MAX_DEVICES_PER_NODE {
+            return Err(Reject::TooManyDevices {
+                node: reg.node.clone(),
+                devices: reg.devices,
+            });
         }
         if self.names.values().any(|n| *n == reg.node) {
             return Err(Reject::DuplicateName(reg.node.clone()));
@@ -236,7 +251,11 @@ impl Controller {
                 step,
                 error,
                 held,
-            } => idle(epoch, IdleReason::Failed(error), step, &held),
+            } => {
+                // The machine logs the error; it comes from the worker, so it is escaped.
+                let error = printable(&error, MAX_WORKER_ERROR_CHARS);
+                idle(epoch, IdleReason::Failed(error), step, &held)
+            }
             WorkerEvent::Paused { epoch, step, held } => {
                 idle(epoch, IdleReason::Paused, step, &held)
             }
@@ -425,11 +444,14 @@ impl Controller {
             .map(|t| (t.layer, t.expert, t.src_rank, t.dst_rank))
             .collect();
         self.parts.clear();
+        // Fresh for every epoch: only this epoch's members can join its mesh.
+        let secret = MeshSecret::random();
         for (rank, &node) in members.iter().enumerate() {
             let cmd = Reconfigure {
                 rank,
                 peers: peers.clone(),
                 epoch: r.epoch,
+                secret: secret.clone(),
                 plan_version: r.plan.version,
                 replicas: replicas.clone(),
                 transfers: transfers.clone(),
@@ -506,8 +528,28 @@ fn holdings_of(held: &[(usize, usize)], layers: usize) -> Vec<Vec<u32>> {
     out
 }
 
+/// Why `name` cannot name a node, if it cannot: it must be 1 to [`MAX_NODE_NAME_BYTES`] bytes of
+/// ASCII letters, digits, `.`, `_`, `:` and `-` — enough for host names, addresses and the
+/// names of availability traces, and nothing that could break a log line apart.
+pub fn check_node_name(name: &str) -> Result<(), &'static str> {
+    if name.is_empty() {
+        return Err("it is empty");
+    }
+    if name.len() > MAX_NODE_NAME_BYTES {
+        const _: () = assert!(MAX_NODE_NAME_BYTES == 253, "update the message below");
+        return Err("it is longer than 253 bytes");
+    }
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-');
+    if !name.chars().all(allowed) {
+        return Err("only ASCII letters, digits, '.', '_', ':' and '-' are allowed");
+    }
+    Ok(())
+}
+
+/// Longest worker error kept in a log line (characters); a real one is a line or two.
+const MAX_WORKER_ERROR_CHARS: usize = 2_000;
+
 /// Constant-time comparison, so the token cannot be guessed byte by byte from timings.
 fn tokens_match(given: &str, expected: &str) -> bool {
-    let (a, b) = (given.as_bytes(), expected.as_bytes());
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    crate::comm::constant_time_eq(given.as_bytes(), expected.as_bytes())
 }

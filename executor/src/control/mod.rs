@@ -29,6 +29,29 @@ pub use controller::{Controller, JobParams, Notice, Output};
 pub use proto::{PROTOCOL_VERSION, Reject, ToAgent, ToController};
 pub use server::{JobError, JobHandle, ServerConfig, run_job};
 
+/// `text` made safe for one log line: control and other unprintable characters (newlines,
+/// ANSI escape sequences, bidirectional overrides) become Rust escapes (`\n`, `\u{1b}`), and
+/// the text is cut after `max_chars` characters. Peers choose these strings; printed raw, a
+/// newline could forge log lines of its own and an escape sequence could rewrite the terminal.
+pub(crate) fn printable(text: &str, max_chars: usize) -> String {
+    let mut out = String::with_capacity(text.len().min(max_chars));
+    for (i, c) in text.chars().enumerate() {
+        if i == max_chars {
+            out.push('…');
+            break;
+        }
+        let escaped = c.escape_debug();
+        // Quotes and backslashes are printable; only what escape_debug must spell differently
+        // for another reason is escaped.
+        if escaped.len() == 1 || matches!(c, '\\' | '"' | '\'') {
+            out.push(c);
+        } else {
+            out.extend(escaped);
+        }
+    }
+    out
+}
+
 /// Resolves once `shutdown` is `true` or its sender is gone (nobody can stop us any more, so
 /// stopping is the safe reading).
 pub(crate) async fn shutdown_signal(shutdown: &mut tokio::sync::watch::Receiver<bool>) {

@@ -16,7 +16,10 @@
 //! Decoding never panics: a garbage, truncated or over-long frame is a [`ProtoError`], and the
 //! decoders reject trailing bytes (postcard alone would ignore them). Frames are capped at
 //! [`MAX_FRAME_BYTES`] by the codec, so a corrupt length prefix cannot make a peer allocate
-//! gigabytes.
+//! gigabytes. The codec reserves a frame's announced length as soon as it has read the prefix,
+//! so the controller caps the first frame of a connection, before the peer has shown the
+//! token, at [`MAX_REGISTER_FRAME_BYTES`] and raises the cap only after a successful
+//! registration (see `server`).
 
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
@@ -25,21 +28,45 @@ use serde::{Deserialize, Serialize};
 use tokio::net::TcpStream;
 use tokio_util::codec::LengthDelimitedCodec;
 
-/// Version of the control protocol; bumped on any change of a message layout.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// Version of the control protocol; bumped on any change of a message layout, including the
+/// worker commands agents relay (an agent parses and re-encodes them). 4: `Reconfigure`
+/// carries the mesh secret.
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// Largest frame either side accepts (64 MiB). A reconfiguration for 1000 nodes × 32 layers ×
 /// 32 experts (the replica matrix, JSON) is a few MiB; the cap leaves an order of magnitude of
 /// room.
 pub const MAX_FRAME_BYTES: usize = 64 << 20;
 
+/// Largest first frame the controller reads from a connection that has not registered yet
+/// (4 KiB). A `Register` is a version, a token and a node name of at most
+/// [`MAX_NODE_NAME_BYTES`]: a few hundred bytes with any sensible token. Anything bigger is not
+/// an agent, and the small cap keeps what unauthenticated peers can make the controller
+/// allocate to this much per connection.
+pub const MAX_REGISTER_FRAME_BYTES: usize = 4 << 10;
+
+/// Longest node name accepted at registration: 253 bytes, the longest DNS name, so any host
+/// name fits.
+pub const MAX_NODE_NAME_BYTES: usize = 253;
+
+/// Most devices one node may announce. Nothing in this executor needs more than a handful; the
+/// bound keeps an absurd count (up to `usize::MAX`) from reaching whatever is later sized or
+/// summed by it.
+pub const MAX_DEVICES_PER_NODE: usize = 1024;
+
 /// A TCP stream framed into length-delimited messages.
 pub type Framed = tokio_util::codec::Framed<TcpStream, LengthDelimitedCodec>;
 
 /// Wraps a connected stream with the protocol's codec (frame cap [`MAX_FRAME_BYTES`]).
 pub fn framed(stream: TcpStream) -> Framed {
+    framed_with_cap(stream, MAX_FRAME_BYTES)
+}
+
+/// Wraps a connected stream with the protocol's codec, frames capped at `max_frame_bytes` in
+/// both directions (`Framed::codec_mut().set_max_frame_length` changes it later).
+pub fn framed_with_cap(stream: TcpStream, max_frame_bytes: usize) -> Framed {
     let codec = LengthDelimitedCodec::builder()
-        .max_frame_length(MAX_FRAME_BYTES)
+        .max_frame_length(max_frame_bytes)
         .new_codec();
     tokio_util::codec::Framed::new(stream, codec)
 }
@@ -91,6 +118,11 @@ pub enum Reject {
     DuplicateName(String),
     #[error("node {0:?} reports 0 devices")]
     NoDevices(String),
+    #[error("node {node:?} reports {devices} devices; at most {MAX_DEVICES_PER_NODE} are accepted")]
+    TooManyDevices { node: String, devices: usize },
+    /// `name` is an escaped preview of the refused name (it may hold anything).
+    #[error("node name {name} refused: {why}")]
+    BadName { name: String, why: &'static str },
     #[error("node ids exhausted")]
     IdsExhausted,
     #[error("the job is over")]

@@ -1,6 +1,17 @@
 //! The job controller's tokio server: accepts agent connections, feeds the [`Controller`] from
 //! them and from a ticker, and delivers what it outputs (messages to agents, closed
 //! connections of fenced nodes, [`Notice`]s to whoever runs the job).
+//!
+//! # Limits on what a peer can make the controller hold
+//! Anyone who can reach the port can connect, so until a connection has registered (shown
+//! the token) it is kept cheap and short: its first frame may be at most
+//! [`proto::MAX_REGISTER_FRAME_BYTES`] (a longer length prefix closes it at once, before
+//! anything is allocated for it), that frame must be complete within `io_timeout_ms` however
+//! slowly it trickles in, and at most `max_pending_conns` such connections exist at a time.
+//! Only after registration does the frame cap rise to [`proto::MAX_FRAME_BYTES`]; a registered
+//! node that stops sending whole frames stops heartbeating and is fenced. `max_conns` bounds
+//! all connections together. A connection over either limit is closed as soon as it is
+//! accepted.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -9,7 +20,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, MissedTickBehavior};
 
@@ -24,9 +35,36 @@ use lazarus_planner::job::JobConfigError;
 pub struct ServerConfig {
     /// Period of the ticker (expiries and timeouts of the job machine).
     pub tick_ms: u64,
-    /// Bound on one write to an agent and on waiting for a first `Register`.
+    /// Bound on one write to an agent and on waiting for a first `Register` (the whole frame).
     pub io_timeout_ms: u64,
+    /// Connections that have not registered yet, at most (more are closed when accepted).
+    pub max_pending_conns: usize,
+    /// Connections in all, registered or not, at most (more are closed when accepted).
+    pub max_conns: usize,
 }
+
+impl ServerConfig {
+    /// Room for a burst of agents registering at once; a flood of idle connections can hold at
+    /// most this many sockets, each for at most `io_timeout_ms`.
+    pub const DEFAULT_MAX_PENDING_CONNS: usize = 64;
+    /// A thousand nodes and the pending ones, below the common 1024-descriptor limit of the
+    /// process together with its files.
+    pub const DEFAULT_MAX_CONNS: usize = 1_000;
+
+    /// The given periods and the default connection limits.
+    pub fn new(tick_ms: u64, io_timeout_ms: u64) -> Self {
+        Self {
+            tick_ms,
+            io_timeout_ms,
+            max_pending_conns: Self::DEFAULT_MAX_PENDING_CONNS,
+            max_conns: Self::DEFAULT_MAX_CONNS,
+        }
+    }
+}
+
+/// Pause of the accept loop after a failed `accept` (typically out of file descriptors): the
+/// listener stays readable, so retrying at once would spin.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 /// Why the job controller could not run.
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +73,8 @@ pub enum JobError {
     Config(#[from] JobConfigError),
     #[error("tick_ms and io_timeout_ms must be at least 1")]
     ZeroPeriod,
+    #[error("max_pending_conns and max_conns must be at least 1")]
+    ZeroConns,
 }
 
 struct Shared {
@@ -111,6 +151,11 @@ pub async fn run_job(
     if server.tick_ms == 0 || server.io_timeout_ms == 0 {
         return Err(JobError::ZeroPeriod);
     }
+    if server.max_pending_conns == 0 || server.max_conns == 0 {
+        return Err(JobError::ZeroConns);
+    }
+    let pending = Arc::new(Semaphore::new(server.max_pending_conns));
+    let all = Arc::new(Semaphore::new(server.max_conns));
     let ctx = Arc::new(Ctx {
         shared: Mutex::new(Shared {
             controller: Controller::new(params)?,
@@ -131,9 +176,19 @@ pub async fn run_job(
         tokio::select! {
             _ = shutdown_signal(&mut shutdown) => break,
             _ = ticker.tick() => ctx.with(|c, now, out| c.tick(now, out)),
-            accepted = listener.accept() => if let Ok((stream, _)) = accepted {
-                let _ = stream.set_nodelay(true);
-                conns.spawn(serve_conn(stream, ctx.clone()));
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    // Over a limit: dropping the stream closes it at once.
+                    let (Ok(slot), Ok(unregistered)) = (
+                        all.clone().try_acquire_owned(),
+                        pending.clone().try_acquire_owned(),
+                    ) else {
+                        continue;
+                    };
+                    let _ = stream.set_nodelay(true);
+                    conns.spawn(serve_conn(stream, ctx.clone(), slot, unregistered));
+                }
+                Err(_) => tokio::time::sleep(ACCEPT_BACKOFF).await,
             },
             Some(_) = conns.join_next(), if !conns.is_empty() => {}
         }
@@ -154,9 +209,16 @@ pub async fn run_job(
     Ok(sums)
 }
 
-async fn serve_conn(stream: TcpStream, ctx: Arc<Ctx>) {
-    let mut framed = proto::framed(stream);
-    let _ = serve(&mut framed, &ctx).await;
+/// Serves one connection; `_slot` counts it against `max_conns` until it ends, `unregistered`
+/// against `max_pending_conns` until it has registered.
+async fn serve_conn(
+    stream: TcpStream,
+    ctx: Arc<Ctx>,
+    _slot: OwnedSemaphorePermit,
+    unregistered: OwnedSemaphorePermit,
+) {
+    let mut framed = proto::framed_with_cap(stream, proto::MAX_REGISTER_FRAME_BYTES);
+    let _ = serve(&mut framed, &ctx, unregistered).await;
 }
 
 async fn write(ctx: &Ctx, framed: &mut Framed, msg: &ToAgent) -> Result<(), ProtoError> {
@@ -173,7 +235,12 @@ async fn reject(ctx: &Ctx, framed: &mut Framed, reason: String) -> Result<(), Pr
     Ok(())
 }
 
-async fn serve(framed: &mut Framed, ctx: &Ctx) -> Result<(), ProtoError> {
+async fn serve(
+    framed: &mut Framed,
+    ctx: &Ctx,
+    unregistered: OwnedSemaphorePermit,
+) -> Result<(), ProtoError> {
+    // A first frame over the cap is an error here: the connection closes without an answer.
     let reg = match proto::read_register(framed, ctx.io_timeout).await? {
         proto::FirstFrame::Register(r) => r,
         proto::FirstFrame::Closed => return Ok(()),
@@ -197,6 +264,11 @@ async fn serve(framed: &mut Framed, ctx: &Ctx) -> Result<(), ProtoError> {
         Ok(id) => id,
         Err(reason) => return reject(ctx, framed, reason.to_string()).await,
     };
+    // Authenticated: full-size frames (plans) from now on, and no longer a pending connection.
+    framed
+        .codec_mut()
+        .set_max_frame_length(proto::MAX_FRAME_BYTES);
+    drop(unregistered);
     write(ctx, framed, &ToAgent::Registered { node_id }).await?;
     let why = session(framed, ctx, node_id, &mut rx).await;
     ctx.lock().outboxes.remove(&node_id);

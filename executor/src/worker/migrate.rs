@@ -96,9 +96,16 @@ pub(super) fn reconfigure(
     }
     let listener = listener.try_clone().context("cloning the data listener")?;
     let flag = abort.arm(cmd.epoch);
-    let mut comm =
-        TcpCommunicator::connect_abortable(me, &cmd.peers, listener, cmd.epoch, timeout_ms, flag)
-            .with_context(|| format!("rank {me}: forming the mesh of epoch {}", cmd.epoch))?;
+    let mut comm = TcpCommunicator::connect_abortable(
+        me,
+        &cmd.peers,
+        listener,
+        cmd.epoch,
+        &cmd.secret,
+        timeout_ms,
+        flag,
+    )
+    .with_context(|| format!("rank {me}: forming the mesh of epoch {}", cmd.epoch))?;
     abort.set_handle(comm.abort_handle()?);
     let mut sends = Vec::new();
     let mut recv_from = Vec::new();

@@ -11,7 +11,7 @@
 //! 1. **idle**: after [`Command::Job`] it builds the model, binds one data-plane listener for
 //!    its whole life, reports [`WorkerEvent::Ready`], and waits;
 //! 2. **reconfiguring** on [`Command::Reconfigure`] ([`migrate`]): its rank, the members'
-//!    addresses, the epoch, the replica plan, the expert-state transfers, where its state
+//!    addresses, the epoch and its mesh secret, the replica plan, the expert-state transfers, where its state
 //!    comes from (fresh, peers — a joining node also gets the dense state — or a checkpoint),
 //!    and the step to resume at. It forms the epoch's mesh, moves states, drops replicas it no
 //!    longer holds and reports [`WorkerEvent::Migrated`] (or `Failed`, back to idle);

@@ -10,6 +10,7 @@ use anyhow::{Context, Result, anyhow};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint;
+use crate::comm::MeshSecret;
 use crate::model::{DenseModel, ExpertStore, Fnv64, MoeConfig};
 
 /// One training step as a worker reports it (one JSON line on stdout).
@@ -174,6 +175,8 @@ pub struct Reconfigure {
     pub peers: Vec<SocketAddr>,
     /// Epoch of the new communicator (strictly increasing).
     pub epoch: u64,
+    /// What every member of the new mesh presents to the others (fresh for each epoch).
+    pub secret: MeshSecret,
     /// Version of the controller's plan.
     pub plan_version: u64,
     /// `[layer][expert][rank]` replicas of the new plan.

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use super::protocol::{Checksums, StepLine};
 use super::state::train_step;
 use super::{bind_with_retry, held_replicas, plan_replicas};
-use crate::comm::TcpCommunicator;
+use crate::comm::{MeshSecret, TcpCommunicator};
 use crate::model::{Corpus, DenseModel, ExpertStore, MoeConfig};
 use crate::runtime::DistributedExperts;
 
@@ -54,8 +54,17 @@ pub(crate) fn start(opts: &WorkerOptions) -> Result<Started> {
         .context("building the expert store")?;
     let timeout = Duration::from_millis(opts.timeout_ms.max(1));
     let listener = bind_with_retry(opts.peers[rank], timeout)?;
-    let comm = TcpCommunicator::connect(rank, &opts.peers, listener, opts.epoch, opts.timeout_ms)
-        .with_context(|| format!("rank {rank}: forming the mesh of {world} workers"))?;
+    // No controller hands out a secret here (see `MeshSecret::unset`).
+    let secret = MeshSecret::unset();
+    let comm = TcpCommunicator::connect(
+        rank,
+        &opts.peers,
+        listener,
+        opts.epoch,
+        &secret,
+        opts.timeout_ms,
+    )
+    .with_context(|| format!("rank {rank}: forming the mesh of {world} workers"))?;
     let dist = DistributedExperts::new(Box::new(comm), &store, replicas)?;
     Ok(Started {
         dev,

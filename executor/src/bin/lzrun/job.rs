@@ -96,10 +96,7 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
         .validate()
         .map_err(|e| anyhow!("invalid job configuration: {e}"))?;
     Ok(Job {
-        server: ServerConfig {
-            tick_ms: 50,
-            io_timeout_ms: a.heartbeat_timeout_ms,
-        },
+        server: ServerConfig::new(50, a.heartbeat_timeout_ms),
         params: JobParams {
             config,
             rules,
