@@ -149,12 +149,24 @@ pub enum CheckpointError {
     TrailingBytes { what: String, trailing_bytes: usize },
     #[error("{what}: {reason}")]
     InvalidState { what: String, reason: String },
+    #[error("{what}: {field}[{index}] is {value}, refusing to checkpoint a non-finite state")]
+    NonFinite {
+        what: String,
+        field: String,
+        index: usize,
+        value: f32,
+    },
     #[error("no staging directory {} for step {step} (no part was written)", dir.display())]
     NoStaging { dir: PathBuf, step: u64 },
     #[error("{} is the current checkpoint and has a different manifest", dir.display())]
     AlreadyCommitted { dir: PathBuf },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    #[error(
+        "checkpoint directory {} is in use by another job ({holder}); give each job its own directory",
+        root.display()
+    )]
+    Locked { root: PathBuf, holder: String },
     #[error("no valid checkpoint under {}{}", root.display(), describe_rejected(rejected))]
     NoCheckpoint {
         root: PathBuf,
@@ -360,6 +372,46 @@ fn decode_dense_as(what: &str, b: &[u8]) -> Result<OptimState, CheckpointError> 
         }
     }
     Ok(s)
+}
+
+/// The first non-finite value of `values`, as an error about `what`'s `field`.
+fn check_finite(what: &str, field: &str, values: &[f32]) -> Result<(), CheckpointError> {
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(index) => Err(CheckpointError::NonFinite {
+            what: what.to_owned(),
+            field: field.to_owned(),
+            index,
+            value: values[index],
+        }),
+    }
+}
+
+/// Refuses a dense state holding a NaN or an infinity (in a value or a moment): written, it
+/// would be a checkpoint whose restore brings the divergence back.
+pub fn check_dense_finite(s: &OptimState) -> Result<(), CheckpointError> {
+    for p in &s.params {
+        for (kind, values) in [("value", &p.value), ("m", &p.m), ("v", &p.v)] {
+            check_finite("dense state", &format!("{}.{kind}", p.name), values)?;
+        }
+    }
+    Ok(())
+}
+
+/// [`check_dense_finite`] for one expert's weights and moments.
+pub fn check_expert_finite(s: &ExpertState) -> Result<(), CheckpointError> {
+    let what = format!("expert {} of layer {}", s.expert, s.layer);
+    for (field, values) in [
+        ("w1", &s.w1),
+        ("w2", &s.w2),
+        ("m1", &s.m1),
+        ("v1", &s.v1),
+        ("m2", &s.m2),
+        ("v2", &s.v2),
+    ] {
+        check_finite(&what, field, values)?;
+    }
+    Ok(())
 }
 
 /// Binary encoding of one expert part.
@@ -791,6 +843,20 @@ fn committed_dirs(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
     Ok(dirs)
 }
 
+/// Removes `path`, a directory tree or a single file (anything can end up under a staging or
+/// trash name).
+fn remove_any(path: &Path) -> Result<(), CheckpointError> {
+    let is_dir = fs::symlink_metadata(path)
+        .ctx("stat", path)?
+        .file_type()
+        .is_dir();
+    if is_dir {
+        fs::remove_dir_all(path).ctx("remove", path)
+    } else {
+        fs::remove_file(path).ctx("remove", path)
+    }
+}
+
 /// Renames `dir` out of the `step-*` namespace, then deletes it, so that a crash halfway never
 /// leaves a partial directory under a checkpoint name.
 fn remove_dir(root: &Path, dir: &Path) -> Result<(), CheckpointError> {
@@ -798,15 +864,25 @@ fn remove_dir(root: &Path, dir: &Path) -> Result<(), CheckpointError> {
     let trash = root.join(format!("{TRASH_PREFIX}{name}-{}", unique_suffix()));
     fs::rename(dir, &trash).ctx("move to trash", dir)?;
     sync_dir(root)?;
-    fs::remove_dir_all(&trash).ctx("remove", &trash)
+    remove_any(&trash)
 }
 
-/// Keeps the checkpoint `latest` names and the `keep - 1` committed ones just older, removes
-/// the other committed directories (older ones, and newer ones, which belong to a history
-/// abandoned by restoring an older checkpoint), staging directories of steps older than the
-/// current one (left by a crash or an aborted commit) and trash left by an interrupted prune.
-/// Returns the removed paths. Does nothing when `latest` is missing or names no directory:
-/// without a known-good current checkpoint, pruning could delete the only one left.
+/// Keeps the checkpoint `latest` names and, going to older committed directories newest
+/// first, every one up to the `keep`-th that verifies; removes the older ones, the committed
+/// directories newer than `latest` (a history abandoned by restoring an older checkpoint),
+/// staging directories of steps older than the current one (left by a crash, an aborted commit
+/// or a failed write) and trash left by an interrupted prune. Returns the removed paths. Does
+/// nothing when `latest` is missing or names no directory: without a known current
+/// checkpoint, pruning could delete the only one left.
+///
+/// Only checkpoints that verify count towards `keep`: a damaged one cannot be restored, and
+/// counting it would delete a valid older one in its place. A damaged one is left where it is
+/// while it lies among the kept ones (whoever investigates the damage finds it) and goes with
+/// the older ones once `keep` valid checkpoints are newer. Verifying reads every part of the
+/// directories walked: about `keep` checkpoints per call.
+///
+/// A removal that fails does not stop the others; the first error is returned after all were
+/// tried.
 pub fn prune(root: &Path, keep: usize) -> Result<Vec<PathBuf>, CheckpointError> {
     let keep = keep.max(1);
     let Some(current) = read_pointer(root)? else {
@@ -823,18 +899,25 @@ pub fn prune(root: &Path, keep: usize) -> Result<Vec<PathBuf>, CheckpointError> 
             .filter(|(s, _)| *s > current)
             .map(|(_, p)| p.clone()),
     );
-    // `current` itself is the first of these, so keep >= 1 never removes it.
-    doomed.extend(
-        committed
-            .iter()
-            .filter(|(s, _)| *s <= current)
-            .skip(keep)
-            .map(|(_, p)| p.clone()),
-    );
+    // `current` comes first and is kept whatever it holds: `latest` names it.
+    let mut valid = 0;
+    for (_, dir) in committed.iter().filter(|(s, _)| *s <= current) {
+        if valid >= keep {
+            doomed.push(dir.clone());
+        } else if verify_dir(dir, None).is_ok() {
+            valid += 1;
+        }
+    }
     let mut removed = Vec::new();
+    let mut first_error = None;
+    let mut note = |r: Result<(), CheckpointError>, path: PathBuf| match r {
+        Ok(()) => removed.push(path),
+        Err(e) => {
+            first_error.get_or_insert(e);
+        }
+    };
     for dir in doomed {
-        remove_dir(root, &dir)?;
-        removed.push(dir);
+        note(remove_dir(root, &dir), dir);
     }
     for entry in fs::read_dir(root).ctx("list", root)? {
         let entry = entry.ctx("list", root)?;
@@ -842,19 +925,119 @@ pub fn prune(root: &Path, keep: usize) -> Result<Vec<PathBuf>, CheckpointError> 
         let Some(name) = name.to_str() else { continue };
         let path = entry.path();
         if name.starts_with(TRASH_PREFIX) {
-            fs::remove_dir_all(&path).ctx("remove", &path)?;
-            removed.push(path);
+            note(remove_any(&path), path);
         } else if let Some(step) = name
             .strip_prefix(STAGING_PREFIX)
             .and_then(parse_step_dir_name)
             && step < current
         {
             // Staging of newer steps may still be receiving parts from workers.
-            remove_dir(root, &path)?;
+            note(remove_dir(root, &path), path);
+        }
+    }
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(removed),
+    }
+}
+
+/// Removes every staging directory (of any step) and any trash under `root`: the parts of
+/// checkpoints that were never committed. Only for when no worker writes into `root` any more
+/// (the job is over or was interrupted); committed checkpoints and `latest` are untouched.
+pub fn remove_staging(root: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
+    let entries = match fs::read_dir(root) {
+        Ok(it) => it,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => {
+            return Err(CheckpointError::Io {
+                op: "list",
+                path: root.to_path_buf(),
+                source: e,
+            });
+        }
+    };
+    let mut removed = Vec::new();
+    for entry in entries {
+        let entry = entry.ctx("list", root)?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if name.starts_with(STAGING_PREFIX) || name.starts_with(TRASH_PREFIX) {
+            let path = entry.path();
+            remove_any(&path)?;
             removed.push(path);
         }
     }
     Ok(removed)
+}
+
+/// Name of the lock file a job holds in its checkpoint root ([`lock_root`]).
+pub const LOCK_FILE: &str = "lzrun.lock";
+
+/// An exclusive lock on a checkpoint root: while it is held no other job commits or prunes
+/// there. Released when dropped, and by the kernel when the process ends however it ends
+/// (`flock(2)` locks go with the last descriptor), so a killed job leaves no stale lock. The
+/// lock file itself stays (removing it would let a job that opened it just before lock a file
+/// nobody else can see any more).
+#[derive(Debug)]
+pub struct RootLock {
+    _file: File,
+    path: PathBuf,
+}
+
+impl RootLock {
+    /// The lock file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Takes the exclusive lock on `root` ([`RootLock`]) without waiting and writes `holder` (who
+/// holds it: pid, host) into the lock file, or fails with [`CheckpointError::Locked`] naming the
+/// current holder. Fails too when `root` is not writable (the lock file cannot be created),
+/// which is the first thing a job with a read-only checkpoint directory should learn.
+///
+/// `flock(2)` is advisory and per machine on many network file systems: two controllers on
+/// different machines sharing a root over NFS may not see each other's lock.
+pub fn lock_root(root: &Path, holder: &str) -> Result<RootLock, CheckpointError> {
+    let path = root.join(LOCK_FILE);
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .ctx("create lock file", &path)?;
+    #[cfg(unix)]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock(2) on a descriptor owned by `file`, which outlives the call.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc != 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::WouldBlock {
+                let mut text = String::new();
+                let _ = file.read_to_string(&mut text);
+                let text = text.trim();
+                return Err(CheckpointError::Locked {
+                    root: root.to_path_buf(),
+                    holder: if text.is_empty() {
+                        "unknown".to_owned()
+                    } else {
+                        text.chars().take(200).collect()
+                    },
+                });
+            }
+            return Err(CheckpointError::Io {
+                op: "lock",
+                path,
+                source: err,
+            });
+        }
+    }
+    file.set_len(0).ctx("truncate", &path)?;
+    file.write_all(holder.as_bytes()).ctx("write", &path)?;
+    file.sync_all().ctx("fsync", &path)?;
+    Ok(RootLock { _file: file, path })
 }
 
 /// Commits the staging dir of `manifest.step`: checks every name in `expected` is present in
@@ -864,12 +1047,12 @@ pub fn prune(root: &Path, keep: usize) -> Result<Vec<PathBuf>, CheckpointError> 
 /// ignored since the checkpoint is committed by then, the next commit retries). Returns the
 /// committed directory. Errors leave the previous checkpoint and pointer untouched.
 ///
-/// When the step directory already exists: if its manifest equals `manifest` (a retry) it is
-/// verified and `latest` re-pointed to it; if `latest` names it and the manifest differs, this
-/// is an error ([`CheckpointError::AlreadyCommitted`]); if `latest` does not name it, it is a
-/// leftover of a crash before the pointer update or of an abandoned history, and the new
-/// checkpoint replaces it (otherwise a run restored from an older checkpoint could never commit
-/// that step again).
+/// When the step directory already exists: if it verifies and its manifest equals `manifest`
+/// (a retry), `latest` is re-pointed to it; if it verifies, `latest` names it and the manifest
+/// differs, this is an error ([`CheckpointError::AlreadyCommitted`]); otherwise — it is damaged
+/// (a run that fell back from it trains that step again and must be able to checkpoint it), or
+/// `latest` does not name it (a leftover of a crash before the pointer update or of an
+/// abandoned history) — the new checkpoint replaces it.
 pub fn commit(
     root: &Path,
     manifest: Manifest,
@@ -919,21 +1102,19 @@ pub fn commit(
     let final_dir = root.join(step_dir_name(step));
     let mut replace_existing = false;
     if final_dir.exists() {
-        let same = read_manifest(&final_dir).ok().as_ref() == Some(&as_loaded);
         let current = read_pointer(root).ok().flatten() == Some(step);
-        if same {
-            match verify_dir(&final_dir, None) {
-                Ok(_) => {
-                    write_pointer(root, step)?;
-                    let _ = prune(root, keep);
-                    return Ok(final_dir);
-                }
-                Err(e) if current => return Err(e),
-                // A damaged leftover nobody points to: replaced below.
-                Err(_) => {}
+        match verify_dir(&final_dir, None) {
+            Ok(existing) if existing == as_loaded => {
+                write_pointer(root, step)?;
+                let _ = prune(root, keep);
+                return Ok(final_dir);
             }
-        } else if current {
-            return Err(CheckpointError::AlreadyCommitted { dir: final_dir });
+            Ok(_) if current => {
+                return Err(CheckpointError::AlreadyCommitted { dir: final_dir });
+            }
+            // Damaged, or a leftover nobody points to: replaced below (from the staging
+            // directory, which must exist).
+            _ => {}
         }
         replace_existing = true;
     }

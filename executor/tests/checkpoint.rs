@@ -693,3 +693,123 @@ fn bad_part_names_are_refused() {
         assert!(err.to_string().contains("invalid part name"), "{err}");
     }
 }
+
+/// Issue 14: after a fallback from a damaged checkpoint of step 20 (the one `latest` names),
+/// the run trains step 20 again and could never checkpoint it: the commit refused to replace
+/// the damaged directory, whatever the new manifest.
+#[test]
+fn a_damaged_checkpoint_of_a_step_does_not_block_committing_that_step_again() {
+    let cfg = cfg();
+    let expected = all_parts(LAYERS, EXPERTS);
+    for retrained in [false, true] {
+        let root = temp_root(&format!("damaged-again-{retrained}"));
+        save(&root, &cfg, 10, 3);
+        let damaged = save(&root, &cfg, 20, 3);
+        flip_byte(&damaged.join(dense_part()), 3);
+        assert_eq!(load(&root).manifest.step, 10, "falls back");
+        let infos = write_parts(&root, &cfg, 20, &[]);
+        // The same bytes again (a deterministic replay), or another history's.
+        let m = if retrained {
+            Manifest::new(20, 3, 9, cfg.clone(), infos)
+        } else {
+            manifest(&cfg, 20, infos)
+        };
+        commit(&root, m.clone(), &expected, 3).expect("replaces the damaged checkpoint");
+        let loaded = load(&root);
+        assert_eq!(loaded.manifest, m);
+        assert!(loaded.rejected.is_empty(), "{:?}", loaded.rejected);
+    }
+}
+
+/// Issue 14: pruning counted a damaged checkpoint as one of the `keep` and deleted a valid
+/// older one in its place.
+#[test]
+fn prune_counts_only_checkpoints_that_verify() {
+    let root = temp_root("prune-valid");
+    let cfg = cfg();
+    save(&root, &cfg, 10, 2);
+    let damaged = save(&root, &cfg, 20, 2);
+    flip_byte(&damaged.join(expert_part(1, 2)), 5);
+    save(&root, &cfg, 30, 2);
+    // 20 is left where it is (among the kept), but 10 stays too: two valid ones.
+    assert_eq!(
+        step_dirs(&root),
+        ["step-00000010", "step-00000020", "step-00000030"]
+    );
+    save(&root, &cfg, 40, 2);
+    assert_eq!(step_dirs(&root), ["step-00000030", "step-00000040"]);
+
+    // A damaged current checkpoint is kept (`latest` names it) and not counted either.
+    let current = root.join(step_dir_name(40));
+    flip_byte(&current.join(dense_part()), 1);
+    // Something that is not a directory under a staging name (a failed write) goes too.
+    fs::write(staging_dir(&root, 35), b"not a directory").expect("write");
+    let removed = checkpoint::prune(&root, 1).expect("prune");
+    assert!(removed.contains(&staging_dir(&root, 35)), "{removed:?}");
+    assert_eq!(step_dirs(&root), ["step-00000030", "step-00000040"]);
+    assert_eq!(load(&root).manifest.step, 30);
+}
+
+#[test]
+fn remove_staging_keeps_committed_checkpoints() {
+    let root = temp_root("remove-staging");
+    let cfg = cfg();
+    save(&root, &cfg, 10, 3);
+    write_parts(&root, &cfg, 20, &[expert_part(0, 0)]);
+    fs::write(staging_dir(&root, 30), b"x").expect("write");
+    let removed = checkpoint::remove_staging(&root).expect("remove");
+    assert_eq!(removed.len(), 2, "{removed:?}");
+    let names: Vec<String> = fs::read_dir(&root)
+        .expect("list")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(names.is_empty(), "{names:?}");
+    assert_eq!(load(&root).manifest.step, 10);
+}
+
+/// Issue 14: two jobs on one checkpoint directory pruned and overwrote each other's
+/// checkpoints. The lock is exclusive, names its holder, and goes with its owner.
+#[test]
+fn a_checkpoint_root_is_locked_by_one_job_at_a_time() {
+    let root = temp_root("lock");
+    let lock = checkpoint::lock_root(&root, "job A, pid 1").expect("first lock");
+    assert_eq!(lock.path(), root.join(checkpoint::LOCK_FILE));
+    let err = checkpoint::lock_root(&root, "job B").expect_err("taken");
+    assert!(matches!(err, CheckpointError::Locked { .. }), "{err}");
+    assert!(
+        err.to_string()
+            .contains("in use by another job (job A, pid 1)"),
+        "{err}"
+    );
+    drop(lock);
+    let again = checkpoint::lock_root(&root, "job B").expect("free again");
+    drop(again);
+    // The lock file is no checkpoint and in nobody's way.
+    save(&root, &cfg(), 10, 3);
+    assert_eq!(load(&root).manifest.step, 10);
+
+    let missing = root.join("no-such-dir");
+    let err = checkpoint::lock_root(&missing, "x").expect_err("no directory");
+    assert!(err.to_string().contains("create lock file"), "{err}");
+}
+
+/// Issue 14: a diverged run committed a checkpoint full of NaN as `latest`.
+#[test]
+fn non_finite_states_are_refused() {
+    let cfg = cfg();
+    let mut dense = dense_state(3);
+    checkpoint::check_dense_finite(&dense).expect("finite");
+    dense.params[1].v[2] = f32::NAN;
+    let err = checkpoint::check_dense_finite(&dense).expect_err("NaN");
+    assert!(err.to_string().contains("h.0.attn.w.v[2] is NaN"), "{err}");
+    let mut expert = expert_state(&cfg, 3, 1, 2);
+    checkpoint::check_expert_finite(&expert).expect("finite");
+    expert.w2[0] = f32::NEG_INFINITY;
+    let err = checkpoint::check_expert_finite(&expert).expect_err("inf");
+    assert!(
+        err.to_string()
+            .contains("expert 2 of layer 1: w2[0] is -inf"),
+        "{err}"
+    );
+}

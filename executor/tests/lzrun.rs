@@ -676,6 +676,8 @@ fn help_explains_every_flag() {
         "--metrics-out",
         "--format",
         "--timeout-ms",
+        "--max-ckpt-failures",
+        "--max-nonfinite-steps",
     ] {
         assert!(o.stdout.contains(flag), "{flag} not in --help");
     }
@@ -873,9 +875,12 @@ struct Live {
 
 impl Live {
     fn start(args: &[&str]) -> Self {
+        Self::start_cmd(Command::new(LZRUN).args(args))
+    }
+
+    fn start_cmd(cmd: &mut Command) -> Self {
         use std::io::{BufRead, BufReader};
-        let mut child = Command::new(LZRUN)
-            .args(args)
+        let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -1095,5 +1100,326 @@ fn a_rebalance_under_skewed_routing_changes_the_plan() {
     let versions: Vec<u64> = s.reconfigurations.iter().map(|r| r.plan_version).collect();
     assert!(versions.windows(2).all(|w| w[0] < w[1]), "{versions:?}");
     assert_consistent(&dir, &MoeConfig::tiny());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The training state of the checkpoint `latest` names (or the newest valid one) is finite.
+fn assert_latest_checkpoint_is_finite(root: &Path, cfg: &MoeConfig) -> u64 {
+    use lazarus_executor::checkpoint;
+    let loaded = checkpoint::load_latest(root, cfg).expect("a valid checkpoint");
+    checkpoint::check_dense_finite(&loaded.dense().unwrap()).expect("finite dense state");
+    for l in 0..cfg.n_layers {
+        for e in 0..cfg.experts {
+            checkpoint::check_expert_finite(&loaded.expert(l, e).unwrap()).expect("finite");
+        }
+    }
+    loaded.step()
+}
+
+/// Issue 14 item 1: with `lr = 1000` the loss became NaN after 4 steps, the controller could
+/// not parse the workers' `"loss":null` lines, counted nothing more, and still ended with
+/// "done: 4 steps" and exit 0, with a checkpoint full of NaN as `latest`. Now every worker
+/// skips the update of a non-finite step, the job fails after `--max-nonfinite-steps` of them
+/// in a row, no checkpoint holds a NaN, and the temporary checkpoints of the failed job are
+/// kept and named.
+#[test]
+fn a_diverging_run_skips_non_finite_steps_then_fails_without_nan_checkpoints() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("diverge");
+    let toml = dir.join("hot.toml");
+    std::fs::write(&toml, "base = \"tiny\"\nlr = 1000.0\n").unwrap();
+    let o = run(Command::new(LZRUN)
+        .args(["local", "--steps", "20", "--ckpt-every", "1"])
+        .args(["--max-nonfinite-steps", "3", "--config"])
+        .arg(&toml)
+        .env("TMPDIR", &dir));
+    assert_error(&o, "training diverged: 3 steps in a row");
+    assert!(o.stderr.contains("lower the learning rate"), "{}", o.show());
+    assert!(
+        o.stdout.contains("the update was skipped on every member"),
+        "{}",
+        o.show()
+    );
+    assert!(!o.stdout.contains("done:"), "{}", o.show());
+    let kept = o
+        .stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("checkpoints kept in "))
+        .and_then(|l| l.split(" (").next())
+        .unwrap_or_else(|| panic!("no kept checkpoints\n{}", o.show()));
+    let kept = PathBuf::from(kept);
+    assert!(kept.starts_with(&dir), "{}", kept.display());
+    let cfg = MoeConfig {
+        lr: 1000.0,
+        ..MoeConfig::tiny()
+    };
+    assert_latest_checkpoint_is_finite(&kept, &cfg);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 14 item 1: `lr = nan` in a config hung the job (the agents could not parse the job
+/// command: JSON has no NaN). Numbers out of range are refused up front, naming the key.
+#[test]
+fn non_finite_or_negative_numbers_in_a_config_are_refused_naming_the_key() {
+    let dir = scratch("bad-numbers");
+    let toml = dir.join("bad.toml");
+    for (line, key) in [
+        ("lr = nan", "lr must be a finite number > 0 (got NaN)"),
+        ("lr = inf", "lr must be a finite number > 0 (got inf)"),
+        ("lr = -0.1", "lr must be a finite number > 0 (got -0.1)"),
+        ("lr = 0.0", "lr must be a finite number > 0"),
+        (
+            "lb_loss_coef = -1.0",
+            "lb_loss_coef must be a finite number >= 0",
+        ),
+        ("lb_loss_coef = nan", "lb_loss_coef"),
+    ] {
+        std::fs::write(&toml, format!("base = \"tiny\"\n{line}\n")).unwrap();
+        let o = lzrun(&["local", "--config", toml.to_str().unwrap()]);
+        assert_error(&o, key);
+        assert_error(&o, "bad.toml");
+    }
+    assert_error(
+        &lzrun(&["local", "--max-nonfinite-steps", "0"]),
+        "--max-nonfinite-steps",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Blocks the checkpoints of `steps` under `root`: a file where the staging directory goes
+/// makes every worker's write of that step fail, as a full or read-only directory would (and
+/// unlike permissions, it stops root too).
+fn block_checkpoints(root: &Path, steps: &[u64]) {
+    std::fs::create_dir_all(root).unwrap();
+    for step in steps {
+        let staging = lazarus_executor::checkpoint::staging_dir(root, *step);
+        std::fs::write(staging, b"in the way").unwrap();
+    }
+}
+
+/// Issue 14 item 2: a checkpoint write that failed killed the worker (its error ended the
+/// process), so a full or read-only checkpoint directory took every node down in turn. Now it
+/// fails the checkpoint only: logged, training goes on, the next one is a fresh try — and
+/// `--max-ckpt-failures N` ends the job after N in a row.
+#[test]
+fn a_checkpoint_that_cannot_be_written_fails_the_checkpoint_not_the_nodes() {
+    let dir = scratch("ckpt-blocked");
+    let ck = dir.join("ckpt");
+    block_checkpoints(&ck, &[2, 4]);
+    let c = ck.to_str().unwrap();
+    let o = lzrun(&[
+        "local",
+        "--steps",
+        "8",
+        "--ckpt-every",
+        "2",
+        "--ckpt-dir",
+        c,
+        "--format",
+        "json",
+    ]);
+    let s = o.summary();
+    assert_eq!(s.steps, 8, "{}", o.show());
+    assert_eq!((s.recoveries, s.fallbacks), (0, 0), "{}", o.show());
+    assert!(!o.stderr.contains("fenced"), "{}", o.show());
+    for step in [2, 4] {
+        assert!(
+            o.stderr.contains(&format!(
+                "checkpoint of step {step} failed (training goes on"
+            )),
+            "{}",
+            o.show()
+        );
+    }
+    assert_eq!(
+        assert_latest_checkpoint_is_finite(&ck, &MoeConfig::tiny()),
+        8
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+
+    let _ = std::fs::remove_dir_all(&ck);
+    block_checkpoints(&ck, &[2, 4]);
+    let o = lzrun(&[
+        "local",
+        "--steps",
+        "8",
+        "--ckpt-every",
+        "2",
+        "--ckpt-dir",
+        c,
+        "--max-ckpt-failures",
+        "2",
+    ]);
+    assert_error(
+        &o,
+        "2 checkpoints in a row failed (the limit), the last of step 4",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Whether this process can ignore file permissions (root): then a read-only directory is
+/// not read-only for the test, and the test is skipped.
+fn ignores_permissions() -> bool {
+    // SAFETY: geteuid(2) has no preconditions and touches no memory.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Issue 14 item 2: a read-only checkpoint directory is refused up front (exit 2, naming it);
+/// one that turns read-only mid-run fails checkpoints, not nodes.
+#[test]
+fn a_read_only_checkpoint_directory_is_refused_up_front_and_tolerated_mid_run() {
+    use std::os::unix::fs::PermissionsExt;
+    if ignores_permissions() {
+        eprintln!("skipped: running as root, which ignores the permissions under test");
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("ckpt-read-only");
+    let ck = dir.join("ckpt");
+    std::fs::create_dir_all(&ck).unwrap();
+    let mode = |m: u32| std::fs::set_permissions(&ck, std::fs::Permissions::from_mode(m)).unwrap();
+    mode(0o555);
+    let c = ck.to_str().unwrap();
+    let o = run(Command::new(LZRUN).args(["local", "--steps", "4", "--ckpt-dir", c]));
+    mode(0o755);
+    assert_error(&o, &format!("checkpoint directory {c} is not usable"));
+
+    let mut live = Live::start(&[
+        "local",
+        "--steps",
+        "12",
+        "--ckpt-every",
+        "2",
+        "--ckpt-dir",
+        c,
+    ]);
+    live.wait_for(" iteration        3/");
+    mode(0o555);
+    let o = live.finish();
+    mode(0o755);
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    assert!(o.stdout.contains(" iteration       12/"), "{}", o.show());
+    assert!(
+        o.stdout.contains("failed (training goes on"),
+        "{}",
+        o.show()
+    );
+    assert!(!o.stdout.contains("fenced"), "{}", o.show());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 14 item 2: two jobs on one checkpoint directory pruned and overwrote each other's
+/// checkpoints. The second one exits 2 naming the first.
+#[test]
+fn a_second_job_on_a_checkpoint_directory_exits_2_naming_the_first() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("ckpt-locked");
+    let c = dir.join("ckpt");
+    let c = c.to_str().unwrap();
+    let mut first = Live::start(&["local", "--steps", "100000", "--ckpt-dir", c]);
+    first.wait_for(" iteration        1/");
+    let second = run(Command::new(LZRUN).args(["local", "--steps", "2", "--ckpt-dir", c]));
+    signal(i32::try_from(first.child.id()).unwrap(), libc::SIGINT);
+    let pid = first.child.id();
+    let o = first.finish();
+    assert_eq!(o.code, Some(2), "{}", o.show());
+    assert_error(
+        &second,
+        "is in use by another job (held by lzrun local, pid ",
+    );
+    assert_error(&second, &format!("pid {pid} on "));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Entries of `dir` whose name starts with `prefix`.
+fn entries_starting(dir: &Path, prefix: &str) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .map(|it| {
+            it.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(prefix))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Starts `lzrun local` with `args`, waits for step 4, sends `sig`, and checks that it stops
+/// like on Ctrl-C: promptly, exit 2 saying so, no agent or worker left.
+fn stop_with(sig: i32, name: &str, args: &[&str], tmp: &Path) -> Outcome {
+    let mut live = Live::start_cmd(Command::new(LZRUN).args(args).env("TMPDIR", tmp));
+    live.wait_for(" iteration        4/");
+    let addr = live.addr.clone();
+    // This run's processes only: other worktrees may be running lzrun tests meanwhile.
+    let agents = processes_mentioning(&addr);
+    let workers: Vec<u32> = processes_mentioning("worker --managed")
+        .into_iter()
+        .filter(|&p| parent_of(p).is_some_and(|a| agents.contains(&a)))
+        .collect();
+    assert_eq!(workers.len(), agents.len(), "one worker per agent");
+    let sent = Instant::now();
+    signal(i32::try_from(live.child.id()).unwrap(), sig);
+    let o = live.finish();
+    assert!(
+        sent.elapsed() < Duration::from_secs(15),
+        "took {:?}",
+        sent.elapsed()
+    );
+    assert_eq!(o.code, Some(2), "{}", o.show());
+    assert!(
+        o.stderr.contains(&format!("interrupted ({name})")),
+        "{}",
+        o.show()
+    );
+    let left = || -> Vec<u32> {
+        let mut v = processes_mentioning(&addr);
+        v.extend(
+            workers
+                .iter()
+                .copied()
+                .filter(|p| Path::new(&format!("/proc/{p}")).exists()),
+        );
+        v
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !left().is_empty() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(left(), Vec::<u32>::new(), "processes left behind");
+    o
+}
+
+/// Issue 14 item 3: SIGTERM (what schedulers send) and SIGHUP killed `lzrun local` outright,
+/// leaving its temporary checkpoint directory behind. They now stop the job like Ctrl-C: no
+/// process or temporary directory left, the checkpoints of `--ckpt-dir` kept (and loadable),
+/// no staging directory of an unfinished checkpoint.
+#[test]
+fn sigterm_and_sighup_stop_the_job_like_ctrl_c() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("sigterm");
+    let ck = dir.join("ckpt");
+    let c = ck.to_str().unwrap();
+    let args = [
+        "local",
+        "--nodes",
+        "3",
+        "--steps",
+        "100000",
+        "--ckpt-every",
+        "1",
+        "--ckpt-dir",
+        c,
+    ];
+    stop_with(libc::SIGTERM, "SIGTERM", &args, &dir);
+    // Iteration 4 is step 3: every worker reported the checkpoint of step 3 before it.
+    assert!(assert_latest_checkpoint_is_finite(&ck, &MoeConfig::tiny()) >= 3);
+    assert_eq!(entries_starting(&ck, "."), Vec::<String>::new());
+    // Without --ckpt-dir the checkpoints live in a temporary directory under TMPDIR.
+    let args = ["local", "--steps", "100000", "--ckpt-every", "1"];
+    stop_with(libc::SIGHUP, "SIGHUP", &args, &dir);
+    assert_eq!(entries_starting(&dir, "lzrun-ckpt-"), Vec::<String>::new());
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -343,8 +343,9 @@ fn train_worker(comm: TcpCommunicator, world: usize, steps: u64) -> Vec<Snapshot
     let mut losses = Vec::new();
     for step in 0..steps {
         let tokens = shard(&corpus, &c, step, rank).unwrap();
-        let (loss, _, _, _) =
-            train_step(&model, &mut opt, &mut store, &mut dist, &tokens, false).unwrap();
+        let done = train_step(&model, &mut opt, &mut store, &mut dist, &tokens, false).unwrap();
+        assert!(!done.nonfinite);
+        let loss = done.loss;
         assert!(loss.is_finite());
         losses.push(loss);
         let sums = store

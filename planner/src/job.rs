@@ -52,10 +52,20 @@
 //!   most [`JobConfig::wait_for_nodes_ms`], then the job fails saying what it waited for.
 //! * **Checkpoints.** Members write their parts every `checkpoint_every_steps` steps
 //!   ([`JobConfig::checkpoint_due`]); once every member wrote the parts of a step the driver is
-//!   told to [`Action::CommitCheckpoint`]. A failed commit is logged, never a node failure.
+//!   told to [`Action::CommitCheckpoint`]. A checkpoint that fails (a member could not write its
+//!   parts, or the commit failed: [`Event::CheckpointFailed`]) is logged and never a node
+//!   failure; training goes on and the next due checkpoint is a fresh try. Only
+//!   `max_checkpoint_failures` failed checkpoints in a row (when set) end the job.
+//! * **Non-finite steps.** A step whose loss or gradient was not finite on some member was
+//!   trained by nobody: the members agreed (in the step's last collective) to skip its update,
+//!   and report it with [`StepReport::nonfinite`]. It is counted (its data is consumed), and
+//!   `max_nonfinite_steps` such steps in a row end the job: the state stopped improving and
+//!   the learning rate is almost certainly too high.
 //! * **Stop.** When every member finished the last step, every node is told to
 //!   [`Action::Stop`]; the job is over when every node sent its state checksums, which must
-//!   agree (one dense state, every replica of an expert identical) — else the job fails.
+//!   agree (one dense state, every replica of an expert identical) — else the job fails. Members
+//!   that say they finished while steps are still uncounted (their reports never arrived) fail
+//!   the job: it must not look complete.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -97,6 +107,13 @@ pub struct JobConfig {
     pub checkpoint_every_steps: u64,
     /// Start from the newest checkpoint instead of a fresh model.
     pub resume: bool,
+    /// This many counted steps in a row whose update was skipped for a non-finite loss or
+    /// gradient end the job (at least 1).
+    #[serde(default = "default_max_nonfinite_steps")]
+    pub max_nonfinite_steps: u64,
+    /// This many failed checkpoints in a row end the job (0: never; training goes on without).
+    #[serde(default)]
+    pub max_checkpoint_failures: u64,
     pub aggregation: Aggregation,
     pub alloc: AllocPolicy,
     pub place: PlacePolicy,
@@ -121,6 +138,8 @@ impl JobConfig {
             rebalance_every_steps: 0,
             checkpoint_every_steps: 0,
             resume: false,
+            max_nonfinite_steps: default_max_nonfinite_steps(),
+            max_checkpoint_failures: 0,
             aggregation: Aggregation::Sum { window_steps: 200 },
             alloc: AllocPolicy::Lazarus,
             place: PlacePolicy::Mro,
@@ -144,6 +163,7 @@ impl JobConfig {
             ("heartbeat_timeout_ms", self.heartbeat_timeout_ms),
             ("member_timeout_ms", self.member_timeout_ms),
             ("initial_nodes", self.initial_nodes as u64),
+            ("max_nonfinite_steps", self.max_nonfinite_steps),
         ] {
             if v == 0 {
                 return Err(JobConfigError::Zero(name));
@@ -151,6 +171,11 @@ impl JobConfig {
         }
         Ok(())
     }
+}
+
+/// A few skipped steps in a row can be a transient spike; more means training diverged.
+fn default_max_nonfinite_steps() -> u64 {
+    3
 }
 
 /// A configuration the machine cannot run with.
@@ -170,6 +195,10 @@ pub struct StepReport {
     pub step_ms: f64,
     /// Routed tokens `[layer][expert]` of this member (empty: none reported).
     pub routing: Vec<Vec<u64>>,
+    /// The loss or a gradient of this step was not finite on some member, and every member
+    /// skipped the update (the decision is collective, so replicas stay identical).
+    #[serde(default)]
+    pub nonfinite: bool,
 }
 
 /// Why a member's worker is idle.
@@ -253,6 +282,8 @@ pub enum Event {
     CheckpointCommitted {
         step: u64,
     },
+    /// The commit of `step` failed, or a member of the current epoch could not write its parts
+    /// of it (then no commit is asked for that step).
     CheckpointFailed {
         step: u64,
         error: String,
@@ -535,6 +566,11 @@ pub struct JobMachine {
     /// parts must not commit it again).
     commit_asked: Option<u64>,
     last_committed: Option<u64>,
+    /// `(epoch, step)` of the checkpoints that failed since the last commit (one entry per
+    /// checkpoint however many members report its failure).
+    failed_checkpoints: BTreeSet<(u64, u64)>,
+    /// Counted steps in a row whose update was skipped (non-finite loss or gradient).
+    nonfinite_run: u64,
     history: LoadHistory,
     /// The current lineage was set up completely (Fresh/restore done on every member).
     lineage_complete: bool,
@@ -568,6 +604,8 @@ impl JobMachine {
             checkpoint_parts: BTreeMap::new(),
             commit_asked: None,
             last_committed: None,
+            failed_checkpoints: BTreeSet::new(),
+            nonfinite_run: 0,
             history,
             lineage_complete: false,
             started: false,
@@ -674,11 +712,10 @@ impl JobMachine {
             }
             Event::CheckpointCommitted { step } => {
                 self.last_committed = Some(self.last_committed.map_or(step, |s| s.max(step)));
+                self.failed_checkpoints.clear();
                 out.push(Action::Log(format!("checkpoint of step {step} committed")));
             }
-            Event::CheckpointFailed { step, error } => out.push(Action::Log(format!(
-                "checkpoint of step {step} failed (training goes on): {error}"
-            ))),
+            Event::CheckpointFailed { step, error } => self.checkpoint_failed(step, &error, out),
             Event::CheckpointFound { step } => self.restore_from(step, now_ms, out),
             Event::CheckpointMissing { error } => self.no_checkpoint(&error, out),
             Event::Done { node, checksums } => {
@@ -953,6 +990,7 @@ impl JobMachine {
                 add_counts(&mut routing, &r.routing);
             }
             let n = by_node.len().max(1) as f64;
+            let nonfinite = by_node.values().any(|r| r.nonfinite);
             let record = StepRecord {
                 step,
                 epoch: self.epoch,
@@ -965,6 +1003,28 @@ impl JobMachine {
             };
             self.count_steps(step, step, &routing, now_ms, out);
             out.push(Action::Record(record));
+            if nonfinite {
+                self.nonfinite_run += 1;
+                let max = self.cfg.max_nonfinite_steps;
+                out.push(Action::Log(format!(
+                    "step {step}: non-finite loss or gradient, the update was skipped on every \
+                     member ({} in a row, the limit is {max})",
+                    self.nonfinite_run
+                )));
+                if self.nonfinite_run >= max {
+                    return self.fail(
+                        format!(
+                            "training diverged: {} steps in a row (the last is step {step}) had \
+                             a non-finite loss or gradient and were skipped; lower the \
+                             learning rate (lr) or resume from an earlier checkpoint",
+                            self.nonfinite_run
+                        ),
+                        out,
+                    );
+                }
+            } else {
+                self.nonfinite_run = 0;
+            }
         }
     }
 
@@ -1091,6 +1151,32 @@ impl JobMachine {
         }
     }
 
+    fn checkpoint_failed(&mut self, step: u64, error: &str, out: &mut Vec<Action>) {
+        if !self.failed_checkpoints.insert((self.epoch, step)) {
+            return;
+        }
+        // The other members' parts of this step will never make a checkpoint: ask no commit.
+        self.checkpoint_parts.remove(&step);
+        self.commit_asked = Some(self.commit_asked.map_or(step, |s| s.max(step)));
+        let failures = self.failed_checkpoints.len() as u64;
+        let max = self.cfg.max_checkpoint_failures;
+        if max > 0 && failures >= max {
+            out.push(Action::Log(format!(
+                "checkpoint of step {step} failed: {error}"
+            )));
+            return self.fail(
+                format!(
+                    "{failures} checkpoints in a row failed (the limit), the last of step \
+                     {step}: {error}"
+                ),
+                out,
+            );
+        }
+        out.push(Action::Log(format!(
+            "checkpoint of step {step} failed (training goes on; {failures} in a row): {error}"
+        )));
+    }
+
     /// Moves the job on once the conditions of the current phase hold.
     fn progress(&mut self, now_ms: u64, out: &mut Vec<Action>) {
         match self.phase {
@@ -1123,6 +1209,17 @@ impl JobMachine {
                     && self.members.iter().all(|m| {
                         matches!(&self.nodes[m].idle, Some((IdleReason::Finished, s, _)) if *s >= self.cfg.total_steps)
                     });
+                if finished && self.next_step < self.cfg.total_steps {
+                    // Stopping now would report a complete job that is not.
+                    return self.fail(
+                        format!(
+                            "every member finished, but only {} of {} steps were counted \
+                             (the reports of step {} never arrived)",
+                            self.next_step, self.cfg.total_steps, self.next_step
+                        ),
+                        out,
+                    );
+                }
                 if finished {
                     self.enter(Phase::Stopping, now_ms);
                     for &id in self.nodes.keys() {

@@ -83,6 +83,7 @@ impl Job {
                     tokens: 8,
                     step_ms: 1.0,
                     routing: Vec::new(),
+                    nonfinite: false,
                 },
             }));
         }
@@ -595,6 +596,137 @@ fn the_job_ends_when_every_member_finished_and_checks_the_replicas() {
             .unwrap();
         assert_eq!(fin.is_ok(), ok, "{fin:?}");
     }
+}
+
+/// Issue 14: members whose step reports never arrived (a worker line the controller could not
+/// parse) said they finished, and the job ended as a success after 4 of 12 steps.
+#[test]
+fn members_that_finish_with_uncounted_steps_fail_the_job() {
+    let (mut j, _) = started(config(4, 12), &[0, 1], 4);
+    j.idle(0, IdleReason::Finished, 12);
+    let a = j.idle(1, IdleReason::Finished, 12);
+    let fin = a.iter().find_map(|a| match a {
+        Action::Finished(r) => Some(r.clone()),
+        _ => None,
+    });
+    let err = fin.expect("the job ends").expect_err("not a success");
+    assert!(err.contains("only 4 of 12 steps were counted"), "{err}");
+    assert!(j.m.is_over());
+}
+
+fn step_nonfinite(j: &mut Job, step: u64, nonfinite: bool) -> Vec<Action> {
+    let epoch = j.m.epoch();
+    let mut a = Vec::new();
+    for m in j.m.members().to_vec() {
+        a.extend(j.ev(Event::Stepped {
+            node: m,
+            epoch,
+            step,
+            report: StepReport {
+                loss: f64::NAN,
+                // One member's vote is every member's skip; the flag is set on one report only
+                // to show that one is enough.
+                nonfinite: nonfinite && m == 0,
+                ..StepReport::default()
+            },
+        }));
+    }
+    a
+}
+
+fn finished(actions: &[Action]) -> Option<Result<(), String>> {
+    actions.iter().find_map(|a| match a {
+        Action::Finished(r) => Some(r.clone()),
+        _ => None,
+    })
+}
+
+/// Issue 14: a diverged job (lr too high) trained on NaN and committed NaN checkpoints. Skipped
+/// steps count, a finite one resets the run, and `max_nonfinite_steps` in a row end the job.
+#[test]
+fn non_finite_steps_in_a_row_end_the_job() {
+    let mut cfg = config(4, 50);
+    cfg.max_nonfinite_steps = 3;
+    let (mut j, _) = started(cfg, &[0, 1], 2);
+    for s in 2..4 {
+        assert_eq!(finished(&step_nonfinite(&mut j, s, true)), None);
+    }
+    let a = step_nonfinite(&mut j, 4, false);
+    assert_eq!(records(&a), vec![4]);
+    for s in 5..7 {
+        let a = step_nonfinite(&mut j, s, true);
+        assert_eq!(records(&a), vec![s], "a skipped step is counted");
+        assert_eq!(finished(&a), None, "step {s}");
+    }
+    let a = step_nonfinite(&mut j, 7, true);
+    let err = finished(&a).expect("ends").expect_err("fails");
+    assert!(
+        err.contains("3 steps in a row") && err.contains("step 7") && err.contains("lr"),
+        "{err}"
+    );
+    assert!(a.contains(&Action::Stop { node: 0 }) && a.contains(&Action::Stop { node: 1 }));
+    assert!(j.m.is_over());
+}
+
+/// Issue 14: a checkpoint a member cannot write (full or read-only directory) is the
+/// checkpoint's failure, not the node's: no commit is asked for it, training goes on, and only
+/// `max_checkpoint_failures` failed checkpoints in a row (counted once each, however many
+/// members report them) end the job.
+#[test]
+fn failed_checkpoints_are_counted_once_each_and_end_the_job_only_at_the_limit() {
+    let mut cfg = config(4, 50);
+    cfg.checkpoint_every_steps = 2;
+    cfg.max_checkpoint_failures = 2;
+    let (mut j, r) = started(cfg, &[0, 1], 2);
+    let fail = |j: &mut Job, step: u64| {
+        j.ev(Event::CheckpointFailed {
+            step,
+            error: "read-only file system".into(),
+        })
+    };
+    j.ev(Event::CheckpointWritten {
+        node: 0,
+        epoch: r.epoch,
+        step: 2,
+    });
+    fail(&mut j, 2);
+    let a = fail(&mut j, 2);
+    assert!(
+        finished(&a).is_none(),
+        "one checkpoint failed, twice reported"
+    );
+    let a = j.ev(Event::CheckpointWritten {
+        node: 1,
+        epoch: r.epoch,
+        step: 2,
+    });
+    assert!(
+        !a.iter()
+            .any(|a| matches!(a, Action::CommitCheckpoint { .. })),
+        "a failed checkpoint is not committed"
+    );
+    assert_eq!(j.m.phase(), Phase::Training);
+    // A commit in between resets the count.
+    j.step_all(2);
+    j.step_all(3);
+    j.ev(Event::CheckpointCommitted { step: 4 });
+    fail(&mut j, 6);
+    assert_eq!(j.m.phase(), Phase::Training);
+    let a = fail(&mut j, 8);
+    let err = finished(&a).expect("ends").expect_err("fails");
+    assert!(
+        err.contains("2 checkpoints in a row failed") && err.contains("read-only"),
+        "{err}"
+    );
+
+    // Without a limit the job trains on.
+    let mut cfg = config(4, 50);
+    cfg.checkpoint_every_steps = 2;
+    let (mut j, _) = started(cfg, &[0, 1], 2);
+    for step in (0..40).step_by(2) {
+        assert!(finished(&fail(&mut j, step)).is_none());
+    }
+    assert_eq!(j.m.phase(), Phase::Training);
 }
 
 /// A pause nobody asked for in this epoch (a late `Pause` of an earlier one reached a worker

@@ -222,6 +222,7 @@ impl Controller {
                     tokens: s.tokens,
                     step_ms: s.ms,
                     routing: s.routing,
+                    nonfinite: s.nonfinite,
                 },
             },
             WorkerLine::Event(ev) => match self.worker_event(node, ev) {
@@ -274,6 +275,14 @@ impl Controller {
                     self.parts.entry(step).or_default().insert(node, parts);
                 }
                 Event::CheckpointWritten { node, epoch, step }
+            }
+            WorkerEvent::CheckpointFailed { epoch, step, error } => {
+                // A report of an earlier epoch is about a checkpoint nobody commits any more.
+                if epoch != self.machine.epoch() {
+                    return None;
+                }
+                let error = format!("node {node} could not write its parts: {error}");
+                Event::CheckpointFailed { step, error }
             }
             WorkerEvent::Done(sums) => {
                 let checksums = StateChecksums {

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Why a [`MoeConfig`] cannot build a model. Each variant names the offending quantity.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ConfigError {
     #[error("{name} must be at least 1 (got 0)")]
     Zero { name: &'static str },
@@ -13,6 +13,14 @@ pub enum ConfigError {
     TopK { top_k: usize, experts: usize },
     #[error("vocab {vocab} does not fit in u32 token ids")]
     Vocab { vocab: usize },
+    /// A hyper-parameter that is NaN, infinite or out of its range: it would poison every
+    /// weight at the first update (and NaN does not even survive the JSON the job is sent in).
+    #[error("{name} must be a finite number {range} (got {value})")]
+    Number {
+        name: &'static str,
+        value: f64,
+        range: &'static str,
+    },
 }
 
 /// Model shape plus the few training knobs the executor needs.
@@ -92,7 +100,8 @@ impl MoeConfig {
         }
     }
 
-    /// Checks that the shape can be built.
+    /// Checks that the shape can be built and that the learning rate and the load-balancing
+    /// coefficient are finite and in range.
     pub fn validate(&self) -> Result<(), ConfigError> {
         for (name, v) in [
             ("vocab", self.vocab),
@@ -122,6 +131,20 @@ impl MoeConfig {
         }
         if u32::try_from(self.vocab).is_err() {
             return Err(ConfigError::Vocab { vocab: self.vocab });
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return Err(ConfigError::Number {
+                name: "lr",
+                value: self.lr,
+                range: "> 0",
+            });
+        }
+        if !(self.lb_loss_coef.is_finite() && self.lb_loss_coef >= 0.0) {
+            return Err(ConfigError::Number {
+                name: "lb_loss_coef",
+                value: self.lb_loss_coef,
+                range: ">= 0",
+            });
         }
         Ok(())
     }

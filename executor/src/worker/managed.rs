@@ -193,7 +193,9 @@ impl<E: FnMut(&str) -> Result<()>> Worker<'_, E> {
         }
     }
 
-    /// Writes this worker's checkpoint parts if one is due after `self.step` steps.
+    /// Writes this worker's checkpoint parts if one is due after `self.step` steps. A part that
+    /// cannot be written (full or read-only directory, non-finite state) fails the checkpoint,
+    /// not this worker: it is reported and training goes on (the next one is a fresh try).
     fn checkpoint_if_due(&mut self) -> Result<()> {
         let Some(spec) = self.job.checkpoint.clone().filter(|c| c.every_steps > 0) else {
             return Ok(());
@@ -201,9 +203,16 @@ impl<E: FnMut(&str) -> Result<()>> Worker<'_, E> {
         if !self.step.is_multiple_of(spec.every_steps) {
             return Ok(());
         }
-        let parts = write_checkpoint(&spec, self.step, &self.st, &self.replicas, self.rank)?;
         let (epoch, step) = (self.epoch, self.step);
-        self.event(&WorkerEvent::Checkpointed { epoch, step, parts })
+        let ev = match write_checkpoint(&spec, step, &self.st, &self.replicas, self.rank) {
+            Ok(parts) => WorkerEvent::Checkpointed { epoch, step, parts },
+            Err(e) => WorkerEvent::CheckpointFailed {
+                epoch,
+                step,
+                error: error_text(&e),
+            },
+        };
+        self.event(&ev)
     }
 
     /// Takes the commands that arrived while training; `Stopped` on `Stop`.
@@ -259,19 +268,21 @@ impl<E: FnMut(&str) -> Result<()>> Worker<'_, E> {
                     self.pause_pending,
                 )
             });
-        let (loss, stats, snap, pause) = match res {
+        let done = match res {
             Ok(r) => r,
             // Discard the step and the broken communicator, then wait for the controller.
             Err(e) => return self.failed(&e),
         };
-        self.snapshot = Some((self.step, snap));
+        let pause = done.pause;
+        self.snapshot = Some((self.step, done.snapshot));
         let line = StepLine {
             step: self.step,
             epoch: self.epoch,
-            loss,
+            loss: done.loss,
             tokens: (cfg.batch * cfg.seq_len) as u64,
             ms: ms_since(t0),
-            routing: stats.counts,
+            routing: done.stats.counts,
+            nonfinite: done.nonfinite,
         };
         (self.emit)(&serde_json::to_string(&line)?)?;
         self.step += 1;

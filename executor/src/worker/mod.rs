@@ -26,9 +26,10 @@
 //! ## No partial updates
 //!
 //! [`train_step`] runs every collective of a step (forward and backward exchanges, dense and
-//! expert all-reduces, then a one-value all-reduce that doubles as the barrier and carries the
-//! pause vote) before it applies any optimizer step, and keeps a [`Snapshot`] of the state
-//! before the update. A peer can still die while that last all-reduce completes for some ranks
+//! expert all-reduces, then a two-value all-reduce that doubles as the barrier and carries the
+//! pause vote and the non-finite vote) before it applies any optimizer step, and keeps a
+//! [`Snapshot`] of the state before the update. When some member saw a NaN or an infinity in
+//! its loss or gradients, every member skips the update of that step (see [`train_step`]). A peer can still die while that last all-reduce completes for some ranks
 //! and not for others; then the survivors disagree by one step, the controller resumes at the
 //! smallest reported step and the ranks one step further roll back to their snapshot.
 //!
@@ -60,10 +61,15 @@ pub use protocol::{
     StepLine, WorkerEvent, WorkerLine,
 };
 pub use standalone::{WorkerOptions, run_worker};
-pub use state::{Snapshot, train_step};
+pub use state::{Snapshot, TrainedStep, all_finite, train_step};
 
 /// Model configurations a worker can be started with, by name.
 pub const CONFIG_NAMES: [&str; 4] = ["tiny", "gpt-s", "gpt-m", "gpt-l"];
+
+/// Steps in a row whose update was skipped for a non-finite loss or gradient after which a job
+/// (or a stand-alone worker) gives up: one or two can be a transient spike, more means the
+/// training diverged.
+pub const MAX_NONFINITE_STEPS: u64 = 3;
 
 /// The fault-tolerance threshold the plan asks for (the paper's `f`).
 pub const FAULT_TOLERANCE: usize = 2;

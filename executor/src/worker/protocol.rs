@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow};
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::checkpoint;
 use crate::comm::MeshSecret;
@@ -20,7 +20,9 @@ pub struct StepLine {
     /// Membership epoch the step was trained in (0 for a stand-alone worker).
     #[serde(default)]
     pub epoch: u64,
-    /// This worker's shard loss.
+    /// This worker's shard loss. JSON has no NaN or infinity (serde_json writes `null`), so
+    /// `null` reads back as NaN: a diverged step must still be reported, not dropped.
+    #[serde(deserialize_with = "nan_if_null")]
     pub loss: f32,
     /// Tokens predicted by this worker in this step.
     pub tokens: u64,
@@ -30,6 +32,14 @@ pub struct StepLine {
     /// controller's load history for rebalancing).
     #[serde(default)]
     pub routing: Vec<Vec<u64>>,
+    /// The loss or a gradient was not finite on some member: every member skipped the update
+    /// of this step ([`super::train_step`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub nonfinite: bool,
+}
+
+fn nan_if_null<'de, D: Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
+    Ok(Option::<f32>::deserialize(d)?.unwrap_or(f32::NAN))
 }
 
 /// Checksum of one held expert replica.
@@ -245,6 +255,13 @@ pub enum WorkerEvent {
         step: u64,
         parts: Vec<checkpoint::PartInfo>,
     },
+    /// This worker could not write its parts of the checkpoint after `step` completed steps
+    /// (full or read-only directory, non-finite state); it trains on.
+    CheckpointFailed {
+        epoch: u64,
+        step: u64,
+        error: String,
+    },
     /// Checksums of the final state (sent at `Stop`).
     Done(Checksums),
 }
@@ -282,5 +299,29 @@ mod tests {
             Some(WorkerLine::Event(WorkerEvent::Paused { step: 4, .. }))
         ));
         assert!(WorkerLine::parse("not json").is_none());
+    }
+
+    /// Issue 14: a NaN loss went out as `null`, the controller could not parse the line, and
+    /// the step was never counted.
+    #[test]
+    fn a_non_finite_loss_survives_the_line() {
+        for loss in [f32::NAN, f32::INFINITY] {
+            let line = StepLine {
+                step: 4,
+                epoch: 1,
+                loss,
+                tokens: 10,
+                ms: 1.0,
+                routing: Vec::new(),
+                nonfinite: true,
+            };
+            let text = serde_json::to_string(&line).unwrap();
+            let Some(WorkerLine::Step(back)) = WorkerLine::parse(&text) else {
+                panic!("{text} does not parse as a step");
+            };
+            assert!(back.loss.is_nan() && back.nonfinite, "{back:?}");
+        }
+        let plain = r#"{"step":3,"loss":2.5,"tokens":10,"ms":1.0}"#;
+        assert!(matches!(WorkerLine::parse(plain), Some(WorkerLine::Step(s)) if !s.nonfinite));
     }
 }

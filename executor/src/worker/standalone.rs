@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use super::protocol::{Checksums, StepLine};
 use super::state::train_step;
-use super::{bind_with_retry, held_replicas, plan_replicas};
+use super::{MAX_NONFINITE_STEPS, bind_with_retry, held_replicas, plan_replicas};
 use crate::comm::{MeshSecret, TcpCommunicator};
 use crate::model::{Corpus, DenseModel, ExpertStore, MoeConfig};
 use crate::runtime::DistributedExperts;
@@ -100,6 +100,7 @@ pub fn run_worker(
 
     let corpus = Corpus::embedded();
     let tokens_per_step = (cfg.batch * cfg.seq_len) as u64;
+    let mut nonfinite_run = 0;
     for step in 0..opts.steps {
         let t0 = Instant::now();
         let tokens = corpus.batch(
@@ -110,17 +111,25 @@ pub fn run_worker(
             cfg.seq_len + 1,
             &dev,
         )?;
-        let (loss, stats, _, _) =
-            train_step(&model, &mut opt, &mut store, &mut dist, &tokens, false)
-                .with_context(|| format!("rank {rank}: step {step}"))?;
+        let done = train_step(&model, &mut opt, &mut store, &mut dist, &tokens, false)
+            .with_context(|| format!("rank {rank}: step {step}"))?;
         on_step(&StepLine {
             step,
             epoch: opts.epoch,
-            loss,
+            loss: done.loss,
             tokens: tokens_per_step,
             ms: t0.elapsed().as_secs_f64() * 1e3,
-            routing: stats.counts,
+            routing: done.stats.counts,
+            nonfinite: done.nonfinite,
         })?;
+        // The same rule as under a controller: every rank decided the same skips, so every
+        // rank stops here together.
+        nonfinite_run = if done.nonfinite { nonfinite_run + 1 } else { 0 };
+        ensure!(
+            nonfinite_run < MAX_NONFINITE_STEPS,
+            "training diverged: {nonfinite_run} steps in a row (the last is step {step}) had a \
+             non-finite loss or gradient and were skipped; lower the learning rate (lr)"
+        );
     }
 
     let sums = Checksums::collect(rank, world, opts.steps, &model, &store)?;

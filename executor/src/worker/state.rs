@@ -63,14 +63,35 @@ impl Snapshot {
     }
 }
 
+/// What one [`train_step`] did.
+pub struct TrainedStep {
+    /// This worker's shard loss (NaN or infinite when the step diverged here).
+    pub loss: f32,
+    pub stats: RoutingStats,
+    /// The state before the step's update, to roll one step back.
+    pub snapshot: Snapshot,
+    /// Some member voted to pause after this step.
+    pub pause: bool,
+    /// Some member saw a non-finite loss or gradient, so no member applied the update.
+    pub nonfinite: bool,
+}
+
 /// One distributed training step — the only one, for managed and stand-alone workers — that
 /// applies nothing unless every collective of the step succeeded (see the
 /// [worker docs](super)): forward through `experts`, backward (which runs the backward
 /// exchanges), dense gradients summed over all ranks and expert gradients over each expert's
-/// replicas, then a one-value all-reduce that is both the barrier and the pause vote; only
-/// then the optimizer updates. `pause` is this worker's vote to pause after the
-/// step. Returns the loss, the routing counts, the pre-update snapshot and whether any member
-/// voted to pause.
+/// replicas, then a two-value all-reduce that is the barrier and carries the pause vote and
+/// the non-finite vote; only then the optimizer updates. `pause` is this worker's vote to
+/// pause after the step.
+///
+/// # Non-finite steps
+/// A worker votes non-finite when its loss, the summed dense gradient or the summed gradient
+/// of one of its experts holds a NaN or an infinity. Expert gradients are summed within each
+/// expert's replica group only, so no worker sees every gradient: the vote is what makes the
+/// decision the same on every member. If any member voted, every member skips the update
+/// (weights, moments and optimizer step counters stay as they were, so replicas stay
+/// identical and no NaN ever reaches the state); the step still consumed its data. The
+/// controller ends the job after too many such steps in a row.
 pub fn train_step(
     model: &DenseModel,
     dense_opt: &mut AdamW,
@@ -78,29 +99,58 @@ pub fn train_step(
     experts: &mut DistributedExperts,
     tokens: &Tensor,
     pause: bool,
-) -> Result<(f32, RoutingStats, Snapshot, bool)> {
+) -> Result<TrainedStep> {
     experts.begin_step()?;
     let mut stats = RoutingStats::default();
     let loss = model.loss(tokens, experts, &mut stats)?;
     let grads = loss.backward()?;
     let dense = experts.all_reduce_dense(model, &grads)?;
     let expert_grads = experts.reduce_expert_grads()?;
-    // The last collective: a barrier that also carries the pause votes.
+    let loss = loss.to_scalar::<f32>()?;
+    let mut finite = loss.is_finite();
+    for g in dense.iter().flatten() {
+        finite = finite && all_finite(g)?;
+    }
+    for (g1, g2) in expert_grads.values() {
+        finite = finite && all_finite(g1)? && all_finite(g2)?;
+    }
+    // The last collective: a barrier that also carries the pause and non-finite votes.
     let votes = experts.with_comm(|c| {
         let all: Vec<usize> = (0..c.world()).collect();
-        let mut v = [f32::from(u8::from(pause))];
-        c.all_reduce_sum(&all, &mut v).map(|()| v[0])
+        let mut v = [f32::from(u8::from(pause)), f32::from(u8::from(!finite))];
+        c.all_reduce_sum(&all, &mut v).map(|()| v)
     })??;
-    let loss = loss.to_scalar::<f32>()?;
-    let snap = Snapshot::take(dense_opt, store)?;
-    dense_opt.step_with(&dense)?;
-    for ((l, e), (g1, g2)) in expert_grads {
-        store.step_replica(l, e, &g1, &g2)?;
+    let nonfinite = votes[1] > 0.0;
+    let snapshot = Snapshot::take(dense_opt, store)?;
+    if !nonfinite {
+        dense_opt.step_with(&dense)?;
+        for ((l, e), (g1, g2)) in expert_grads {
+            store.step_replica(l, e, &g1, &g2)?;
+        }
     }
-    Ok((loss, stats, snap, votes > 0.0))
+    Ok(TrainedStep {
+        loss,
+        stats,
+        snapshot,
+        pause: votes[0] > 0.0,
+        nonfinite,
+    })
 }
 
-/// Writes this worker's parts of the checkpoint after `step` completed steps.
+/// Whether every value of `t` is finite. `0·x` is ±0 for a finite `x` and NaN for a NaN or an
+/// infinity, so the sum is exactly 0 when all are finite; summing the values themselves could
+/// overflow to infinity on large but finite gradients.
+pub fn all_finite(t: &Tensor) -> Result<bool> {
+    let z = t
+        .affine(0.0, 0.0)?
+        .sum_all()?
+        .to_dtype(candle_core::DType::F32)?;
+    Ok(z.to_scalar::<f32>()? == 0.0)
+}
+
+/// Writes this worker's parts of the checkpoint after `step` completed steps. A state holding a
+/// NaN or an infinity is refused before anything is written: a checkpoint exists to be
+/// restored, and restoring it would only bring the divergence back.
 pub(super) fn write_checkpoint(
     spec: &CheckpointSpec,
     step: u64,
@@ -110,17 +160,39 @@ pub(super) fn write_checkpoint(
 ) -> Result<Vec<checkpoint::PartInfo>> {
     let mut parts = Vec::new();
     for part in checkpoint::parts_to_write(replicas, rank) {
+        let name = part.name();
         let bytes = match part {
-            checkpoint::Part::Dense => checkpoint::encode_dense(&st.opt.export()?),
+            checkpoint::Part::Dense => {
+                let s = st.opt.export()?;
+                checkpoint::check_dense_finite(&s).map_err(|e| anyhow!("{name}: {e}"))?;
+                checkpoint::encode_dense(&s)
+            }
             checkpoint::Part::Expert { layer, expert } => {
-                checkpoint::encode_expert(&st.store.export(layer, expert)?)
+                let s = st.store.export(layer, expert)?;
+                checkpoint::check_expert_finite(&s).map_err(|e| anyhow!("{name}: {e}"))?;
+                checkpoint::encode_expert(&s)
             }
         };
-        let name = part.name();
         parts.push(
             checkpoint::write_part(&spec.root, step, &name, &bytes)
                 .map_err(|e| anyhow!("writing checkpoint part {name}: {e}"))?,
         );
     }
     Ok(parts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_finite_finds_nan_and_infinities_without_overflowing() {
+        let t = |v: &[f32]| Tensor::from_slice(v, v.len(), &Device::Cpu).unwrap();
+        // Their sum would overflow to infinity; they are finite.
+        assert!(all_finite(&t(&[3e38, 3e38, -0.0, 1.0])).unwrap());
+        assert!(all_finite(&t(&[])).unwrap());
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            assert!(!all_finite(&t(&[1.0, bad, 2.0])).unwrap(), "{bad}");
+        }
+    }
 }

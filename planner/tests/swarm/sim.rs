@@ -1135,6 +1135,7 @@ impl Sim {
             routing: (0..layers)
                 .map(|_| (0..experts).map(|_| self.rng.random_range(0..50)).collect())
                 .collect(),
+            nonfinite: false,
         }
     }
 

@@ -5,7 +5,7 @@ use lazarus_executor::control::{AgentConfig, WorkerLaunch, run_agent};
 use tokio::sync::watch;
 
 use crate::args::AgentArgs;
-use crate::drive::runtime;
+use crate::drive::{runtime, stop_signals};
 
 /// Registers with the controller and runs this node until the job ends (or Ctrl-C).
 pub fn agent(a: AgentArgs) -> Result<()> {
@@ -24,12 +24,17 @@ pub fn agent(a: AgentArgs) -> Result<()> {
         listen: a.data_addr,
     };
     let rt = runtime()?;
+    let stop = {
+        let _guard = rt.enter();
+        stop_signals()?
+    };
     rt.block_on(async {
         let (stop_tx, stop_rx) = watch::channel(false);
+        // SIGTERM and SIGHUP too: a scheduler stopping this node should see it say goodbye
+        // (the controller then replans at once instead of waiting for a heartbeat timeout).
         tokio::spawn(async move {
-            if tokio::signal::ctrl_c().await.is_ok() {
-                let _ = stop_tx.send(true);
-            }
+            stop.await;
+            let _ = stop_tx.send(true);
         });
         run_agent(&cfg, &launch, stop_rx)
             .await

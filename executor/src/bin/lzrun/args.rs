@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 use lazarus_executor::faults;
-use lazarus_executor::worker::FAULT_TOLERANCE;
+use lazarus_executor::worker::{FAULT_TOLERANCE, MAX_NONFINITE_STEPS};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Format {
@@ -152,16 +152,30 @@ pub struct JobArgs {
     #[arg(long)]
     pub slots: Option<usize>,
     /// Directory of the checkpoints (default: `<metrics-out>/ckpt` or `<out>/ckpt`, else a
-    /// temporary directory removed at the end).
+    /// temporary directory, removed at the end unless the job failed: then its path is printed).
+    /// One job at a time: the job locks it (`lzrun.lock`), and a second job on it exits 2
+    /// naming the holder. It must be writable.
     #[arg(long, value_name = "DIR")]
     pub ckpt_dir: Option<PathBuf>,
     /// Checkpoint after every K completed steps (0: never; then a failure that loses every
     /// replica of an expert ends the job).
     #[arg(long, value_name = "K", default_value_t = 5)]
     pub ckpt_every: u64,
-    /// Checkpoints to keep.
+    /// Checkpoints to keep (only checkpoints that verify count; a damaged one never costs a
+    /// valid one).
     #[arg(long, default_value_t = 3)]
     pub ckpt_keep: usize,
+    /// End the job (exit 2) after N failed checkpoints in a row (0: never). A checkpoint that
+    /// cannot be written or committed (full or read-only directory) is logged and training goes
+    /// on; the next due checkpoint is a fresh try. It never fails a node.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub max_ckpt_failures: u64,
+    /// End the job (exit 2) after N steps in a row with a non-finite loss or gradient. Such a
+    /// step (NaN or infinity on any worker: the workers vote in the step's last collective)
+    /// applies no update on any worker, so the weights stay finite and identical everywhere; it
+    /// is logged and counted. A checkpoint never holds a non-finite value.
+    #[arg(long, value_name = "N", default_value_t = MAX_NONFINITE_STEPS)]
+    pub max_nonfinite_steps: u64,
     /// Start from the newest valid checkpoint under DIR (a checkpoint root) instead of a fresh
     /// model; steps before the checkpoint's are not trained again.
     #[arg(long, value_name = "DIR")]

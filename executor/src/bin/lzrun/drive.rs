@@ -40,15 +40,52 @@ pub struct NoHooks;
 
 impl Hooks for NoHooks {}
 
-/// Runs the job server and handles its notices until the job is over (or Ctrl-C), calling
-/// `hooks` on the way.
+/// The job was stopped by a signal (SIGINT, SIGTERM or SIGHUP), not by a failure.
+#[derive(Debug)]
+pub struct Interrupted(pub &'static str);
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let how = if self.0 == "SIGINT" {
+            "Ctrl-C, SIGINT"
+        } else {
+            self.0
+        };
+        write!(f, "interrupted ({how}): every node was told to stop")
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+/// Resolves with the name of the first stop signal received: SIGINT (Ctrl-C), SIGTERM (what
+/// schedulers and `kill` send) or SIGHUP (the terminal went away). Installing the handlers is
+/// what keeps these signals from killing the process outright, so call it before anything
+/// that must be cleaned up.
+pub fn stop_signals() -> Result<impl std::future::Future<Output = &'static str>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut int = signal(SignalKind::interrupt()).context("handling SIGINT")?;
+    let mut term = signal(SignalKind::terminate()).context("handling SIGTERM")?;
+    let mut hup = signal(SignalKind::hangup()).context("handling SIGHUP")?;
+    Ok(async move {
+        tokio::select! {
+            _ = int.recv() => "SIGINT",
+            _ = term.recv() => "SIGTERM",
+            _ = hup.recv() => "SIGHUP",
+        }
+    })
+}
+
+/// Runs the job server and handles its notices until the job is over (or a stop signal:
+/// [`stop_signals`], then the error is [`Interrupted`]), calling `hooks` on the way.
 pub async fn drive(
     listener: tokio::net::TcpListener,
     server_cfg: ServerConfig,
     params: JobParams,
     report: &mut Report,
     hooks: &mut impl Hooks,
+    stop: impl std::future::Future<Output = &'static str>,
 ) -> Result<()> {
+    tokio::pin!(stop);
     let (tx, mut rx) = tmpsc::unbounded_channel();
     let (stop_tx, stop_rx) = watch::channel(false);
     let (handle_tx, handle_rx) = tokio::sync::oneshot::channel();
@@ -104,8 +141,8 @@ pub async fn drive(
                 }
                 None => break,
             },
-            _ = tokio::signal::ctrl_c() => {
-                outcome = Err(anyhow!("interrupted (Ctrl-C): every node was told to stop"));
+            name = &mut stop => {
+                outcome = Err(Interrupted(name).into());
                 break;
             }
         }

@@ -1,8 +1,10 @@
 //! A job's settings resolved from the command line: planner rules, checkpoints, timeouts.
 
+use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, anyhow, ensure};
+use lazarus_executor::checkpoint::{self, RootLock};
 use lazarus_executor::control::{JobParams, ServerConfig};
 use lazarus_executor::worker::CheckpointSpec;
 use lazarus_planner::ModelSpec;
@@ -10,13 +12,55 @@ use lazarus_planner::job::JobConfig;
 
 use crate::args::JobArgs;
 use crate::config::load_config;
+use crate::drive::Interrupted;
 
 /// Everything a job needs from the command line, resolved.
 pub struct Job {
     pub server: ServerConfig,
     pub params: JobParams,
-    /// A checkpoint directory we created and remove at the end.
+    /// A checkpoint directory we created (no `--ckpt-dir`), see [`Job::clean_up`].
     pub temp_ckpt: Option<PathBuf>,
+    /// The lock on the checkpoint directory: never read, held for the whole job (dropping it
+    /// releases the directory).
+    _ckpt_lock: Option<RootLock>,
+}
+
+impl Job {
+    /// The checkpoint directory, if checkpoints are on.
+    pub fn ckpt_root(&self) -> Option<&std::path::Path> {
+        self.params.checkpoint.as_ref().map(|c| c.root.as_path())
+    }
+
+    /// Tidies the checkpoint directory once no worker writes into it any more: parts of
+    /// checkpoints that were never committed go; committed checkpoints stay. The temporary
+    /// directory (no `--ckpt-dir`) goes when the job succeeded or was stopped by a signal; when
+    /// it failed its checkpoints are what is left of the run, so it stays and its path is
+    /// printed.
+    pub fn clean_up(&self, result: &Result<()>) {
+        if let Some(root) = self.ckpt_root() {
+            let _ = checkpoint::remove_staging(root);
+        }
+        let Some(dir) = &self.temp_ckpt else {
+            return;
+        };
+        let interrupted = result
+            .as_ref()
+            .err()
+            .is_some_and(|e| e.downcast_ref::<Interrupted>().is_some());
+        if result.is_ok() || interrupted {
+            let _ = std::fs::remove_dir_all(dir);
+        } else if checkpoint::load_latest(dir, &self.params.config).is_ok() {
+            // stderr: the error line goes there too, and stdout may be a summary reader's.
+            let _ = writeln!(
+                std::io::stderr(),
+                "checkpoints kept in {} (continue with --resume {})",
+                dir.display(),
+                dir.display()
+            );
+        } else {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
 }
 
 /// Checks the job options and resolves them for a job that starts on `nodes` nodes.
@@ -33,6 +77,10 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
     );
     ensure!(a.timeout_ms >= 1, "--timeout-ms must be at least 1");
     ensure!(a.ckpt_keep >= 1, "--ckpt-keep must be at least 1");
+    ensure!(
+        a.max_nonfinite_steps >= 1,
+        "--max-nonfinite-steps must be at least 1"
+    );
     let config = load_config(&a.model.config, a.model.seed)?;
     let slots = a
         .slots
@@ -50,6 +98,7 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
         );
     }
     let mut temp_ckpt = None;
+    let mut ckpt_lock = None;
     let checkpoint = if a.ckpt_every == 0 {
         None
     } else {
@@ -64,6 +113,16 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
         };
         std::fs::create_dir_all(&root)
             .with_context(|| format!("creating the checkpoint directory {}", root.display()))?;
+        // Two jobs on one directory would prune and overwrite each other's checkpoints; a
+        // directory the lock file cannot be created in will not take checkpoints either.
+        let lock = checkpoint::lock_root(&root, &holder()).map_err(|e| match e {
+            checkpoint::CheckpointError::Locked { .. } => anyhow!("{e}"),
+            other => anyhow!(
+                "checkpoint directory {} is not usable: {other}",
+                root.display()
+            ),
+        })?;
+        ckpt_lock = Some(lock);
         Some(CheckpointSpec {
             root,
             every_steps: a.ckpt_every,
@@ -91,6 +150,8 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
         0
     };
     rules.resume = a.resume.is_some();
+    rules.max_nonfinite_steps = a.max_nonfinite_steps;
+    rules.max_checkpoint_failures = a.max_ckpt_failures;
     rules.bytes_per_expert = config.expert_state_bytes() as u64;
     rules
         .validate()
@@ -108,5 +169,21 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
             resume: a.resume.clone(),
         },
         temp_ckpt,
+        _ckpt_lock: ckpt_lock,
     })
+}
+
+/// Who holds a checkpoint lock, for the job that finds it taken: this process and its host.
+fn holder() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname(2) writes at most `buf.len()` bytes into the buffer it is given.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let host = if rc == 0 {
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        String::from_utf8_lossy(&buf[..end]).into_owned()
+    } else {
+        "unknown host".to_owned()
+    };
+    let sub = std::env::args().nth(1).unwrap_or_default();
+    format!("held by lzrun {sub}, pid {} on {host}", std::process::id())
 }

@@ -12,7 +12,7 @@ use lazarus_executor::metrics::StepRecord;
 use tokio::runtime::Runtime;
 
 use crate::args::{Format, LocalArgs};
-use crate::drive::{Hooks, drive, runtime};
+use crate::drive::{Hooks, drive, runtime, stop_signals};
 use crate::job::job_from_args;
 use crate::nodes::Nodes;
 use crate::report::Report;
@@ -25,13 +25,19 @@ pub fn local(a: LocalArgs) -> Result<()> {
         "{} nodes is more than 64",
         schedule.initial_nodes
     );
+    let rt = runtime()?;
+    // Before anything that needs cleaning up exists: from here SIGINT, SIGTERM and SIGHUP stop
+    // the job cleanly instead of killing this process and orphaning its nodes.
+    let stop = {
+        let _guard = rt.enter();
+        stop_signals()?
+    };
     // Keeps stray agents of other local runs out; not a secret against local users.
     let token = format!("{:016x}", rand::random::<u64>());
     let job = job_from_args(&a.job, schedule.initial_nodes, &token)?;
     if let Some(dir) = &a.job.out {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let rt = runtime()?;
     let (listener, addr) = bind_controller(&rt)?;
     let mut report = Report::new(a.job.format, a.job.model.steps);
     report.say(&format!(
@@ -57,14 +63,13 @@ pub fn local(a: LocalArgs) -> Result<()> {
     let result = rt.block_on(drive(
         listener,
         job.server,
-        job.params,
+        job.params.clone(),
         &mut report,
         &mut faults,
+        stop,
     ));
     faults.nodes.reap(Duration::from_secs(5));
-    if let Some(d) = &job.temp_ckpt {
-        let _ = std::fs::remove_dir_all(d);
-    }
+    job.clean_up(&result);
     result?;
     report.finish(&a.job, &config)?;
     if format == Format::Text {

@@ -46,8 +46,11 @@ enum Cmd {
     /// Megatron-style log lines and the loss. Faults: `--kill NODE@STEP` SIGKILLs a node (its
     /// agent and worker) after STEP, `--join @STEP` starts a new node, `--fault-trace FILE
     /// --time-scale X` replays a spot trace (the formats `lzsim replay` reads). Each
-    /// reconfiguration prints its detect / replan / migrate / resume times. Ctrl-C stops every
-    /// process. Exit status 2 on bad input or a failed job.
+    /// reconfiguration prints its detect / replan / migrate / resume times. Ctrl-C, SIGTERM or
+    /// SIGHUP stops every process and keeps the committed checkpoints. A step whose loss or
+    /// gradient is NaN or infinite on any worker applies no update on any worker (see
+    /// --max-nonfinite-steps); a checkpoint that cannot be written is logged and training goes
+    /// on (see --max-ckpt-failures). Exit status 2 on bad input or a failed job.
     Local(LocalArgs),
     /// The controller of a multi-machine job: waits for `--nodes` agents, then trains.
     ///
