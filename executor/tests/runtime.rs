@@ -413,7 +413,10 @@ fn mix(state: &mut u64) -> u64 {
 /// A random `[layer][expert][rank]` layout (every expert on 1..=world ranks) and a random,
 /// often very skewed, forced routing per rank (`[rank][layer][token·k + j]`): some ranks send
 /// nothing to some experts, some experts get nothing at all.
-fn random_case(world: usize, seed: u64) -> (Vec<Vec<Vec<u32>>>, Vec<Vec<Vec<u32>>>) {
+/// `[layer][expert][rank]` replicas, or `[rank][layer][token·k + j]` forced routing.
+type Table3 = Vec<Vec<Vec<u32>>>;
+
+fn random_case(world: usize, seed: u64) -> (Table3, Table3) {
     let c = cfg();
     let mut s = seed;
     let reps = (0..c.n_layers)
@@ -423,7 +426,7 @@ fn random_case(world: usize, seed: u64) -> (Vec<Vec<Vec<u32>>>, Vec<Vec<Vec<u32>
                     let mut row = vec![0u32; world];
                     row[(mix(&mut s) % world as u64) as usize] = 1;
                     for r in row.iter_mut() {
-                        if mix(&mut s) % 3 == 0 {
+                        if mix(&mut s).is_multiple_of(3) {
                             *r = 1;
                         }
                     }
