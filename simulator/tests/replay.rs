@@ -525,3 +525,26 @@ fn lazarus_restores_after_losing_experts_and_scales_out_lazily() {
     assert!(used > 2.5, "{lz}");
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// Issue 14: a trace error printed each part twice (`f: line 3: X: line 3: X`), because the
+/// file wrapper displayed its cause and also returned it as the source that `{:#}` prints.
+#[test]
+fn trace_errors_say_each_part_once() {
+    let dir = tmp("chain");
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad-op.csv");
+    std::fs::write(&bad, "0,add,a\n0,add,b\n100,bogus,a\n").unwrap();
+    let out = lzsim(&["replay", bad.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.matches("line 3").count(), 1, "{err}");
+    assert_eq!(err.matches("bogus").count(), 1, "{err}");
+    assert_eq!(err.matches("bad-op.csv").count(), 1, "{err}");
+    let missing = dir.join("missing.csv");
+    let out = lzsim(&["replay", missing.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.matches("missing.csv").count(), 1, "{err}");
+    assert_eq!(err.matches("os error 2").count(), 1, "{err}");
+    std::fs::remove_dir_all(dir).ok();
+}

@@ -8,14 +8,20 @@ use std::path::PathBuf;
 
 /// Why a trace could not be read, parsed or validated.
 ///
+/// Like [`GateTraceError`](crate::routing::GateTraceError), a variant that wraps another error
+/// displays only its own part (the file name) and returns the wrapped error from
+/// [`source`](std::error::Error::source): printers that walk the chain (`anyhow`'s `{:#}`) then
+/// show each part once, `path: line 7: …`.
+///
 /// `line` fields are 1-based. For [`parse`](crate::parse()) they are physical line numbers of the
 /// input text (blank lines and a skipped header count); for [`Trace::new`](crate::Trace::new)
 /// they are the 1-based index of the offending event in the input vector.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TraceError {
-    /// The file could not be read (missing, unreadable, not UTF-8).
-    #[error("{}: {source}", path.display())]
+    /// The file could not be read (missing, unreadable, not UTF-8). Displays as the path; the
+    /// I/O error is the source.
+    #[error("{}", path.display())]
     Io {
         /// The file that was being read.
         path: PathBuf,
@@ -24,8 +30,9 @@ pub enum TraceError {
         source: std::io::Error,
     },
     /// A parse or validation error inside a named file (wraps the error with the file name;
-    /// produced by [`load`](crate::load())).
-    #[error("{}: {source}", path.display())]
+    /// produced by [`load`](crate::load())). Displays as the path; the content error is the
+    /// source.
+    #[error("{}", path.display())]
     InFile {
         /// The file that was being parsed.
         path: PathBuf,

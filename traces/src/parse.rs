@@ -142,7 +142,8 @@ pub fn parse(text: &str, format: TraceFormat) -> Result<Trace, TraceError> {
 
 /// Reads the file at `path`, [detects its format](detect_format) and [parses](parse) it.
 /// Every error names the file: [`TraceError::Io`] when it cannot be read (or is not UTF-8),
-/// [`TraceError::InFile`] wrapping the parse error otherwise.
+/// [`TraceError::InFile`] wrapping the parse error otherwise; either displays as the path and
+/// carries the cause as its [`source`](std::error::Error::source).
 pub fn load(path: &Path) -> Result<Trace, TraceError> {
     let text = std::fs::read_to_string(path).map_err(|source| TraceError::Io {
         path: path.to_path_buf(),

@@ -297,23 +297,38 @@ fn skypilot_rejections() {
     assert!(matches!(&e, TraceError::Parse { line: 3, .. }), "{e:?}");
 }
 
+/// The error and its causes, as `anyhow`'s `{:#}` prints them.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s += &format!(": {c}");
+        cur = c.source();
+    }
+    s
+}
+
 #[test]
 fn load_errors_name_the_file() {
     let missing = Path::new("/nonexistent/dir/trace.csv");
     let e = load(missing).unwrap_err();
     assert!(matches!(e, TraceError::Io { .. }));
-    assert!(
-        e.to_string().starts_with("/nonexistent/dir/trace.csv: "),
-        "{e}"
-    );
+    let msg = chain(&e);
+    assert!(msg.starts_with("/nonexistent/dir/trace.csv: "), "{msg}");
+    // Each part once: the I/O error is the source, not also part of the display.
+    let io = std::error::Error::source(&e)
+        .expect("the I/O error")
+        .to_string();
+    assert_eq!(msg.matches(&io).count(), 1, "{msg}");
 
     let dir = std::env::temp_dir().join(format!("lazarus-traces-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let bad = dir.join("bad.csv");
     std::fs::write(&bad, "0,add,a\n5,kill,a\n").unwrap();
     let e = load(&bad).unwrap_err();
+    assert_eq!(e.to_string(), bad.display().to_string());
     assert_eq!(
-        e.to_string(),
+        chain(&e),
         format!(
             "{}: line 2: unknown op 'kill' (expected 'add' or 'remove')",
             bad.display()

@@ -25,7 +25,7 @@ fn present(rels: &[&str]) -> bool {
 
 fn load_shared(rel: &str) -> Trace {
     let path = shared(rel);
-    load(&path).unwrap_or_else(|e| panic!("{e}"))
+    load(&path).unwrap_or_else(|e| panic!("{e:?}"))
 }
 
 /// Sizes of the batches of simultaneous removals: size -> how many such batches.
@@ -391,7 +391,7 @@ fn every_shipped_json_lines_trace_parses() {
     let dir = shared("spotserve/elastic-switch/trace/trace_seg");
     let mut n = 0;
     for entry in std::fs::read_dir(&dir).unwrap() {
-        load(&entry.unwrap().path()).unwrap_or_else(|e| panic!("{e}"));
+        load(&entry.unwrap().path()).unwrap_or_else(|e| panic!("{e:?}"));
         n += 1;
     }
     assert_eq!(n, 21);

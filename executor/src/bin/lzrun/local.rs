@@ -82,8 +82,8 @@ pub fn local(a: LocalArgs) -> Result<()> {
 fn fault_schedule(a: &LocalArgs) -> Result<FaultSchedule> {
     Ok(match &a.fault_trace {
         Some(path) => {
-            let trace = lazarus_traces::load(path)
-                .map_err(|e| anyhow!("--fault-trace {}: {e}", path.display()))?;
+            // The trace error names the file and carries its cause as the source.
+            let trace = lazarus_traces::load(path).context("--fault-trace")?;
             faults::schedule_from_trace(&trace, a.time_scale, a.job.model.steps, a.nodes)
                 .map_err(|e| anyhow!("--fault-trace {}: {e}", path.display()))?
         }
