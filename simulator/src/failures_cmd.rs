@@ -2,6 +2,7 @@
 //! can replay the very same sequence.
 
 use crate::duration::parse_ms;
+use crate::limits::{self, MAX_NODES};
 use crate::replay::output::write_atomic;
 use anyhow::{Result, bail};
 use clap::Args;
@@ -10,8 +11,8 @@ use std::path::PathBuf;
 
 #[derive(Args, Debug)]
 pub struct FailuresArgs {
-    /// Nodes at time 0.
-    #[arg(long, default_value_t = 10)]
+    /// Nodes at time 0, 1..=1048576.
+    #[arg(long, default_value_t = 10, value_parser = limits::count(MAX_NODES))]
     pub nodes: usize,
     /// Controlled scenario: one uniformly random node fails per interval (paper §6.4: 5m, 40m).
     #[arg(long, conflicts_with = "hazard")]
@@ -34,8 +35,8 @@ pub struct FailuresArgs {
     /// Stochastic mode: time step of the hazard process.
     #[arg(long, default_value = "1m")]
     pub tick: String,
-    /// Stochastic mode: cap on live nodes (default: --nodes).
-    #[arg(long)]
+    /// Stochastic mode: cap on live nodes (default: --nodes), 1..=1048576.
+    #[arg(long, value_parser = limits::count(MAX_NODES))]
     pub max_nodes: Option<usize>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -45,9 +46,6 @@ pub struct FailuresArgs {
 }
 
 pub fn run(a: &FailuresArgs) -> Result<()> {
-    if a.nodes == 0 {
-        bail!("--nodes must be at least 1");
-    }
     let trace = match (&a.every, a.hazard) {
         (Some(every), None) => {
             let dist: IntervalDist = a.dist.parse().map_err(|e| anyhow::anyhow!("--dist: {e}"))?;

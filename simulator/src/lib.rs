@@ -16,6 +16,7 @@
 pub mod cost;
 pub mod duration;
 pub mod failures_cmd;
+pub mod limits;
 pub mod loads;
 pub mod plan_cmd;
 pub mod plot;

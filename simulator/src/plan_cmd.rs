@@ -14,14 +14,31 @@ pub struct PlanArgs {
     /// Placement: mro, spread, compact, random (seeded by --seed).
     #[arg(long, default_value = "mro")]
     pub place: String,
-    /// Output format.
+    /// Output format. JSON lists replicas per node and expert too, so it is bounded:
+    /// nodes x (slots + experts) x layers <= 33554432 values.
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     pub format: String,
 }
 
+/// Most values `--format json` builds: the placement grid and the replicas-per-node matrix of
+/// every layer. A JSON tree costs about 45 bytes per value, so this is about 1.5 GB.
+pub const MAX_JSON_VALUES: usize = 1 << 25;
+
 pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     let spec = &args.spec;
     spec.validate()?;
+    if args.format == "json" {
+        crate::limits::check_product(
+            &[
+                ("--nodes", spec.nodes),
+                ("(--slots + --experts)", spec.slots + spec.experts),
+                ("--layers", spec.layers),
+            ],
+            MAX_JSON_VALUES,
+            "JSON values",
+            "--format text has no such limit",
+        )?;
+    }
     let place: PlacePolicy = args.place.parse().map_err(anyhow::Error::msg)?;
     let loads = spec.loads()?;
     let plan = spec.plan(place, &loads)?;

@@ -3,6 +3,10 @@
 //! averaged over every failure set (or a seeded sample of them).
 
 use crate::cost;
+use crate::limits::{
+    self, MAX_EXPERTS, MAX_GPUS_PER_NODE, MAX_LAYERS, MAX_NODES, MAX_REPLICA_SLOTS,
+    MAX_SLOTS_PER_NODE,
+};
 use crate::replay::systems::lazarus::Lazarus;
 use crate::replay::systems::{Ctx, Decision, NodeId, System};
 use crate::replay::window_loads;
@@ -21,11 +25,11 @@ use std::time::Instant;
 
 #[derive(Args, Debug)]
 pub struct ReconfigArgs {
-    /// Nodes before the failure.
-    #[arg(long, default_value_t = 10)]
+    /// Nodes before the failure, at most 1048576.
+    #[arg(long, default_value_t = 10, value_parser = limits::count(MAX_NODES))]
     pub nodes: usize,
-    /// Nodes failing at once.
-    #[arg(long, default_value_t = 2)]
+    /// Nodes failing at once (fewer than --nodes).
+    #[arg(long, default_value_t = 2, value_parser = limits::count(MAX_NODES))]
     pub fail: usize,
     /// Training step whose routing history (the preceding rebalance window) drives the plan.
     #[arg(long, default_value_t = 200)]
@@ -39,16 +43,18 @@ pub struct ReconfigArgs {
     /// Cluster-shape mode (frontier scale): GPUs per node. Giving any of `--gpus-per-node`,
     /// `--slots`, `--experts`, `--layers` plans that shape directly with the planner (Zipf loads
     /// from `--zipf`/`--seed`), fails `--fail` seeded nodes once and times the replan.
-    #[arg(long)]
+    /// 1..=256 (default 8).
+    #[arg(long, value_parser = limits::count(MAX_GPUS_PER_NODE))]
     pub gpus_per_node: Option<usize>,
-    /// Cluster-shape mode: expert slots per node (`c`, all GPUs together).
-    #[arg(long)]
+    /// Cluster-shape mode: expert slots per node (`c`, all GPUs together), 1..=4096 (default
+    /// 32). Also nodes x slots x layers <= 67108864 replica slots (about 1.6 GB of plan).
+    #[arg(long, value_parser = limits::count(MAX_SLOTS_PER_NODE))]
     pub slots: Option<usize>,
-    /// Cluster-shape mode: experts per MoE layer.
-    #[arg(long)]
+    /// Cluster-shape mode: experts per MoE layer, 1..=65536 (default 256).
+    #[arg(long, value_parser = limits::count(MAX_EXPERTS))]
     pub experts: Option<usize>,
-    /// Cluster-shape mode: MoE layers.
-    #[arg(long)]
+    /// Cluster-shape mode: MoE layers, 1..=1024 (default 58).
+    #[arg(long, value_parser = limits::count(MAX_LAYERS))]
     pub layers: Option<usize>,
     #[command(flatten)]
     pub sim: SimArgs,
@@ -169,9 +175,6 @@ pub fn report(a: &ReconfigArgs) -> Result<ReconfigReport> {
     })
 }
 
-/// Largest `nodes × slots × layers` the shape mode plans (about 10 GB of plan state).
-const MAX_SHAPE_SLOTS: usize = 1 << 30;
-
 /// Cluster-shape mode: plan the given shape directly, fail `--fail` seeded nodes, time the
 /// replan with the planner's scalable mapping.
 fn shape_report(a: &ReconfigArgs) -> Result<ReconfigReport> {
@@ -179,29 +182,20 @@ fn shape_report(a: &ReconfigArgs) -> Result<ReconfigReport> {
     let slots = a.slots.unwrap_or(32);
     let experts = a.experts.unwrap_or(256);
     let layers = a.layers.unwrap_or(58);
-    for (name, v) in [
-        ("--gpus-per-node", gpus),
-        ("--slots", slots),
-        ("--experts", experts),
-        ("--layers", layers),
-    ] {
-        if v == 0 {
-            bail!("{name} must be at least 1");
-        }
-    }
     if !a.sim.zipf.is_finite() || a.sim.zipf < 0.0 {
         bail!("--zipf must be a finite number >= 0 (got {})", a.sim.zipf);
     }
     let f = a.sim.f.unwrap_or(2);
-    if a.nodes
-        .checked_mul(slots)
-        .and_then(|x| x.checked_mul(layers))
-        .is_none_or(|x| x > MAX_SHAPE_SLOTS)
-    {
-        bail!(
-            "--nodes x --slots x --layers exceeds {MAX_SHAPE_SLOTS} replica slots (too large to plan)"
-        );
-    }
+    limits::check_product(
+        &[
+            ("--nodes", a.nodes),
+            ("--slots", slots),
+            ("--layers", layers),
+        ],
+        MAX_REPLICA_SLOTS,
+        "replica slots",
+        "",
+    )?;
     let survivors_slots = (a.nodes - a.fail) * slots;
     if survivors_slots < experts * f {
         bail!(

@@ -1,6 +1,7 @@
 //! `lzsim recovery`: parses the arguments, computes [`crate::recovery`] rows and prints them.
 
 use crate::SpecArgs;
+use crate::limits::{self, MAX_NODES};
 use crate::recovery::{self, Method, Query};
 use anyhow::{Context, bail};
 use clap::Args;
@@ -21,11 +22,11 @@ pub struct RecoveryArgs {
     /// mc: Monte Carlo with a 95 % Wilson interval.
     #[arg(long, default_value = "exact", value_parser = ["exact", "closed", "mc"])]
     pub method: String,
-    /// Monte Carlo trials per (placement, k).
-    #[arg(long, default_value_t = 100_000)]
+    /// Monte Carlo trials per (placement, k), 1..=1000000000.
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..=MAX_TRIALS))]
     pub trials: u64,
     /// Failure-domain mode: node j is in rack j mod R, and --failed counts whole racks.
-    #[arg(long)]
+    #[arg(long, value_parser = limits::count(MAX_NODES))]
     pub racks: Option<usize>,
     /// Output format.
     #[arg(long, default_value = "csv", value_parser = ["csv", "json"])]
@@ -35,6 +36,9 @@ pub struct RecoveryArgs {
     pub plot: Option<PathBuf>,
 }
 
+/// Most Monte Carlo trials per (placement, k): minutes of work at large shapes already.
+pub const MAX_TRIALS: u64 = 1_000_000_000;
+
 /// `0..6` (inclusive), `4`, `1,2,5`.
 pub fn parse_failed(text: &str) -> anyhow::Result<Vec<usize>> {
     let bad = || format!("--failed {text:?}: expected A..B, a number, or a comma list");
@@ -43,6 +47,11 @@ pub fn parse_failed(text: &str) -> anyhow::Result<Vec<usize>> {
         let b: usize = b.trim().trim_start_matches('=').parse().with_context(bad)?;
         if a > b {
             bail!("--failed {text:?}: the range is empty");
+        }
+        // Checked before the range is listed: `0..1000000000000` would otherwise allocate
+        // terabytes before `run` finds it exceeds the node count.
+        if b > MAX_NODES {
+            bail!("--failed {text:?}: at most {MAX_NODES} nodes can fail");
         }
         return Ok((a..=b).collect());
     }
@@ -60,7 +69,6 @@ pub fn run(args: &RecoveryArgs) -> anyhow::Result<()> {
         .map(|p| p.trim().parse::<PlacePolicy>().map_err(anyhow::Error::msg))
         .collect::<Result<_, _>>()?;
     let domains: Option<Vec<usize>> = match args.racks {
-        Some(0) => bail!("--racks must be at least 1"),
         Some(r) if r > spec.nodes => bail!("--racks {r} exceeds --nodes {}", spec.nodes),
         Some(r) => Some((0..spec.nodes).map(|j| j % r).collect()),
         None => None,
@@ -82,9 +90,6 @@ pub fn run(args: &RecoveryArgs) -> anyhow::Result<()> {
     }
     if args.method == "closed" && (spec.layers != 1 || domains.is_some()) {
         bail!("--method closed needs --layers 1 and no --racks (use exact or mc)");
-    }
-    if args.method == "mc" && args.trials == 0 {
-        bail!("--trials must be at least 1");
     }
     let loads = spec.loads()?;
     let plans = places
@@ -152,5 +157,6 @@ mod tests {
         assert_eq!(parse_failed("1, 5").unwrap(), vec![1, 5]);
         assert!(parse_failed("3..1").is_err());
         assert!(parse_failed("a..2").is_err());
+        assert!(parse_failed("0..1000000000000").is_err());
     }
 }

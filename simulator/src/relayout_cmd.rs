@@ -2,6 +2,7 @@
 //! rows.
 
 use crate::cost;
+use crate::limits::{self, MAX_F, MAX_NODES, MAX_REPLICA_SLOTS, MAX_SLOTS_PER_NODE};
 use crate::relayout::{self, PolicySummary, Settings, Source};
 use crate::replay::output::{prepare_dir, write_atomic};
 use anyhow::{Context, Result, bail};
@@ -36,11 +37,12 @@ pub struct RelayoutArgs {
     /// laer: a longer window its actions must not hurt (anti-thrashing).
     #[arg(long, default_value_t = 20)]
     pub long_window: usize,
-    /// Nodes (failure domains); devices per node come from the hardware profile.
-    #[arg(long, default_value_t = 4)]
+    /// Nodes (failure domains), 1..=1048576; devices per node come from the hardware profile.
+    /// Also devices x slots x layers and devices x experts <= 67108864.
+    #[arg(long, default_value_t = 4, value_parser = limits::count(MAX_NODES))]
     pub nodes: usize,
-    /// Expert slots per device.
-    #[arg(long, default_value_t = 2)]
+    /// Expert slots per device, 1..=4096.
+    #[arg(long, default_value_t = 2, value_parser = limits::count(MAX_SLOTS_PER_NODE))]
     pub slots: usize,
     /// Model profile (experts, layers, d_model, bytes per expert) or TOML file.
     #[arg(long, default_value = "gpt-l")]
@@ -48,8 +50,8 @@ pub struct RelayoutArgs {
     /// Hardware profile (GPUs per node, bandwidths, FLOP/s) or TOML file.
     #[arg(long, default_value = "h200-400g")]
     pub hardware: String,
-    /// Minimum replicas per expert for lazarus and laer.
-    #[arg(long, default_value_t = 2)]
+    /// Minimum replicas per expert for lazarus and laer, 1..=1024.
+    #[arg(long, default_value_t = 2, value_parser = limits::count(MAX_F))]
     pub f: usize,
     /// laer: recovery-probability floor at k = f node failures.
     #[arg(long, default_value_t = 0.9)]
@@ -73,7 +75,8 @@ pub struct RelayoutArgs {
     /// Synthetic loads: hot experts change every this many steps.
     #[arg(long, default_value_t = 500)]
     pub drift_every: u64,
-    /// Synthetic loads: steps to simulate (sampled every 10 steps).
+    /// Synthetic loads: steps to simulate (sampled every 10 steps); steps / 10 x layers x
+    /// experts <= 134217728 load counts (1 GB).
     #[arg(long, default_value_t = 5000)]
     pub steps: u64,
     #[arg(long, default_value_t = 0)]
@@ -111,6 +114,54 @@ pub fn parse_policies(a: &RelayoutArgs) -> Result<Vec<RelayoutPolicy>> {
     Ok(out)
 }
 
+/// Most synthetic load counts (samples x layers x experts, 8 bytes each) `--steps` may ask for.
+pub const MAX_LOAD_COUNTS: u64 = 1 << 27;
+
+/// The memory the replay holds: the layout (devices x slots per layer), one traffic matrix
+/// (devices x experts) per decision, and the synthetic samples.
+fn check_sizes(
+    a: &RelayoutArgs,
+    hw: &cost::HardwareProfile,
+    model: &cost::ModelProfile,
+) -> Result<()> {
+    let devices = a.nodes.saturating_mul(hw.gpus_per_node);
+    limits::check_product(
+        &[
+            ("devices (--nodes x GPUs per node)", devices),
+            ("--slots", a.slots),
+            ("layers", model.moe_layers),
+        ],
+        MAX_REPLICA_SLOTS,
+        "replica slots",
+        "",
+    )?;
+    limits::check_product(
+        &[
+            ("devices (--nodes x GPUs per node)", devices),
+            ("experts", model.experts),
+        ],
+        MAX_REPLICA_SLOTS,
+        "traffic counts",
+        "",
+    )?;
+    if a.routing.is_none() {
+        let samples = a.steps.div_ceil(10);
+        let counts = samples
+            .checked_mul(model.moe_layers as u64)
+            .and_then(|x| x.checked_mul(model.experts as u64));
+        if counts.is_none_or(|c| c > MAX_LOAD_COUNTS) {
+            bail!(
+                "--steps {} asks for {samples} samples x {} layers x {} experts, more than the \
+                 limit of {MAX_LOAD_COUNTS} load counts",
+                a.steps,
+                model.moe_layers,
+                model.experts
+            );
+        }
+    }
+    Ok(())
+}
+
 pub fn run(a: &RelayoutArgs) -> Result<()> {
     if !(a.threshold.is_finite() && a.threshold >= 1.0) {
         bail!("--threshold must be >= 1 (max/mean load)");
@@ -121,6 +172,7 @@ pub fn run(a: &RelayoutArgs) -> Result<()> {
     let policies = parse_policies(a)?;
     let hw = cost::hardware(&a.hardware)?;
     let model = cost::model(&a.model)?;
+    check_sizes(a, &hw, &model)?;
     let source = match &a.routing {
         Some(p) => Source::Routing(p),
         None => Source::Zipf {

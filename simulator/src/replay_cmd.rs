@@ -2,6 +2,7 @@
 
 use crate::cost;
 use crate::duration::{parse_ms, parse_range_ms};
+use crate::limits::{self, MAX_F, MAX_NODES};
 use crate::replay::systems::{SystemKind, parse_systems};
 use crate::replay::{self, ReplayConfig, RunResult, output};
 use crate::workload::Workload;
@@ -31,8 +32,8 @@ pub struct ReplayArgs {
     /// Replay only [A, B) of the trace, rebased to 0 (nodes alive at A are added at 0): `0m..80m`.
     #[arg(long)]
     pub window: Option<String>,
-    /// Fit the trace onto at most this many nodes (see --map).
-    #[arg(long)]
+    /// Fit the trace onto at most this many nodes (see --map), 1..=1048576.
+    #[arg(long, value_parser = limits::count(MAX_NODES))]
     pub max_nodes: Option<usize>,
     /// How --max-nodes maps a larger trace: clamp, track or scale (see lazarus-traces docs).
     #[arg(long, default_value = "track")]
@@ -74,8 +75,8 @@ pub struct SimArgs {
     /// Synthetic loads drift (hot experts change) every this many steps.
     #[arg(long, default_value_t = 500)]
     pub drift_every: u64,
-    /// Lazarus fault-tolerance threshold (default: the model profile's).
-    #[arg(long)]
+    /// Lazarus fault-tolerance threshold (default: the model profile's), 1..=1024.
+    #[arg(long, value_parser = limits::count(MAX_F))]
     pub f: Option<usize>,
     /// Checkpoint interval in steps: `ds=50,ds-ft=250,lazarus=250` (the paper's, default), one
     /// number for all, `young-daly` (optimal interval from the trace's failure rate), or `none`.
@@ -162,9 +163,6 @@ impl Setup {
             }
         };
         if let Some(f) = sim.f {
-            if f == 0 {
-                bail!("--f must be at least 1");
-            }
             model.f = f;
         }
         let node_boot_s = match &sim.boot {
@@ -226,9 +224,6 @@ pub fn resolve(args: &ReplayArgs) -> Result<Resolved> {
         end_ms = end_ms.or(Some(b - a));
     }
     if let Some(n) = args.max_nodes {
-        if n == 0 {
-            bail!("--max-nodes must be at least 1");
-        }
         let mode: FitMode = args
             .map
             .parse()

@@ -1,5 +1,6 @@
 //! Arguments shared by `lzsim plan` and `lzsim recovery`: the cluster, the model and its loads.
 
+use crate::limits::{self, MAX_EXPERTS, MAX_F, MAX_LAYERS, MAX_NODES, MAX_SLOTS_PER_NODE};
 use crate::loads;
 use clap::Args;
 use lazarus_planner::{
@@ -8,23 +9,26 @@ use lazarus_planner::{
 use std::path::PathBuf;
 
 /// The cluster, the model and its loads — shared by every subcommand. Defaults are the
-/// paper's testbed with GPT-L: 10 nodes × 6 slots, 16 experts, f = 2.
+/// paper's testbed with GPT-L: 10 nodes × 6 slots, 16 experts, f = 2. Sizes are bounded
+/// ([`crate::limits`]) so a typo is a usage error, not a panic or gigabytes of plan.
 #[derive(Args, Debug, Clone)]
 pub struct SpecArgs {
-    /// Nodes (the failure unit).
-    #[arg(long, default_value_t = 10)]
+    /// Nodes (the failure unit), 1..=1048576.
+    #[arg(long, default_value_t = 10, value_parser = limits::count(MAX_NODES))]
     pub nodes: usize,
-    /// Expert-replica slots per node (the paper's c).
-    #[arg(long, default_value_t = 6)]
+    /// Expert-replica slots per node (the paper's c), 1..=4096.
+    #[arg(long, default_value_t = 6, value_parser = limits::count(MAX_SLOTS_PER_NODE))]
     pub slots: usize,
-    /// Experts per MoE layer.
-    #[arg(long, default_value_t = 16)]
+    /// Experts per MoE layer, 1..=65536.
+    #[arg(long, default_value_t = 16, value_parser = limits::count(MAX_EXPERTS))]
     pub experts: usize,
-    /// MoE layers; recovery is then for the whole model (every layer must keep every expert).
-    #[arg(long, default_value_t = 1)]
+    /// MoE layers, 1..=1024; recovery is then for the whole model (every layer must keep every
+    /// expert). Also nodes x slots x layers <= 67108864 replica slots (about 1.6 GB of plan).
+    #[arg(long, default_value_t = 1, value_parser = limits::count(MAX_LAYERS))]
     pub layers: usize,
-    /// Fault-tolerance threshold: minimum replicas per expert (relaxed when slots run short).
-    #[arg(long, default_value_t = 2)]
+    /// Fault-tolerance threshold: minimum replicas per expert (relaxed when slots run short),
+    /// 1..=1024.
+    #[arg(long, default_value_t = 2, value_parser = limits::count(MAX_F))]
     pub f: usize,
     /// Loads (tokens per expert), comma-separated, used for every layer.
     #[arg(long, conflicts_with_all = ["loads_file", "zipf"])]
@@ -74,6 +78,16 @@ impl SpecArgs {
     pub fn validate(&self) -> anyhow::Result<()> {
         self.cluster().validate()?;
         self.model().validate()?;
+        limits::check_product(
+            &[
+                ("--nodes", self.nodes),
+                ("--slots", self.slots),
+                ("--layers", self.layers),
+            ],
+            limits::MAX_REPLICA_SLOTS,
+            "replica slots",
+            "",
+        )?;
         if self.experts > self.nodes * self.slots {
             anyhow::bail!(
                 "--experts {} exceeds the {} slots of --nodes {} x --slots {}: every expert needs a slot",

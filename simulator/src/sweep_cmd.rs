@@ -2,6 +2,7 @@
 //! per run, with a progress bar on a terminal.
 
 use crate::duration::parse_ms;
+use crate::limits::{self, MAX_NODES};
 use crate::replay;
 use crate::replay::output::write_atomic;
 use crate::replay_cmd::{Setup, SimArgs};
@@ -22,11 +23,11 @@ pub struct SweepArgs {
     /// Expected node arrivals per hour.
     #[arg(long, default_value_t = 0.0)]
     pub add_rate: f64,
-    /// Traces per hazard rate (seeds 0..N, mixed with --seed).
-    #[arg(long, default_value_t = 20)]
+    /// Traces per hazard rate (seeds 0..N, mixed with --seed), 1..=100000.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=MAX_SEEDS))]
     pub seeds: u64,
-    /// Nodes at time 0 (and the cap on live nodes).
-    #[arg(long, default_value_t = 10)]
+    /// Nodes at time 0 (and the cap on live nodes), 1..=1048576.
+    #[arg(long, default_value_t = 10, value_parser = limits::count(MAX_NODES))]
     pub nodes: usize,
     /// Length of each trace.
     #[arg(long, default_value = "4h")]
@@ -71,11 +72,11 @@ fn parse_rates(text: &str) -> Result<Vec<f64>> {
         .collect()
 }
 
+/// Most traces per hazard rate: each is a full replay of every system.
+pub const MAX_SEEDS: u64 = 100_000;
+
 /// Runs the sweep and returns its rows in (hazard, seed, system) order.
 pub fn sweep(a: &SweepArgs, progress: bool) -> Result<Vec<Row>> {
-    if a.nodes == 0 || a.seeds == 0 {
-        bail!("--nodes and --seeds must be at least 1");
-    }
     let rates = parse_rates(&a.hazard)?;
     let duration = parse_ms(&a.duration)?;
     let tick = parse_ms(&a.tick)?;

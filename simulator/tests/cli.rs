@@ -225,7 +225,7 @@ fn bad_arguments_exit_2_with_one_clear_line() {
         ),
         (
             &["reconfig", "--nodes", "64", "--fail", "1", "--slots", "0"],
-            "--slots must be at least 1",
+            "'--slots <SLOTS>': 0 is not in 1..=4096",
         ),
         (
             &[
@@ -283,4 +283,104 @@ fn reconfig_cluster_shape_reports_replan_ms() {
     assert_eq!(v["failure_sets"], 1);
     assert!(v["replan_ms"].as_f64().unwrap() > 0.0);
     assert!(v["replicas_mean"].as_f64().unwrap() >= 0.0);
+}
+
+/// Issue 14: sizes are bounded when the arguments are parsed. Before, `--layers u64::MAX`
+/// panicked (capacity overflow, exit 101), `--nodes 4e9 --slots 4e9` aborted on allocation and
+/// `--failed 0..1e11` tried to list 10^11 failure counts.
+#[test]
+fn sizes_are_bounded_with_a_message_naming_the_argument() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["plan", "--layers", "18446744073709551615"],
+            "'--layers <LAYERS>': 18446744073709551615 is not in 1..=1024",
+        ),
+        (
+            &["plan", "--nodes", "4000000000", "--slots", "4000000000"],
+            "'--nodes <NODES>': 4000000000 is not in 1..=1048576",
+        ),
+        (&["plan", "--experts", "70000"], "'--experts <EXPERTS>'"),
+        (&["plan", "--f", "5000"], "'--f <F>'"),
+        (
+            &["plan", "--nodes", "1048576", "--slots", "4096"],
+            "--nodes 1048576 x --slots 4096 x --layers 1 is 4294967296 replica slots, more than \
+             the limit of 67108864",
+        ),
+        (
+            &[
+                "plan",
+                "--nodes",
+                "10000",
+                "--experts",
+                "256",
+                "--layers",
+                "100",
+                "--format",
+                "json",
+            ],
+            "JSON values, more than the limit of 33554432",
+        ),
+        (
+            &["recovery", "--failed", "0..100000000000"],
+            "at most 1048576 nodes can fail",
+        ),
+        (&["recovery", "--trials", "0"], "'--trials <TRIALS>'"),
+        (&["recovery", "--racks", "0"], "'--racks <RACKS>'"),
+        (
+            &[
+                "reconfig", "--nodes", "64", "--fail", "1", "--layers", "5000",
+            ],
+            "'--layers <LAYERS>'",
+        ),
+        (
+            &[
+                "reconfig", "--nodes", "1048576", "--fail", "1", "--slots", "4096",
+            ],
+            "replica slots, more than the limit",
+        ),
+        (&["reconfig", "--gpus-per-node", "1000"], "'--gpus-per-node"),
+        (&["relayout", "--nodes", "2000000"], "'--nodes <NODES>'"),
+        (
+            &["relayout", "--nodes", "1048576", "--slots", "4096"],
+            "replica slots, more than the limit",
+        ),
+        (
+            &["relayout", "--steps", "18446744073709551615"],
+            "--steps 18446744073709551615 asks for",
+        ),
+        (&["sweep", "--seeds", "0"], "'--seeds <SEEDS>'"),
+        (&["sweep", "--nodes", "4000000000"], "'--nodes <NODES>'"),
+        (
+            &["failures", "--every", "5m", "--nodes", "0"],
+            "'--nodes <NODES>'",
+        ),
+        (&["replay", "--max-nodes", "0"], "'--max-nodes <MAX_NODES>'"),
+        (&["replay", "--f", "0"], "'--f <F>'"),
+    ];
+    for (args, needle) in cases {
+        let out = lzsim(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains(needle),
+            "{args:?}: stderr {err:?} lacks {needle:?}"
+        );
+        assert!(!err.contains("panicked"), "{args:?} panicked");
+        assert!(out.stdout.is_empty(), "{args:?} wrote to stdout");
+    }
+}
+
+#[test]
+fn help_documents_the_limits() {
+    let out = lzsim(&["plan", "--help"]);
+    let help = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "1..=1048576",
+        "1..=4096",
+        "1..=65536",
+        "1..=1024",
+        "67108864",
+    ] {
+        assert!(help.contains(needle), "plan --help lacks {needle}: {help}");
+    }
 }

@@ -5,6 +5,7 @@
 //! profile can also be read from any TOML file with the same fields ([`hardware`],
 //! [`model`]). Unknown fields are rejected (typos would otherwise silently keep a default).
 
+use crate::limits;
 use anyhow::{Context, Result, bail};
 use lazarus_planner::{ClusterSpec, ModelSpec};
 use serde::{Deserialize, Serialize};
@@ -110,6 +111,11 @@ impl HardwareProfile {
 
     fn validate(&self) -> Result<()> {
         positive_count("gpus_per_node", self.gpus_per_node)?;
+        at_most(
+            "gpus_per_node",
+            self.gpus_per_node,
+            limits::MAX_GPUS_PER_NODE,
+        )?;
         positive_count("nic_shared_by_nodes", self.nic_shared_by_nodes)?;
         positive("gpu_flops_effective", self.gpu_flops_effective)?;
         positive_count("gpu_memory_bytes", self.gpu_memory_bytes)?;
@@ -317,6 +323,7 @@ impl ModelProfile {
     fn validate(&self) -> Result<()> {
         positive_count("layers", self.layers)?;
         positive_count("moe_layers", self.moe_layers)?;
+        at_most("moe_layers", self.moe_layers, limits::MAX_LAYERS)?;
         if self.moe_layers > self.layers {
             bail!(
                 "field `moe_layers` ({}) exceeds `layers` ({})",
@@ -342,6 +349,7 @@ impl ModelProfile {
             positive_count("attention_score_width", w)?;
         }
         positive_count("experts", self.experts)?;
+        at_most("experts", self.experts, limits::MAX_EXPERTS)?;
         positive_count("top_k", self.top_k)?;
         if self.top_k > self.experts {
             bail!(
@@ -365,6 +373,11 @@ impl ModelProfile {
             );
         }
         positive_count("slots_per_gpu", self.slots_per_gpu)?;
+        at_most(
+            "slots_per_gpu",
+            self.slots_per_gpu,
+            limits::MAX_SLOTS_PER_NODE,
+        )?;
         if self.slots_per_gpu < self.experts / self.ep_size {
             bail!(
                 "field `slots_per_gpu` ({}) is below experts / ep_size ({}): standard EP would not fit",
@@ -373,6 +386,7 @@ impl ModelProfile {
             );
         }
         positive_count("f", self.f)?;
+        at_most("f", self.f, limits::MAX_F)?;
         Ok(())
     }
 }
@@ -380,6 +394,15 @@ impl ModelProfile {
 fn positive(field: &str, v: f64) -> Result<()> {
     if !(v.is_finite() && v > 0.0) {
         bail!("field `{field}` must be a positive finite number, got {v}");
+    }
+    Ok(())
+}
+
+/// The command line's size limits ([`limits`]) hold for profiles too: a profile is as much
+/// input as a flag.
+fn at_most(field: &str, v: usize, max: usize) -> Result<()> {
+    if v > max {
+        bail!("field `{field}` must be at most {max}, got {v}");
     }
     Ok(())
 }

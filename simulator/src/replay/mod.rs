@@ -241,7 +241,8 @@ pub fn young_daly_steps(
 /// Routing history the planner sees at `step`: the per-step loads of the last `window` steps
 /// (`step − window, step]`, summed — a sliding-window aggregation, evaluated per load epoch.
 pub fn window_loads(workload: &Workload, step: u64, window: u64) -> Vec<Vec<u64>> {
-    let end = step + 1;
+    // Saturating: `lzsim reconfig --step` takes any u64.
+    let end = step.saturating_add(1);
     let mut x = end.saturating_sub(window.max(1));
     let mut sum: Vec<Vec<u64>> = Vec::new();
     while x < end {
