@@ -36,7 +36,8 @@ fn bench(c: &mut Criterion) {
         g.bench_function("p3_full_gpt_l_3_systems", |b| {
             b.iter(|| {
                 for &sys in &r.systems {
-                    replay::run(&r.configs[&sys], sys, &r.trace, &r.workload, false, None);
+                    replay::run(&r.configs[&sys], sys, &r.trace, &r.workload, false, None)
+                        .expect("the P3 trace replays within the event budget");
                 }
             })
         });

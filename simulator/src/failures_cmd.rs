@@ -1,7 +1,7 @@
 //! `lzsim failures`: synthetic failure traces as Bamboo CSV, so the simulator and the executor
 //! can replay the very same sequence.
 
-use crate::duration::parse_ms;
+use crate::duration::{parse_ms, parse_period_ms};
 use crate::limits::{self, MAX_NODES};
 use crate::replay::output::write_atomic;
 use anyhow::{Result, bail};
@@ -14,7 +14,8 @@ pub struct FailuresArgs {
     /// Nodes at time 0, 1..=1048576.
     #[arg(long, default_value_t = 10, value_parser = limits::count(MAX_NODES))]
     pub nodes: usize,
-    /// Controlled scenario: one uniformly random node fails per interval (paper §6.4: 5m, 40m).
+    /// Controlled scenario: one uniformly random node fails per interval (paper §6.4: 5m, 40m),
+    /// 1ms..=365d.
     #[arg(long, conflicts_with = "hazard")]
     pub every: Option<String>,
     /// Interval distribution for --every: fixed, exp, or weibull:SHAPE (mean = --every).
@@ -29,10 +30,11 @@ pub struct FailuresArgs {
     /// Stochastic mode: expected node arrivals per hour.
     #[arg(long, default_value_t = 0.0)]
     pub add_rate: f64,
-    /// Stochastic mode: trace length.
+    /// Stochastic mode: trace length, at most 365d.
     #[arg(long, default_value = "4h")]
     pub duration: String,
-    /// Stochastic mode: time step of the hazard process.
+    /// Stochastic mode: time step of the hazard process, at least 1ms; duration / tick x
+    /// max nodes <= 1073741824 random draws.
     #[arg(long, default_value = "1m")]
     pub tick: String,
     /// Stochastic mode: cap on live nodes (default: --nodes), 1..=1048576.
@@ -49,10 +51,7 @@ pub fn run(a: &FailuresArgs) -> Result<()> {
     let trace = match (&a.every, a.hazard) {
         (Some(every), None) => {
             let dist: IntervalDist = a.dist.parse().map_err(|e| anyhow::anyhow!("--dist: {e}"))?;
-            let every_ms = parse_ms(every)?;
-            if every_ms == 0 {
-                bail!("--every must be positive");
-            }
+            let every_ms = parse_period_ms("--every", every)?;
             let until = a.until_live.unwrap_or(a.nodes.div_ceil(2));
             if until > a.nodes {
                 bail!("--until-live {until} exceeds --nodes {}", a.nodes);
@@ -63,19 +62,11 @@ pub fn run(a: &FailuresArgs) -> Result<()> {
             if !(h.is_finite() && h >= 0.0 && a.add_rate.is_finite() && a.add_rate >= 0.0) {
                 bail!("--hazard and --add-rate must be finite rates >= 0");
             }
-            let tick = parse_ms(&a.tick)?;
-            if tick == 0 {
-                bail!("--tick must be positive");
-            }
-            synth::hazard(
-                a.nodes,
-                h,
-                a.add_rate,
-                parse_ms(&a.duration)?,
-                tick,
-                a.max_nodes.unwrap_or(a.nodes).max(a.nodes),
-                a.seed,
-            )
+            let tick = parse_period_ms("--tick", &a.tick)?;
+            let duration = parse_ms("--duration", &a.duration)?;
+            let max_nodes = a.max_nodes.unwrap_or(a.nodes).max(a.nodes);
+            limits::check_hazard_draws(duration, tick, max_nodes)?;
+            synth::hazard(a.nodes, h, a.add_rate, duration, tick, max_nodes, a.seed)
         }
         _ => bail!("give either --every INTERVAL or --hazard RATE"),
     };

@@ -25,6 +25,21 @@ pub const MAX_F: usize = 1024;
 /// state at 24 bytes per slot).
 pub const MAX_REPLICA_SLOTS: usize = 1 << 26;
 
+/// Random draws of a hazard trace (ticks x node slots): about ten seconds of generation.
+pub const MAX_HAZARD_DRAWS: usize = 1 << 30;
+
+/// Rejects a hazard process whose generation would take more than [`MAX_HAZARD_DRAWS`]
+/// draws: one per node slot per tick.
+pub fn check_hazard_draws(duration_ms: u64, tick_ms: u64, max_nodes: usize) -> anyhow::Result<()> {
+    let ticks = usize::try_from(duration_ms / tick_ms.max(1)).unwrap_or(usize::MAX);
+    check_product(
+        &[("ticks (--duration / --tick)", ticks), ("nodes", max_nodes)],
+        MAX_HAZARD_DRAWS,
+        "random draws",
+        "use a coarser --tick",
+    )
+}
+
 /// A clap parser for a count in `1..=max`; clap's message names the argument and the range,
 /// and the process exits with code 2.
 pub fn count(max: usize) -> RangedU64ValueParser<usize> {

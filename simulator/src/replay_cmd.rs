@@ -1,7 +1,9 @@
 //! `lzsim replay`.
 
 use crate::cost;
-use crate::duration::{parse_ms, parse_range_ms};
+use crate::duration::{
+    MAX_DURATION_MS, MAX_DURATION_TEXT, parse_ms, parse_period_ms, parse_range_ms,
+};
 use crate::limits::{self, MAX_F, MAX_NODES};
 use crate::replay::systems::{SystemKind, parse_systems};
 use crate::replay::{self, ReplayConfig, RunResult, output};
@@ -38,7 +40,8 @@ pub struct ReplayArgs {
     /// How --max-nodes maps a larger trace: clamp, track or scale (see lazarus-traces docs).
     #[arg(long, default_value = "track")]
     pub map: String,
-    /// Stop at this time (default: the trace's last event; 30m for the embedded trace).
+    /// Stop at this time (default: the trace's last event; 30m for the embedded trace), at most
+    /// 365d; a trace that runs longer needs --end or --window.
     #[arg(long)]
     pub end: Option<String>,
     /// Write the run directory here (config.json, per-system summary/timeseries/events, plots).
@@ -91,7 +94,8 @@ pub struct SimArgs {
     /// Boot time of nodes added after time 0 (default: the hardware profile's).
     #[arg(long)]
     pub boot: Option<String>,
-    /// Time-series sampling period (run directories only).
+    /// Time-series sampling period (run directories only), at least 1ms; at most 1000000
+    /// samples per system.
     #[arg(long, default_value = "10s")]
     pub sample_every: String,
     /// Seed (synthetic loads; synthetic traces in sweeps).
@@ -166,7 +170,7 @@ impl Setup {
             model.f = f;
         }
         let node_boot_s = match &sim.boot {
-            Some(b) => parse_ms(b)? as f64 / 1e3,
+            Some(b) => parse_ms("--boot", b)? as f64 / 1e3,
             None => hardware.node_boot_s,
         };
         let base = ReplayConfig {
@@ -175,10 +179,10 @@ impl Setup {
             checkpoint_every_steps: None,
             rebalance_every_steps: None,
             load_window_steps: sim.rebalance_every.max(1),
-            scale_out_wait_s: parse_ms(&sim.scale_out_wait)? as f64 / 1e3,
+            scale_out_wait_s: parse_ms("--scale-out-wait", &sim.scale_out_wait)? as f64 / 1e3,
             node_boot_s,
             end_ms: None,
-            sample_every_s: parse_ms(&sim.sample_every)? as f64 / 1e3,
+            sample_every_s: parse_period_ms("--sample-every", &sim.sample_every)? as f64 / 1e3,
         };
         Ok(Self {
             systems,
@@ -203,6 +207,9 @@ impl Setup {
     }
 }
 
+/// Most time-series rows a run directory holds per system (about 100 MB in memory).
+pub const MAX_SAMPLES: u64 = 1_000_000;
+
 pub fn resolve(args: &ReplayArgs) -> Result<Resolved> {
     let setup = Setup::new(&args.sim)?;
     let (mut trace, trace_name, default_end) = match &args.trace {
@@ -211,15 +218,15 @@ pub fn resolve(args: &ReplayArgs) -> Result<Resolved> {
             lazarus_traces::parse(DEFAULT_TRACE, lazarus_traces::TraceFormat::BambooCsv)
                 .context("embedded default trace")?,
             "embedded:paper-5min-10nodes".to_string(),
-            Some(parse_ms(DEFAULT_END)?),
+            Some(parse_ms("--end", DEFAULT_END)?),
         ),
     };
     let mut end_ms = match &args.end {
-        Some(e) => Some(parse_ms(e)?),
+        Some(e) => Some(parse_period_ms("--end", e)?),
         None => default_end,
     };
     if let Some(w) = &args.window {
-        let (a, b) = parse_range_ms(w)?;
+        let (a, b) = parse_range_ms("--window", w)?;
         trace = trace.window(a, b);
         end_ms = end_ms.or(Some(b - a));
     }
@@ -232,6 +239,30 @@ pub fn resolve(args: &ReplayArgs) -> Result<Resolved> {
     }
     if trace.events().is_empty() {
         bail!("the trace has no events (after --window/--max-nodes)");
+    }
+    // The engine's work grows with the simulated time, so the trace's own end is bounded like
+    // --end: a stray event at 10^11 ms would otherwise run for days.
+    let last_ms = trace.events().last().map_or(0, |e| e.time_ms);
+    let run_ms = match end_ms {
+        Some(e) => e,
+        None if last_ms > MAX_DURATION_MS => bail!(
+            "{trace_name}: the last event is at {last_ms} ms, later than the limit of \
+             {MAX_DURATION_TEXT} of simulated time; replay a part with --end or --window"
+        ),
+        None => last_ms,
+    };
+    if args.out.is_some() {
+        let period_ms = parse_period_ms("--sample-every", &args.sim.sample_every)?;
+        let samples = run_ms / period_ms + 1;
+        if samples > MAX_SAMPLES {
+            bail!(
+                "--sample-every {} over {} s of simulated time is {samples} samples per system, \
+                 more than the limit of {MAX_SAMPLES}; sample at least every {} ms",
+                args.sim.sample_every,
+                run_ms / 1000,
+                run_ms.div_ceil(MAX_SAMPLES - 1)
+            );
+        }
     }
     let configs = setup
         .systems
@@ -257,7 +288,7 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
         .systems
         .par_iter()
         .map(|&sys| replay::run(&r.configs[&sys], sys, &r.trace, &r.workload, record, None))
-        .collect();
+        .collect::<Result<_, _>>()?;
     if let Some(dir) = &args.out {
         let config = json!({
             "command": std::env::args().collect::<Vec<_>>(),

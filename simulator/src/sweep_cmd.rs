@@ -1,7 +1,7 @@
 //! `lzsim sweep`: many stochastic failure traces × systems, in parallel (rayon), one CSV row
 //! per run, with a progress bar on a terminal.
 
-use crate::duration::parse_ms;
+use crate::duration::parse_period_ms;
 use crate::limits::{self, MAX_NODES};
 use crate::replay;
 use crate::replay::output::write_atomic;
@@ -29,10 +29,11 @@ pub struct SweepArgs {
     /// Nodes at time 0 (and the cap on live nodes), 1..=1048576.
     #[arg(long, default_value_t = 10, value_parser = limits::count(MAX_NODES))]
     pub nodes: usize,
-    /// Length of each trace.
+    /// Length of each trace, 1ms..=365d.
     #[arg(long, default_value = "4h")]
     pub duration: String,
-    /// Time step of the hazard process.
+    /// Time step of the hazard process, at least 1ms; duration / tick x nodes <= 1073741824
+    /// random draws per trace.
     #[arg(long, default_value = "1m")]
     pub tick: String,
     /// Write the CSV here (refuses to replace a file) and print a summary; default: CSV on stdout.
@@ -78,11 +79,9 @@ pub const MAX_SEEDS: u64 = 100_000;
 /// Runs the sweep and returns its rows in (hazard, seed, system) order.
 pub fn sweep(a: &SweepArgs, progress: bool) -> Result<Vec<Row>> {
     let rates = parse_rates(&a.hazard)?;
-    let duration = parse_ms(&a.duration)?;
-    let tick = parse_ms(&a.tick)?;
-    if tick == 0 || duration == 0 {
-        bail!("--tick and --duration must be positive");
-    }
+    let duration = parse_period_ms("--duration", &a.duration)?;
+    let tick = parse_period_ms("--tick", &a.tick)?;
+    limits::check_hazard_draws(duration, tick, a.nodes)?;
     let setup = Setup::new(&a.sim)?;
     let cache = replay::StepCache::default();
     let jobs: Vec<(f64, u64)> = rates
@@ -112,9 +111,9 @@ pub fn sweep(a: &SweepArgs, progress: bool) -> Result<Vec<Row>> {
                 .iter()
                 .map(|&sys| {
                     let cfg = setup.config(sys, &trace, Some(duration));
-                    let m = replay::run(&cfg, sys, &trace, &setup.workload, false, Some(&cache))
+                    let m = replay::run(&cfg, sys, &trace, &setup.workload, false, Some(&cache))?
                         .summary;
-                    Row {
+                    Ok(Row {
                         hazard_per_hour: h,
                         seed: s,
                         system: sys.name().to_string(),
@@ -126,13 +125,13 @@ pub fn sweep(a: &SweepArgs, progress: bool) -> Result<Vec<Row>> {
                         fallbacks: m.fallbacks,
                         preemptions: m.preemptions,
                         avg_live_nodes: m.avg_live_nodes,
-                    }
+                    })
                 })
-                .collect();
+                .collect::<Result<Vec<Row>, replay::ReplayError>>();
             bar.inc(1);
             out
         })
-        .collect();
+        .collect::<Result<_, _>>()?;
     bar.finish_and_clear();
     Ok(rows.into_iter().flatten().collect())
 }

@@ -548,3 +548,120 @@ fn trace_errors_say_each_part_once() {
     assert_eq!(err.matches("os error 2").count(), 1, "{err}");
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// Runs lzsim, killing it after `limit_s`: before issue 14 some of these inputs ran for days.
+fn lzsim_within(args: &[&str], limit_s: u64) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lzsim"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run lzsim");
+    let started = std::time::Instant::now();
+    while child.try_wait().expect("wait").is_none() {
+        if started.elapsed().as_secs() >= limit_s {
+            child.kill().ok();
+            child.wait().ok();
+            panic!("lzsim {args:?} still running after {limit_s} s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("output")
+}
+
+/// Issue 14: the simulated time and every period are bounded. `--end 99999999999h` and a trace
+/// event at 10^11 ms made the engine step through years of training (or overflow its
+/// nanosecond clock), and `--sample-every 0s` wrote empty time series with exit 0.
+#[test]
+fn durations_are_bounded_and_periods_positive() {
+    let dir = tmp("durations");
+    std::fs::create_dir_all(&dir).unwrap();
+    let far = dir.join("far.csv");
+    std::fs::write(&far, "0,add,a\n0,add,b\n100000000000,remove,a\n").unwrap();
+    let out = dir.join("run");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["replay", "--end", "99999999999h"],
+            "--end \"99999999999h\" is longer than the limit of 365d",
+        ),
+        (
+            vec!["replay", far.to_str().unwrap()],
+            "later than the limit of 365d",
+        ),
+        (
+            vec![
+                "replay",
+                "--sample-every",
+                "0s",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            "--sample-every \"0s\" must be at least 1ms",
+        ),
+        (
+            vec!["replay", "--end", "200d", "--out", out.to_str().unwrap()],
+            "samples per system, more than the limit",
+        ),
+        (
+            vec!["replay", "--end", "0s"],
+            "--end \"0s\" must be at least 1ms",
+        ),
+        (vec!["replay", "--window", "0s..400d"], "--window"),
+        (vec!["replay", "--boot", "400d"], "--boot"),
+        (
+            vec!["sweep", "--tick", "0.1ms"],
+            "--tick \"0.1ms\" must be at least 1ms",
+        ),
+        (vec!["sweep", "--duration", "400d"], "--duration"),
+        (
+            vec!["sweep", "--duration", "365d", "--tick", "1ms"],
+            "random draws, more than the limit",
+        ),
+        (
+            vec![
+                "failures",
+                "--hazard",
+                "0.1",
+                "--tick",
+                "1ms",
+                "--duration",
+                "365d",
+            ],
+            "use a coarser --tick",
+        ),
+        (
+            vec!["failures", "--every", "0s"],
+            "--every \"0s\" must be at least 1ms",
+        ),
+    ];
+    for (args, needle) in cases {
+        let o = lzsim_within(&args, 30);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err:?} lacks {needle:?}");
+        assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    }
+    assert!(!out.exists(), "a rejected run created its directory");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// Issue 14: trace events after `--end` are never simulated, so their times (up to u64 ms,
+/// beyond the engine's u64 nanosecond clock) must not overflow it.
+#[test]
+fn events_after_the_end_do_not_overflow_the_clock() {
+    let dir = tmp("overflow");
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("max.csv");
+    std::fs::write(&trace, "0,add,a\n0,add,b\n18446744073709551615,remove,a\n").unwrap();
+    let v = ok_json(&[
+        "replay",
+        trace.to_str().unwrap(),
+        "--end",
+        "30m",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(by_system(&v, "ds")["preemptions"], 0);
+    assert_eq!(by_system(&v, "ds")["duration_s"], 1800.0);
+    std::fs::remove_dir_all(dir).ok();
+}

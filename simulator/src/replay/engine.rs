@@ -25,7 +25,9 @@
 
 use super::systems::lazarus::{Driver, Order};
 use super::systems::{Ctx, Decision, Layout, Migration, NodeId, System, SystemKind};
-use super::{EventRecord, ReplayConfig, RunResult, Sample, StepCache, Summary, TimeBreakdown};
+use super::{
+    EventRecord, ReplayConfig, ReplayError, RunResult, Sample, StepCache, Summary, TimeBreakdown,
+};
 use crate::cost::{self, StepInput};
 use crate::workload::Workload;
 use lazarus_planner::job::ReconfigKind;
@@ -37,6 +39,14 @@ use std::hash::{Hash, Hasher};
 use std::rc::Rc;
 
 const NS_PER_S: f64 = 1e9;
+const NS_PER_MS: u64 = 1_000_000;
+
+/// Most events one run may handle (samples aside). Training is simulated in segments between
+/// checkpoints, rebalances and load changes, so a simulated year of the default scenario is
+/// about a million events per system (minutes); a run that needs more has steps, or a
+/// cadence, so short that it would go on for hours or years: it stops with
+/// [`ReplayError::TooManyEvents`] instead.
+pub const MAX_EVENTS: u64 = 2_000_000;
 
 fn ns(s: f64) -> u64 {
     (s * NS_PER_S).round().max(0.0) as u64
@@ -216,14 +226,19 @@ impl<'a> Engine<'a> {
         let end_ms = cfg
             .end_ms
             .unwrap_or_else(|| trace.events().last().map_or(0, |e| e.time_ms));
-        e.end = end_ms * 1_000_000;
+        e.end = end_ms.saturating_mul(NS_PER_MS);
         for ev in trace.events() {
             let id = *ids.entry(ev.node.as_str()).or_insert_with(|| {
                 e.names.push(ev.node.clone());
                 e.state.push(NodeState::Dead);
                 (e.names.len() - 1) as NodeId
             });
-            let t = ev.time_ms * 1_000_000;
+            // Events after the end are never handled: skipping them also keeps a trace time
+            // beyond u64 nanoseconds (5.8e14 ms) from overflowing.
+            let t = ev.time_ms.saturating_mul(NS_PER_MS);
+            if t > e.end {
+                continue;
+            }
             match ev.op {
                 NodeOp::Add => e.push(t, Ev::TraceAdd(id)),
                 NodeOp::Remove => e.push(t, Ev::TraceRemove(id)),
@@ -241,6 +256,12 @@ impl<'a> Engine<'a> {
     fn push(&mut self, t: u64, ev: Ev) {
         self.queue.push(Reverse((t, self.seq, ev)));
         self.seq += 1;
+    }
+
+    /// Schedules `ev` `delay_ns` from now. Saturating: a delay from a profile can be anything,
+    /// and an event past the end is never handled anyway.
+    fn push_after(&mut self, delay_ns: u64, ev: Ev) {
+        self.push(self.now.saturating_add(delay_ns), ev);
     }
 
     fn rules(&mut self) -> &mut dyn System {
@@ -300,17 +321,35 @@ impl<'a> Engine<'a> {
         self.last_integral_t = self.now;
     }
 
-    /// Runs the simulation to the end and returns the result.
-    pub fn run(mut self) -> RunResult {
+    /// Runs the simulation to the end and returns the result, or [`ReplayError::TooManyEvents`]
+    /// once [`MAX_EVENTS`] events were handled before the end.
+    pub fn run(self) -> Result<RunResult, ReplayError> {
+        self.run_with_budget(MAX_EVENTS)
+    }
+
+    fn run_with_budget(mut self, max_events: u64) -> Result<RunResult, ReplayError> {
+        let mut handled = 0u64;
         while let Some(Reverse((t, _, ev))) = self.queue.pop() {
             self.now = t;
             self.integrate();
             if ev == Ev::End {
                 break;
             }
+            // Samples are bounded by the caller (duration / period); everything else counts.
+            if ev != Ev::Sample {
+                handled += 1;
+                if handled > max_events {
+                    return Err(ReplayError::TooManyEvents {
+                        system: self.summary.system,
+                        events: max_events,
+                        reached_s: secs(self.now),
+                        end_s: secs(self.end),
+                    });
+                }
+            }
             self.handle(ev);
         }
-        self.finish()
+        Ok(self.finish())
     }
 
     fn handle(&mut self, ev: Ev) {
@@ -323,7 +362,7 @@ impl<'a> Engine<'a> {
                     self.state[n as usize] = NodeState::Ready;
                 } else {
                     self.state[n as usize] = NodeState::Booting;
-                    self.push(self.now + ns(self.cfg.node_boot_s), Ev::NodeReady(n));
+                    self.push_after(ns(self.cfg.node_boot_s), Ev::NodeReady(n));
                 }
             }
             Ev::NodeReady(n) => {
@@ -381,7 +420,8 @@ impl<'a> Engine<'a> {
             }
             Ev::Sample => {
                 self.sample();
-                let next = self.now + ns(self.cfg.sample_every_s);
+                // At least 1 ns: a period that rounds to zero would sample forever at `now`.
+                let next = self.now.saturating_add(ns(self.cfg.sample_every_s).max(1));
                 if next <= self.end {
                     self.push(next, Ev::Sample);
                 }
@@ -397,7 +437,7 @@ impl<'a> Engine<'a> {
                 let (ctx, ready) = (self.ctx(), self.ready_nodes());
                 if self.rules().wants_scale_out(&ctx, &l, &ready) {
                     self.scale_out_timer = true;
-                    self.push(self.now + ns(self.cfg.scale_out_wait_s), Ev::ScaleOutDue);
+                    self.push_after(ns(self.cfg.scale_out_wait_s), Ev::ScaleOutDue);
                 }
             }
             _ => {}
@@ -423,7 +463,7 @@ impl<'a> Engine<'a> {
         let wait_ms = (self.cfg.scale_out_wait_s * 1e3).round() as u64;
         let d = self.driver().expect("lazarus");
         let order = d.nodes_ready(&ctx, now, &[n]);
-        self.push(now + wait_ms * 1_000_000, Ev::Tick);
+        self.push_after(wait_ms.saturating_mul(NS_PER_MS), Ev::Tick);
         if let Some(order) = order {
             debug_assert!(
                 matches!(self.job, Job::Idle),
@@ -580,8 +620,8 @@ impl<'a> Engine<'a> {
         self.generation += 1;
         self.job = Job::Detecting { since: self.now };
         let timeout = ns(self.cfg.hardware.failure_detection_timeout_s);
-        self.push(
-            self.now + timeout,
+        self.push_after(
+            timeout,
             Ev::FailureDetected {
                 generation: self.generation,
             },
@@ -661,8 +701,8 @@ impl<'a> Engine<'a> {
             kind,
             since: self.now,
         };
-        self.push(
-            self.now + ns(seconds),
+        self.push_after(
+            ns(seconds),
             Ev::PauseDone {
                 generation: self.generation,
             },
@@ -974,8 +1014,8 @@ impl<'a> Engine<'a> {
             step_ns: info.step_ns,
             steps: n,
         };
-        self.push(
-            self.now + n * info.step_ns,
+        self.push_after(
+            n.saturating_mul(info.step_ns),
             Ev::SegmentDone {
                 generation: self.generation,
             },
@@ -1071,6 +1111,50 @@ impl<'a> Engine<'a> {
             summary: s,
             timeseries: self.samples_out,
             events: self.events,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::{self, ModelProfile};
+    use lazarus_traces::zipf::ZipfLoads;
+    use lazarus_traces::{TraceFormat, parse};
+
+    /// A model so small that a step takes microseconds: a checkpoint every 50 steps is then a
+    /// segment every few hundred microseconds, millions of events per simulated hour.
+    const TINY_MODEL: &str = "name = \"tiny\"\nlayers = 1\nmoe_layers = 1\nd_model = 1\n\
+        ffn_hidden = 1\nffn_matrices = 2\nexperts = 2\nshared_experts = 0\ntop_k = 1\n\
+        vocab = 1\ntied_embeddings = true\nseq_len = 1\nbatch_per_gpu = 1\n\
+        bytes_per_param_weights = 2\nbytes_per_param_state = 14\nbytes_per_expert_state = 28\n\
+        ep_size = 2\nslots_per_gpu = 6\nf = 2\n";
+
+    #[test]
+    fn a_run_stops_at_its_event_budget() {
+        let model: ModelProfile = toml::from_str(TINY_MODEL).expect("tiny model");
+        let workload = Workload::Zipf(ZipfLoads::new(1.2, model.experts, model.moe_layers, 0));
+        let cfg = ReplayConfig {
+            hardware: cost::hardware("rtx3090-100g").expect("built-in"),
+            model,
+            checkpoint_every_steps: Some(50),
+            rebalance_every_steps: None,
+            load_window_steps: 200,
+            scale_out_wait_s: 120.0,
+            node_boot_s: 45.0,
+            end_ms: Some(3_600_000),
+            sample_every_s: 0.0,
+        };
+        let trace = parse("0,add,a\n0,add,b\n", TraceFormat::BambooCsv).expect("trace");
+        let engine = Engine::new(&cfg, SystemKind::Ds, &trace, &workload, false, None);
+        match engine.run_with_budget(1000) {
+            Err(ReplayError::TooManyEvents {
+                events, reached_s, ..
+            }) => {
+                assert_eq!(events, 1000);
+                assert!(reached_s < 3600.0, "{reached_s}");
+            }
+            Ok(r) => panic!("ran to the end: {:?}", r.summary),
         }
     }
 }

@@ -164,6 +164,25 @@ pub struct RunResult {
 /// layout's content and the load epoch.
 pub type StepCache = std::sync::Mutex<std::collections::HashMap<u64, (u64, u64)>>;
 
+/// Why a replay stopped before its end.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ReplayError {
+    /// The run needed more than [`engine::MAX_EVENTS`] events: its steps are so short, or its
+    /// checkpoints, rebalances and load changes so frequent, that it would run for hours.
+    #[error(
+        "{} stopped after {events} events at {reached_s:.0} s of {end_s:.0} s simulated: the \
+         step cadence is too fine for a run this long; shorten it (--end, --window, --duration) \
+         or coarsen the cadence (--ckpt-every, --rebalance-every, --drift-every)",
+        system.name()
+    )]
+    TooManyEvents {
+        system: SystemKind,
+        events: u64,
+        reached_s: f64,
+        end_s: f64,
+    },
+}
+
 /// Replays `system` on `trace`. `record` keeps the time series and event log (off in sweeps);
 /// `cache` shares step costs between runs with the same configuration and workload.
 pub fn run(
@@ -173,7 +192,7 @@ pub fn run(
     workload: &Workload,
     record: bool,
     cache: Option<&StepCache>,
-) -> RunResult {
+) -> Result<RunResult, ReplayError> {
     engine::Engine::new(cfg, system, trace, workload, record, cache).run()
 }
 
