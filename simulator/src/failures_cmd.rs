@@ -72,7 +72,7 @@ pub fn run(a: &FailuresArgs) -> Result<()> {
     };
     let csv = trace.to_bamboo_csv();
     match &a.out {
-        None => print!("{csv}"),
+        None => crate::stdout::print(&csv)?,
         Some(p) => {
             if p.exists() {
                 bail!("{} exists; not replacing it", p.display());

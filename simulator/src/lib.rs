@@ -28,6 +28,7 @@ pub mod relayout_cmd;
 pub mod replay;
 pub mod replay_cmd;
 pub mod spec_args;
+pub mod stdout;
 pub mod sweep_cmd;
 pub mod workload;
 

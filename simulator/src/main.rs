@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 use lazarus_simulator::{
     failures_cmd, plan_cmd, reconfig_cmd, recovery_cmd, relayout_cmd, replay_cmd, sweep_cmd,
 };
+use std::io::Write;
 use std::process::ExitCode;
 
 /// Resilient MoE training, simulated: replica plans and recovery probabilities
@@ -15,7 +16,9 @@ use std::process::ExitCode;
     lzsim plan --nodes 10 --slots 6 --experts 8 --loads 1,1,1,1,2,4,10,20\n  \
     lzsim plan --experts 16 --layers 12 --zipf 1.2 --format json\n  \
     lzsim recovery --place mro,spread,compact --failed 0..6 --plot recovery.png\n  \
-    lzsim recovery --nodes 32 --slots 8 --experts 64 --failed 0..8 --method mc --trials 200000")]
+    lzsim recovery --nodes 32 --slots 8 --experts 64 --failed 0..8 --method mc --trials 200000\n\n\
+    Exit status: 0 on success, also when the reader of the output stops early (`lzsim plan | \
+    head`); 2 on any error (bad arguments or input, an output that cannot be written).")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -52,9 +55,12 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader stopped early (`| head`): it has what it wanted.
+        Err(e) if lazarus_simulator::stdout::is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
-            // One line naming the problem; exit code 2 like clap's own usage errors.
-            eprintln!("error: {e:#}");
+            // One line naming the problem; exit code 2 like clap's own usage errors. Ignoring a
+            // failed write: with stderr gone too there is no one left to tell.
+            let _ = writeln!(std::io::stderr(), "error: {e:#}");
             ExitCode::from(2)
         }
     }

@@ -43,9 +43,9 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     let loads = spec.loads()?;
     let plan = spec.plan(place, &loads)?;
     if args.format == "json" {
-        println!("{}", serde_json::to_string_pretty(&to_json(&plan, &loads))?);
+        crate::stdout::println(&serde_json::to_string_pretty(&to_json(&plan, &loads))?)?;
     } else {
-        print!("{}", to_text(&plan, &loads));
+        crate::stdout::print(&to_text(&plan, &loads))?;
     }
     Ok(())
 }

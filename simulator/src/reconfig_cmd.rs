@@ -275,9 +275,9 @@ fn shape_report(a: &ReconfigArgs) -> Result<ReconfigReport> {
 pub fn run(a: &ReconfigArgs) -> Result<()> {
     let r = report(a)?;
     if a.format == "json" {
-        println!("{}", serde_json::to_string_pretty(&r)?);
+        crate::stdout::println(&serde_json::to_string_pretty(&r)?)?;
     } else {
-        println!(
+        crate::stdout::println(&format!(
             "{} on {} nodes, {} failing at step {}: {} failure sets, {} unrecoverable (checkpoint)\n\
              replicas transferred: mean {:.1} (min {}, max {}); transfer {:.2} s; reconfiguration {:.1} s; \
              replan {:.1} ms",
@@ -293,7 +293,7 @@ pub fn run(a: &ReconfigArgs) -> Result<()> {
             r.transfer_s_mean,
             r.reconfig_s_mean,
             r.replan_ms
-        );
+        ))?;
     }
     Ok(())
 }

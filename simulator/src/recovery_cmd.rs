@@ -6,6 +6,7 @@ use crate::recovery::{self, Method, Query};
 use anyhow::{Context, bail};
 use clap::Args;
 use lazarus_planner::PlacePolicy;
+use std::fmt::Write;
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]
@@ -127,12 +128,13 @@ pub fn run(args: &RecoveryArgs) -> anyhow::Result<()> {
         crate::plot::recovery_chart(path, &title, x_label, &rows)?;
     }
     if args.format == "json" {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        crate::stdout::println(&serde_json::to_string_pretty(&rows)?)?;
     } else {
-        println!("place,failed,probability,ci_low,ci_high");
+        let mut csv = String::from("place,failed,probability,ci_low,ci_high\n");
         for r in &rows {
             let opt = |x: Option<f64>| x.map(|v| format!("{v:.6}")).unwrap_or_default();
-            println!(
+            let _ = writeln!(
+                csv,
                 "{},{},{:.6},{},{}",
                 r.place,
                 r.failed,
@@ -141,6 +143,7 @@ pub fn run(args: &RecoveryArgs) -> anyhow::Result<()> {
                 opt(r.ci_high)
             );
         }
+        crate::stdout::print(&csv)?;
     }
     Ok(())
 }

@@ -215,7 +215,7 @@ pub fn run(a: &RelayoutArgs) -> Result<()> {
     }
     if a.format == "json" {
         let list: Vec<&PolicySummary> = results.iter().map(|r| &r.0).collect();
-        println!("{}", serde_json::to_string_pretty(&list)?);
+        crate::stdout::println(&serde_json::to_string_pretty(&list)?)?;
     } else {
         let mut t = format!(
             "{:<16} {:>8} {:>8} {:>10} {:>12} {:>9} {:>9} {:>7} {:>7} {:>7} {:>10}\n",
@@ -248,7 +248,7 @@ pub fn run(a: &RelayoutArgs) -> Result<()> {
                 p.planner_ms_per_call
             );
         }
-        print!("{t}");
+        crate::stdout::print(&t)?;
     }
     Ok(())
 }

@@ -319,9 +319,9 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
     }
     if args.format == "json" {
         let list: Vec<_> = results.iter().map(|x| &x.summary).collect();
-        println!("{}", serde_json::to_string_pretty(&list)?);
+        crate::stdout::println(&serde_json::to_string_pretty(&list)?)?;
     } else {
-        print!("{}", table(&results));
+        crate::stdout::print(&table(&results))?;
     }
     Ok(())
 }

@@ -194,10 +194,10 @@ pub fn run(a: &SweepArgs) -> Result<()> {
     let rows = sweep(a, true)?;
     let csv = to_csv(&rows)?;
     match &a.out {
-        None => print!("{}", String::from_utf8(csv)?),
+        None => crate::stdout::print(&String::from_utf8(csv)?)?,
         Some(p) => {
             write_atomic(p, &csv)?;
-            print!("{}", summary(&rows));
+            crate::stdout::print(&summary(&rows))?;
         }
     }
     Ok(())

@@ -384,3 +384,72 @@ fn help_documents_the_limits() {
         assert!(help.contains(needle), "plan --help lacks {needle}: {help}");
     }
 }
+
+/// Issue 14: `lzsim plan | head -1` panicked ("failed printing to stdout", exit 101). A closed
+/// pipe now ends the run quietly with exit code 0.
+#[test]
+fn a_closed_stdout_ends_quietly() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    // About 800 KB of text: far more than a pipe buffers, so lzsim is still writing when the
+    // reader goes away.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lzsim"))
+        .args([
+            "plan",
+            "--nodes",
+            "20000",
+            "--slots",
+            "8",
+            "--experts",
+            "256",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run lzsim");
+    let mut first = String::new();
+    {
+        let mut reader = BufReader::new(child.stdout.take().expect("stdout"));
+        reader.read_line(&mut first).expect("first line");
+    }
+    assert!(first.starts_with("20000 nodes x 8 slots"), "{first}");
+    let out = child.wait_with_output().expect("wait");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.is_empty(), "{err}");
+}
+
+/// Issue 14: `lzsim plan > /dev/full` panicked. A full disk is an error: one line, exit 2.
+#[test]
+fn a_full_disk_is_an_error() {
+    let full = std::path::Path::new("/dev/full");
+    if !full.exists() {
+        eprintln!("skipped: no /dev/full");
+        return;
+    }
+    for args in [
+        &["plan"][..],
+        &["plan", "--format", "json"],
+        &["recovery"],
+        &["failures", "--every", "5m"],
+    ] {
+        let sink = std::fs::OpenOptions::new()
+            .write(true)
+            .open(full)
+            .expect("/dev/full");
+        let out = Command::new(env!("CARGO_BIN_EXE_lzsim"))
+            .args(args)
+            .stdout(sink)
+            .output()
+            .expect("run lzsim");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_eq!(
+            err.trim_end(),
+            "error: cannot write to standard output: No space left on device (os error 28)",
+            "{args:?}"
+        );
+    }
+}
