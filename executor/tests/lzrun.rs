@@ -745,6 +745,71 @@ fn ctrl_c_stops_every_process() {
     assert_eq!(workers_left(), Vec::<u32>::new(), "workers left behind");
 }
 
+/// Issue 14: `lzrun local | head -3` panicked ("failed printing to stdout", exit 101). A
+/// reader that stops early now stops the job like Ctrl-C, and lzrun exits 0 without a word.
+#[test]
+fn a_closed_stdout_stops_the_job_quietly() {
+    use std::io::{BufRead, BufReader};
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // Long enough that only the closed pipe can end it within the deadline below.
+    let mut child = Command::new(LZRUN)
+        .args(["local", "--steps", "100000", "--ckpt-every", "0"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = child.stderr.take().unwrap();
+    let stderr = thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let addr = {
+        let mut reader = BufReader::new(child.stdout.take().unwrap());
+        let mut first = String::new();
+        reader.read_line(&mut first).unwrap();
+        let addr = first
+            .split("controller ")
+            .nth(1)
+            .unwrap_or("")
+            .trim()
+            .to_owned();
+        assert!(!addr.is_empty(), "no controller address in {first:?}");
+        let mut line = String::new();
+        while !line.contains(" iteration ") {
+            line.clear();
+            assert!(reader.read_line(&mut line).unwrap() > 0, "no step line");
+        }
+        addr
+        // The reader is dropped here: the pipe closes like `| head` exiting.
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("lzrun kept running after its stdout closed");
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    let stderr = stderr.join().unwrap();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !processes_mentioning(&addr).is_empty() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        processes_mentioning(&addr),
+        Vec::<u32>::new(),
+        "agents left behind"
+    );
+}
+
 /// `lzrun worker` by hand: a fixed two-rank cluster without a controller.
 #[test]
 fn two_workers_by_hand_train_with_identical_replicas() {

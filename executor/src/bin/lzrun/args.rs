@@ -1,5 +1,6 @@
 //! The options of each subcommand (clap derive structs) and their value parsers.
 
+use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -17,10 +18,16 @@ pub enum Format {
 
 impl Format {
     /// A log line: stdout for text, stderr for json (stdout then carries only the summary).
+    /// Never panics: a failed stdout write is remembered ([`crate::report::stdout_failure`])
+    /// and stops the job; a failed stderr write leaves no one to tell.
     pub fn say(self, line: &str) {
         match self {
-            Format::Text => println!("{line}"),
-            Format::Json => eprintln!("{line}"),
+            Format::Text => {
+                let _ = crate::report::print_line(line);
+            }
+            Format::Json => {
+                let _ = writeln!(std::io::stderr(), "{line}");
+            }
         }
     }
 }

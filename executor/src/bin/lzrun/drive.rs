@@ -7,7 +7,7 @@ use lazarus_executor::control::{JobHandle, JobParams, Notice, ServerConfig, run_
 use lazarus_executor::metrics::StepRecord;
 use tokio::sync::{mpsc as tmpsc, watch};
 
-use crate::report::Report;
+use crate::report::{Report, stdout_failure};
 
 /// The tokio runtime of the controller and of an agent.
 pub fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -145,6 +145,12 @@ pub async fn drive(
                 outcome = Err(Interrupted(name).into());
                 break;
             }
+        }
+        // Nobody reads the log any more (`| head`), or it cannot be written: stop the job as
+        // on Ctrl-C rather than train on unseen.
+        if let Some(e) = stdout_failure() {
+            outcome = Err(e.into());
+            break;
         }
     }
     let _ = stop_tx.send(true);

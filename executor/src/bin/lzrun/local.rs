@@ -73,7 +73,7 @@ pub fn local(a: LocalArgs) -> Result<()> {
     result?;
     report.finish(&a.job, &config)?;
     if format == Format::Text {
-        report.print_mean_loss_per_step();
+        report.print_mean_loss_per_step()?;
     }
     Ok(())
 }

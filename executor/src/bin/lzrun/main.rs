@@ -16,6 +16,7 @@ mod nodes;
 mod report;
 mod worker;
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -47,10 +48,12 @@ enum Cmd {
     /// agent and worker) after STEP, `--join @STEP` starts a new node, `--fault-trace FILE
     /// --time-scale X` replays a spot trace (the formats `lzsim replay` reads). Each
     /// reconfiguration prints its detect / replan / migrate / resume times. Ctrl-C, SIGTERM or
-    /// SIGHUP stops every process and keeps the committed checkpoints. A step whose loss or
+    /// SIGHUP stops every process and keeps the committed checkpoints; so does a reader of the
+    /// output that stops early (`lzrun local | head`), with exit status 0. A step whose loss or
     /// gradient is NaN or infinite on any worker applies no update on any worker (see
     /// --max-nonfinite-steps); a checkpoint that cannot be written is logged and training goes
-    /// on (see --max-ckpt-failures). Exit status 2 on bad input or a failed job.
+    /// on (see --max-ckpt-failures). Exit status 2 on bad input, a failed job or an output that
+    /// cannot be written.
     Local(LocalArgs),
     /// The controller of a multi-machine job: waits for `--nodes` agents, then trains.
     ///
@@ -89,7 +92,7 @@ fn main() -> ExitCode {
                     let text = e.to_string();
                     let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("");
                     let msg = first.trim().trim_start_matches("error:").trim();
-                    eprintln!("error: {msg} (see `lzrun --help`)");
+                    let _ = writeln!(std::io::stderr(), "error: {msg} (see `lzrun --help`)");
                     ExitCode::from(2)
                 }
             };
@@ -103,9 +106,19 @@ fn main() -> ExitCode {
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader of stdout stopped early (`| head`): it has what it wanted.
+        Err(e)
+            if e.chain().any(|c| {
+                c.downcast_ref::<report::StdoutError>()
+                    .is_some_and(report::StdoutError::is_broken_pipe)
+            }) =>
+        {
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             let msg = format!("{e:#}").replace('\n', " ");
-            eprintln!("error: {msg}");
+            // A failed write to stderr leaves no one to tell.
+            let _ = writeln!(std::io::stderr(), "error: {msg}");
             ExitCode::from(2)
         }
     }

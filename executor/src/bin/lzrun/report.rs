@@ -1,7 +1,15 @@
 //! What a run reports: log lines, the summary, the metrics files.
+//!
+//! Lines go to standard output through [`print_line`], not `println!`, which panicked when
+//! the reader went away (`lzrun local | head -3`) or the disk was full. The first failed write
+//! is remembered ([`stdout_failure`]): later lines are not attempted, the job is stopped at the
+//! next notice, and `main` ends quietly (exit 0) on a closed pipe or reports the error (exit 2).
 
 use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::{self, Write as _};
 use std::process::{Command, Stdio};
+use std::sync::OnceLock;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -9,6 +17,47 @@ use lazarus_executor::metrics::{self, RecoveryRecord, StepRecord};
 use lazarus_executor::model::MoeConfig;
 
 use crate::args::{Format, JobArgs};
+
+/// Standard output could not be written. Holds the I/O error's kind and text (not the error,
+/// which cannot be cloned) so every later write can return the same failure.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("cannot write to standard output: {message}")]
+pub struct StdoutError {
+    kind: io::ErrorKind,
+    message: String,
+}
+
+impl StdoutError {
+    /// The reader went away: it has what it wanted, which is no error.
+    pub fn is_broken_pipe(&self) -> bool {
+        self.kind == io::ErrorKind::BrokenPipe
+    }
+}
+
+static STDOUT_FAILED: OnceLock<StdoutError> = OnceLock::new();
+
+/// Writes `text` and a newline to standard output, unless an earlier write failed.
+pub fn print_line(text: &str) -> Result<(), StdoutError> {
+    if let Some(e) = STDOUT_FAILED.get() {
+        return Err(e.clone());
+    }
+    let mut out = io::stdout().lock();
+    writeln!(out, "{text}")
+        .and_then(|()| out.flush())
+        .map_err(|e| {
+            STDOUT_FAILED
+                .get_or_init(|| StdoutError {
+                    kind: e.kind(),
+                    message: e.to_string(),
+                })
+                .clone()
+        })
+}
+
+/// The first failed write to standard output, if any.
+pub fn stdout_failure() -> Option<StdoutError> {
+    STDOUT_FAILED.get().cloned()
+}
 
 /// Collects what a run reports and prints it.
 pub struct Report {
@@ -63,9 +112,9 @@ impl Report {
                 .with_context(|| format!("writing metrics to {}", dir.display()))?;
         }
         match self.format {
-            Format::Json => println!("{}", serde_json::to_string(&summary)?),
+            Format::Json => print_line(&serde_json::to_string(&summary)?)?,
             Format::Text => {
-                println!(
+                print_line(&format!(
                     "done: {} steps, loss {:.4} → {:.4}, {} in-place recoveries {:?} ms, {} checkpoint restores, {} joins, {} rebalances, {:.0} tokens/s",
                     summary.steps,
                     summary.initial_loss,
@@ -80,12 +129,12 @@ impl Report {
                     summary.joins,
                     summary.rebalances,
                     summary.tokens_per_s
-                );
+                ))?;
                 if let Some(dir) = &a.metrics_out {
-                    println!("metrics in {}", dir.display());
+                    print_line(&format!("metrics in {}", dir.display()))?;
                 }
                 if let Some(dir) = &a.out {
-                    println!("replica checksums in {}", dir.display());
+                    print_line(&format!("replica checksums in {}", dir.display()))?;
                 }
             }
         }
@@ -93,15 +142,16 @@ impl Report {
     }
 
     /// The loss table of `lzrun local`: the mean loss over the workers at every step.
-    pub fn print_mean_loss_per_step(&self) {
+    pub fn print_mean_loss_per_step(&self) -> Result<(), StdoutError> {
         let mut by_step: BTreeMap<u64, f64> = BTreeMap::new();
         for r in &self.records {
             by_step.insert(r.step, r.loss);
         }
-        println!("mean loss per step over the workers:");
+        let mut table = String::from("mean loss per step over the workers:");
         for (step, loss) in by_step {
-            println!("step {step:>4}  mean loss {loss:.4}");
+            let _ = write!(table, "\nstep {step:>4}  mean loss {loss:.4}");
         }
+        print_line(&table)
     }
 }
 
