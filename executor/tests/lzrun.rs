@@ -810,6 +810,40 @@ fn a_closed_stdout_stops_the_job_quietly() {
     );
 }
 
+/// Issue 14: with stdout on a full disk lzrun panicked; now the job stops with one error line.
+#[test]
+fn a_full_disk_on_stdout_is_an_error() {
+    let full = Path::new("/dev/full");
+    if !full.exists() {
+        eprintln!("skipped: no /dev/full");
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let sink = std::fs::OpenOptions::new().write(true).open(full).unwrap();
+    let mut child = Command::new(LZRUN)
+        .args(["local", "--steps", "100000", "--ckpt-every", "0"])
+        .stdin(Stdio::null())
+        .stdout(sink)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = String::new();
+    // lzrun closes its stderr only when it exits: a full disk must end the job.
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    let status = child.wait().unwrap();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert_eq!(
+        stderr.trim_end(),
+        "error: cannot write to standard output: No space left on device (os error 28)"
+    );
+}
+
 /// `lzrun worker` by hand: a fixed two-rank cluster without a controller.
 #[test]
 fn two_workers_by_hand_train_with_identical_replicas() {

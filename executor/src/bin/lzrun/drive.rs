@@ -85,6 +85,9 @@ pub async fn drive(
     hooks: &mut impl Hooks,
     stop: impl std::future::Future<Output = &'static str>,
 ) -> Result<()> {
+    if let Some(e) = stdout_failure() {
+        return Err(e.into());
+    }
     tokio::pin!(stop);
     let (tx, mut rx) = tmpsc::unbounded_channel();
     let (stop_tx, stop_rx) = watch::channel(false);

@@ -47,6 +47,10 @@ pub fn local(a: LocalArgs) -> Result<()> {
         a.job.model.steps,
         schedule.len()
     ));
+    // An output that cannot be written already: no node is worth starting.
+    if let Some(e) = crate::report::stdout_failure() {
+        return Err(e.into());
+    }
     let exe = std::env::current_exe().context("locating the lzrun executable")?;
     let mut nodes = Nodes::new(exe, addr, token);
     for name in &schedule.initial_names {
