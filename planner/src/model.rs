@@ -17,7 +17,7 @@
 
 use crate::allocate::{AllocPolicy, Allocation, allocate};
 use crate::error::PlanError;
-use crate::migrate::{MappingMethod, MigrateError, MigrationPlan, PhysicalNode, map_nodes};
+use crate::migrate::{MappingMethod, MigrateError, MigrationPlan, PhysicalNode, map_layers};
 use crate::place::{LayerPlacement, MroPlacer, PlacePolicy, place};
 use crate::spec::{ClusterSpec, ModelSpec};
 use rand::SeedableRng;
@@ -203,8 +203,8 @@ pub fn replan(
         options.place,
         Alignment::Aligned,
     )?;
-    let migration = map_nodes(
-        &plan.plan_node_contents(),
+    let migration = map_layers(
+        &plan.layers,
         physical,
         model.experts,
         options.mapping,

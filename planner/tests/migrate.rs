@@ -401,6 +401,74 @@ fn optimal_beats_greedy_on_realistic_instances() {
 }
 
 #[test]
+fn transfers_match_the_reference_across_many_node_blocks() {
+    // More than 64 nodes, so that bit-level node sets span several words; identity and
+    // scalable mappings, on realistic instances with a few failed nodes.
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(7);
+    for _ in 0..12 {
+        let n = rng.random_range(65..=300usize);
+        let experts = rng.random_range(8..=40usize);
+        let layers = rng.random_range(1..=3usize);
+        let (plan, physical) = realistic(&mut rng, n, 3, layers, 4, experts);
+        for method in [MappingMethod::Identity, MappingMethod::Scalable] {
+            let mp = map_nodes(&plan, &physical, experts, method, 5).unwrap();
+            check_plan(&plan, &physical, experts, 5, &mp);
+        }
+    }
+}
+
+#[test]
+fn map_layers_equals_map_nodes_on_a_model_plan() {
+    use lazarus_planner::{
+        Alignment, AllocPolicy, ClusterSpec, ModelSpec, PlacePolicy, migrate::map_layers,
+        plan_model,
+    };
+    let model = ModelSpec {
+        experts: 24,
+        layers: 3,
+        f: 2,
+    };
+    let loads: Vec<Vec<u64>> = (0..3)
+        .map(|l| (0..24).map(|e| 1000 / (1 + (e + 5 * l) % 24)).collect())
+        .collect();
+    let plan = |n| {
+        plan_model(
+            &ClusterSpec::new(n, 8),
+            &model,
+            &loads,
+            AllocPolicy::Lazarus,
+            PlacePolicy::Mro,
+            Alignment::Aligned,
+        )
+        .unwrap()
+    };
+    let survivors: Vec<PhysicalNode> = plan(40)
+        .physical_nodes()
+        .into_iter()
+        .filter(|p| p.id != 11)
+        .collect();
+    let after = plan(39);
+    for method in [MappingMethod::Optimal, MappingMethod::Scalable] {
+        let a = map_layers(&after.layers, &survivors, 24, method, 3).unwrap();
+        let b = map_nodes(&after.plan_node_contents(), &survivors, 24, method, 3).unwrap();
+        assert_eq!(a, b);
+    }
+    assert_eq!(
+        map_layers(
+            &after.layers,
+            &survivors[1..],
+            24,
+            MappingMethod::Identity,
+            3
+        ),
+        Err(MigrateError::NodeCountMismatch {
+            plan_nodes: 39,
+            physical: 38
+        })
+    );
+}
+
+#[test]
 fn greedy_is_suboptimal_on_hand_case() {
     // Physical 0 holds {0,1}, physical 1 holds {0}. Plan node 0 needs {0}, plan node 1 needs {0,1}.
     // Greedy: physical 0 takes plan node 0 (cost 0), physical 1 gets plan node 1 (cost 1).
