@@ -44,6 +44,7 @@
 //!   whose state was lost). Every expert id must be below `experts`. Physical ids must be
 //!   distinct. Violations are reported as [`MigrateError`]s, never as panics.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::{Add, AddAssign, Sub, SubAssign};
 use std::str::FromStr;
@@ -404,12 +405,18 @@ fn build_bits<'a>(
 }
 
 /// Sets the bits of one layer's ids, failing on the first id out of range.
+///
+/// Bits are gathered in a register while consecutive ids share a word (plan rows are sorted,
+/// so that is most of them): or-ing each id into memory would chain every update through a
+/// store and a reload of the same word.
 fn set_checked(
     layer: usize,
     ids: &[u32],
     experts: usize,
     words: &mut [u64],
 ) -> Result<(), MigrateError> {
+    let mut word = usize::MAX;
+    let mut acc = 0u64;
     for &e in ids {
         if e as usize >= experts {
             return Err(MigrateError::ExpertOutOfRange {
@@ -418,7 +425,18 @@ fn set_checked(
                 experts,
             });
         }
-        words[e as usize / 64] |= 1u64 << (e % 64);
+        let w = e as usize / 64;
+        if w != word {
+            if word != usize::MAX {
+                words[word] |= acc;
+            }
+            word = w;
+            acc = 0;
+        }
+        acc |= 1u64 << (e % 64);
+    }
+    if word != usize::MAX {
+        words[word] |= acc;
     }
     Ok(())
 }
@@ -479,16 +497,38 @@ impl Instance {
         };
         let (stride, words) = (dims.stride(), dims.words);
         let mut need = vec![0u64; dims.nodes * stride];
-        for q in 0..dims.nodes {
-            check_plan_layers(plan, q, layers)?;
-            let bits = &mut need[q * stride..(q + 1) * stride];
-            for l in 0..layers {
-                set_checked(
-                    l,
-                    plan.ids(q, l),
-                    experts,
-                    &mut bits[l * words..(l + 1) * words],
-                )?;
+        let node_order = |need: &mut [u64]| -> Result<(), MigrateError> {
+            for q in 0..dims.nodes {
+                check_plan_layers(plan, q, layers)?;
+                let bits = &mut need[q * stride..(q + 1) * stride];
+                for l in 0..layers {
+                    let words = &mut bits[l * words..(l + 1) * words];
+                    set_checked(l, plan.ids(q, l), experts, words)?;
+                }
+            }
+            Ok(())
+        };
+        match plan {
+            PlanView::Nodes(_) => node_order(&mut need)?,
+            PlanView::Layers {
+                layers: placements, ..
+            } => {
+                // Each placement's rows lie together in memory, so read one layer at a time for
+                // a block of nodes whose bitsets stay in cache, rather than 58 rows far apart
+                // for every node. On an error, redo it in node order to report the same first
+                // error as `map_nodes`.
+                let blocked = (0..dims.nodes).step_by(64).try_for_each(|q0| {
+                    let block = q0..(q0 + 64).min(dims.nodes);
+                    placements.iter().enumerate().try_for_each(|(l, p)| {
+                        block.clone().try_for_each(|q| {
+                            let at = q * stride + l * words;
+                            set_checked(l, &p.grid()[q], experts, &mut need[at..at + words])
+                        })
+                    })
+                });
+                if blocked.is_err() {
+                    node_order(&mut need)?;
+                }
             }
         }
         let mut have = vec![0u64; dims.nodes * stride];
@@ -1087,25 +1127,13 @@ fn migration_plan(
         }
     }
 
-    // Holders of each needed (layer, expert) key `l*width + e`, in CSR form, ascending physical
-    // index. Only the needed keys are listed: a replan typically needs a few percent of them,
-    // and the rest of the holdings would cost a bit walk over the whole cluster.
-    let keys = dims.layers * dims.width;
-    let mut start = vec![0u32; keys + 1];
-    for_each_bit_masked(&inst.have, &needed, dims, |_, key| start[key + 1] += 1);
-    for k in 0..keys {
-        start[k + 1] += start[k];
-    }
-    let mut fill = start.clone();
-    let mut holders = vec![0u32; start[keys] as usize];
-    for_each_bit_masked(&inst.have, &needed, dims, |p, key| {
-        holders[fill[key] as usize] = p as u32;
-        fill[key] += 1;
-    });
+    // Holders of each needed key as a node bitset. Only the needed keys: a replan typically
+    // needs some of them, and listing every holding would walk every bit of the cluster.
+    let holders = HolderSets::new(inst, &needed);
     let lost = needs
         .iter()
         .map(|nd| nd.key as usize)
-        .filter(|&key| start[key] == start[key + 1])
+        .filter(|&key| holders.count[holders.slot_of[key] as usize] == 0)
         .min();
     if let Some(key) = lost {
         let (layer, expert) = inst.pair(key);
@@ -1113,6 +1141,7 @@ fn migration_plan(
     }
 
     // Group the needs by key (stable counting sort: destinations stay in index order).
+    let keys = dims.layers * dims.width;
     let mut need_start = vec![0u32; keys + 1];
     for nd in &needs {
         need_start[nd.key as usize + 1] += 1;
@@ -1128,18 +1157,18 @@ fn migration_plan(
         need_fill[k] += 1;
     }
     // Most-constrained first: needed keys ordered by (number of holders, key).
-    let holder_count = |k: usize| (start[k + 1] - start[k]) as usize;
-    let needed = |k: usize| need_start[k] != need_start[k + 1];
+    let needed_key = |k: usize| need_start[k] != need_start[k + 1];
+    let count = |k: usize| holders.count[holders.slot_of[k] as usize];
     let mut bucket = vec![0usize; n + 2];
-    for k in (0..keys).filter(|&k| needed(k)) {
-        bucket[holder_count(k) + 1] += 1;
+    for k in (0..keys).filter(|&k| needed_key(k)) {
+        bucket[count(k) + 1] += 1;
     }
     for c in 0..=n {
         bucket[c + 1] += bucket[c];
     }
     let mut key_order = vec![0u32; bucket[n + 1]];
-    for k in (0..keys).filter(|&k| needed(k)) {
-        let c = holder_count(k);
+    for k in (0..keys).filter(|&k| needed_key(k)) {
+        let c = count(k);
         key_order[bucket[c]] = k as u32;
         bucket[c] += 1;
     }
@@ -1150,29 +1179,47 @@ fn migration_plan(
     // Serving a key's destinations one by one from the least-loaded holder (ties to the lowest
     // index) picks, in ascending order, the smallest pairs (s_c + t, c) over holders c with load
     // s_c at the start of the key and t ≥ 0. So sweep levels v = min s_c, min s_c + 1, …, and at
-    // each level serve the holders with s_c ≤ v in index order (`cands` is ascending). Each
-    // level serves at least one destination; typically one or two levels suffice.
-    let mut snapshot: Vec<u64> = Vec::with_capacity(n);
-    for &k in &key_order {
+    // each level serve the holders with s_c ≤ v in index order. Each level serves at least one
+    // destination; typically one or two levels suffice. The holders with s_c ≤ v are the
+    // key's node set intersected with the sets of nodes at each load up to v ([`LoadLevels`]),
+    // so a key costs a few passes over `N/64` words, not a visit of every holder.
+    let mut levels = LoadLevels::new(n);
+    let mut eligible = vec![0u64; holders.words];
+    let mut moved: Vec<(usize, u64)> = Vec::new();
+    let mut touched_by = vec![usize::MAX; n];
+    for (turn, &k) in key_order.iter().enumerate() {
         let k = k as usize;
         // Non-empty: lost keys were returned above.
-        let cands = &holders[start[k] as usize..start[k + 1] as usize];
+        let h = holders.set(k);
         let mut dsts = by_key[need_start[k] as usize..need_start[k + 1] as usize].iter();
-        snapshot.clear();
-        snapshot.extend(cands.iter().map(|&c| sent[c as usize]));
-        let mut level = snapshot.iter().copied().min().unwrap_or(0);
+        let mut level = levels.lowest_meeting(h);
+        eligible.fill(0);
+        levels.add_eligible(level, h, &mut eligible);
+        moved.clear();
         'serve: loop {
-            for (&c, &s) in cands.iter().zip(&snapshot) {
-                if s <= level {
+            for (w, &word) in eligible.iter().enumerate() {
+                let mut word = word;
+                while word != 0 {
+                    let c = w * 64 + word.trailing_zeros() as usize;
+                    word &= word - 1;
                     let Some(&i) = dsts.next() else {
                         break 'serve;
                     };
-                    sent[c as usize] += 1;
+                    if touched_by[c] != turn {
+                        touched_by[c] = turn;
+                        moved.push((c, sent[c]));
+                    }
+                    sent[c] += 1;
                     recv[needs[i as usize].dst as usize] += 1;
-                    src[i as usize] = c;
+                    src[i as usize] = c as u32;
                 }
             }
             level += 1;
+            levels.add_eligible(level, h, &mut eligible);
+        }
+        // Loads change only after the key: its levels were taken at its start.
+        for &(c, from) in &moved {
+            levels.move_node(c, from, sent[c]);
         }
     }
     let transfers: Vec<Transfer> = needs
@@ -1205,29 +1252,169 @@ fn migration_plan(
     })
 }
 
+/// The physical nodes holding each needed key, as node bitsets: the node-major `have`
+/// bitsets transposed for the keys set in `needed`, 64 nodes × 64 keys at a time.
+struct HolderSets {
+    /// Words per node set, `N.div_ceil(64)`.
+    words: usize,
+    /// Row of each key in `bits`, `u32::MAX` when the key is not needed.
+    slot_of: Vec<u32>,
+    bits: Vec<u64>,
+    /// Number of holders of each row.
+    count: Vec<usize>,
+}
+
+impl HolderSets {
+    fn new(inst: &Instance, needed: &[u64]) -> Self {
+        let dims = inst.dims;
+        let (n, stride) = (dims.nodes, dims.stride());
+        let words = n.div_ceil(64);
+        let mut slot_of = vec![u32::MAX; dims.layers * dims.width];
+        let mut slots = 0usize;
+        for (i, &m) in needed.iter().enumerate() {
+            for_each_set_bit(m, |c| {
+                slot_of[bit_key(dims, i, c)] = slots as u32;
+                slots += 1;
+            });
+        }
+        let mut bits = vec![0u64; slots * words];
+        let mut block = [0u64; 64];
+        // Tiles of 8 key words (one cache line of each node's bitset) by all node blocks: the
+        // 64 lines a block reads serve all 8 words, and the up to 512 node sets being written
+        // stay in cache while the node blocks advance along them.
+        for tile in (0..stride).step_by(8) {
+            let tile = tile..(tile + 8).min(stride);
+            for b in 0..words {
+                let rows = (n - b * 64).min(64);
+                for i in tile.clone() {
+                    let m = needed[i];
+                    if m == 0 {
+                        continue;
+                    }
+                    for (r, row) in block.iter_mut().enumerate() {
+                        *row = if r < rows {
+                            inst.have[(b * 64 + r) * stride + i] & m
+                        } else {
+                            0
+                        };
+                    }
+                    transpose64(&mut block);
+                    for_each_set_bit(m, |c| {
+                        let slot = slot_of[bit_key(dims, i, c)] as usize;
+                        bits[slot * words + b] = block[c];
+                    });
+                }
+            }
+        }
+        let count = bits
+            .chunks(words.max(1))
+            .take(slots)
+            .map(|set| set.iter().map(|w| w.count_ones() as usize).sum())
+            .collect();
+        HolderSets {
+            words,
+            slot_of,
+            bits,
+            count,
+        }
+    }
+
+    /// Node set of a needed key.
+    fn set(&self, key: usize) -> &[u64] {
+        let slot = self.slot_of[key] as usize;
+        &self.bits[slot * self.words..(slot + 1) * self.words]
+    }
+}
+
+/// The physical nodes grouped by how many transfers they send so far: `at[v]` is the node
+/// bitset of load `v`, for the loads some node has.
+struct LoadLevels {
+    words: usize,
+    at: BTreeMap<u64, (Vec<u64>, usize)>,
+}
+
+impl LoadLevels {
+    /// All `n` nodes at load 0.
+    fn new(n: usize) -> Self {
+        let words = n.div_ceil(64);
+        let mut all = vec![u64::MAX; words];
+        if !n.is_multiple_of(64) {
+            all[words - 1] = (1u64 << (n % 64)) - 1;
+        }
+        let mut at = BTreeMap::new();
+        if n > 0 {
+            at.insert(0, (all, n));
+        }
+        LoadLevels { words, at }
+    }
+
+    /// The lowest load of any node in the non-empty set `h`.
+    fn lowest_meeting(&self, h: &[u64]) -> u64 {
+        self.at
+            .iter()
+            .find(|(_, (set, _))| set.iter().zip(h).any(|(&a, &b)| a & b != 0))
+            .map(|(&v, _)| v)
+            .expect("every node has a load, and the set is not empty")
+    }
+
+    /// Adds the members of `h` at load `v` to `eligible`.
+    fn add_eligible(&self, v: u64, h: &[u64], eligible: &mut [u64]) {
+        if let Some((set, _)) = self.at.get(&v) {
+            for ((e, &a), &b) in eligible.iter_mut().zip(set).zip(h) {
+                *e |= a & b;
+            }
+        }
+    }
+
+    fn move_node(&mut self, c: usize, from: u64, to: u64) {
+        let (w, bit) = (c / 64, 1u64 << (c % 64));
+        if let Some((set, size)) = self.at.get_mut(&from) {
+            set[w] &= !bit;
+            *size -= 1;
+            if *size == 0 {
+                self.at.remove(&from);
+            }
+        }
+        let words = self.words;
+        let (set, size) = self.at.entry(to).or_insert_with(|| (vec![0; words], 0));
+        set[w] |= bit;
+        *size += 1;
+    }
+}
+
+/// Transposes a 64 × 64 bit matrix in place: bit `c` of row `r` becomes bit `r` of row `c`.
+/// Swaps the off-diagonal blocks of halves, then of quarters, down to single bits (the
+/// recursive block transpose of Warren, *Hacker's Delight*, 2nd ed., §7-3).
+fn transpose64(a: &mut [u64; 64]) {
+    let mut j = 32;
+    let mut m: u64 = 0x0000_0000_FFFF_FFFF;
+    while j != 0 {
+        let mut k = 0;
+        while k < 64 {
+            // Rows k and k + j (bit j of k clear): swap the high-j bits of row k's pairs with
+            // the low-j bits of row k + j's.
+            let t = ((a[k] >> j) ^ a[k + j]) & m;
+            a[k] ^= t << j;
+            a[k + j] ^= t;
+            k = (k + j + 1) & !j;
+        }
+        j >>= 1;
+        m ^= m << j;
+    }
+}
+
+fn for_each_set_bit(mut w: u64, mut f: impl FnMut(usize)) {
+    while w != 0 {
+        f(w.trailing_zeros() as usize);
+        w &= w - 1;
+    }
+}
+
 /// Key `layer*width + column` of bit `bit` in word `i` of a node's bitset.
 fn bit_key(dims: Dims, i: usize, bit: usize) -> usize {
     let l = i / dims.words;
     let e = (i % dims.words) * 64 + bit;
     l * dims.width + e
-}
-
-/// Calls `f(node, key)` for every set bit of a flat node-major bitset array that is also set
-/// in the node-shaped `mask`.
-fn for_each_bit_masked(bits: &[u64], mask: &[u64], dims: Dims, mut f: impl FnMut(usize, usize)) {
-    let stride = dims.stride();
-    if stride == 0 {
-        return;
-    }
-    for (node, words) in bits.chunks_exact(stride).enumerate() {
-        for (i, (&w, &m)) in words.iter().zip(mask).enumerate() {
-            let mut w = w & m;
-            while w != 0 {
-                f(node, bit_key(dims, i, w.trailing_zeros() as usize));
-                w &= w - 1;
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -1287,6 +1474,26 @@ mod tests {
             match (one, two) {
                 (Ok(a), Ok(b)) => proptest::prop_assert_eq!(a.cost_matrix(), b.cost_matrix()),
                 (a, b) => proptest::prop_assert_eq!(a.err(), b.err()),
+            }
+        }
+    }
+
+    #[test]
+    fn transpose64_matches_naive() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut a = [0u64; 64];
+        for row in &mut a {
+            // xorshift: a fixed, dense pattern
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *row = x;
+        }
+        let mut t = a;
+        transpose64(&mut t);
+        for (r, &row) in a.iter().enumerate() {
+            for (c, &col) in t.iter().enumerate() {
+                assert_eq!((col >> r) & 1, (row >> c) & 1, "row {r} col {c}");
             }
         }
     }

@@ -414,14 +414,23 @@ fn transfers_match_the_reference_across_many_node_blocks() {
             let mp = map_nodes(&plan, &physical, experts, method, 5).unwrap();
             check_plan(&plan, &physical, experts, 5, &mp);
         }
+        // Scale-out by many blank nodes: keys with more destinations than holders, so
+        // holders serve several levels of load.
+        let (mut plan, mut physical) = (plan, physical);
+        let blank = rng.random_range(40..=150usize);
+        let extra = covering_plan(&mut rng, blank, layers, 4, experts);
+        plan.extend(extra);
+        physical.extend((0..blank).map(|i| node(10_000 + i as u32, Vec::new())));
+        let mp = map_nodes(&plan, &physical, experts, MappingMethod::Identity, 5).unwrap();
+        check_plan(&plan, &physical, experts, 5, &mp);
     }
 }
 
 #[test]
 fn map_layers_equals_map_nodes_on_a_model_plan() {
     use lazarus_planner::{
-        Alignment, AllocPolicy, ClusterSpec, ModelSpec, PlacePolicy, migrate::map_layers,
-        plan_model,
+        Alignment, AllocPolicy, ClusterSpec, LayerPlacement, ModelSpec, PlacePolicy,
+        migrate::map_layers, plan_model,
     };
     let model = ModelSpec {
         experts: 24,
@@ -453,6 +462,29 @@ fn map_layers_equals_map_nodes_on_a_model_plan() {
         let b = map_nodes(&after.plan_node_contents(), &survivors, 24, method, 3).unwrap();
         assert_eq!(a, b);
     }
+    // The first error in node order, although map_layers reads layer by layer: node 0's
+    // layer 1 comes before node 1's layer 0.
+    let layers = [
+        LayerPlacement::from_grid(vec![vec![0], vec![5]], 7, None).unwrap(),
+        LayerPlacement::from_grid(vec![vec![6], vec![0]], 7, None).unwrap(),
+    ];
+    let two = [node(1, vec![vec![0], vec![0]]), node(2, vec![])];
+    assert_eq!(
+        map_layers(&layers, &two, 4, MappingMethod::Identity, 1),
+        Err(MigrateError::ExpertOutOfRange {
+            layer: 1,
+            expert: 6,
+            experts: 4
+        })
+    );
+    // Too few experts: the same first error, although map_layers reads layer by layer.
+    let narrow = map_layers(&after.layers, &survivors, 10, MappingMethod::Identity, 3);
+    assert!(matches!(narrow, Err(MigrateError::ExpertOutOfRange { .. })));
+    let contents = after.plan_node_contents();
+    assert_eq!(
+        narrow,
+        map_nodes(&contents, &survivors, 10, MappingMethod::Identity, 3)
+    );
     assert_eq!(
         map_layers(
             &after.layers,
