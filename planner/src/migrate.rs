@@ -1269,9 +1269,13 @@ impl HolderSets {
         let dims = inst.dims;
         let (n, stride) = (dims.nodes, dims.stride());
         let words = n.div_ceil(64);
+        // Slots follow the needed bits in order, so word `i`'s keys take the slots from
+        // `first_slot[i]` on, with no key arithmetic in the loop below.
         let mut slot_of = vec![u32::MAX; dims.layers * dims.width];
+        let mut first_slot = Vec::with_capacity(stride);
         let mut slots = 0usize;
         for (i, &m) in needed.iter().enumerate() {
+            first_slot.push(slots);
             for_each_set_bit(m, |c| {
                 slot_of[bit_key(dims, i, c)] = slots as u32;
                 slots += 1;
@@ -1299,9 +1303,10 @@ impl HolderSets {
                         };
                     }
                     transpose64(&mut block);
+                    let mut slot = first_slot[i];
                     for_each_set_bit(m, |c| {
-                        let slot = slot_of[bit_key(dims, i, c)] as usize;
                         bits[slot * words + b] = block[c];
+                        slot += 1;
                     });
                 }
             }
