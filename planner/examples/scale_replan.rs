@@ -1,7 +1,9 @@
 //! Phase timings and peak memory of the frontier-scale replan (issue 12): plan an aligned MRO
 //! model on `N` nodes, lose one node, then time each phase of `replan` on the survivors.
 //!
-//! Run: `cargo run --release -p lazarus-planner --example scale_replan -- 2048 [REPEATS]`.
+//! Run: `cargo run --release -p lazarus-planner --example scale_replan -- 2048 [REPEATS
+//! [SKEW_SPREAD]]`; a `SKEW_SPREAD` of e.g. 0.4 gives every layer its own Zipf exponent
+//! (0.8 to 1.2), so that layers no longer share one MRO shape.
 //! Each phase is run `REPEATS` times (default 5) and the fastest run is printed, since the
 //! machine these figures come from is shared. Peak memory is the process's `VmHWM` (Linux
 //! only; "n/a" elsewhere), so run one size per process.
@@ -22,16 +24,19 @@ const MODEL: ModelSpec = ModelSpec {
     f: 2,
 };
 
-/// The bench's loads: per layer, a seeded permutation of one Zipf(1) profile.
-fn zipf_loads(layers: usize, experts: usize, seed: u64) -> Vec<Vec<u64>> {
+/// The bench's loads: per layer, a seeded permutation of one Zipf profile, exponent 1 — or,
+/// with `skew_spread > 0`, exponent `1 ± skew_spread/2` varying linearly over the layers, so
+/// that no two layers have the same sorted replica counts.
+fn zipf_loads(layers: usize, experts: usize, seed: u64, skew_spread: f64) -> Vec<Vec<u64>> {
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
     (0..layers)
-        .map(|_| {
+        .map(|l| {
+            let s = 1.0 + skew_spread * (l as f64 / (layers.max(2) - 1) as f64 - 0.5);
             let mut perm: Vec<usize> = (0..experts).collect();
             perm.shuffle(&mut rng);
             let mut row = vec![0u64; experts];
             for (rank, &e) in perm.iter().enumerate() {
-                row[e] = (1_000_000.0 / (rank + 1) as f64) as u64 + 1;
+                row[e] = (1_000_000.0 / ((rank + 1) as f64).powf(s)) as u64 + 1;
             }
             row
         })
@@ -95,13 +100,14 @@ fn fastest<T>(repeats: usize, mut f: impl FnMut() -> T) -> (Timing, T) {
 }
 
 fn main() {
-    let args: Vec<usize> = std::env::args()
+    let args: Vec<f64> = std::env::args()
         .skip(1)
-        .map(|a| a.parse().expect("NODES [REPEATS]"))
+        .map(|a| a.parse().expect("NODES [REPEATS [SKEW_SPREAD]]"))
         .collect();
-    let nodes = args.first().copied().unwrap_or(2048);
-    let repeats = args.get(1).copied().unwrap_or(5);
-    let loads = zipf_loads(MODEL.layers, MODEL.experts, 1);
+    let nodes = args.first().map_or(2048, |&x| x as usize);
+    let repeats = args.get(1).map_or(5, |&x| x as usize);
+    let skew_spread = args.get(2).copied().unwrap_or(0.0);
+    let loads = zipf_loads(MODEL.layers, MODEL.experts, 1, skew_spread);
     let opts = ReplanOptions {
         alloc: AllocPolicy::Lazarus,
         place: PlacePolicy::Mro,
@@ -139,7 +145,7 @@ fn main() {
     let (scalable_ms, _) = fastest(repeats, || map(MappingMethod::Scalable));
     let (identity_ms, id) = fastest(repeats, || map(MappingMethod::Identity));
     println!(
-        "{nodes} nodes, 1 lost, fastest of {repeats}: replan {replan_ms} (moves {} states; \
+        "{nodes} nodes, 1 lost, skew spread {skew_spread}, fastest of {repeats}: replan {replan_ms} (moves {} states; \
          identity mapping {})\n  phases: plan_model {plan_ms}, plan_node_contents {contents_ms}, \
          map_nodes scalable {scalable_ms}, identity {identity_ms}\n  peak RSS: after setup \
          {rss_setup}, after replan {rss_replan}, at end {}",
