@@ -4,6 +4,12 @@
 //! * `scale/replan_{2048,16384}x32_e256_l58`: whole-model plan + replan after losing one node
 //!   (Eq. 1 allocation + MRO for 58 layers + the `scalable` mapping on the survivors), loads
 //!   unchanged. Goals: < 200 ms at 2,048 nodes, < 2 s at 16,384.
+//! * `scale/plan_model_2048_{template,per_layer}`: the 58-layer plan on 2,047 nodes, as
+//!   `plan_model` builds it (one MRO construction renamed for layers with equal sorted counts)
+//!   and as it was built before (allocation + `place` for every layer), side by side.
+//! * `scale/mapping_2048_{classes,windowed}`: the node mapping of that replan alone, exact
+//!   through classes of equal nodes (`scalable` now) against the windowed Hungarian (`scalable`
+//!   before), side by side; both costs are printed.
 //! * `scale/mapping_1024`: the `scalable` mapping alone at 1,024 nodes; the Hungarian on the
 //!   same instance is timed once (it takes seconds) and the ratio printed, with both costs.
 //! * `scale/laer_{sparse,reference}_1024x256`: one LAER decision, 1,024 devices × 256 experts.
@@ -12,13 +18,16 @@
 //!   (rayon: all cores).
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use lazarus_planner::migrate::{MappingMethod, assignment_cost, cost_matrix, min_cost_assignment};
+use lazarus_planner::migrate::{
+    MappingMethod, SCALABLE_WINDOW, assignment_cost, cost_matrix, min_cost_assignment,
+    scalable_assignment, windowed_assignment,
+};
 use lazarus_planner::recovery::{FailureModel, model_plan_closed_form};
 use lazarus_planner::relayout::laer::{LaerParams, laer};
 use lazarus_planner::relayout::{LinkModel, Topology, laer_reference, migration, score};
 use lazarus_planner::{
     Alignment, AllocPolicy, ClusterSpec, ModelPlan, ModelSpec, PlacePolicy, ReplanOptions,
-    plan_model, replan,
+    allocate, place, plan_model, replan,
 };
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::seq::SliceRandom;
@@ -90,6 +99,80 @@ fn bench_replan(c: &mut Criterion) {
             b.iter(|| replan(black_box(&survivors), 32, &MODEL, &loads, &opts, 0).unwrap())
         });
     }
+    g.finish();
+}
+
+fn bench_replan_parts(c: &mut Criterion) {
+    let mut g = c.benchmark_group("scale");
+    g.sample_size(10);
+    let loads = zipf_loads(58, 256, 1);
+    let nodes = 2048;
+    let survivors: Vec<_> = model_plan(nodes, &loads)
+        .physical_nodes()
+        .into_iter()
+        .filter(|n| n.id != 77)
+        .collect();
+    let cluster = ClusterSpec::new(nodes - 1, 32);
+    g.bench_function("plan_model_2048_template", |b| {
+        b.iter(|| {
+            plan_model(
+                black_box(&cluster),
+                &MODEL,
+                &loads,
+                AllocPolicy::Lazarus,
+                PlacePolicy::Mro,
+                Alignment::Aligned,
+            )
+            .unwrap()
+        })
+    });
+    // What plan_model did before the template: every layer allocated and placed on its own.
+    g.bench_function("plan_model_2048_per_layer", |b| {
+        b.iter(|| {
+            loads
+                .iter()
+                .map(|row| {
+                    let a = allocate(AllocPolicy::Lazarus, row, cluster.total_slots(), MODEL.f)
+                        .unwrap();
+                    place(PlacePolicy::Mro, &a.replicas, cluster.nodes, 32).unwrap()
+                })
+                .collect::<Vec<_>>()
+        })
+    });
+    let plan = model_plan(nodes - 1, &loads).plan_node_contents();
+    // Distinct (layer, expert) pairs a plan node needs that its physical node lacks.
+    let cost = |a: &[usize]| -> u64 {
+        a.iter()
+            .enumerate()
+            .map(|(q, &p)| {
+                plan[q]
+                    .iter()
+                    .zip(&survivors[p].holdings)
+                    .map(|(need, have)| {
+                        let mut need = need.clone();
+                        need.dedup();
+                        need.iter().filter(|e| !have.contains(e)).count() as u64
+                    })
+                    .sum::<u64>()
+            })
+            .sum()
+    };
+    let classes = scalable_assignment(&plan, &survivors, 256, SCALABLE_WINDOW).unwrap();
+    let windowed = windowed_assignment(&plan, &survivors, 256, SCALABLE_WINDOW).unwrap();
+    let identity: Vec<usize> = (0..plan.len()).collect();
+    eprintln!(
+        "mapping at 2048 nodes, 1 lost: classes (scalable) moves {} states, windowed {}, \
+         identity {}",
+        cost(&classes),
+        cost(&windowed),
+        cost(&identity)
+    );
+    g.bench_function("mapping_2048_classes", |b| {
+        b.iter(|| scalable_assignment(black_box(&plan), &survivors, 256, SCALABLE_WINDOW).unwrap())
+    });
+    g.bench_function("mapping_2048_windowed", |b| {
+        b.iter(|| windowed_assignment(black_box(&plan), &survivors, 256, SCALABLE_WINDOW).unwrap())
+    });
     g.finish();
 }
 
@@ -226,6 +309,7 @@ criterion_group!(
     bench_laer,
     bench_recovery,
     bench_replan,
+    bench_replan_parts,
     bench_mapping
 );
 criterion_main!(benches);

@@ -17,6 +17,7 @@ pub mod migrate;
 pub mod place;
 pub mod recovery;
 pub mod spec;
+pub mod transport;
 
 pub use allocate::{AllocPolicy, Allocation, allocate};
 pub use error::PlanError;

@@ -22,6 +22,12 @@
 //! * **Optimal** ([`MappingMethod::Optimal`]): a minimum-total-cost perfect matching, found with
 //!   the Hungarian (Kuhn–Munkres) algorithm with potentials in `O(n³)`. Its total is never above
 //!   the greedy one.
+//! * **Scalable** ([`MappingMethod::Scalable`]): the Hungarian algorithm up to
+//!   [`HUNGARIAN_MAX_NODES`] nodes. Beyond, nodes with equal needs (plan side) or equal
+//!   holdings (physical side) are interchangeable, so the optimum is found between classes as
+//!   a transportation problem ([`crate::transport`]) when there are at most
+//!   [`CLASS_PAIR_LIMIT`] class pairs; class members are paired in ascending index order. With
+//!   more classes, a windowed Hungarian ([`windowed_assignment`]).
 //! * **Transfers.** Every `(layer, expert)` newly needed at a physical node is fetched once, from
 //!   a node that holds it *now* (old holdings; a node does not forward what it is itself
 //!   receiving in this round). The source is the current holder with the fewest transfers
@@ -38,11 +44,15 @@
 //!   whose state was lost). Every expert id must be below `experts`. Physical ids must be
 //!   distinct. Violations are reported as [`MigrateError`]s, never as panics.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::{Add, AddAssign, Sub, SubAssign};
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
+
+use crate::place::LayerPlacement;
+use crate::transport::min_cost_transport;
 
 /// How plan nodes are assigned to physical nodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -55,9 +65,11 @@ pub enum MappingMethod {
     /// Plan node `q` is physical node `q` (input order): identities are fixed, only the
     /// transfers are planned — e.g. a re-layout on the same devices.
     Identity,
-    /// [`MappingMethod::Optimal`] up to [`HUNGARIAN_MAX_NODES`] nodes; beyond, windowed
-    /// Hungarian over rank-aligned windows ([`scalable_assignment`]): `O(N·W·(stride + W))`
-    /// instead of `O(N³)`, never worse than the rank-aligned identity mapping.
+    /// [`MappingMethod::Optimal`] up to [`HUNGARIAN_MAX_NODES`] nodes; beyond, still optimal
+    /// when the nodes fall into few classes of equal contents (aligned MRO plans do), solved
+    /// as a transportation problem between classes; otherwise a windowed Hungarian over
+    /// rank-aligned windows, never worse than the rank-aligned identity mapping
+    /// ([`scalable_assignment`]).
     Scalable,
 }
 
@@ -242,66 +254,77 @@ fn check_ids(
     Ok(())
 }
 
+/// The plan side of an instance: `[plan node][layer]` id lists as [`map_nodes`] takes them,
+/// or a model plan's placements as they are (`[layer]`, each over all plan nodes), which spares
+/// [`crate::model::replan`] a transposed copy of the whole plan.
+#[derive(Clone, Copy)]
+enum PlanView<'a> {
+    Nodes(&'a [Vec<Vec<u32>>]),
+    /// Every placement has `nodes` rows (checked by [`map_layers`]).
+    Layers {
+        layers: &'a [LayerPlacement],
+        nodes: usize,
+    },
+}
+
+impl<'a> PlanView<'a> {
+    fn nodes(self) -> usize {
+        match self {
+            PlanView::Nodes(p) => p.len(),
+            PlanView::Layers { nodes, .. } => nodes,
+        }
+    }
+
+    fn layer_count(self, q: usize) -> usize {
+        match self {
+            PlanView::Nodes(p) => p[q].len(),
+            PlanView::Layers { layers, .. } => layers.len(),
+        }
+    }
+
+    fn ids(self, q: usize, l: usize) -> &'a [u32] {
+        match self {
+            PlanView::Nodes(p) => &p[q][l],
+            PlanView::Layers { layers, .. } => &layers[l].grid()[q],
+        }
+    }
+}
+
 /// Validates the instance; returns its shape and, when ids are sparse, the sorted distinct ids
 /// (column `i` of the bitsets is expert `ids[i]`).
 fn validate(
-    plan_nodes: &[Vec<Vec<u32>>],
+    plan: PlanView<'_>,
     physical: &[PhysicalNode],
     experts: usize,
 ) -> Result<(Dims, Option<Vec<u32>>), MigrateError> {
-    if plan_nodes.len() != physical.len() {
-        return Err(MigrateError::NodeCountMismatch {
-            plan_nodes: plan_nodes.len(),
-            physical: physical.len(),
-        });
-    }
-    let layers = plan_nodes.first().map_or(0, Vec::len);
+    let layers = check_shapes(plan, physical)?;
     let mut max = None;
-    for (q, node) in plan_nodes.iter().enumerate() {
-        if node.len() != layers {
-            return Err(MigrateError::LayerCountMismatch {
-                side: NodeSide::Plan,
-                node: q as u32,
-                expected: layers,
-                found: node.len(),
-            });
-        }
-        for (l, ids) in node.iter().enumerate() {
-            check_ids(l, ids, experts, &mut max)?;
+    for q in 0..plan.nodes() {
+        check_plan_layers(plan, q, layers)?;
+        for l in 0..layers {
+            check_ids(l, plan.ids(q, l), experts, &mut max)?;
         }
     }
     for node in physical {
-        if !node.holdings.is_empty() && node.holdings.len() != layers {
-            return Err(MigrateError::LayerCountMismatch {
-                side: NodeSide::Physical,
-                node: node.id,
-                expected: layers,
-                found: node.holdings.len(),
-            });
-        }
+        check_physical_layers(node, layers)?;
         for (l, ids) in node.holdings.iter().enumerate() {
             check_ids(l, ids, experts, &mut max)?;
         }
     }
-    let mut ids: Vec<u32> = physical.iter().map(|p| p.id).collect();
-    ids.sort_unstable();
-    if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
-        return Err(MigrateError::DuplicatePhysicalId { id: w[0] });
-    }
+    check_distinct_ids(physical)?;
     let mut width = max.map_or(0, |m| m as usize + 1);
     let sparse = (width > DENSE_LIMIT).then(|| {
-        let all = plan_nodes
-            .iter()
-            .flatten()
-            .chain(physical.iter().flat_map(|p| &p.holdings));
-        let mut ids: Vec<u32> = all.flatten().copied().collect();
+        let plan_ids =
+            (0..plan.nodes()).flat_map(|q| (0..layers).flat_map(move |l| plan.ids(q, l)));
+        let held = physical.iter().flat_map(|p| &p.holdings).flatten();
+        let mut ids: Vec<u32> = plan_ids.chain(held).copied().collect();
         ids.sort_unstable();
         ids.dedup();
         width = ids.len();
         ids
     });
     let dims = Dims {
-        nodes: plan_nodes.len(),
+        nodes: plan.nodes(),
         layers,
         width,
         words: width.div_ceil(64),
@@ -309,25 +332,113 @@ fn validate(
     Ok((dims, sparse))
 }
 
+/// Node counts agree; returns the layer count (plan node 0's, 0 without nodes).
+fn check_shapes(plan: PlanView<'_>, physical: &[PhysicalNode]) -> Result<usize, MigrateError> {
+    if plan.nodes() != physical.len() {
+        return Err(MigrateError::NodeCountMismatch {
+            plan_nodes: plan.nodes(),
+            physical: physical.len(),
+        });
+    }
+    Ok(if plan.nodes() == 0 {
+        0
+    } else {
+        plan.layer_count(0)
+    })
+}
+
+fn check_plan_layers(plan: PlanView<'_>, q: usize, layers: usize) -> Result<(), MigrateError> {
+    let found = plan.layer_count(q);
+    if found != layers {
+        return Err(MigrateError::LayerCountMismatch {
+            side: NodeSide::Plan,
+            node: q as u32,
+            expected: layers,
+            found,
+        });
+    }
+    Ok(())
+}
+
+fn check_physical_layers(node: &PhysicalNode, layers: usize) -> Result<(), MigrateError> {
+    if !node.holdings.is_empty() && node.holdings.len() != layers {
+        return Err(MigrateError::LayerCountMismatch {
+            side: NodeSide::Physical,
+            node: node.id,
+            expected: layers,
+            found: node.holdings.len(),
+        });
+    }
+    Ok(())
+}
+
+fn check_distinct_ids(physical: &[PhysicalNode]) -> Result<(), MigrateError> {
+    let mut ids: Vec<u32> = physical.iter().map(|p| p.id).collect();
+    ids.sort_unstable();
+    if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+        return Err(MigrateError::DuplicatePhysicalId { id: w[0] });
+    }
+    Ok(())
+}
+
 /// Flat bitsets, node-major: word `w` of layer `l` of node `i` is at `i*stride + l*words + w`.
-/// `layers_of(i)` must yield at most `dims.layers` layers of validated ids.
-fn build_bits<'a, F>(dims: &Dims, sparse: Option<&[u32]>, layers_of: F) -> Vec<u64>
-where
-    F: Fn(usize) -> &'a [Vec<u32>],
-{
+/// `ids(i, l)` must be validated ids for every `l < layers(i) ≤ dims.layers`.
+fn build_bits<'a>(
+    dims: &Dims,
+    sparse: Option<&[u32]>,
+    layers: impl Fn(usize) -> usize,
+    ids: impl Fn(usize, usize) -> &'a [u32],
+) -> Vec<u64> {
     let stride = dims.stride();
     let mut bits = vec![0u64; dims.nodes * stride];
     for i in 0..dims.nodes {
         let node = &mut bits[i * stride..(i + 1) * stride];
-        for (l, ids) in layers_of(i).iter().enumerate() {
+        for l in 0..layers(i) {
             let layer = &mut node[l * dims.words..(l + 1) * dims.words];
-            for &e in ids {
+            for &e in ids(i, l) {
                 let col = sparse.map_or(e as usize, |s| s.binary_search(&e).unwrap_or(0));
                 layer[col / 64] |= 1u64 << (col % 64);
             }
         }
     }
     bits
+}
+
+/// Sets the bits of one layer's ids, failing on the first id out of range.
+///
+/// Bits are gathered in a register while consecutive ids share a word (plan rows are sorted,
+/// so that is most of them): or-ing each id into memory would chain every update through a
+/// store and a reload of the same word.
+fn set_checked(
+    layer: usize,
+    ids: &[u32],
+    experts: usize,
+    words: &mut [u64],
+) -> Result<(), MigrateError> {
+    let mut word = usize::MAX;
+    let mut acc = 0u64;
+    for &e in ids {
+        if e as usize >= experts {
+            return Err(MigrateError::ExpertOutOfRange {
+                layer: layer as u32,
+                expert: e,
+                experts,
+            });
+        }
+        let w = e as usize / 64;
+        if w != word {
+            if word != usize::MAX {
+                words[word] |= acc;
+            }
+            word = w;
+            acc = 0;
+        }
+        acc |= 1u64 << (e % 64);
+    }
+    if word != usize::MAX {
+        words[word] |= acc;
+    }
+    Ok(())
 }
 
 struct Instance {
@@ -340,16 +451,98 @@ struct Instance {
 
 impl Instance {
     fn new(
-        plan_nodes: &[Vec<Vec<u32>>],
+        plan: PlanView<'_>,
         physical: &[PhysicalNode],
         experts: usize,
     ) -> Result<Self, MigrateError> {
-        let (dims, sparse) = validate(plan_nodes, physical, experts)?;
-        let need = build_bits(&dims, sparse.as_deref(), |q| &plan_nodes[q]);
-        let have = build_bits(&dims, sparse.as_deref(), |p| &physical[p].holdings);
+        if experts <= DENSE_LIMIT {
+            return Self::new_dense(plan, physical, experts);
+        }
+        let (dims, sparse) = validate(plan, physical, experts)?;
+        let need = build_bits(
+            &dims,
+            sparse.as_deref(),
+            |q| plan.layer_count(q),
+            |q, l| plan.ids(q, l),
+        );
+        let have = build_bits(
+            &dims,
+            sparse.as_deref(),
+            |p| physical[p].holdings.len(),
+            |p, l| &physical[p].holdings[l],
+        );
         Ok(Instance {
             dims,
             sparse,
+            need,
+            have,
+        })
+    }
+
+    /// [`Instance::new`] when every id fits a dense column (`experts ≤ DENSE_LIMIT`): one pass
+    /// that checks and sets bits together, in the order [`validate`] reports errors. The
+    /// bitsets are `experts` wide rather than one past the largest id; keys keep their
+    /// (layer, expert) order, so every result is the same.
+    fn new_dense(
+        plan: PlanView<'_>,
+        physical: &[PhysicalNode],
+        experts: usize,
+    ) -> Result<Self, MigrateError> {
+        let layers = check_shapes(plan, physical)?;
+        let dims = Dims {
+            nodes: plan.nodes(),
+            layers,
+            width: experts,
+            words: experts.div_ceil(64),
+        };
+        let (stride, words) = (dims.stride(), dims.words);
+        let mut need = vec![0u64; dims.nodes * stride];
+        let node_order = |need: &mut [u64]| -> Result<(), MigrateError> {
+            for q in 0..dims.nodes {
+                check_plan_layers(plan, q, layers)?;
+                let bits = &mut need[q * stride..(q + 1) * stride];
+                for l in 0..layers {
+                    let words = &mut bits[l * words..(l + 1) * words];
+                    set_checked(l, plan.ids(q, l), experts, words)?;
+                }
+            }
+            Ok(())
+        };
+        match plan {
+            PlanView::Nodes(_) => node_order(&mut need)?,
+            PlanView::Layers {
+                layers: placements, ..
+            } => {
+                // Each placement's rows lie together in memory, so read one layer at a time for
+                // a block of nodes whose bitsets stay in cache, rather than 58 rows far apart
+                // for every node. On an error, redo it in node order to report the same first
+                // error as `map_nodes`.
+                let blocked = (0..dims.nodes).step_by(64).try_for_each(|q0| {
+                    let block = q0..(q0 + 64).min(dims.nodes);
+                    placements.iter().enumerate().try_for_each(|(l, p)| {
+                        block.clone().try_for_each(|q| {
+                            let at = q * stride + l * words;
+                            set_checked(l, &p.grid()[q], experts, &mut need[at..at + words])
+                        })
+                    })
+                });
+                if blocked.is_err() {
+                    node_order(&mut need)?;
+                }
+            }
+        }
+        let mut have = vec![0u64; dims.nodes * stride];
+        for (p, node) in physical.iter().enumerate() {
+            check_physical_layers(node, layers)?;
+            let bits = &mut have[p * stride..(p + 1) * stride];
+            for (l, ids) in node.holdings.iter().enumerate() {
+                set_checked(l, ids, experts, &mut bits[l * words..(l + 1) * words])?;
+            }
+        }
+        check_distinct_ids(physical)?;
+        Ok(Instance {
+            dims,
+            sparse: None,
             need,
             have,
         })
@@ -376,17 +569,68 @@ impl Instance {
             .sum()
     }
 
-    /// Windowed Hungarian (see [`scalable_assignment`]). Plan node `q` and physical node `q`
+    /// The [`MappingMethod::Scalable`] assignment: exact Hungarian up to
+    /// [`HUNGARIAN_MAX_NODES`]; beyond, exact through classes of equal nodes when there are few
+    /// ([`Instance::by_classes`]), else the windowed Hungarian.
+    fn scalable(&self, w: usize) -> Vec<usize> {
+        if self.dims.nodes <= HUNGARIAN_MAX_NODES {
+            return min_cost_assignment(&self.cost_matrix());
+        }
+        self.by_classes(CLASS_PAIR_LIMIT)
+            .unwrap_or_else(|| self.windowed(w))
+    }
+
+    /// Optimal assignment found between classes of interchangeable nodes, or `None` when the
+    /// number of plan classes times physical classes exceeds `max_class_pairs`.
+    ///
+    /// The cost of pairing plan node `q` with physical node `p` depends only on `q`'s needed
+    /// set and `p`'s held set, so plan nodes with equal needs are interchangeable, and so are
+    /// physical nodes with equal holdings. An aligned MRO plan has few such classes: block nodes
+    /// of a group are equal, and the round-robin leftovers make consecutive nodes equal between
+    /// the points where one expert's run ends (measured: about 250 classes of each kind at
+    /// 2,048 and at 16,384 nodes with E = 256, c = 32). The assignment problem then becomes a
+    /// transportation problem between classes ([`min_cost_transport`]), whose integral optimum
+    /// is an optimal assignment; any pairing of members within a class pair costs the same.
+    /// Members are paired in ascending index order, so the result is deterministic.
+    fn by_classes(&self, max_class_pairs: usize) -> Option<Vec<usize>> {
+        let n = self.dims.nodes;
+        let stride = self.dims.stride();
+        let plan = NodeClasses::of(&self.need, stride, n);
+        let phys = NodeClasses::of(&self.have, stride, n);
+        if plan.count().saturating_mul(phys.count()) > max_class_pairs {
+            return None;
+        }
+        let cost: Vec<Vec<u64>> = plan
+            .reps()
+            .map(|q| phys.reps().map(|p| self.pair_cost(q, p)).collect())
+            .collect();
+        // Costs are at most layers · width ≤ the size of the bitsets, far below the solver's
+        // limit, and both sides hold `n` nodes.
+        let flow = min_cost_transport(&cost, &plan.sizes(), &phys.sizes())
+            .expect("balanced class sizes and small costs");
+        let mut next: Vec<usize> = phys.start.iter().map(|&s| s as usize).collect();
+        let mut assign = vec![0usize; n];
+        for (i, row) in flow.iter().enumerate() {
+            let mut members = plan.members(i).iter();
+            for (j, &units) in row.iter().enumerate() {
+                for _ in 0..units {
+                    let q = *members.next().expect("flow out of a class equals its size");
+                    assign[q as usize] = phys.order[next[j]] as usize;
+                    next[j] += 1;
+                }
+            }
+        }
+        Some(assign)
+    }
+
+    /// Windowed Hungarian (see [`windowed_assignment`]). Plan node `q` and physical node `q`
     /// (input order) share a rank; windows of `w` consecutive ranks are solved exactly, then
     /// windows shifted by `w/2` re-solve each window's plan nodes over the physical nodes they
     /// hold, which repairs pairings cut by the first window boundaries. Every step is optimal
     /// over a set that contains the current pairing, so the cost never increases from the
     /// rank-aligned identity.
-    fn scalable(&self, w: usize) -> Vec<usize> {
+    fn windowed(&self, w: usize) -> Vec<usize> {
         let n = self.dims.nodes;
-        if n <= HUNGARIAN_MAX_NODES {
-            return min_cost_assignment(&self.cost_matrix());
-        }
         let w = w.max(2);
         let mut assign: Vec<usize> = (0..n).collect();
         for offset in [0, w / 2] {
@@ -437,28 +681,152 @@ impl Instance {
     }
 }
 
+/// Nodes grouped by equal bitsets. Class `k` is numbered by its first member, so class 0
+/// holds node 0; `order[start[k]..start[k + 1]]` are its members, ascending.
+struct NodeClasses {
+    start: Vec<u32>,
+    order: Vec<u32>,
+}
+
+impl NodeClasses {
+    /// Groups `n` nodes of `stride` words each. Nodes are sorted by a hash of their words and
+    /// only nodes with equal hashes are compared word by word, so this is `O(n·stride)` plus a
+    /// sort of `n` hashes.
+    fn of(bits: &[u64], stride: usize, n: usize) -> Self {
+        let words = |i: usize| &bits[i * stride..(i + 1) * stride];
+        // FNV-1a over words: cheap, deterministic, and a collision only costs a comparison.
+        let hash = |i: usize| {
+            words(i).iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &w| {
+                (h ^ w).wrapping_mul(0x0100_0000_01b3).rotate_left(29)
+            })
+        };
+        let mut by_hash: Vec<(u64, u32)> = (0..n).map(|i| (hash(i), i as u32)).collect();
+        by_hash.sort_unstable();
+        // Provisional class of each node: the first node (in index order) with equal words.
+        let mut rep = vec![0u32; n];
+        let mut run = 0;
+        while run < n {
+            let h = by_hash[run].0;
+            let end = run + by_hash[run..].iter().take_while(|x| x.0 == h).count();
+            let mut seen: Vec<u32> = Vec::new();
+            for &(_, i) in &by_hash[run..end] {
+                let i = i as usize;
+                match seen.iter().find(|&&r| words(r as usize) == words(i)) {
+                    Some(&r) => rep[i] = r,
+                    None => {
+                        seen.push(i as u32);
+                        rep[i] = i as u32;
+                    }
+                }
+            }
+            run = end;
+        }
+        // Number classes by first member; counting sort of the nodes by class.
+        let mut class_of_rep = vec![u32::MAX; n];
+        let mut classes = 0u32;
+        let class: Vec<u32> = (0..n)
+            .map(|i| {
+                let r = rep[i] as usize;
+                if class_of_rep[r] == u32::MAX {
+                    class_of_rep[r] = classes;
+                    classes += 1;
+                }
+                class_of_rep[r]
+            })
+            .collect();
+        let mut start = vec![0u32; classes as usize + 1];
+        for &k in &class {
+            start[k as usize + 1] += 1;
+        }
+        for k in 0..classes as usize {
+            start[k + 1] += start[k];
+        }
+        let mut fill = start.clone();
+        let mut order = vec![0u32; n];
+        for (i, &k) in class.iter().enumerate() {
+            order[fill[k as usize] as usize] = i as u32;
+            fill[k as usize] += 1;
+        }
+        NodeClasses { start, order }
+    }
+
+    fn count(&self) -> usize {
+        self.start.len() - 1
+    }
+
+    fn members(&self, k: usize) -> &[u32] {
+        &self.order[self.start[k] as usize..self.start[k + 1] as usize]
+    }
+
+    /// First (lowest-index) member of each class.
+    fn reps(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.count()).map(|k| self.order[self.start[k] as usize] as usize)
+    }
+
+    fn sizes(&self) -> Vec<u64> {
+        self.start
+            .windows(2)
+            .map(|w| u64::from(w[1] - w[0]))
+            .collect()
+    }
+}
+
 /// Largest node count [`MappingMethod::Scalable`] solves with the exact Hungarian algorithm
 /// (`O(N³)`: about 20 M steps here, a few ms).
 pub const HUNGARIAN_MAX_NODES: usize = 256;
 
-/// Window of the windowed Hungarian above [`HUNGARIAN_MAX_NODES`].
+/// Most (plan classes × physical classes) pairs [`MappingMethod::Scalable`] solves exactly
+/// through classes above [`HUNGARIAN_MAX_NODES`] (512 × 512): the class cost matrix takes
+/// that many bitset comparisons and the transportation solver's shortest paths scan it.
+pub const CLASS_PAIR_LIMIT: usize = 1 << 18;
+
+/// Window of the windowed Hungarian, used above [`HUNGARIAN_MAX_NODES`] when the nodes fall
+/// into more classes than [`CLASS_PAIR_LIMIT`] allows.
 pub const SCALABLE_WINDOW: usize = 128;
 
 /// The [`MappingMethod::Scalable`] assignment on its own: the plan-node → physical-index
-/// pairing. Exact (Hungarian) up to [`HUNGARIAN_MAX_NODES`] nodes. Beyond, a windowed
-/// Hungarian over rank-aligned windows of `window` nodes — plan node `q` starts paired with
-/// physical node `q`, so list the physical nodes in their previous plan order (what
-/// [`crate::model::ModelPlan::physical_nodes`] returns, minus the failed ones): under Lazarus'
-/// aligned MRO (arXiv 2407.04656 §4.1) a replan on one node fewer shifts block boundaries by a
-/// few ranks, so good partners sit at nearby ranks. `O(N·window·(stride + window))` time,
-/// `O(N·stride)` memory; the total never exceeds the identity pairing's.
+/// pairing. Exact up to [`HUNGARIAN_MAX_NODES`] nodes (Hungarian), and beyond whenever the
+/// plan nodes and the physical nodes fall into few classes of equal contents
+/// ([`class_assignment`] with [`CLASS_PAIR_LIMIT`]), which aligned MRO plans do. Otherwise
+/// [`windowed_assignment`] with `window`.
 pub fn scalable_assignment(
     plan_nodes: &[Vec<Vec<u32>>],
     physical: &[PhysicalNode],
     experts: usize,
     window: usize,
 ) -> Result<Vec<usize>, MigrateError> {
-    Ok(Instance::new(plan_nodes, physical, experts)?.scalable(window))
+    Ok(Instance::new(PlanView::Nodes(plan_nodes), physical, experts)?.scalable(window))
+}
+
+/// An optimal assignment (minimum total cost, like [`min_cost_assignment`] on
+/// [`cost_matrix`]) found between classes of interchangeable nodes: plan nodes that need the
+/// same `(layer, expert)` pairs, and physical nodes that hold the same ones. `Ok(None)` when
+/// the plan classes times the physical classes exceed `max_class_pairs`. Any size; the cost is
+/// `O(N·stride)` to find the classes plus the class-level transportation problem.
+pub fn class_assignment(
+    plan_nodes: &[Vec<Vec<u32>>],
+    physical: &[PhysicalNode],
+    experts: usize,
+    max_class_pairs: usize,
+) -> Result<Option<Vec<usize>>, MigrateError> {
+    Ok(Instance::new(PlanView::Nodes(plan_nodes), physical, experts)?.by_classes(max_class_pairs))
+}
+
+/// The windowed Hungarian on its own, at any size (before class compression it was
+/// [`MappingMethod::Scalable`] above [`HUNGARIAN_MAX_NODES`]): plan node `q` starts paired with
+/// physical node `q`, so list the physical nodes in their previous plan order (what
+/// [`crate::model::ModelPlan::physical_nodes`] returns, minus the failed ones): under Lazarus'
+/// aligned MRO (arXiv 2407.04656 §4.1) a replan on one node fewer shifts block boundaries by a
+/// few ranks, so good partners sit at nearby ranks. Windows of `window` ranks are solved
+/// exactly, then windows offset by half of it. `O(N·window·(stride + window))` time,
+/// `O(N·stride)` memory; the total never exceeds the identity pairing's.
+pub fn windowed_assignment(
+    plan_nodes: &[Vec<Vec<u32>>],
+    physical: &[PhysicalNode],
+    experts: usize,
+    window: usize,
+) -> Result<Vec<usize>, MigrateError> {
+    Ok(Instance::new(PlanView::Nodes(plan_nodes), physical, experts)?.windowed(window))
 }
 
 /// Cost of every (plan node, physical node) pairing: `cost[q][p]` = number of distinct
@@ -472,7 +840,7 @@ pub fn cost_matrix(
     physical: &[PhysicalNode],
     experts: usize,
 ) -> Result<Vec<Vec<u64>>, MigrateError> {
-    Ok(Instance::new(plan_nodes, physical, experts)?.cost_matrix())
+    Ok(Instance::new(PlanView::Nodes(plan_nodes), physical, experts)?.cost_matrix())
 }
 
 /// Total cost of an assignment (`assignment[q]` = column of row `q`), saturating.
@@ -680,9 +1048,49 @@ pub fn map_nodes(
     method: MappingMethod,
     bytes_per_expert: u64,
 ) -> Result<MigrationPlan, MigrateError> {
-    let inst = Instance::new(plan_nodes, physical, experts)?;
+    let inst = Instance::new(PlanView::Nodes(plan_nodes), physical, experts)?;
+    migration_plan(&inst, physical, method, bytes_per_expert)
+}
+
+/// [`map_nodes`] with the plan given as its per-layer placements (`layers[l]` over plan nodes
+/// `0..N`, as in [`crate::ModelPlan::layers`]) instead of `[plan node][layer]` lists: the same
+/// result, without first copying the whole plan node-major
+/// ([`crate::ModelPlan::plan_node_contents`]).
+///
+/// # Errors
+/// As [`map_nodes`]; a placement whose node count differs from `physical.len()` is a
+/// [`MigrateError::NodeCountMismatch`].
+pub fn map_layers(
+    layers: &[LayerPlacement],
+    physical: &[PhysicalNode],
+    experts: usize,
+    method: MappingMethod,
+    bytes_per_expert: u64,
+) -> Result<MigrationPlan, MigrateError> {
+    if let Some(l) = layers.iter().find(|l| l.nodes() != physical.len()) {
+        return Err(MigrateError::NodeCountMismatch {
+            plan_nodes: l.nodes(),
+            physical: physical.len(),
+        });
+    }
+    let plan = PlanView::Layers {
+        layers,
+        nodes: physical.len(),
+    };
+    let inst = Instance::new(plan, physical, experts)?;
+    migration_plan(&inst, physical, method, bytes_per_expert)
+}
+
+/// The mapping and transfers of a validated instance (see [`map_nodes`]).
+fn migration_plan(
+    inst: &Instance,
+    physical: &[PhysicalNode],
+    method: MappingMethod,
+    bytes_per_expert: u64,
+) -> Result<MigrationPlan, MigrateError> {
     let dims = inst.dims;
     let n = dims.nodes;
+    let stride = dims.stride();
     let plan_to_phys = match method {
         MappingMethod::Greedy => greedy_assignment(&inst.cost_matrix()),
         MappingMethod::Optimal => min_cost_assignment(&inst.cost_matrix()),
@@ -694,38 +1102,23 @@ pub fn map_nodes(
         phys_to_plan[p] = q;
     }
 
-    // Holders of each (layer, expert) key `l*width + e`, in CSR form, ascending physical index.
-    let keys = dims.layers * dims.width;
-    let mut start = vec![0u32; keys + 1];
-    for_each_bit(&inst.have, dims, |_, key| start[key + 1] += 1);
-    for k in 0..keys {
-        start[k + 1] += start[k];
-    }
-    let mut fill = start.clone();
-    let mut holders = vec![0u32; start[keys] as usize];
-    for_each_bit(&inst.have, dims, |p, key| {
-        holders[fill[key] as usize] = p as u32;
-        fill[key] += 1;
-    });
-
-    // Needed-but-missing pairs, in (destination index, layer, expert) order.
+    // Needed-but-missing pairs, in (destination index, layer, expert) order, and the union of
+    // their keys as one node-shaped bitset.
     struct Need {
         dst: u32,
         key: u32,
     }
     let mut needs: Vec<Need> = Vec::new();
-    let mut lost: Option<usize> = None;
+    let mut needed = vec![0u64; stride];
     for (p, &q) in phys_to_plan.iter().enumerate() {
         let need = inst.node(&inst.need, q);
         let have = inst.node(&inst.have, p);
         for (i, (&a, &b)) in need.iter().zip(have).enumerate() {
             let mut missing = a & !b;
+            needed[i] |= missing;
             while missing != 0 {
                 let key = bit_key(dims, i, missing.trailing_zeros() as usize);
                 missing &= missing - 1;
-                if start[key] == start[key + 1] {
-                    lost = Some(lost.map_or(key, |k| k.min(key)));
-                }
                 needs.push(Need {
                     dst: p as u32,
                     key: key as u32,
@@ -733,12 +1126,22 @@ pub fn map_nodes(
             }
         }
     }
+
+    // Holders of each needed key as a node bitset. Only the needed keys: a replan typically
+    // needs some of them, and listing every holding would walk every bit of the cluster.
+    let holders = HolderSets::new(inst, &needed);
+    let lost = needs
+        .iter()
+        .map(|nd| nd.key as usize)
+        .filter(|&key| holders.count[holders.slot_of[key] as usize] == 0)
+        .min();
     if let Some(key) = lost {
         let (layer, expert) = inst.pair(key);
         return Err(MigrateError::ExpertLost { layer, expert });
     }
 
     // Group the needs by key (stable counting sort: destinations stay in index order).
+    let keys = dims.layers * dims.width;
     let mut need_start = vec![0u32; keys + 1];
     for nd in &needs {
         need_start[nd.key as usize + 1] += 1;
@@ -754,18 +1157,18 @@ pub fn map_nodes(
         need_fill[k] += 1;
     }
     // Most-constrained first: needed keys ordered by (number of holders, key).
-    let holder_count = |k: usize| (start[k + 1] - start[k]) as usize;
-    let needed = |k: usize| need_start[k] != need_start[k + 1];
+    let needed_key = |k: usize| need_start[k] != need_start[k + 1];
+    let count = |k: usize| holders.count[holders.slot_of[k] as usize];
     let mut bucket = vec![0usize; n + 2];
-    for k in (0..keys).filter(|&k| needed(k)) {
-        bucket[holder_count(k) + 1] += 1;
+    for k in (0..keys).filter(|&k| needed_key(k)) {
+        bucket[count(k) + 1] += 1;
     }
     for c in 0..=n {
         bucket[c + 1] += bucket[c];
     }
     let mut key_order = vec![0u32; bucket[n + 1]];
-    for k in (0..keys).filter(|&k| needed(k)) {
-        let c = holder_count(k);
+    for k in (0..keys).filter(|&k| needed_key(k)) {
+        let c = count(k);
         key_order[bucket[c]] = k as u32;
         bucket[c] += 1;
     }
@@ -776,29 +1179,47 @@ pub fn map_nodes(
     // Serving a key's destinations one by one from the least-loaded holder (ties to the lowest
     // index) picks, in ascending order, the smallest pairs (s_c + t, c) over holders c with load
     // s_c at the start of the key and t ≥ 0. So sweep levels v = min s_c, min s_c + 1, …, and at
-    // each level serve the holders with s_c ≤ v in index order (`cands` is ascending). Each
-    // level serves at least one destination; typically one or two levels suffice.
-    let mut snapshot: Vec<u64> = Vec::with_capacity(n);
-    for &k in &key_order {
+    // each level serve the holders with s_c ≤ v in index order. Each level serves at least one
+    // destination; typically one or two levels suffice. The holders with s_c ≤ v are the
+    // key's node set intersected with the sets of nodes at each load up to v ([`LoadLevels`]),
+    // so a key costs a few passes over `N/64` words, not a visit of every holder.
+    let mut levels = LoadLevels::new(n);
+    let mut eligible = vec![0u64; holders.words];
+    let mut moved: Vec<(usize, u64)> = Vec::new();
+    let mut touched_by = vec![usize::MAX; n];
+    for (turn, &k) in key_order.iter().enumerate() {
         let k = k as usize;
         // Non-empty: lost keys were returned above.
-        let cands = &holders[start[k] as usize..start[k + 1] as usize];
+        let h = holders.set(k);
         let mut dsts = by_key[need_start[k] as usize..need_start[k + 1] as usize].iter();
-        snapshot.clear();
-        snapshot.extend(cands.iter().map(|&c| sent[c as usize]));
-        let mut level = snapshot.iter().copied().min().unwrap_or(0);
+        let mut level = levels.lowest_meeting(h);
+        eligible.fill(0);
+        levels.add_eligible(level, h, &mut eligible);
+        moved.clear();
         'serve: loop {
-            for (&c, &s) in cands.iter().zip(&snapshot) {
-                if s <= level {
+            for (w, &word) in eligible.iter().enumerate() {
+                let mut word = word;
+                while word != 0 {
+                    let c = w * 64 + word.trailing_zeros() as usize;
+                    word &= word - 1;
                     let Some(&i) = dsts.next() else {
                         break 'serve;
                     };
-                    sent[c as usize] += 1;
+                    if touched_by[c] != turn {
+                        touched_by[c] = turn;
+                        moved.push((c, sent[c]));
+                    }
+                    sent[c] += 1;
                     recv[needs[i as usize].dst as usize] += 1;
-                    src[i as usize] = c;
+                    src[i as usize] = c as u32;
                 }
             }
             level += 1;
+            levels.add_eligible(level, h, &mut eligible);
+        }
+        // Loads change only after the key: its levels were taken at its start.
+        for &(c, from) in &moved {
+            levels.move_node(c, from, sent[c]);
         }
     }
     let transfers: Vec<Transfer> = needs
@@ -831,28 +1252,174 @@ pub fn map_nodes(
     })
 }
 
+/// The physical nodes holding each needed key, as node bitsets: the node-major `have`
+/// bitsets transposed for the keys set in `needed`, 64 nodes × 64 keys at a time.
+struct HolderSets {
+    /// Words per node set, `N.div_ceil(64)`.
+    words: usize,
+    /// Row of each key in `bits`, `u32::MAX` when the key is not needed.
+    slot_of: Vec<u32>,
+    bits: Vec<u64>,
+    /// Number of holders of each row.
+    count: Vec<usize>,
+}
+
+impl HolderSets {
+    fn new(inst: &Instance, needed: &[u64]) -> Self {
+        let dims = inst.dims;
+        let (n, stride) = (dims.nodes, dims.stride());
+        let words = n.div_ceil(64);
+        // Slots follow the needed bits in order, so word `i`'s keys take the slots from
+        // `first_slot[i]` on, with no key arithmetic in the loop below.
+        let mut slot_of = vec![u32::MAX; dims.layers * dims.width];
+        let mut first_slot = Vec::with_capacity(stride);
+        let mut slots = 0usize;
+        for (i, &m) in needed.iter().enumerate() {
+            first_slot.push(slots);
+            for_each_set_bit(m, |c| {
+                slot_of[bit_key(dims, i, c)] = slots as u32;
+                slots += 1;
+            });
+        }
+        let mut bits = vec![0u64; slots * words];
+        let mut block = [0u64; 64];
+        // Tiles of 8 key words (one cache line of each node's bitset) by all node blocks: the
+        // 64 lines a block reads serve all 8 words, and the up to 512 node sets being written
+        // stay in cache while the node blocks advance along them.
+        for tile in (0..stride).step_by(8) {
+            let tile = tile..(tile + 8).min(stride);
+            for b in 0..words {
+                let rows = (n - b * 64).min(64);
+                for i in tile.clone() {
+                    let m = needed[i];
+                    if m == 0 {
+                        continue;
+                    }
+                    for (r, row) in block.iter_mut().enumerate() {
+                        *row = if r < rows {
+                            inst.have[(b * 64 + r) * stride + i] & m
+                        } else {
+                            0
+                        };
+                    }
+                    transpose64(&mut block);
+                    let mut slot = first_slot[i];
+                    for_each_set_bit(m, |c| {
+                        bits[slot * words + b] = block[c];
+                        slot += 1;
+                    });
+                }
+            }
+        }
+        let count = bits
+            .chunks(words.max(1))
+            .take(slots)
+            .map(|set| set.iter().map(|w| w.count_ones() as usize).sum())
+            .collect();
+        HolderSets {
+            words,
+            slot_of,
+            bits,
+            count,
+        }
+    }
+
+    /// Node set of a needed key.
+    fn set(&self, key: usize) -> &[u64] {
+        let slot = self.slot_of[key] as usize;
+        &self.bits[slot * self.words..(slot + 1) * self.words]
+    }
+}
+
+/// The physical nodes grouped by how many transfers they send so far: `at[v]` is the node
+/// bitset of load `v`, for the loads some node has.
+struct LoadLevels {
+    words: usize,
+    at: BTreeMap<u64, (Vec<u64>, usize)>,
+}
+
+impl LoadLevels {
+    /// All `n` nodes at load 0.
+    fn new(n: usize) -> Self {
+        let words = n.div_ceil(64);
+        let mut all = vec![u64::MAX; words];
+        if !n.is_multiple_of(64) {
+            all[words - 1] = (1u64 << (n % 64)) - 1;
+        }
+        let mut at = BTreeMap::new();
+        if n > 0 {
+            at.insert(0, (all, n));
+        }
+        LoadLevels { words, at }
+    }
+
+    /// The lowest load of any node in the non-empty set `h`.
+    fn lowest_meeting(&self, h: &[u64]) -> u64 {
+        self.at
+            .iter()
+            .find(|(_, (set, _))| set.iter().zip(h).any(|(&a, &b)| a & b != 0))
+            .map(|(&v, _)| v)
+            .expect("every node has a load, and the set is not empty")
+    }
+
+    /// Adds the members of `h` at load `v` to `eligible`.
+    fn add_eligible(&self, v: u64, h: &[u64], eligible: &mut [u64]) {
+        if let Some((set, _)) = self.at.get(&v) {
+            for ((e, &a), &b) in eligible.iter_mut().zip(set).zip(h) {
+                *e |= a & b;
+            }
+        }
+    }
+
+    fn move_node(&mut self, c: usize, from: u64, to: u64) {
+        let (w, bit) = (c / 64, 1u64 << (c % 64));
+        if let Some((set, size)) = self.at.get_mut(&from) {
+            set[w] &= !bit;
+            *size -= 1;
+            if *size == 0 {
+                self.at.remove(&from);
+            }
+        }
+        let words = self.words;
+        let (set, size) = self.at.entry(to).or_insert_with(|| (vec![0; words], 0));
+        set[w] |= bit;
+        *size += 1;
+    }
+}
+
+/// Transposes a 64 × 64 bit matrix in place: bit `c` of row `r` becomes bit `r` of row `c`.
+/// Swaps the off-diagonal blocks of halves, then of quarters, down to single bits (the
+/// recursive block transpose of Warren, *Hacker's Delight*, 2nd ed., §7-3).
+fn transpose64(a: &mut [u64; 64]) {
+    let mut j = 32;
+    let mut m: u64 = 0x0000_0000_FFFF_FFFF;
+    while j != 0 {
+        let mut k = 0;
+        while k < 64 {
+            // Rows k and k + j (bit j of k clear): swap the high-j bits of row k's pairs with
+            // the low-j bits of row k + j's.
+            let t = ((a[k] >> j) ^ a[k + j]) & m;
+            a[k] ^= t << j;
+            a[k + j] ^= t;
+            k = (k + j + 1) & !j;
+        }
+        j >>= 1;
+        m ^= m << j;
+    }
+}
+
+fn for_each_set_bit(mut w: u64, mut f: impl FnMut(usize)) {
+    while w != 0 {
+        f(w.trailing_zeros() as usize);
+        w &= w - 1;
+    }
+}
+
 /// Key `layer*width + column` of bit `bit` in word `i` of a node's bitset.
 fn bit_key(dims: Dims, i: usize, bit: usize) -> usize {
     let l = i / dims.words;
     let e = (i % dims.words) * 64 + bit;
     l * dims.width + e
-}
-
-/// Calls `f(node, key)` for every set bit of a flat node-major bitset array.
-fn for_each_bit(bits: &[u64], dims: Dims, mut f: impl FnMut(usize, usize)) {
-    let stride = dims.stride();
-    if stride == 0 {
-        return;
-    }
-    for (node, words) in bits.chunks_exact(stride).enumerate() {
-        for (i, &w) in words.iter().enumerate() {
-            let mut w = w;
-            while w != 0 {
-                f(node, bit_key(dims, i, w.trailing_zeros() as usize));
-                w &= w - 1;
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -861,6 +1428,79 @@ mod tests {
 
     fn node(id: u32, holdings: Vec<Vec<u32>>) -> PhysicalNode {
         PhysicalNode { id, holdings }
+    }
+
+    /// The two-pass build (validate, then bits one past the largest id), as the sparse path
+    /// still does, for comparison with the one-pass dense build.
+    fn two_pass(
+        plan: &[Vec<Vec<u32>>],
+        physical: &[PhysicalNode],
+        experts: usize,
+    ) -> Result<Instance, MigrateError> {
+        let view = PlanView::Nodes(plan);
+        let (dims, sparse) = validate(view, physical, experts)?;
+        let need = build_bits(
+            &dims,
+            sparse.as_deref(),
+            |q| plan[q].len(),
+            |q, l| &plan[q][l],
+        );
+        let have = build_bits(
+            &dims,
+            sparse.as_deref(),
+            |p| physical[p].holdings.len(),
+            |p, l| &physical[p].holdings[l],
+        );
+        Ok(Instance {
+            dims,
+            sparse,
+            need,
+            have,
+        })
+    }
+
+    proptest::proptest! {
+        /// The one-pass dense build reports the same first error as validating first, and on
+        /// valid input gives the same costs (its bitsets are `experts` wide instead of one past
+        /// the largest id).
+        #[test]
+        fn dense_build_equals_two_pass(
+            plan in proptest::collection::vec(
+                proptest::collection::vec(proptest::collection::vec(0u32..12, 0..4), 0..4), 0..5),
+            phys in proptest::collection::vec(
+                (0u32..6, proptest::collection::vec(
+                    proptest::collection::vec(0u32..12, 0..4), 0..4)), 0..5),
+            experts in 0usize..12,
+        ) {
+            let physical: Vec<PhysicalNode> =
+                phys.into_iter().map(|(id, holdings)| node(id, holdings)).collect();
+            let one = Instance::new_dense(PlanView::Nodes(&plan), &physical, experts);
+            let two = two_pass(&plan, &physical, experts);
+            match (one, two) {
+                (Ok(a), Ok(b)) => proptest::prop_assert_eq!(a.cost_matrix(), b.cost_matrix()),
+                (a, b) => proptest::prop_assert_eq!(a.err(), b.err()),
+            }
+        }
+    }
+
+    #[test]
+    fn transpose64_matches_naive() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut a = [0u64; 64];
+        for row in &mut a {
+            // xorshift: a fixed, dense pattern
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *row = x;
+        }
+        let mut t = a;
+        transpose64(&mut t);
+        for (r, &row) in a.iter().enumerate() {
+            for (c, &col) in t.iter().enumerate() {
+                assert_eq!((col >> r) & 1, (row >> c) & 1, "row {r} col {c}");
+            }
+        }
     }
 
     #[test]

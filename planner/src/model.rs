@@ -17,8 +17,8 @@
 
 use crate::allocate::{AllocPolicy, Allocation, allocate};
 use crate::error::PlanError;
-use crate::migrate::{MappingMethod, MigrateError, MigrationPlan, PhysicalNode, map_nodes};
-use crate::place::{LayerPlacement, PlacePolicy, place};
+use crate::migrate::{MappingMethod, MigrateError, MigrationPlan, PhysicalNode, map_layers};
+use crate::place::{LayerPlacement, MroPlacer, PlacePolicy, place};
 use crate::spec::{ClusterSpec, ModelSpec};
 use rand::SeedableRng;
 use rand::rngs::Xoshiro256PlusPlus;
@@ -108,6 +108,8 @@ pub fn plan_model(
     }
     let mut allocations = Vec::with_capacity(model.layers);
     let mut layers = Vec::with_capacity(model.layers);
+    // Layers with equal sorted replica counts share one MRO construction (see `MroPlacer`).
+    let mut mro = MroPlacer::default();
     for (l, layer_loads) in loads.iter().enumerate() {
         if layer_loads.len() != model.experts {
             return Err(PlanError::LoadCount {
@@ -123,7 +125,10 @@ pub fn plan_model(
             },
             p => p,
         };
-        let mut p = place(policy, &a.replicas, cluster.nodes, cluster.slots_per_node)?;
+        let mut p = match policy {
+            PlacePolicy::Mro => mro.place(&a.replicas, cluster.nodes, cluster.slots_per_node)?,
+            _ => place(policy, &a.replicas, cluster.nodes, cluster.slots_per_node)?,
+        };
         if let Alignment::Independent { seed } = alignment {
             let mut perm: Vec<usize> = (0..cluster.nodes).collect();
             let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed.wrapping_add(l as u64));
@@ -198,8 +203,8 @@ pub fn replan(
         options.place,
         Alignment::Aligned,
     )?;
-    let migration = map_nodes(
-        &plan.plan_node_contents(),
+    let migration = map_layers(
+        &plan.layers,
         physical,
         model.experts,
         options.mapping,

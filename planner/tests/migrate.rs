@@ -401,6 +401,106 @@ fn optimal_beats_greedy_on_realistic_instances() {
 }
 
 #[test]
+fn transfers_match_the_reference_across_many_node_blocks() {
+    // More than 64 nodes, so that bit-level node sets span several words; identity and
+    // scalable mappings, on realistic instances with a few failed nodes.
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(7);
+    for _ in 0..12 {
+        let n = rng.random_range(65..=300usize);
+        let experts = rng.random_range(8..=40usize);
+        let layers = rng.random_range(1..=3usize);
+        let (plan, physical) = realistic(&mut rng, n, 3, layers, 4, experts);
+        for method in [MappingMethod::Identity, MappingMethod::Scalable] {
+            let mp = map_nodes(&plan, &physical, experts, method, 5).unwrap();
+            check_plan(&plan, &physical, experts, 5, &mp);
+        }
+        // Scale-out by many blank nodes: keys with more destinations than holders, so
+        // holders serve several levels of load.
+        let (mut plan, mut physical) = (plan, physical);
+        let blank = rng.random_range(40..=150usize);
+        let extra = covering_plan(&mut rng, blank, layers, 4, experts);
+        plan.extend(extra);
+        physical.extend((0..blank).map(|i| node(10_000 + i as u32, Vec::new())));
+        let mp = map_nodes(&plan, &physical, experts, MappingMethod::Identity, 5).unwrap();
+        check_plan(&plan, &physical, experts, 5, &mp);
+    }
+}
+
+#[test]
+fn map_layers_equals_map_nodes_on_a_model_plan() {
+    use lazarus_planner::{
+        Alignment, AllocPolicy, ClusterSpec, LayerPlacement, ModelSpec, PlacePolicy,
+        migrate::map_layers, plan_model,
+    };
+    let model = ModelSpec {
+        experts: 24,
+        layers: 3,
+        f: 2,
+    };
+    let loads: Vec<Vec<u64>> = (0..3)
+        .map(|l| (0..24).map(|e| 1000 / (1 + (e + 5 * l) % 24)).collect())
+        .collect();
+    let plan = |n| {
+        plan_model(
+            &ClusterSpec::new(n, 8),
+            &model,
+            &loads,
+            AllocPolicy::Lazarus,
+            PlacePolicy::Mro,
+            Alignment::Aligned,
+        )
+        .unwrap()
+    };
+    let survivors: Vec<PhysicalNode> = plan(40)
+        .physical_nodes()
+        .into_iter()
+        .filter(|p| p.id != 11)
+        .collect();
+    let after = plan(39);
+    for method in [MappingMethod::Optimal, MappingMethod::Scalable] {
+        let a = map_layers(&after.layers, &survivors, 24, method, 3).unwrap();
+        let b = map_nodes(&after.plan_node_contents(), &survivors, 24, method, 3).unwrap();
+        assert_eq!(a, b);
+    }
+    // The first error in node order, although map_layers reads layer by layer: node 0's
+    // layer 1 comes before node 1's layer 0.
+    let layers = [
+        LayerPlacement::from_grid(vec![vec![0], vec![5]], 7, None).unwrap(),
+        LayerPlacement::from_grid(vec![vec![6], vec![0]], 7, None).unwrap(),
+    ];
+    let two = [node(1, vec![vec![0], vec![0]]), node(2, vec![])];
+    assert_eq!(
+        map_layers(&layers, &two, 4, MappingMethod::Identity, 1),
+        Err(MigrateError::ExpertOutOfRange {
+            layer: 1,
+            expert: 6,
+            experts: 4
+        })
+    );
+    // Too few experts: the same first error, although map_layers reads layer by layer.
+    let narrow = map_layers(&after.layers, &survivors, 10, MappingMethod::Identity, 3);
+    assert!(matches!(narrow, Err(MigrateError::ExpertOutOfRange { .. })));
+    let contents = after.plan_node_contents();
+    assert_eq!(
+        narrow,
+        map_nodes(&contents, &survivors, 10, MappingMethod::Identity, 3)
+    );
+    assert_eq!(
+        map_layers(
+            &after.layers,
+            &survivors[1..],
+            24,
+            MappingMethod::Identity,
+            3
+        ),
+        Err(MigrateError::NodeCountMismatch {
+            plan_nodes: 39,
+            physical: 38
+        })
+    );
+}
+
+#[test]
 fn greedy_is_suboptimal_on_hand_case() {
     // Physical 0 holds {0,1}, physical 1 holds {0}. Plan node 0 needs {0}, plan node 1 needs {0,1}.
     // Greedy: physical 0 takes plan node 0 (cost 0), physical 1 gets plan node 1 (cost 1).

@@ -305,3 +305,47 @@ fn replicas_per_rank_splits_nodes_into_gpus() {
         assert_eq!(got, 80 * (e as u64 + 1));
     }
 }
+
+mod mro_reuse {
+    use super::*;
+    use lazarus_planner::{allocate, place};
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// `plan_model` builds an MRO grid once per distinct sorted count vector and renames it
+        /// for the other layers; every layer must equal a fresh allocation + placement. Layers
+        /// are rotations of one load row (equal sorted counts, so the template is reused) or
+        /// fresh rows (a new template).
+        #[test]
+        fn plan_model_equals_per_layer_placement(
+            base in prop::collection::vec(0u64..1000, 2..20),
+            fresh in prop::collection::vec(prop::collection::vec(0u64..1000, 20), 0..3),
+            shifts in prop::collection::vec(0usize..20, 1..5),
+            nodes in 1usize..24,
+            c in 1usize..6,
+        ) {
+            let experts = base.len();
+            prop_assume!(nodes * c >= experts);
+            let mut loads: Vec<Vec<u64>> = shifts
+                .iter()
+                .map(|&s| {
+                    let mut row = base.clone();
+                    row.rotate_left(s % experts);
+                    row
+                })
+                .collect();
+            loads.extend(fresh.iter().map(|row| row[..experts].to_vec()));
+            loads.push(base.clone());
+            let model = ModelSpec { experts, layers: loads.len(), f: 2 };
+            let plan = mro_plan(&ClusterSpec::new(nodes, c), &model, &loads, Alignment::Aligned)
+                .unwrap();
+            for (l, row) in loads.iter().enumerate() {
+                let a = allocate(AllocPolicy::Lazarus, row, nodes * c, 2).unwrap();
+                let want = place(PlacePolicy::Mro, &a.replicas, nodes, c).unwrap();
+                prop_assert_eq!(&plan.layers[l], &want);
+            }
+        }
+    }
+}
