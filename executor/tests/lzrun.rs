@@ -680,6 +680,9 @@ fn help_explains_every_flag() {
         "--timeout-ms",
         "--max-ckpt-failures",
         "--max-nonfinite-steps",
+        "--kill-controller",
+        "--controller-down-ms",
+        "--state-dir",
     ] {
         assert!(o.stdout.contains(flag), "{flag} not in --help");
     }
@@ -687,6 +690,12 @@ fn help_explains_every_flag() {
         let o = lzrun(&[sub, "--help"]);
         assert_eq!(o.code, Some(0), "{sub} --help");
     }
+    let o = lzrun(&["controller", "--help"]);
+    for flag in ["--state-dir", "--recover", "--listen"] {
+        assert!(o.stdout.contains(flag), "{flag} not in controller --help");
+    }
+    let o = lzrun(&["agent", "--help"]);
+    assert!(o.stdout.contains("--reconnect-grace-ms"), "{}", o.stdout);
 }
 
 /// Processes whose command line mentions `needle` (Linux `/proc`).
