@@ -6,7 +6,9 @@
 //! schedule order among the events of one step. It comes from one of three sources:
 //!
 //! * **CLI flags** ([`schedule_from_flags`]): `--nodes N`, `--kill NODE@STEP` (repeatable,
-//!   [`parse_kill`]) and `--join @STEP` (repeatable, [`parse_join`]).
+//!   [`parse_kill`]) and `--join @STEP` (repeatable, [`parse_join`]). `--kill-controller @STEP`
+//!   ([`parse_kill_controller`], [`FaultSchedule::add_controller_kills`]) kills the controller
+//!   instead of a node, with any of the sources.
 //! * **A node-availability trace** ([`schedule_from_trace`]): `--fault-trace FILE
 //!   --time-scale X`, in any format of the [`lazarus_traces`] crate.
 //! * **A seeded random "chaos" schedule** for tests ([`chaos_schedule`]).
@@ -79,6 +81,8 @@ pub enum Fault {
         /// Trace node name (`None` for `--join` and chaos schedules).
         name: Option<String>,
     },
+    /// Kill the controller (the launcher restarts it from its saved state); no node is hurt.
+    KillController,
 }
 
 impl Fault {
@@ -163,6 +167,14 @@ pub enum FaultError {
     /// A `--kill` argument that is not `NODE@STEP`.
     #[error("invalid --kill '{input}': {reason} (expected NODE@STEP, e.g. 2@5)")]
     BadKill {
+        /// The argument as given.
+        input: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A `--kill-controller` argument that is not `@STEP` or `STEP`.
+    #[error("invalid --kill-controller '{input}': {reason} (expected @STEP, e.g. @5)")]
+    BadKillController {
         /// The argument as given.
         input: String,
         /// What is wrong with it.
@@ -273,6 +285,46 @@ pub fn parse_join(s: &str) -> Result<u64, FaultError> {
     })
 }
 
+/// Parses a `--kill-controller` argument `@STEP` (e.g. `@5`: kill the controller after step 5);
+/// a bare `STEP` is accepted too.
+pub fn parse_kill_controller(s: &str) -> Result<u64, FaultError> {
+    let t = s.trim();
+    let step = t.strip_prefix('@').unwrap_or(t).trim();
+    step.parse().map_err(|e| FaultError::BadKillController {
+        input: s.to_string(),
+        reason: format!("step '{step}' is not a step number: {e}"),
+    })
+}
+
+impl FaultSchedule {
+    /// Adds a [`Fault::KillController`] after each of `steps` (of a `total_steps`-step run),
+    /// after the other events of that step. Each must leave a step to train after it
+    /// ([`FaultError::TooLate`]).
+    pub fn add_controller_kills(
+        &mut self,
+        steps: &[u64],
+        total_steps: u64,
+    ) -> Result<(), FaultError> {
+        for &step in steps {
+            if !in_range(step, total_steps) {
+                return Err(FaultError::TooLate {
+                    what: format!("--kill-controller @{step}"),
+                    step,
+                    steps: total_steps,
+                });
+            }
+            self.events.push(FaultEvent {
+                after_step: step,
+                fault: Fault::KillController,
+            });
+        }
+        // Stable: a step's node events keep their order, the controller kills come last.
+        self.events
+            .sort_by_key(|e| (e.after_step, e.fault == Fault::KillController));
+        Ok(())
+    }
+}
+
 fn default_names(nodes: usize) -> Vec<String> {
     (0..nodes).map(|i| format!("n{i}")).collect()
 }
@@ -366,7 +418,9 @@ pub fn schedule_from_flags(
                     return Err(FaultError::NoLiveNode { node, step });
                 }
             }
-            Fault::KillName { .. } => unreachable!("flag schedules kill by index"),
+            Fault::KillName { .. } | Fault::KillController => {
+                unreachable!("flag schedules kill nodes by index")
+            }
         }
     }
     Ok(FaultSchedule {
@@ -794,6 +848,30 @@ mod tests {
             min = min.min(live.len());
         }
         min
+    }
+
+    #[test]
+    fn controller_kills_parse_and_come_after_the_node_events_of_their_step() {
+        assert_eq!(parse_kill_controller("@5").unwrap(), 5);
+        assert_eq!(parse_kill_controller(" 7 ").unwrap(), 7);
+        let e = parse_kill_controller("@x").unwrap_err().to_string();
+        assert!(e.contains("--kill-controller '@x'"), "{e}");
+        let mut s = schedule_from_flags(3, &[(1, 4)], &[4], 10).unwrap();
+        s.add_controller_kills(&[4, 2], 10).unwrap();
+        let faults: Vec<(u64, &Fault)> =
+            s.events.iter().map(|e| (e.after_step, &e.fault)).collect();
+        assert_eq!(
+            faults,
+            vec![
+                (2, &Fault::KillController),
+                (4, &Fault::Join { name: None }),
+                (4, &Fault::Kill { node: 1 }),
+                (4, &Fault::KillController),
+            ]
+        );
+        assert!(!Fault::KillController.is_kill() && !Fault::KillController.is_join());
+        let late = s.add_controller_kills(&[9], 10).unwrap_err().to_string();
+        assert!(late.contains("--kill-controller @9"), "{late}");
     }
 
     #[test]

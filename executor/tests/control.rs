@@ -116,7 +116,17 @@ fn protocol_round_trips() {
         ToController::Bye { node_id: 0 },
         ToController::Worker {
             node_id: 2,
+            seq: 7,
             line: "{\"step\":1}".into(),
+        },
+        ToController::Reattach {
+            version: V,
+            token: TOKEN.into(),
+            node: "gpu-17".into(),
+            devices: 8,
+            node_id: 3,
+            last_seq: 12,
+            worker: lazarus_planner::job::reconcile::WorkerReport::default(),
         },
     ];
     for msg in &to_controller {
@@ -131,6 +141,11 @@ fn protocol_round_trips() {
         ToAgent::Shutdown,
         ToAgent::Worker {
             line: "\"Stop\"".into(),
+        },
+        ToAgent::Ack { seq: 12 },
+        ToAgent::Reattached {
+            node_id: 3,
+            acked_seq: 11,
         },
     ];
     for msg in &to_agent {
@@ -350,9 +365,16 @@ async fn an_agent_whose_worker_never_starts_is_fenced_and_the_job_starts_without
     let (mut stuck, s) = register(&addr, "stuck").await;
     for (conn, id, port) in [(&mut ready_a, a, 7001), (&mut ready_b, b, 7002)] {
         let line = format!("{{\"Ready\":{{\"addr\":\"127.0.0.1:{port}\"}}}}");
-        proto::send(conn, &ToController::Worker { node_id: id, line })
-            .await
-            .unwrap();
+        proto::send(
+            conn,
+            &ToController::Worker {
+                node_id: id,
+                seq: 1,
+                line,
+            },
+        )
+        .await
+        .unwrap();
     }
     let started = Instant::now();
     let heartbeats = async {

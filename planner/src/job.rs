@@ -66,6 +66,15 @@
 //!   agree (one dense state, every replica of an expert identical) — else the job fails. Members
 //!   that say they finished while steps are still uncounted (their reports never arrived) fail
 //!   the job: it must not look complete.
+//! * **Driver fail-over.** The machine is serde-serialisable: a driver saves it whole (before it
+//!   performs the actions of an event: write-ahead) and a restarted driver deserialises it and
+//!   calls [`JobMachine::recover`]. Every node then gets one heartbeat timeout to come back
+//!   ([`Event::Reattached`], with what its worker holds); [`reconcile`] decides per node
+//!   whether it is kept (and which commands the crash may have swallowed are sent again) or
+//!   dropped, and the recovery resumes training in place when every node came back
+//!   consistent, or goes through the failure rules above otherwise.
+
+pub mod reconcile;
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -190,6 +199,8 @@ pub enum JobConfigError {
 /// What a member reports about one step it trained.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct StepReport {
+    /// JSON has no NaN: a non-finite loss is written as `null` and read back as NaN.
+    #[serde(deserialize_with = "nan_if_null")]
     pub loss: f64,
     pub tokens: u64,
     pub step_ms: f64,
@@ -199,6 +210,10 @@ pub struct StepReport {
     /// skipped the update (the decision is collective, so replicas stay identical).
     #[serde(default)]
     pub nonfinite: bool,
+}
+
+fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 /// Why a member's worker is idle.
@@ -302,6 +317,12 @@ pub enum Event {
     },
     /// The driver injected a fault now (starts the detection clock of the recovery record).
     FaultInjected,
+    /// The node came back to a (restarted) driver and reports what its worker holds; see
+    /// [`reconcile`].
+    Reattached {
+        node: NodeId,
+        report: reconcile::WorkerReport,
+    },
     /// Time passes: expiries and timeouts.
     Tick,
 }
@@ -455,6 +476,12 @@ pub enum Action {
     },
     /// Send every member its part of this reconfiguration.
     Reconfigure(Box<Reconfiguration>),
+    /// Send `node` its part of the reconfiguration of `epoch` (the last one issued) again: it
+    /// never arrived (the driver crashed before delivering it, see [`reconcile`]).
+    Resend {
+        node: NodeId,
+        epoch: u64,
+    },
     /// Every member wrote its parts of the checkpoint of `step`: commit it atomically and answer
     /// [`Event::CheckpointCommitted`] or [`Event::CheckpointFailed`].
     CommitCheckpoint {
@@ -505,7 +532,7 @@ pub enum Phase {
     Over,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct Node {
     name: String,
     joined_ms: u64,
@@ -518,7 +545,7 @@ struct Node {
     done: Option<StateChecksums>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct Pending {
     kind: ReconfigKind,
     detect_ms: f64,
@@ -534,15 +561,28 @@ struct Pending {
 }
 
 /// A cause of the next reconfiguration, and since when.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 struct Cause {
     kind: ReconfigKind,
     since_ms: u64,
     nodes_before: usize,
 }
 
-/// See the [module docs](self).
-#[derive(Debug, Clone)]
+/// A recovery in progress ([`JobMachine::recover`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Recovery {
+    since_ms: u64,
+    /// Nodes of the saved state that have not come back (nor been lost) yet.
+    awaiting: BTreeSet<NodeId>,
+    /// Nodes that came back consistent.
+    back: usize,
+    /// Nodes lost or dropped since the restart: name, why.
+    lost: Vec<(String, String)>,
+}
+
+/// See the [module docs](self). Serialisable whole, for a driver that must survive its own
+/// crash (see [`reconcile`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct JobMachine {
     cfg: JobConfig,
     phase: Phase,
@@ -582,6 +622,9 @@ pub struct JobMachine {
     nodes_waiting_since: Option<u64>,
     /// When the phase last made progress (timeouts count from here).
     progress_ms: u64,
+    /// A driver restart being reconciled.
+    #[serde(default)]
+    recovery: Option<Recovery>,
 }
 
 impl JobMachine {
@@ -612,6 +655,7 @@ impl JobMachine {
             join_waiting_since: None,
             nodes_waiting_since: None,
             progress_ms: 0,
+            recovery: None,
         })
     }
 
@@ -657,6 +701,131 @@ impl JobMachine {
     }
     pub fn is_over(&self) -> bool {
         self.phase == Phase::Over
+    }
+    /// Whether a driver restart is still being reconciled (some node of the saved state has
+    /// neither come back nor been lost).
+    pub fn is_recovering(&self) -> bool {
+        self.recovery.is_some()
+    }
+
+    /// Takes the job back after the driver restarted from a saved copy of this machine (see
+    /// [`reconcile`]): every node of the saved state gets one heartbeat timeout from `now_ms`
+    /// to come back ([`Event::Reattached`]); the stall timeouts count from `now_ms` too. The
+    /// driver's clock must go on from the saved one (`now_ms` not below the last time it fed).
+    pub fn recover(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        if self.phase == Phase::Over {
+            return;
+        }
+        for n in self.nodes.values_mut() {
+            n.last_seen_ms = n.last_seen_ms.max(now_ms);
+            n.joined_ms = n.joined_ms.max(now_ms);
+        }
+        self.progress_ms = now_ms;
+        if let Some(t) = self.join_waiting_since.as_mut() {
+            *t = now_ms;
+        }
+        self.recovery = Some(Recovery {
+            since_ms: now_ms,
+            awaiting: self.nodes.keys().copied().collect(),
+            back: 0,
+            lost: Vec::new(),
+        });
+        out.push(Action::Log(format!(
+            "recovered the saved job state: {:?}, epoch {}, plan v{}, {} of {} steps counted; \
+             waiting up to {} ms for {} nodes to come back",
+            self.phase,
+            self.epoch,
+            self.plan_version,
+            self.next_step,
+            self.cfg.total_steps,
+            self.cfg.heartbeat_timeout_ms,
+            self.nodes.len()
+        )));
+        if self.phase == Phase::Restoring {
+            // The old driver's answer to this request was lost with it.
+            out.push(Action::FindCheckpoint);
+        }
+        self.recovery_progress(now_ms, out);
+    }
+
+    /// The machine's view of `node`, for [`reconcile::verdict`].
+    fn view(&self, node: NodeId) -> Option<reconcile::NodeView> {
+        let n = self.nodes.get(&node)?;
+        Some(reconcile::NodeView {
+            phase: self.phase,
+            epoch: self.epoch,
+            plan_version: self.plan_version,
+            next_step: self.next_step,
+            member: self.members.contains(&node),
+            ready: n.ready,
+            idle: n.idle.is_some(),
+            migrating: self
+                .pending
+                .as_ref()
+                .is_some_and(|p| p.waiting.contains(&node)),
+            done: n.done.is_some(),
+            pausing: self
+                .cause
+                .is_some_and(|c| matches!(c.kind, ReconfigKind::Join | ReconfigKind::Rebalance)),
+        })
+    }
+
+    fn reattached(
+        &mut self,
+        node: NodeId,
+        report: &reconcile::WorkerReport,
+        now_ms: u64,
+        out: &mut Vec<Action>,
+    ) {
+        let Some(view) = self.view(node) else {
+            return;
+        };
+        if let Some(n) = self.nodes.get_mut(&node) {
+            n.last_seen_ms = n.last_seen_ms.max(now_ms);
+        }
+        match reconcile::verdict(&view, report) {
+            reconcile::Verdict::Keep(reissue) => {
+                if let Some(r) = self.recovery.as_mut()
+                    && r.awaiting.remove(&node)
+                {
+                    r.back += 1;
+                }
+                for what in reissue {
+                    out.push(match what {
+                        reconcile::Reissue::StartWorker => Action::StartWorker { node },
+                        reconcile::Reissue::Reconfigure => Action::Resend {
+                            node,
+                            epoch: self.epoch,
+                        },
+                        reconcile::Reissue::Abort => Action::Abort {
+                            node,
+                            epoch: self.epoch,
+                        },
+                        reconcile::Reissue::Pause => Action::Pause { node },
+                        reconcile::Reissue::Stop => Action::Stop { node },
+                    });
+                }
+            }
+            reconcile::Verdict::Drop(why) => self.fence(node, why, now_ms, out),
+        }
+        self.recovery_progress(now_ms, out);
+    }
+
+    /// Ends the recovery once every node of the saved state came back or was lost.
+    fn recovery_progress(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        if !self
+            .recovery
+            .as_ref()
+            .is_some_and(|r| r.awaiting.is_empty())
+        {
+            return;
+        }
+        let r = self.recovery.take().expect("checked");
+        let outcome = reconcile::outcome(r.back, &r.lost);
+        out.push(Action::Log(format!(
+            "controller recovery complete {} ms after the restart: {outcome}",
+            now_ms.saturating_sub(r.since_ms)
+        )));
     }
     /// The next step at which the machine plans a rebalance (for drivers that advance many
     /// steps at once).
@@ -724,9 +893,11 @@ impl JobMachine {
                 }
             }
             Event::FaultInjected => self.note_cause(ReconfigKind::InPlace, now_ms),
+            Event::Reattached { node, report } => self.reattached(node, &report, now_ms, out),
             Event::Tick => self.tick(now_ms, out),
         }
         self.progress(now_ms, out);
+        self.recovery_progress(now_ms, out);
     }
 
     fn joined(&mut self, node: NodeId, name: String, now_ms: u64, out: &mut Vec<Action>) {
@@ -807,6 +978,10 @@ impl JobMachine {
         let Some(n) = self.nodes.remove(&node) else {
             return;
         };
+        if let Some(r) = self.recovery.as_mut() {
+            r.awaiting.remove(&node);
+            r.lost.push((n.name.clone(), why.to_owned()));
+        }
         if n.done.is_some() || self.phase == Phase::Stopping {
             // No replan any more, but a member is a live node.
             self.members.retain(|&m| m != node);
@@ -860,7 +1035,16 @@ impl JobMachine {
             .map(|(&id, _)| id)
             .collect();
         for id in expired {
-            self.fence(id, "no heartbeat".into(), now_ms, out);
+            let awaited = self
+                .recovery
+                .as_ref()
+                .is_some_and(|r| r.awaiting.contains(&id));
+            let why = if awaited {
+                format!("did not come back within {hb} ms of the controller's restart")
+            } else {
+                "no heartbeat".into()
+            };
+            self.fence(id, why, now_ms, out);
         }
         let late = now_ms.saturating_sub(self.progress_ms) > self.cfg.member_timeout_ms;
         let stuck: Vec<(NodeId, &str)> = match self.phase {

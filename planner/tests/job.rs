@@ -1,6 +1,7 @@
 //! Unit tests of the job state machine's rules ([`lazarus_planner::job`]): one scenario each.
 
 use lazarus_planner::ModelSpec;
+use lazarus_planner::job::reconcile::{WorkerProcess, WorkerReport};
 use lazarus_planner::job::{
     Action, Event, IdleReason, JobConfig, JobMachine, NodeId, Phase, ReconfigKind, Reconfiguration,
     StateChecksums, StateSource, StepReport,
@@ -943,4 +944,228 @@ fn an_in_place_replan_resumes_at_the_first_uncounted_step() {
     assert!(!records(&j.out).contains(&5));
     let r2 = reconfig(&a).unwrap();
     assert_eq!(r2.resume_step, 5, "step 5 was never counted");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Driver fail-over: the machine saved whole, restored, and the nodes reconciled
+// ---------------------------------------------------------------------------------------------
+
+impl Job {
+    /// The machine as a restarted driver gets it: saved as JSON (what `lzrun`'s controller
+    /// writes), read back, and [`JobMachine::recover`]ed at `now_ms`.
+    fn crash_and_recover(&mut self, now_ms: u64) -> Vec<Action> {
+        let saved = serde_json::to_string(&self.m).unwrap();
+        self.m = serde_json::from_str(&saved).unwrap();
+        self.now_ms = now_ms;
+        let mut out = Vec::new();
+        self.m.recover(now_ms, &mut out);
+        self.m.check_invariants().unwrap();
+        self.out.extend(out.clone());
+        out
+    }
+
+    fn reattach(&mut self, node: NodeId, report: WorkerReport) -> Vec<Action> {
+        self.ev(Event::Reattached { node, report })
+    }
+}
+
+fn running(epoch: u64, plan_version: u64, next_step: u64) -> WorkerReport {
+    WorkerReport {
+        process: WorkerProcess::Running,
+        epoch,
+        plan_version,
+        next_step,
+    }
+}
+
+fn logs(actions: &[Action]) -> Vec<String> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Log(l) => Some(l.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The main case of issue 14 item 9: the driver dies mid-training, the workers train on, every
+/// node comes back with the saved epoch and plan: nothing is reconfigured or restored, and the
+/// step reports (one saved half-way, the others arriving after the restart) count as usual.
+#[test]
+fn a_restarted_driver_resumes_in_place_when_every_node_comes_back() {
+    let (mut j, r) = started(config(4, 20), &[0, 1], 3);
+    // Node 0 reported step 3 before the crash (saved), node 1 after the restart.
+    j.ev(Event::Stepped {
+        node: 0,
+        epoch: r.epoch,
+        step: 3,
+        report: StepReport {
+            loss: f64::NAN,
+            ..StepReport::default()
+        },
+    });
+    let a = j.crash_and_recover(5_000);
+    assert_eq!(j.m.next_step(), 3);
+    assert!(j.m.is_recovering());
+    assert!(
+        logs(&a)[0].contains("waiting up to 1000 ms for 2 nodes"),
+        "{a:?}"
+    );
+    let v = r.plan.version;
+    let a = j.at(5_100).reattach(0, running(r.epoch, v, 6));
+    assert!(a.is_empty(), "{a:?}");
+    let a = j.at(5_200).reattach(1, running(r.epoch, v, 5));
+    assert!(!j.m.is_recovering());
+    let done = logs(&a).join("\n");
+    assert!(
+        done.contains("200 ms after the restart") && done.contains("resumes in place"),
+        "{done}"
+    );
+    assert!(
+        a.iter().all(|a| matches!(a, Action::Log(_))),
+        "no command is needed: {a:?}"
+    );
+    // The partial report survived the round trip (a NaN loss too); node 1's completes step 3.
+    let a = j.ev(Event::Stepped {
+        node: 1,
+        epoch: r.epoch,
+        step: 3,
+        report: StepReport::default(),
+    });
+    assert_eq!(records(&a), vec![3]);
+    let a = j.step_all(4);
+    assert_eq!(records(&a), vec![4]);
+    assert_eq!((j.m.epoch(), j.m.phase()), (r.epoch, Phase::Training));
+    // Nobody is fenced later for the time the driver was away.
+    let a = j.at(5_900).ev(Event::Tick);
+    assert!(
+        !a.iter().any(|a| matches!(a, Action::Fence { .. })),
+        "{a:?}"
+    );
+}
+
+/// A node that does not come back within one heartbeat timeout of the restart is lost: the
+/// others abort and replan in place on what they hold (normal failure rules).
+#[test]
+fn a_node_that_does_not_come_back_is_lost_and_the_survivors_replan() {
+    let (mut j, r) = started(config(4, 20), &[0, 1, 2], 4);
+    j.crash_and_recover(10_000);
+    let v = r.plan.version;
+    j.at(10_300).reattach(0, running(r.epoch, v, 4));
+    j.at(10_400).reattach(1, running(r.epoch, v, 5));
+    let a = j.at(10_900).ev(Event::Tick);
+    assert!(
+        !a.iter().any(|a| matches!(a, Action::Fence { .. })),
+        "{a:?}"
+    );
+    let a = j.at(11_001).ev(Event::Tick);
+    let fenced = a.iter().find_map(|a| match a {
+        Action::Fence { node: 2, reason } => Some(reason.clone()),
+        _ => None,
+    });
+    let reason = fenced.unwrap_or_else(|| panic!("node 2 not fenced: {a:?}"));
+    assert!(
+        reason.contains("did not come back within 1000 ms"),
+        "{reason}"
+    );
+    assert!(a.contains(&Action::Abort { node: 0, epoch: 1 }), "{a:?}");
+    let done = logs(&a).join("\n");
+    assert!(done.contains("2 nodes came back, 1 did not"), "{done}");
+    j.idle(0, IdleReason::Failed("peer".into()), 4);
+    let a = j.idle(1, IdleReason::Failed("peer".into()), 5);
+    let r2 = reconfig(&a).expect("replan on the survivors");
+    assert_eq!(r2.kind, ReconfigKind::InPlace);
+    assert_eq!((r2.members(), r2.resume_step), (&[0, 1][..], 4));
+}
+
+/// A worker that died while the driver was away is dropped at once (no wait for its heartbeat
+/// timeout), and one that holds an epoch newer than the saved state is not trusted.
+#[test]
+fn dead_or_unplaceable_workers_are_dropped_when_they_come_back() {
+    let (mut j, r) = started(config(4, 20), &[0, 1, 2], 4);
+    j.crash_and_recover(10_000);
+    let v = r.plan.version;
+    let a = j.reattach(
+        2,
+        WorkerReport {
+            process: WorkerProcess::Died,
+            ..running(r.epoch, v, 4)
+        },
+    );
+    assert!(a.iter().any(|a| matches!(a, Action::Fence { node: 2, .. })));
+    assert!(a.contains(&Action::Abort { node: 0, epoch: 1 }), "{a:?}");
+    let a = j.reattach(1, running(r.epoch + 1, v + 1, 4));
+    let why = a
+        .iter()
+        .find_map(|a| match a {
+            Action::Fence { node: 1, reason } => Some(reason.clone()),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("{a:?}"));
+    assert!(why.contains("stale"), "{why}");
+    j.reattach(0, running(r.epoch, v, 4));
+    assert!(!j.m.is_recovering());
+    assert_eq!(j.m.live_nodes(), vec![0]);
+}
+
+/// The driver saved a reconfiguration and crashed before it reached every member: the member
+/// that reports the older epoch gets its part again; the one that got it gets nothing.
+#[test]
+fn a_reconfiguration_saved_but_not_delivered_is_sent_again() {
+    let (mut j, r) = started(config(4, 20), &[0, 1, 2], 4);
+    let a = j.at(100).ev(Event::Lost {
+        node: 2,
+        reason: "killed".into(),
+    });
+    assert!(a.contains(&Action::Abort { node: 0, epoch: 1 }));
+    j.idle(0, IdleReason::Failed("peer".into()), 4);
+    let a = j.idle(1, IdleReason::Failed("peer".into()), 4);
+    let r2 = reconfig(&a).unwrap();
+    assert_eq!(j.m.phase(), Phase::Reconfiguring);
+    j.crash_and_recover(2_000);
+    let a = j.reattach(0, running(r2.epoch, r2.plan.version, 4));
+    assert!(a.is_empty(), "{a:?}");
+    let a = j.reattach(1, running(r.epoch, r.plan.version, 4));
+    assert!(
+        a.contains(&Action::Resend {
+            node: 1,
+            epoch: r2.epoch
+        }),
+        "{a:?}"
+    );
+    assert!(logs(&a).join(" ").contains("resumes in place"), "{a:?}");
+    let a = j.migrated_all(&r2);
+    assert!(logs(&a).iter().any(|l| l.contains("reconfiguration done")));
+    assert_eq!(records(&j.step_all(4)), vec![4]);
+}
+
+/// Stopping: the `Stop` that never arrived is sent again; a worker that already stopped (its
+/// checksums still to come) is kept, and the job ends when they arrive.
+#[test]
+fn a_stopping_job_sends_stop_again_and_ends_when_the_checksums_arrive() {
+    let (mut j, r) = started(config(4, 4), &[0, 1], 4);
+    for n in [0, 1] {
+        j.idle(n, IdleReason::Finished, 4);
+    }
+    assert_eq!(j.m.phase(), Phase::Stopping);
+    j.crash_and_recover(9_000);
+    let v = r.plan.version;
+    let a = j.reattach(0, running(r.epoch, v, 4));
+    assert_eq!(a, vec![Action::Stop { node: 0 }]);
+    let stopped = WorkerReport {
+        process: WorkerProcess::Stopped,
+        ..running(r.epoch, v, 4)
+    };
+    let a = j.reattach(1, stopped);
+    assert!(
+        !a.iter().any(|a| matches!(a, Action::Fence { .. })),
+        "{a:?}"
+    );
+    for n in [0, 1] {
+        j.ev(Event::Done {
+            node: n,
+            checksums: StateChecksums::default(),
+        });
+    }
+    assert_eq!(finished(&j.out), Some(Ok(())));
 }

@@ -5,17 +5,44 @@
 //! the worker cannot starve them: a node that stops heartbeating is gone (the agent, the host
 //! or the network), one that heartbeats but stops answering is stuck — the controller tells the
 //! two apart and fences either.
+//!
+//! # When the controller goes away
+//! A closed or broken controller connection does not end the node (with
+//! `reconnect_grace_ms > 0`): the worker keeps training with its peers (a step needs no
+//! controller), the agent keeps its output lines, and reconnects with [`Backoff`] (exponential,
+//! jittered, bounded) for at most `reconnect_grace_ms`, sending `Reattach` with what its worker
+//! holds. Once the (restarted) controller accepts, the agent sends the lines the controller's
+//! saved state does not include, in order, and goes on. Lines are numbered; the controller
+//! acknowledges the ones its saved state includes, and the agent forgets those. While the
+//! controller is away at most [`PAUSE_AFTER_LINES`] lines are kept before the agent pauses its
+//! worker (every member stops at one step boundary, see the worker's pause vote), and the agent
+//! gives up at [`MAX_KEPT_LINES`]. When the grace period ends without a controller, the agent
+//! kills its worker and exits with an error.
 
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
+use lazarus_planner::job::reconcile::{WorkerProcess, WorkerReport};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
-use tokio::time::MissedTickBehavior;
+use tokio::time::{Instant, MissedTickBehavior};
 
 use super::proto::{
     self, Framed, MAX_REGISTER_FRAME_BYTES, PROTOCOL_VERSION, ProtoError, ToAgent, ToController,
 };
 use super::{printable, shutdown_signal};
+
+/// While the controller is away, the agent pauses its worker once it holds this many lines the
+/// controller has not acknowledged (training stops at a step boundary; its memory stays bounded).
+pub const PAUSE_AFTER_LINES: usize = 4_096;
+
+/// Most unacknowledged lines an agent keeps: beyond it, away from the controller, it gives up;
+/// connected (a controller that does not save its state), it forgets the oldest.
+pub const MAX_KEPT_LINES: usize = 65_536;
 
 /// Longest rejection reason an agent prints (characters); the controller's are one line.
 const MAX_REASON_CHARS: usize = 1_000;
@@ -44,10 +71,17 @@ pub struct AgentConfig {
     /// Protocol version announced at registration ([`PROTOCOL_VERSION`]; another value only to
     /// test the controller's version check).
     pub protocol_version: u16,
+    /// How long the agent keeps its worker and tries to reconnect after losing the controller
+    /// (0: it gives up at once, killing its worker).
+    pub reconnect_grace_ms: u64,
+    /// First and largest delay between reconnection attempts ([`Backoff`]).
+    pub reconnect_initial_ms: u64,
+    pub reconnect_max_ms: u64,
 }
 
 impl AgentConfig {
-    /// Heartbeat every second, 10 s to register.
+    /// Heartbeat every second, 10 s to register, 30 s to reconnect (attempts 50 ms apart at
+    /// first, doubling up to 1 s).
     pub fn new(
         addr: impl Into<String>,
         token: impl Into<String>,
@@ -62,7 +96,52 @@ impl AgentConfig {
             heartbeat_every_ms: 1_000,
             register_timeout_ms: 10_000,
             protocol_version: PROTOCOL_VERSION,
+            reconnect_grace_ms: DEFAULT_RECONNECT_GRACE_MS,
+            reconnect_initial_ms: 50,
+            reconnect_max_ms: 1_000,
         }
+    }
+}
+
+/// How long an agent keeps its worker while the controller is away, by default (30 s): long
+/// enough for a supervisor to restart a controller, short enough that a controller gone for
+/// good does not leave workers training for nobody.
+pub const DEFAULT_RECONNECT_GRACE_MS: u64 = 30_000;
+
+/// Delays between reconnection attempts: the first `initial_ms`, then doubling up to `max_ms`;
+/// each drawn uniformly from the upper half of that (`[d/2, d]`), so agents that lost the
+/// controller together do not all knock at once. Never longer than `max_ms`. The jitter comes
+/// from a seeded generator (per process in `run_agent`, fixed in tests).
+#[derive(Debug)]
+pub struct Backoff {
+    initial_ms: u64,
+    max_ms: u64,
+    next_ms: u64,
+    rng: StdRng,
+}
+
+impl Backoff {
+    pub fn new(initial_ms: u64, max_ms: u64, seed: u64) -> Self {
+        let initial_ms = initial_ms.max(1);
+        let max_ms = max_ms.max(initial_ms);
+        Self {
+            initial_ms,
+            max_ms,
+            next_ms: initial_ms,
+            rng: StdRng::seed_from_u64(seed),
+        }
+    }
+
+    /// The delay before the next attempt.
+    pub fn next_delay(&mut self) -> Duration {
+        let d = self.next_ms;
+        self.next_ms = d.saturating_mul(2).min(self.max_ms);
+        Duration::from_millis(self.rng.random_range(d.div_ceil(2)..=d))
+    }
+
+    /// After a success: the next loss starts from `initial_ms` again.
+    pub fn reset(&mut self) {
+        self.next_ms = self.initial_ms;
     }
 }
 
@@ -97,6 +176,20 @@ pub enum AgentError {
     RegisterTooLarge { bytes: usize },
     #[error("controller closed the connection")]
     ControllerClosed,
+    #[error(
+        "lost the controller at {addr} ({why}) and it did not come back within {grace_ms} ms \
+         (--reconnect-grace-ms); the worker was stopped"
+    )]
+    ControllerGone {
+        addr: String,
+        why: String,
+        grace_ms: u64,
+    },
+    #[error(
+        "{lines} worker lines are waiting for the controller, more than the {MAX_KEPT_LINES} \
+         kept; the worker was stopped"
+    )]
+    TooManyLines { lines: usize },
     #[error("controller sent an unexpected {0}")]
     Unexpected(&'static str),
     #[error("cannot start the worker process {exe}: {source}")]
@@ -129,6 +222,39 @@ impl Agent {
             node: cfg.node.clone(),
             devices: cfg.devices,
         };
+        let (framed, answer) = first_exchange(cfg, &register).await?;
+        match answer {
+            Some(ToAgent::Registered { node_id }) => Ok(Self {
+                framed,
+                node_id,
+                heartbeat_every: Duration::from_millis(cfg.heartbeat_every_ms),
+            }),
+            Some(ToAgent::Rejected { reason }) => Err(rejected(&reason)),
+            Some(ToAgent::Shutdown) => Err(AgentError::Unexpected("Shutdown before Registered")),
+            Some(ToAgent::Worker { .. }) => {
+                Err(AgentError::Unexpected("worker command before Registered"))
+            }
+            Some(ToAgent::Ack { .. } | ToAgent::Reattached { .. }) => {
+                Err(AgentError::Unexpected("an answer to another request"))
+            }
+            None => Err(AgentError::ControllerClosed),
+        }
+    }
+
+    /// The id the controller gave this node.
+    pub fn node_id(&self) -> u32 {
+        self.node_id
+    }
+}
+
+/// Connects to the controller and sends `first` (a `Register` or a `Reattach`); returns the
+/// connection and the answer. Both are bounded by `register_timeout_ms`.
+async fn first_exchange(
+    cfg: &AgentConfig,
+    first: &ToController,
+) -> Result<(Framed, Option<ToAgent>), AgentError> {
+    {
+        let register = first;
         // The controller would just close the connection; say why here instead.
         let bytes = proto::encode(&register)?.len();
         if bytes > MAX_REGISTER_FRAME_BYTES {
@@ -150,29 +276,43 @@ impl Agent {
         let _ = stream.set_nodelay(true);
         let mut framed = proto::framed(stream);
         let answer = tokio::time::timeout(limit, async {
-            proto::send(&mut framed, &register).await?;
+            proto::send(&mut framed, register).await?;
             proto::recv::<ToAgent>(&mut framed).await
         })
         .await
         .map_err(|_| timed_out())??;
-        match answer {
-            Some(ToAgent::Registered { node_id }) => Ok(Self {
-                framed,
-                node_id,
-                heartbeat_every: Duration::from_millis(cfg.heartbeat_every_ms),
-            }),
-            Some(ToAgent::Rejected { reason }) => Err(rejected(&reason)),
-            Some(ToAgent::Shutdown) => Err(AgentError::Unexpected("Shutdown before Registered")),
-            Some(ToAgent::Worker { .. }) => {
-                Err(AgentError::Unexpected("worker command before Registered"))
-            }
-            None => Err(AgentError::ControllerClosed),
-        }
+        Ok((framed, answer))
     }
+}
 
-    /// The id the controller gave this node.
-    pub fn node_id(&self) -> u32 {
-        self.node_id
+/// Comes back to the controller as node `node_id` after losing it: returns the connection and
+/// the sequence number of the last line the controller has.
+async fn reattach(
+    cfg: &AgentConfig,
+    node_id: u32,
+    last_seq: u64,
+    worker: WorkerReport,
+) -> Result<(Framed, u64), AgentError> {
+    let msg = ToController::Reattach {
+        version: cfg.protocol_version,
+        token: cfg.token.clone(),
+        node: cfg.node.clone(),
+        devices: cfg.devices,
+        node_id,
+        last_seq,
+        worker,
+    };
+    match first_exchange(cfg, &msg).await? {
+        (
+            framed,
+            Some(ToAgent::Reattached {
+                node_id: id,
+                acked_seq,
+            }),
+        ) if id == node_id => Ok((framed, acked_seq)),
+        (_, Some(ToAgent::Rejected { reason })) => Err(rejected(&reason)),
+        (_, None) => Err(AgentError::ControllerClosed),
+        (_, Some(_)) => Err(AgentError::Unexpected("answer to Reattach")),
     }
 }
 
@@ -185,85 +325,214 @@ pub struct WorkerLaunch {
     pub listen: std::net::SocketAddr,
 }
 
+/// The agent's worker process and its pipes.
+#[derive(Default)]
+struct Worker {
+    child: Option<tokio::process::Child>,
+    stdin: Option<tokio::process::ChildStdin>,
+    lines: Option<tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>>,
+    /// What a reattaching agent reports about it.
+    report: WorkerReport,
+    /// How it exited, once it did.
+    exit: Option<Result<std::process::ExitStatus, String>>,
+}
+
+impl Worker {
+    fn spawn(&mut self, launch: &WorkerLaunch) -> Result<(), AgentError> {
+        use tokio::io::{AsyncBufReadExt, BufReader};
+        let mut c = tokio::process::Command::new(&launch.exe)
+            .args(["worker", "--managed"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|source| AgentError::WorkerSpawn {
+                exe: launch.exe.display().to_string(),
+                source,
+            })?;
+        self.stdin = c.stdin.take();
+        self.lines = c.stdout.take().map(|o| BufReader::new(o).lines());
+        self.child = Some(c);
+        self.report.process = WorkerProcess::Running;
+        Ok(())
+    }
+
+    /// Writes one command line to the worker (a worker that exited shows up through its exit).
+    async fn send(&mut self, text: &str) {
+        use tokio::io::AsyncWriteExt;
+        if let Some(w) = self.stdin.as_mut() {
+            let _ = w.write_all(text.as_bytes()).await;
+            let _ = w.write_all(b"\n").await;
+            let _ = w.flush().await;
+        }
+    }
+
+    /// Notes what a command tells the worker (the epoch and plan it was told).
+    fn commanded(&mut self, cmd: &crate::worker::Command) {
+        if let crate::worker::Command::Reconfigure(r) = cmd {
+            self.report.epoch = r.epoch;
+            self.report.plan_version = r.plan_version;
+        }
+    }
+
+    /// Notes where the worker is from one of its output lines.
+    fn reported(&mut self, line: &str) {
+        use crate::worker::{WorkerEvent, WorkerLine};
+        let next = match WorkerLine::parse(line) {
+            Some(WorkerLine::Step(s)) => s.step + 1,
+            Some(WorkerLine::Event(
+                WorkerEvent::Failed { step, .. }
+                | WorkerEvent::Paused { step, .. }
+                | WorkerEvent::Finished { step, .. },
+            )) => step,
+            Some(WorkerLine::Event(WorkerEvent::Migrated { resume_step, .. })) => resume_step,
+            _ => return,
+        };
+        self.report.next_step = next;
+    }
+
+    async fn kill(&mut self) {
+        if let Some(c) = self.child.as_mut() {
+            let _ = c.kill().await;
+        }
+    }
+}
+
+/// Lines of the worker the controller has not acknowledged yet, with their sequence numbers.
+#[derive(Default)]
+struct Unacked {
+    lines: VecDeque<(u64, String)>,
+    last_seq: u64,
+}
+
+impl Unacked {
+    fn push(&mut self, line: String) -> u64 {
+        self.last_seq += 1;
+        self.lines.push_back((self.last_seq, line));
+        self.last_seq
+    }
+
+    fn ack(&mut self, seq: u64) {
+        while self.lines.front().is_some_and(|(s, _)| *s <= seq) {
+            self.lines.pop_front();
+        }
+    }
+}
+
+/// The controller is away: since when, until when the agent tries, and when next.
+struct Away {
+    why: String,
+    deadline: Instant,
+    next_try: Instant,
+    /// The worker was paused to bound the lines kept.
+    paused: bool,
+}
+
+type Attempt<'a> = Pin<Box<dyn Future<Output = Result<(Framed, u64), AgentError>> + Send + 'a>>;
+
 /// The agent ([`crate::control::controller`]): registers, heartbeats, starts its worker process on
 /// the controller's `Job` command and relays, one JSON line each, the controller's commands to
-/// the worker's stdin and the worker's stdout lines to the controller. Ends with `Ok` when the
-/// worker exited cleanly (after `Stop`) or the controller shut the job down, and with an error
-/// when the worker failed, the controller went away or rejected the node. The worker dies with
-/// the agent (its stdin closes), so killing an agent kills its node.
+/// the worker's stdin and the worker's stdout lines to the controller. When the controller goes
+/// away it keeps the worker and reconnects (see the [module docs](self)). Ends with `Ok` when
+/// the worker exited cleanly (after `Stop`) or the controller shut the job down, and with an
+/// error when the worker failed, the controller rejected the node or did not come back within
+/// `reconnect_grace_ms`. The worker dies with the agent (its stdin closes), so killing an agent
+/// kills its node.
 pub async fn run_agent(
     cfg: &AgentConfig,
     launch: &WorkerLaunch,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<AgentExit, AgentError> {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-    use tokio::process::Command;
-
     let agent = Agent::register(cfg).await?;
     let node_id = agent.node_id;
-    let mut framed = agent.framed;
+    let mut conn = Some(agent.framed);
     let every = agent.heartbeat_every;
-    let mut heartbeat = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    let mut heartbeat = tokio::time::interval_at(Instant::now() + every, every);
     heartbeat.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut child: Option<tokio::process::Child> = None;
-    let mut stdin: Option<tokio::process::ChildStdin> = None;
-    let mut lines: Option<tokio::io::Lines<BufReader<tokio::process::ChildStdout>>> = None;
+    let mut worker = Worker::default();
+    let mut unacked = Unacked::default();
     let mut step = 0u64;
+    let mut away: Option<Away> = None;
+    let mut attempt: Option<Attempt<'_>> = None;
+    let seed = u64::from(std::process::id()) << 32 ^ u64::from(node_id);
+    let mut backoff = Backoff::new(cfg.reconnect_initial_ms, cfg.reconnect_max_ms, seed);
+    let say = |line: &str| eprintln!("agent {}: {line}", printable(&cfg.node, 64));
     loop {
         // Reap the worker only once its stdout is drained (no line is lost).
-        let reading = lines.is_some();
+        let reading = worker.lines.is_some();
         let exited = async {
-            match child.as_mut() {
-                Some(c) if !reading => c.wait().await,
+            match worker.child.as_mut() {
+                Some(c) if !reading && worker.exit.is_none() => c.wait().await,
                 _ => std::future::pending().await,
             }
         };
         let next_line = async {
-            match lines.as_mut() {
+            match worker.lines.as_mut() {
                 Some(l) => l.next_line().await,
                 None => std::future::pending().await,
             }
         };
+        let connected = conn.is_some();
+        let msg = async {
+            match conn.as_mut() {
+                Some(f) => proto::recv::<ToAgent>(f).await,
+                None => std::future::pending().await,
+            }
+        };
+        let beat = async {
+            match connected {
+                true => heartbeat.tick().await,
+                false => std::future::pending().await,
+            }
+        };
+        let next_try = away
+            .as_ref()
+            .map(|a| a.next_try)
+            .filter(|_| attempt.is_none());
+        let retry = async {
+            match next_try {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        let attempted = async {
+            match attempt.as_mut() {
+                Some(a) => a.await,
+                None => std::future::pending().await,
+            }
+        };
+        // What broke the controller connection, if something did.
+        let mut broken: Option<String> = None;
         tokio::select! {
             _ = shutdown_signal(&mut shutdown) => {
-                let _ = proto::send(&mut framed, &ToController::Bye { node_id }).await;
+                if let Some(f) = conn.as_mut() {
+                    let _ = proto::send(f, &ToController::Bye { node_id }).await;
+                }
                 return Ok(AgentExit::LocalShutdown);
             }
-            msg = proto::recv::<ToAgent>(&mut framed) => match msg? {
-                Some(ToAgent::Worker { line }) => {
-                    let mut cmd: crate::worker::Command = serde_json::from_str(&line)
+            msg = msg => match msg {
+                Ok(Some(ToAgent::Worker { line })) => {
+                    let cmd: crate::worker::Command = serde_json::from_str(&line)
                         .map_err(|e| AgentError::BadCommand(format!("{e}: {line}")))?;
+                    let mut cmd = cmd;
                     if let crate::worker::Command::Job(job) = &mut cmd {
-                        job.listen = launch.listen;
-                        if child.is_none() {
-                            let mut c = Command::new(&launch.exe)
-                                .args(["worker", "--managed"])
-                                .stdin(std::process::Stdio::piped())
-                                .stdout(std::process::Stdio::piped())
-                                .stderr(std::process::Stdio::inherit())
-                                .kill_on_drop(true)
-                                .spawn()
-                                .map_err(|source| AgentError::WorkerSpawn {
-                                    exe: launch.exe.display().to_string(),
-                                    source,
-                                })?;
-                            stdin = c.stdin.take();
-                            lines = c.stdout.take().map(|o| BufReader::new(o).lines());
-                            child = Some(c);
+                        if worker.child.is_some() {
+                            // Sent again by a recovered controller: the worker has it.
+                            continue;
                         }
+                        job.listen = launch.listen;
+                        worker.spawn(launch)?;
                     }
-                    let mut text = serde_json::to_string(&cmd)
+                    worker.commanded(&cmd);
+                    let text = serde_json::to_string(&cmd)
                         .map_err(|e| AgentError::BadCommand(e.to_string()))?;
-                    text.push('\n');
-                    if let Some(w) = stdin.as_mut() {
-                        // A worker that already exited shows up through `exited`.
-                        let _ = w.write_all(text.as_bytes()).await;
-                        let _ = w.flush().await;
-                    }
+                    worker.send(&text).await;
                 }
-                Some(ToAgent::Shutdown) => {
-                    if let Some(mut c) = child.take() {
-                        drop(stdin.take());
+                Ok(Some(ToAgent::Ack { seq })) => unacked.ack(seq),
+                Ok(Some(ToAgent::Shutdown)) => {
+                    if let Some(mut c) = worker.child.take() {
+                        drop(worker.stdin.take());
                         let grace = tokio::time::timeout(Duration::from_secs(2), c.wait()).await;
                         if grace.is_err() {
                             let _ = c.kill().await;
@@ -271,32 +540,233 @@ pub async fn run_agent(
                     }
                     return Ok(AgentExit::ControllerShutdown);
                 }
-                Some(ToAgent::Rejected { reason }) => return Err(rejected(&reason)),
-                Some(ToAgent::Registered { .. }) => {
+                Ok(Some(ToAgent::Rejected { reason })) => return Err(rejected(&reason)),
+                Ok(Some(ToAgent::Registered { .. } | ToAgent::Reattached { .. })) => {
                     return Err(AgentError::Unexpected("second Registered"));
                 }
-                None => return Err(AgentError::ControllerClosed),
+                Ok(None) => broken = Some("it closed the connection".into()),
+                Err(e) => broken = Some(e.to_string()),
             },
-            _ = heartbeat.tick() => {
-                proto::send(&mut framed, &ToController::Heartbeat { node_id, step }).await?;
+            _ = beat => {
+                if let Some(f) = conn.as_mut()
+                    && let Err(e) = proto::send(f, &ToController::Heartbeat { node_id, step }).await
+                {
+                    broken = Some(e.to_string());
+                }
             }
             line = next_line => match line {
                 Ok(Some(line)) => {
                     if let Ok(s) = serde_json::from_str::<crate::worker::StepLine>(&line) {
                         step = step.max(s.step);
                     }
-                    proto::send(&mut framed, &ToController::Worker { node_id, line }).await?;
+                    worker.reported(&line);
+                    let seq = unacked.push(line.clone());
+                    if let Some(f) = conn.as_mut() {
+                        if let Err(e) = proto::send(f, &ToController::Worker { node_id, seq, line }).await {
+                            broken = Some(e.to_string());
+                        }
+                        // A controller that saves no state never acknowledges: it has them.
+                        while unacked.lines.len() > MAX_KEPT_LINES {
+                            unacked.lines.pop_front();
+                        }
+                    } else if let Some(a) = away.as_mut() {
+                        if unacked.lines.len() > MAX_KEPT_LINES {
+                            worker.kill().await;
+                            return Err(AgentError::TooManyLines { lines: unacked.lines.len() });
+                        }
+                        if unacked.lines.len() > PAUSE_AFTER_LINES && !a.paused {
+                            a.paused = true;
+                            say(&format!(
+                                "{} lines wait for the controller: pausing the worker",
+                                unacked.lines.len()
+                            ));
+                            worker.send("\"Pause\"").await;
+                        }
+                    }
                 }
-                _ => lines = None,
+                _ => worker.lines = None,
             },
             status = exited => {
-                let _ = proto::send(&mut framed, &ToController::Bye { node_id }).await;
-                return match status {
-                    Ok(s) if s.success() => Ok(AgentExit::ControllerShutdown),
-                    Ok(s) => Err(AgentError::WorkerExited(s.to_string())),
-                    Err(e) => Err(AgentError::WorkerExited(e.to_string())),
+                let status = status.map_err(|e| e.to_string());
+                worker.report.process = match &status {
+                    Ok(s) if s.success() => WorkerProcess::Stopped,
+                    _ => WorkerProcess::Died,
                 };
+                worker.exit = Some(status.clone());
+                if let Some(f) = conn.as_mut() {
+                    let _ = proto::send(f, &ToController::Bye { node_id }).await;
+                    return worker_exit(status);
+                }
+                // Away from the controller: keep trying, to deliver its last lines and say so.
+            }
+            _ = retry => {
+                let a = away.as_ref().expect("retry only while away");
+                if Instant::now() >= a.deadline {
+                    worker.kill().await;
+                    return Err(AgentError::ControllerGone {
+                        addr: cfg.addr.clone(),
+                        why: a.why.clone(),
+                        grace_ms: cfg.reconnect_grace_ms,
+                    });
+                }
+                attempt = Some(Box::pin(reattach(cfg, node_id, unacked.last_seq, worker.report)));
+            }
+            done = attempted => {
+                attempt = None;
+                match done {
+                    Ok((mut framed, acked)) => {
+                        unacked.ack(acked);
+                        let mut resent = Ok(());
+                        for (seq, line) in &unacked.lines {
+                            let msg = ToController::Worker { node_id, seq: *seq, line: line.clone() };
+                            resent = proto::send(&mut framed, &msg).await;
+                            if resent.is_err() {
+                                break;
+                            }
+                        }
+                        match resent {
+                            Ok(()) => {
+                                let a = away.take().expect("attempts only while away");
+                                say(&format!(
+                                    "back with the controller ({} lines sent again); it was away: {}",
+                                    unacked.lines.len(),
+                                    a.why
+                                ));
+                                backoff.reset();
+                                heartbeat.reset();
+                                conn = Some(framed);
+                                if let Some(status) = worker.exit.clone() {
+                                    if let Some(f) = conn.as_mut() {
+                                        let _ = proto::send(f, &ToController::Bye { node_id }).await;
+                                    }
+                                    return worker_exit(status);
+                                }
+                            }
+                            Err(e) => broken = Some(e.to_string()),
+                        }
+                    }
+                    Err(e @ AgentError::Rejected { .. }) => {
+                        worker.kill().await;
+                        return Err(e);
+                    }
+                    Err(e) => {
+                        if let Some(a) = away.as_mut() {
+                            a.next_try = Instant::now() + backoff.next_delay();
+                            if a.why.is_empty() {
+                                a.why = e.to_string();
+                            }
+                        }
+                    }
+                }
             }
         }
+        if let Some(why) = broken {
+            conn = None;
+            if cfg.reconnect_grace_ms == 0 {
+                return Err(AgentError::ControllerClosed);
+            }
+            match away.as_mut() {
+                // A connection that broke right after a reattach: keep the first deadline.
+                Some(a) => a.next_try = Instant::now() + backoff.next_delay(),
+                None => {
+                    say(&format!(
+                        "lost the controller ({why}); the worker trains on, reconnecting for up \
+                         to {} ms",
+                        cfg.reconnect_grace_ms
+                    ));
+                    let now = Instant::now();
+                    away = Some(Away {
+                        why,
+                        deadline: now + Duration::from_millis(cfg.reconnect_grace_ms),
+                        next_try: now + backoff.next_delay(),
+                        paused: false,
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// How the agent ends once its worker exited.
+fn worker_exit(status: Result<std::process::ExitStatus, String>) -> Result<AgentExit, AgentError> {
+    match status {
+        Ok(s) if s.success() => Ok(AgentExit::ControllerShutdown),
+        Ok(s) => Err(AgentError::WorkerExited(s.to_string())),
+        Err(e) => Err(AgentError::WorkerExited(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_to_its_bound_with_jitter_and_restarts_after_a_success() {
+        let mut b = Backoff::new(50, 1_000, 7);
+        let delays: Vec<u64> = (0..12).map(|_| b.next_delay().as_millis() as u64).collect();
+        let nominal = [50u64, 100, 200, 400, 800, 1_000, 1_000];
+        for (d, n) in delays
+            .iter()
+            .zip(nominal.iter().chain(std::iter::repeat(&1_000)))
+        {
+            assert!(
+                *d >= n.div_ceil(2) && d <= n,
+                "{d} ms for a nominal {n}: {delays:?}"
+            );
+        }
+        assert!(delays.iter().all(|&d| d <= 1_000));
+        // Jittered: not every capped delay is the same.
+        let capped: std::collections::BTreeSet<u64> = delays[6..].iter().copied().collect();
+        assert!(capped.len() > 1, "{delays:?}");
+        // Seeded: the same seed gives the same delays, another seed others.
+        let mut again = Backoff::new(50, 1_000, 7);
+        let same: Vec<u64> = (0..12)
+            .map(|_| again.next_delay().as_millis() as u64)
+            .collect();
+        assert_eq!(delays, same);
+        let mut other = Backoff::new(50, 1_000, 8);
+        let others: Vec<u64> = (0..12)
+            .map(|_| other.next_delay().as_millis() as u64)
+            .collect();
+        assert_ne!(delays, others);
+        b.reset();
+        assert!(b.next_delay() <= Duration::from_millis(50));
+        // Degenerate bounds stay sane.
+        let mut z = Backoff::new(0, 0, 1);
+        assert!(z.next_delay() <= Duration::from_millis(1));
+    }
+
+    #[test]
+    fn acknowledged_lines_are_forgotten_in_order() {
+        let mut u = Unacked::default();
+        for i in 0..5 {
+            assert_eq!(u.push(format!("l{i}")), i + 1);
+        }
+        u.ack(3);
+        let left: Vec<u64> = u.lines.iter().map(|(s, _)| *s).collect();
+        assert_eq!(left, vec![4, 5]);
+        u.ack(1);
+        assert_eq!(u.lines.len(), 2);
+        u.ack(99);
+        assert!(u.lines.is_empty());
+        assert_eq!(u.push("x".into()), 6);
+    }
+
+    #[test]
+    fn the_report_follows_commands_and_lines() {
+        let mut w = Worker::default();
+        assert_eq!(w.report.process, WorkerProcess::NotStarted);
+        w.reported(r#"{"step":4,"epoch":2,"loss":1.0,"tokens":1,"ms":1.0}"#);
+        assert_eq!(w.report.next_step, 5);
+        let paused = serde_json::to_string(&crate::worker::WorkerEvent::Paused {
+            epoch: 2,
+            step: 7,
+            held: vec![],
+        })
+        .unwrap();
+        w.reported(&paused);
+        assert_eq!(w.report.next_step, 7);
+        w.reported("not json");
+        assert_eq!(w.report.next_step, 7);
     }
 }

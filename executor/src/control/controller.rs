@@ -12,21 +12,36 @@
 //! What stays here is what the machine must not know: credentials (protocol version, token,
 //! names), the workers' data-plane addresses, checkpoint paths and files, and wall-clock
 //! measurements (the replan time).
+//!
+//! # Surviving its own crash
+//! With a state directory ([`Controller::save_to`]) the controller saves everything it needs to
+//! take the job back — the machine whole, names, data-plane addresses, checkpoint parts
+//! reported, the last reconfiguration issued (to send a member its part again), the clock and,
+//! per node, the last worker line the state includes — through [`super::state`], whenever
+//! something changed and **before** the commands of that change leave (write-ahead): the saved
+//! state is never older than what a worker was told. A line that changed nothing worth saving
+//! (a step report that does not complete a step) is not saved; it is not acknowledged either,
+//! so after a crash its agent sends it again and it is handled as if it had just arrived.
+//! [`Controller::recover`] rebuilds the controller from the directory; the machine then
+//! reconciles the nodes that come back (`lazarus_planner::job::reconcile`).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use lazarus_planner::job::{
     self, Action, Event, IdleReason, JobConfig, JobConfigError, JobMachine, NodeId,
     Reconfiguration, StateChecksums, StepReport,
 };
+use serde::{Deserialize, Serialize};
 
 use super::printable;
 use super::proto::{
-    MAX_DEVICES_PER_NODE, MAX_NODE_NAME_BYTES, PROTOCOL_VERSION, Registration, Reject, ToAgent,
+    MAX_DEVICES_PER_NODE, MAX_NODE_NAME_BYTES, PROTOCOL_VERSION, Reattachment, Registration,
+    Reject, ToAgent,
 };
+use super::state::{self, StateError};
 use crate::checkpoint;
 use crate::comm::MeshSecret;
 use crate::metrics::{RecoveryRecord, StepRecord};
@@ -36,14 +51,17 @@ use crate::worker::{
     CheckpointSpec, Command, JobSpec, Reconfigure, StateSource, WorkerEvent, WorkerLine,
 };
 
-/// What a job trains and how, besides the control rules ([`JobConfig`]).
-#[derive(Debug, Clone, PartialEq)]
+/// What a job trains and how, besides the control rules ([`JobConfig`]). Saved with the job
+/// state, except the token.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobParams {
     pub config: MoeConfig,
     /// The control rules' parameters (steps, slots, `f`, timeouts, cadences).
     pub rules: JobConfig,
     /// Shared secret every agent must present. It keeps stray or misconfigured agents out of
-    /// the cluster; it is not a defence against an attacker on the network (no TLS).
+    /// the cluster; it is not a defence against an attacker on the network (no TLS). Never
+    /// saved: a recovering controller is given it again.
+    #[serde(skip)]
     pub token: String,
     /// Communicator timeout of the workers.
     pub timeout_ms: u64,
@@ -85,6 +103,49 @@ pub enum Output {
     Notice(Notice),
 }
 
+/// The last reconfiguration issued: what a member that never got its part is sent again.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Issued {
+    /// The members, in rank order.
+    members: Vec<NodeId>,
+    /// The command of rank 0 (the others differ only in `rank`).
+    command: Reconfigure,
+}
+
+/// What the state file holds (see the [module docs](self)); written from borrows.
+#[derive(Serialize)]
+struct SavedRef<'a> {
+    params: &'a JobParams,
+    listen: Option<SocketAddr>,
+    machine: &'a JobMachine,
+    names: &'a BTreeMap<NodeId, String>,
+    addrs: &'a BTreeMap<NodeId, SocketAddr>,
+    next_id: NodeId,
+    parts: &'a BTreeMap<u64, BTreeMap<NodeId, Vec<checkpoint::PartInfo>>>,
+    checksums: &'a [Checksums],
+    start_ms: Option<u64>,
+    now_ms: u64,
+    seen: &'a BTreeMap<NodeId, u64>,
+    issued: Option<&'a Issued>,
+}
+
+/// [`SavedRef`], read back.
+#[derive(Deserialize)]
+struct Saved {
+    params: JobParams,
+    listen: Option<SocketAddr>,
+    machine: JobMachine,
+    names: BTreeMap<NodeId, String>,
+    addrs: BTreeMap<NodeId, SocketAddr>,
+    next_id: NodeId,
+    parts: BTreeMap<u64, BTreeMap<NodeId, Vec<checkpoint::PartInfo>>>,
+    checksums: Vec<Checksums>,
+    start_ms: Option<u64>,
+    now_ms: u64,
+    seen: BTreeMap<NodeId, u64>,
+    issued: Option<Issued>,
+}
+
 /// See the [module docs](self).
 #[derive(Debug)]
 pub struct Controller {
@@ -99,6 +160,23 @@ pub struct Controller {
     start_ms: Option<u64>,
     /// Wall time of the last planning call that issued a reconfiguration.
     replan_ms: f64,
+    /// Per node, the sequence number of the last worker line handled.
+    seen: BTreeMap<NodeId, u64>,
+    /// `seen` as of the last saved state (what agents may forget).
+    saved_seen: BTreeMap<NodeId, u64>,
+    issued: Option<Issued>,
+    /// Where the state is saved (none: not saved, and every handled line is acknowledged).
+    state_dir: Option<PathBuf>,
+    /// The address agents reach this controller at (saved, for `--recover`).
+    listen: Option<SocketAddr>,
+    /// Something worth saving changed since the last save.
+    dirty: bool,
+    /// The last save failed (said once, until one succeeds again).
+    save_failing: bool,
+    /// The latest time the controller was fed (saved: a recovered clock goes on from it).
+    now_ms: u64,
+    /// Rebuilt from a saved state and not started yet ([`Controller::start`]).
+    recovering: bool,
 }
 
 impl Controller {
@@ -113,7 +191,158 @@ impl Controller {
             checksums: Vec::new(),
             start_ms: None,
             replan_ms: 0.0,
+            seen: BTreeMap::new(),
+            saved_seen: BTreeMap::new(),
+            issued: None,
+            state_dir: None,
+            listen: None,
+            dirty: false,
+            save_failing: false,
+            now_ms: 0,
+            recovering: false,
         })
+    }
+
+    /// Saves the job state into `dir` from now on (see the [module docs](self)), starting
+    /// with the state as it is; `listen` is the address agents reach this controller at. An
+    /// unusable directory is an error here, before the job starts.
+    pub fn save_to(&mut self, dir: &Path, listen: Option<SocketAddr>) -> Result<(), StateError> {
+        self.state_dir = Some(dir.to_path_buf());
+        self.listen = listen;
+        self.write_state()
+    }
+
+    /// Rebuilds the controller of the job saved in `dir` (see [`Controller::save_to`]), which
+    /// goes on saving there; agents must present `token`. The job resumes when
+    /// [`Controller::start`] runs.
+    pub fn recover(dir: &Path, token: &str) -> Result<Self, StateError> {
+        let saved: Saved = state::read_state(dir)?;
+        let path = dir.join(state::STATE_FILE);
+        let damaged = |why: String| StateError::Damaged {
+            path: path.clone(),
+            why,
+        };
+        saved
+            .machine
+            .config()
+            .validate()
+            .map_err(|e| damaged(format!("its job configuration is invalid: {e}")))?;
+        if saved.machine.is_over() {
+            return Err(damaged("its job is already over".into()));
+        }
+        let mut params = saved.params;
+        params.token = token.to_owned();
+        Ok(Self {
+            machine: saved.machine,
+            params,
+            names: saved.names,
+            addrs: saved.addrs,
+            next_id: saved.next_id,
+            parts: saved.parts,
+            checksums: saved.checksums,
+            start_ms: saved.start_ms,
+            replan_ms: 0.0,
+            saved_seen: saved.seen.clone(),
+            seen: saved.seen,
+            issued: saved.issued,
+            state_dir: Some(dir.to_path_buf()),
+            listen: saved.listen,
+            dirty: false,
+            save_failing: false,
+            now_ms: saved.now_ms,
+            recovering: true,
+        })
+    }
+
+    /// What the job was started with (for a recovered controller: what was saved).
+    pub fn params(&self) -> &JobParams {
+        &self.params
+    }
+
+    /// The address agents reached the saved controller at, if it was saved.
+    pub fn saved_listen_addr(&self) -> Option<SocketAddr> {
+        self.listen
+    }
+
+    /// The time the controller's clock starts from: 0, or for a recovered controller the last
+    /// time the saved one was fed (the machine's times go on from there).
+    pub fn clock_start_ms(&self) -> u64 {
+        self.now_ms
+    }
+
+    /// Starts the job: a recovered controller takes it back here (the machine reconciles the
+    /// nodes that come back within one heartbeat timeout of `now_ms`).
+    pub fn start(&mut self, now_ms: u64, out: &mut Vec<Output>) {
+        if !std::mem::take(&mut self.recovering) {
+            return;
+        }
+        self.now_ms = self.now_ms.max(now_ms);
+        let mut actions = Vec::new();
+        self.machine.recover(now_ms, &mut actions);
+        self.perform_all(now_ms, actions, out);
+        self.dirty = true;
+        self.settle(out);
+    }
+
+    /// The sequence number of `node`'s last worker line the saved state includes (every line
+    /// handled, when the state is not saved): what its agent may forget.
+    pub fn acked(&self, node: NodeId) -> u64 {
+        let seen = if self.state_dir.is_some() {
+            &self.saved_seen
+        } else {
+            &self.seen
+        };
+        seen.get(&node).copied().unwrap_or(0)
+    }
+
+    fn write_state(&mut self) -> Result<(), StateError> {
+        let Some(dir) = &self.state_dir else {
+            return Ok(());
+        };
+        let saved = SavedRef {
+            params: &self.params,
+            listen: self.listen,
+            machine: &self.machine,
+            names: &self.names,
+            addrs: &self.addrs,
+            next_id: self.next_id,
+            parts: &self.parts,
+            checksums: &self.checksums,
+            start_ms: self.start_ms,
+            now_ms: self.now_ms,
+            seen: &self.seen,
+            issued: self.issued.as_ref(),
+        };
+        state::write_state(dir, &saved)?;
+        self.saved_seen = self.seen.clone();
+        self.dirty = false;
+        Ok(())
+    }
+
+    /// Saves the state if something changed, before the caller delivers `out` (write-ahead).
+    /// A failed save is reported once and the job goes on (unsaved lines stay unacknowledged).
+    fn settle(&mut self, out: &mut Vec<Output>) {
+        if !self.dirty || self.state_dir.is_none() {
+            return;
+        }
+        match self.write_state() {
+            Ok(()) if self.save_failing => {
+                self.save_failing = false;
+                Self::notice(out, Notice::Log("the job state is saved again".into()));
+            }
+            Ok(()) => {}
+            Err(e) if !self.save_failing => {
+                self.save_failing = true;
+                Self::notice(
+                    out,
+                    Notice::Log(format!(
+                        "cannot save the job state (training goes on, but a controller crash \
+                         now would lose the job): {e}"
+                    )),
+                );
+            }
+            Err(_) => {}
+        }
     }
 
     pub fn machine(&self) -> &JobMachine {
@@ -170,8 +399,70 @@ impl Controller {
         self.next_id = id.checked_add(1).ok_or(Reject::IdsExhausted)?;
         self.names.insert(id, reg.node.clone());
         let name = reg.node.clone();
+        self.dirty = true;
         self.feed(now_ms, Event::Joined { node: id, name }, out);
+        self.settle(out);
         Ok(id)
+    }
+
+    /// Takes back node `r.node_id` after its agent lost the connection (to this controller or
+    /// to the one it recovers from): same checks as [`Controller::register`], the node must be
+    /// live under that id and name, and the machine reconciles what its worker holds (it may
+    /// drop the node). Returns the id and the sequence number of its last line handled (its
+    /// agent sends the later ones again).
+    pub fn reattach(
+        &mut self,
+        r: &Reattachment,
+        now_ms: u64,
+        out: &mut Vec<Output>,
+    ) -> Result<(NodeId, u64), Reject> {
+        let reg = &r.registration;
+        if reg.version != PROTOCOL_VERSION {
+            return Err(Reject::Version {
+                agent: reg.version,
+                controller: PROTOCOL_VERSION,
+            });
+        }
+        if !tokens_match(&reg.token, &self.params.token) {
+            return Err(Reject::BadToken);
+        }
+        if let Err(why) = check_node_name(&reg.node) {
+            let name = format!("\"{}\"", printable(&reg.node, 64));
+            return Err(Reject::BadName { name, why });
+        }
+        let id = r.node_id;
+        if self.names.get(&id) != Some(&reg.node) {
+            return Err(Reject::UnknownNode {
+                node_id: id,
+                name: reg.node.clone(),
+            });
+        }
+        if self.machine.is_over() {
+            return Err(Reject::Over);
+        }
+        self.now_ms = self.now_ms.max(now_ms);
+        let report = r.worker;
+        self.feed(now_ms, Event::Reattached { node: id, report }, out);
+        self.settle(out);
+        if !self.names.contains_key(&id) {
+            // Dropped by the reconciliation: the fence notice says why.
+            let reason = out
+                .iter()
+                .find_map(|o| match o {
+                    Output::Notice(Notice::Fenced { name, reason }) if *name == reg.node => {
+                        Some(reason.clone())
+                    }
+                    _ => None,
+                })
+                .unwrap_or_default();
+            // The fence's message goes to a connection that does not exist yet.
+            out.retain(|o| !matches!(o, Output::Send(n, _) | Output::Close(n) if *n == id));
+            return Err(Reject::Dropped {
+                node_id: id,
+                reason,
+            });
+        }
+        Ok((id, self.seen.get(&id).copied().unwrap_or(0)))
     }
 
     /// A heartbeat; `false` if the node is not (any more) part of the job.
@@ -180,6 +471,7 @@ impl Controller {
             return false;
         }
         self.feed(now_ms, Event::Heartbeat { node }, out);
+        self.settle(out);
         true
     }
 
@@ -187,24 +479,53 @@ impl Controller {
     pub fn gone(&mut self, node: NodeId, reason: &str, now_ms: u64, out: &mut Vec<Output>) {
         if self.names.remove(&node).is_some() {
             let reason = reason.to_owned();
+            self.dirty = true;
             self.feed(now_ms, Event::Lost { node, reason }, out);
+            self.settle(out);
         }
     }
 
     pub fn tick(&mut self, now_ms: u64, out: &mut Vec<Output>) {
         self.feed(now_ms, Event::Tick, out);
+        self.settle(out);
     }
 
     /// The launcher injected a fault now (the detection clock starts).
     pub fn fault_injected(&mut self, now_ms: u64, out: &mut Vec<Output>) {
         self.feed(now_ms, Event::FaultInjected, out);
+        self.settle(out);
     }
 
-    /// One output line of the node's worker.
+    /// One output line of the node's worker, the next in its sequence (for drivers that do not
+    /// number lines; see [`Controller::worker_line`]).
     pub fn line(&mut self, node: NodeId, line: &str, now_ms: u64, out: &mut Vec<Output>) {
+        let seq = self.seen.get(&node).copied().unwrap_or(0) + 1;
+        self.worker_line(node, seq, line, now_ms, out);
+    }
+
+    /// Line `seq` of the node's worker; a line already handled (an agent sends the lines after
+    /// the last acknowledged one again when it reattaches) is ignored.
+    pub fn worker_line(
+        &mut self,
+        node: NodeId,
+        seq: u64,
+        line: &str,
+        now_ms: u64,
+        out: &mut Vec<Output>,
+    ) {
         if !self.names.contains_key(&node) {
             return;
         }
+        let seen = self.seen.entry(node).or_insert(0);
+        if seq <= *seen {
+            return;
+        }
+        *seen = seq;
+        self.handle_line(node, line, now_ms, out);
+        self.settle(out);
+    }
+
+    fn handle_line(&mut self, node: NodeId, line: &str, now_ms: u64, out: &mut Vec<Output>) {
         let Some(parsed) = WorkerLine::parse(line) else {
             let text: String = line.chars().take(500).collect();
             out.push(Output::Notice(Notice::Log(format!(
@@ -245,6 +566,7 @@ impl Controller {
         Some(match ev {
             WorkerEvent::Ready { addr } => {
                 self.addrs.insert(node, addr);
+                self.dirty = true;
                 Event::Ready { node }
             }
             WorkerEvent::Failed {
@@ -273,6 +595,7 @@ impl Controller {
             WorkerEvent::Checkpointed { epoch, step, parts } => {
                 if epoch == self.machine.epoch() {
                     self.parts.entry(step).or_default().insert(node, parts);
+                    self.dirty = true;
                 }
                 Event::CheckpointWritten { node, epoch, step }
             }
@@ -294,27 +617,39 @@ impl Controller {
                         .collect(),
                 };
                 self.checksums.push(sums);
+                self.dirty = true;
                 Event::Done { node, checksums }
             }
         })
     }
 
     /// Feeds `first` to the machine and performs every action, including those caused by the
-    /// answers of actions performed here (checkpoint commits and look-ups).
+    /// answers of actions performed here (checkpoint commits and look-ups). Any action makes
+    /// the state worth saving.
     fn feed(&mut self, now_ms: u64, first: Event, out: &mut Vec<Output>) {
-        let mut events = vec![first];
-        while let Some(ev) = events.pop() {
-            let mut actions = Vec::new();
-            let t = Instant::now();
-            self.machine.handle(now_ms, ev, &mut actions);
-            if actions.iter().any(|a| matches!(a, Action::Reconfigure(_))) {
-                self.replan_ms = t.elapsed().as_secs_f64() * 1e3;
+        self.now_ms = self.now_ms.max(now_ms);
+        let mut actions = Vec::new();
+        let t = Instant::now();
+        self.machine.handle(now_ms, first, &mut actions);
+        if actions.iter().any(|a| matches!(a, Action::Reconfigure(_))) {
+            self.replan_ms = t.elapsed().as_secs_f64() * 1e3;
+        }
+        self.perform_all(now_ms, actions, out);
+    }
+
+    fn perform_all(&mut self, now_ms: u64, actions: Vec<Action>, out: &mut Vec<Output>) {
+        if actions.is_empty() {
+            return;
+        }
+        self.dirty = true;
+        let mut answers = Vec::new();
+        for a in actions {
+            if let Some(answer) = self.perform(a, now_ms, out) {
+                answers.push(answer);
             }
-            for a in actions {
-                if let Some(answer) = self.perform(a, now_ms, out) {
-                    events.push(answer);
-                }
-            }
+        }
+        for ev in answers {
+            self.feed(now_ms, ev, out);
         }
     }
 
@@ -339,6 +674,7 @@ impl Controller {
             Action::Abort { node, epoch } => Self::command(node, &Command::Abort { epoch }, out),
             Action::Stop { node } => Self::command(node, &Command::Stop, out),
             Action::Reconfigure(r) => self.reconfigure(&r, out),
+            Action::Resend { node, epoch } => self.resend(node, epoch, out),
             Action::CommitCheckpoint {
                 step,
                 members,
@@ -455,20 +791,42 @@ impl Controller {
         self.parts.clear();
         // Fresh for every epoch: only this epoch's members can join its mesh.
         let secret = MeshSecret::random();
+        let mut cmd = Reconfigure {
+            rank: 0,
+            peers,
+            epoch: r.epoch,
+            secret,
+            plan_version: r.plan.version,
+            replicas,
+            transfers,
+            source,
+            resume_step: r.resume_step,
+        };
         for (rank, &node) in members.iter().enumerate() {
-            let cmd = Reconfigure {
-                rank,
-                peers: peers.clone(),
-                epoch: r.epoch,
-                secret: secret.clone(),
-                plan_version: r.plan.version,
-                replicas: replicas.clone(),
-                transfers: transfers.clone(),
-                source: source.clone(),
-                resume_step: r.resume_step,
-            };
-            Self::command(node, &Command::Reconfigure(cmd), out);
+            cmd.rank = rank;
+            Self::command(node, &Command::Reconfigure(cmd.clone()), out);
         }
+        cmd.rank = 0;
+        self.issued = Some(Issued {
+            members: members.to_vec(),
+            command: cmd,
+        });
+    }
+
+    /// Sends `node` its part of the reconfiguration of `epoch` again.
+    fn resend(&mut self, node: NodeId, epoch: u64, out: &mut Vec<Output>) {
+        let Some(issued) = self.issued.as_ref().filter(|i| i.command.epoch == epoch) else {
+            let line = format!("cannot send node {node} epoch {epoch} again: it is not the last");
+            return Self::notice(out, Notice::Log(line));
+        };
+        let Some(rank) = issued.members.iter().position(|&m| m == node) else {
+            return;
+        };
+        let mut cmd = issued.command.clone();
+        cmd.rank = rank;
+        Self::command(node, &Command::Reconfigure(cmd), out);
+        let line = format!("node {node} never got its part of epoch {epoch}: sent again");
+        Self::notice(out, Notice::Log(line));
     }
 
     fn commit(&mut self, step: u64, members: usize, plan_version: u64) -> Event {

@@ -7,6 +7,7 @@
 //! * [`server`] — [`run_job`], the tokio server around the controller (sockets, ticker).
 //! * [`agent`] — [`run_agent`]: register, heartbeat, start the node's worker, relay.
 //! * [`proto`] — the messages and their framing.
+//! * [`state`] — the controller's saved job state (fail-over: `lzrun controller --recover`).
 //!
 //! # Why a length-delimited postcard protocol and not gRPC
 //! The control plane is internal: the controller and the agents are built from this crate, so
@@ -23,11 +24,13 @@ pub mod agent;
 pub mod controller;
 pub mod proto;
 pub mod server;
+pub mod state;
 
-pub use agent::{Agent, AgentConfig, AgentError, AgentExit, WorkerLaunch, run_agent};
+pub use agent::{Agent, AgentConfig, AgentError, AgentExit, Backoff, WorkerLaunch, run_agent};
 pub use controller::{Controller, JobParams, Notice, Output};
 pub use proto::{PROTOCOL_VERSION, Reject, ToAgent, ToController};
-pub use server::{JobError, JobHandle, ServerConfig, run_job};
+pub use server::{JobError, JobHandle, ServerConfig, run_controller, run_job};
+pub use state::StateError;
 
 /// `text` made safe for one log line: control and other unprintable characters (newlines,
 /// ANSI escape sequences, bidirectional overrides) become Rust escapes (`\n`, `\u{1b}`), and

@@ -23,6 +23,7 @@
 
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
+use lazarus_planner::job::reconcile::WorkerReport;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpStream;
@@ -30,8 +31,9 @@ use tokio_util::codec::LengthDelimitedCodec;
 
 /// Version of the control protocol; bumped on any change of a message layout, including the
 /// worker commands agents relay (an agent parses and re-encodes them). 4: `Reconfigure`
-/// carries the mesh secret.
-pub const PROTOCOL_VERSION: u16 = 4;
+/// carries the mesh secret. 5: worker lines carry a sequence number; `Reattach`, `Ack`,
+/// `Reattached` (controller fail-over).
+pub const PROTOCOL_VERSION: u16 = 5;
 
 /// Largest frame either side accepts (64 MiB). A reconfiguration for 1000 nodes × 32 layers ×
 /// 32 experts (the replica matrix, JSON) is a few MiB; the cap leaves an order of magnitude of
@@ -89,8 +91,26 @@ pub enum ToController {
     Heartbeat { node_id: u32, step: u64 },
     /// Graceful departure; the node is removed at once (no heartbeat timeout).
     Bye { node_id: u32 },
-    /// One output line of the node's worker (a step or a `WorkerEvent`, JSON), relayed as is.
-    Worker { node_id: u32, line: String },
+    /// One output line of the node's worker (a step or a `WorkerEvent`, JSON), relayed as is;
+    /// `seq` numbers the node's lines from 1 (see the module docs).
+    Worker {
+        node_id: u32,
+        seq: u64,
+        line: String,
+    },
+    /// First message on the connection of an agent that lost its controller and comes back as
+    /// node `node_id` (with `Register`'s credentials). Must stay variant 4 with `version` first.
+    Reattach {
+        version: u16,
+        token: String,
+        node: String,
+        devices: usize,
+        node_id: u32,
+        /// The newest line sequence number the agent produced.
+        last_seq: u64,
+        /// What the node's worker holds.
+        worker: WorkerReport,
+    },
 }
 
 /// Controller → agent.
@@ -105,6 +125,12 @@ pub enum ToAgent {
     Shutdown,
     /// One command line for the node's worker (a `worker::Command`, JSON), relayed as is.
     Worker { line: String },
+    /// The controller's saved state includes the node's lines up to `seq`: the agent may
+    /// forget them.
+    Ack { seq: u64 },
+    /// A `Reattach` was accepted: the controller has the node's lines up to `acked_seq`; the
+    /// agent sends the later ones again, in order.
+    Reattached { node_id: u32, acked_seq: u64 },
 }
 
 /// Why a registration was refused; its `Display` is the `reason` sent to the agent.
@@ -127,6 +153,12 @@ pub enum Reject {
     IdsExhausted,
     #[error("the job is over")]
     Over,
+    #[error("node {node_id} ({name:?}) is not part of this job (any more)")]
+    UnknownNode { node_id: u32, name: String },
+    /// The node came back, but what its worker holds does not fit the job (see
+    /// `lazarus_planner::job::reconcile`).
+    #[error("node {node_id} cannot rejoin: {reason}")]
+    Dropped { node_id: u32, reason: String },
 }
 
 /// Why a message could not be encoded, decoded, sent or received.
@@ -162,12 +194,12 @@ pub fn decode<T: DeserializeOwned>(frame: &[u8]) -> Result<T, ProtoError> {
     }
 }
 
-/// The protocol version of a `Register` frame from any protocol version, or `None` if the
-/// frame is not a `Register` (see the module docs for why this prefix is frozen).
+/// The protocol version of a `Register` or `Reattach` frame from any protocol version, or
+/// `None` if the frame is neither (see the module docs for why this prefix is frozen).
 pub fn register_version(frame: &[u8]) -> Option<u16> {
     // Postcard writes an enum as varint(u32 variant index) followed by the fields.
     match postcard::take_from_bytes::<(u32, u16)>(frame) {
-        Ok(((0, version), _)) => Some(version),
+        Ok(((0 | 4, version), _)) => Some(version),
         _ => None,
     }
 }
@@ -224,6 +256,19 @@ mod tests {
         // Rejected must stay variant 1 so any agent version can read why it was refused.
         let bytes = encode(&ToAgent::Rejected { reason: "x".into() }).unwrap();
         assert_eq!(bytes[0], 1);
+        // Reattach is variant 4 with the version first: its version reads like Register's.
+        let reattach = ToController::Reattach {
+            version: 9,
+            token: "t".into(),
+            node: "n".into(),
+            devices: 1,
+            node_id: 3,
+            last_seq: 7,
+            worker: WorkerReport::default(),
+        };
+        let bytes = encode(&reattach).unwrap();
+        assert_eq!(bytes[0], 4);
+        assert_eq!(register_version(&bytes), Some(9));
     }
 }
 
@@ -236,11 +281,22 @@ pub struct Registration {
     pub devices: usize,
 }
 
+/// What an agent that comes back asked for in its `Reattach`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reattachment {
+    pub registration: Registration,
+    pub node_id: u32,
+    pub last_seq: u64,
+    pub worker: WorkerReport,
+}
+
 /// The first frame of a controller connection.
 #[derive(Debug)]
 pub enum FirstFrame {
     /// A well-formed `Register` (still to be checked against the controller's state).
     Register(Registration),
+    /// A well-formed `Reattach` (still to be checked).
+    Reattach(Reattachment),
     /// The peer closed the connection without sending anything.
     Closed,
     /// Turn the peer away with this reason (timeout, wrong first message, garbage, or a
@@ -274,7 +330,26 @@ pub async fn read_register(
             node,
             devices,
         }),
-        Ok(_) => FirstFrame::Reject("the first message must be Register".into()),
+        Ok(ToController::Reattach {
+            version,
+            token,
+            node,
+            devices,
+            node_id,
+            last_seq,
+            worker,
+        }) => FirstFrame::Reattach(Reattachment {
+            registration: Registration {
+                version,
+                token,
+                node,
+                devices,
+            },
+            node_id,
+            last_seq,
+            worker,
+        }),
+        Ok(_) => FirstFrame::Reject("the first message must be Register or Reattach".into()),
         Err(e) => FirstFrame::Reject(match register_version(&first) {
             Some(agent) if agent != PROTOCOL_VERSION => Reject::Version {
                 agent,

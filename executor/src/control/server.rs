@@ -12,6 +12,14 @@
 //! node that stops sending whole frames stops heartbeating and is fenced. `max_conns` bounds
 //! all connections together. A connection over either limit is closed as soon as it is
 //! accepted.
+//!
+//! # Fail-over
+//! A connection may also start with `Reattach` (an agent that lost its controller, see
+//! [`proto`]): once the controller accepts it, it replaces whatever connection the node had,
+//! and the old connection's end no longer counts as the node leaving. Each heartbeat is
+//! answered with an `Ack` when the saved state includes more of the node's lines.
+//! [`run_controller`] serves a given (e.g. recovered) [`Controller`]; its clock goes on from
+//! [`Controller::clock_start_ms`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -79,19 +87,25 @@ pub enum JobError {
 
 struct Shared {
     controller: Controller,
-    outboxes: HashMap<u32, mpsc::UnboundedSender<ToAgent>>,
+    /// Per node: the connection that serves it now (its number) and its queue.
+    outboxes: HashMap<u32, (u64, mpsc::UnboundedSender<ToAgent>)>,
+    /// The number of the next connection.
+    next_conn: u64,
 }
 
 struct Ctx {
     shared: Mutex<Shared>,
     start: Instant,
+    /// The controller's clock at `start`.
+    base_ms: u64,
     notices: mpsc::UnboundedSender<Notice>,
     io_timeout: Duration,
 }
 
 impl Ctx {
     fn now_ms(&self) -> u64 {
-        u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
+        let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.base_ms.saturating_add(ms)
     }
 
     fn lock(&self) -> MutexGuard<'_, Shared> {
@@ -108,7 +122,7 @@ impl Ctx {
         for o in out {
             match o {
                 Output::Send(id, msg) => {
-                    if let Some(tx) = g.outboxes.get(&id) {
+                    if let Some((_, tx)) = g.outboxes.get(&id) {
                         let _ = tx.send(msg);
                     }
                 }
@@ -145,6 +159,21 @@ pub async fn run_job(
     server: ServerConfig,
     params: JobParams,
     notices: mpsc::UnboundedSender<Notice>,
+    shutdown: watch::Receiver<bool>,
+    on_start: impl FnOnce(JobHandle),
+) -> Result<Vec<Checksums>, JobError> {
+    let controller = Controller::new(params)?;
+    run_controller(listener, server, controller, notices, shutdown, on_start).await
+}
+
+/// [`run_job`] with a controller built by the caller: one that saves its state
+/// ([`Controller::save_to`]) or one rebuilt from a saved state ([`Controller::recover`]),
+/// which takes the job back before serving ([`Controller::start`]).
+pub async fn run_controller(
+    listener: TcpListener,
+    server: ServerConfig,
+    controller: Controller,
+    notices: mpsc::UnboundedSender<Notice>,
     mut shutdown: watch::Receiver<bool>,
     on_start: impl FnOnce(JobHandle),
 ) -> Result<Vec<Checksums>, JobError> {
@@ -157,14 +186,17 @@ pub async fn run_job(
     let pending = Arc::new(Semaphore::new(server.max_pending_conns));
     let all = Arc::new(Semaphore::new(server.max_conns));
     let ctx = Arc::new(Ctx {
-        shared: Mutex::new(Shared {
-            controller: Controller::new(params)?,
-            outboxes: HashMap::new(),
-        }),
         start: Instant::now(),
+        base_ms: controller.clock_start_ms(),
+        shared: Mutex::new(Shared {
+            controller,
+            outboxes: HashMap::new(),
+            next_conn: 0,
+        }),
         notices,
         io_timeout: Duration::from_millis(server.io_timeout_ms),
     });
+    ctx.with(|c, now, out| c.start(now, out));
     on_start(JobHandle { ctx: ctx.clone() });
     let mut ticker = tokio::time::interval(Duration::from_millis(server.tick_ms));
     ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -196,7 +228,7 @@ pub async fn run_job(
     // Tell every connected agent to stop, then give the connections a moment to drain.
     {
         let g = ctx.lock();
-        for tx in g.outboxes.values() {
+        for (_, tx) in g.outboxes.values() {
             let _ = tx.send(ToAgent::Shutdown);
         }
     }
@@ -241,27 +273,48 @@ async fn serve(
     unregistered: OwnedSemaphorePermit,
 ) -> Result<(), ProtoError> {
     // A first frame over the cap is an error here: the connection closes without an answer.
-    let reg = match proto::read_register(framed, ctx.io_timeout).await? {
-        proto::FirstFrame::Register(r) => r,
+    let first = match proto::read_register(framed, ctx.io_timeout).await? {
         proto::FirstFrame::Closed => return Ok(()),
         proto::FirstFrame::Reject(reason) => return reject(ctx, framed, reason).await,
+        first => first,
     };
     let (tx, mut rx) = mpsc::unbounded_channel();
-    // Register and install the outbox under one lock, so the first command is not lost.
-    let registered = {
+    // Register (or reattach) and install the outbox under one lock, so the first command is
+    // not lost.
+    let admitted = {
         let now = ctx.now_ms();
         let mut g = ctx.lock();
         let mut out = Vec::new();
-        let r = g.controller.register(&reg, now, &mut out);
-        if let Ok(id) = r {
-            g.outboxes.insert(id, tx);
-            drop(g);
-            ctx.with(|_, _, o| o.extend(out));
+        let r = match &first {
+            proto::FirstFrame::Register(reg) => g
+                .controller
+                .register(reg, now, &mut out)
+                .map(|id| (id, ToAgent::Registered { node_id: id })),
+            proto::FirstFrame::Reattach(r) => {
+                g.controller
+                    .reattach(r, now, &mut out)
+                    .map(|(id, acked_seq)| {
+                        let answer = ToAgent::Reattached {
+                            node_id: id,
+                            acked_seq,
+                        };
+                        (id, answer)
+                    })
+            }
+            proto::FirstFrame::Closed | proto::FirstFrame::Reject(_) => unreachable!("above"),
+        };
+        let conn = g.next_conn;
+        g.next_conn += 1;
+        if let Ok((id, _)) = &r {
+            // A reattaching node's old connection (if still open) no longer serves it.
+            g.outboxes.insert(*id, (conn, tx));
         }
-        r
+        drop(g);
+        ctx.with(|_, _, o| o.extend(out));
+        r.map(|(id, answer)| (id, answer, conn))
     };
-    let node_id = match registered {
-        Ok(id) => id,
+    let (node_id, answer, conn) = match admitted {
+        Ok(a) => a,
         Err(reason) => return reject(ctx, framed, reason.to_string()).await,
     };
     // Authenticated: full-size frames (plans) from now on, and no longer a pending connection.
@@ -269,10 +322,21 @@ async fn serve(
         .codec_mut()
         .set_max_frame_length(proto::MAX_FRAME_BYTES);
     drop(unregistered);
-    write(ctx, framed, &ToAgent::Registered { node_id }).await?;
+    write(ctx, framed, &answer).await?;
     let why = session(framed, ctx, node_id, &mut rx).await;
-    ctx.lock().outboxes.remove(&node_id);
-    ctx.with(|c, now, out| c.gone(node_id, &why, now, out));
+    // Only the connection that serves the node now speaks for it: after a reattach the old
+    // one's end is not the node leaving.
+    let replaced = {
+        let mut g = ctx.lock();
+        let replaced = g.outboxes.get(&node_id).is_some_and(|(c, _)| *c != conn);
+        if !replaced {
+            g.outboxes.remove(&node_id);
+        }
+        replaced
+    };
+    if !replaced {
+        ctx.with(|c, now, out| c.gone(node_id, &why, now, out));
+    }
     Ok(())
 }
 
@@ -283,6 +347,7 @@ async fn session(
     node_id: u32,
     rx: &mut mpsc::UnboundedReceiver<ToAgent>,
 ) -> String {
+    let mut acked = 0u64;
     loop {
         tokio::select! {
             msg = rx.recv() => match msg {
@@ -304,13 +369,22 @@ async fn session(
                 };
                 match proto::decode::<ToController>(&frame) {
                     Ok(ToController::Heartbeat { node_id: id, .. }) if id == node_id => {
-                        if !ctx.with(|c, now, out| c.heartbeat(node_id, now, out)) {
+                        let alive = ctx.with(|c, now, out| {
+                            c.heartbeat(node_id, now, out).then(|| c.acked(node_id))
+                        });
+                        let Some(ack) = alive else {
                             let _ = reject(ctx, framed, format!("node {node_id} expired")).await;
                             return "expired".into();
+                        };
+                        if ack > acked {
+                            acked = ack;
+                            if write(ctx, framed, &ToAgent::Ack { seq: ack }).await.is_err() {
+                                return "connection lost".into();
+                            }
                         }
                     }
-                    Ok(ToController::Worker { node_id: id, line }) if id == node_id => {
-                        ctx.with(|c, now, out| c.line(node_id, &line, now, out));
+                    Ok(ToController::Worker { node_id: id, seq, line }) if id == node_id => {
+                        ctx.with(|c, now, out| c.worker_line(node_id, seq, &line, now, out));
                     }
                     Ok(ToController::Bye { node_id: id }) if id == node_id => {
                         return "said goodbye".into();

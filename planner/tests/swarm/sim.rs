@@ -530,6 +530,10 @@ impl Sim {
             Action::Abort { node, epoch } => self.cmd(node, Cmd::Abort(epoch)),
             Action::Stop { node } => self.cmd(node, Cmd::Stop),
             Action::Reconfigure(r) => self.reconfigure(*r),
+            // Only a restarted driver re-sends (the swarm's driver never restarts).
+            Action::Resend { node, epoch } => {
+                self.fail(format!("unexpected resend of epoch {epoch} to node {node}"))
+            }
             Action::CommitCheckpoint { step, .. } => self.commit(step),
             Action::FindCheckpoint => match self.committed.keys().next_back() {
                 Some(&step) => self.send(Event::CheckpointFound { step }),

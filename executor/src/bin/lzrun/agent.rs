@@ -16,6 +16,7 @@ pub fn agent(a: AgentArgs) -> Result<()> {
     let mut cfg = AgentConfig::new(&a.controller, &a.token, &name, 1);
     cfg.heartbeat_every_ms = a.heartbeat_ms;
     cfg.register_timeout_ms = a.register_timeout_ms;
+    cfg.reconnect_grace_ms = a.reconnect_grace_ms;
     if let Some(v) = a.protocol_version {
         cfg.protocol_version = v;
     }

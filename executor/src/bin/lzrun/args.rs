@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
+use lazarus_executor::control::agent::DEFAULT_RECONNECT_GRACE_MS;
 use lazarus_executor::faults;
 use lazarus_executor::worker::{FAULT_TOLERANCE, MAX_NONFINITE_STEPS};
 
@@ -47,6 +48,16 @@ pub struct LocalArgs {
     /// boundary and receives its experts. Repeatable.
     #[arg(long, value_name = "@STEP", value_parser = parse_join)]
     pub join: Vec<u64>,
+    /// Kill the controller once every worker completed step STEP, as SIGKILL would (its
+    /// connections drop, nothing more is saved), and start a new one from the saved job state
+    /// (--state-dir) --controller-down-ms later. Workers train on meanwhile; agents reconnect
+    /// and the job goes on without a checkpoint restore. Repeatable. Any controller crash
+    /// (a panic) is restarted the same way.
+    #[arg(long, value_name = "@STEP", value_parser = parse_kill_controller)]
+    pub kill_controller: Vec<u64>,
+    /// How long a killed controller stays down before `lzrun local` restarts it.
+    #[arg(long, value_name = "MS", default_value_t = 1_000)]
+    pub controller_down_ms: u64,
     /// Replay a node-availability trace: Bamboo CSV `time_ms,add|remove,node`, Parcae /
     /// SpotServe JSON lines or a SkyPilot count series (the formats of `lzsim replay`). Nodes
     /// live at time 0 start the job; removals kill, additions join.
@@ -67,9 +78,20 @@ pub struct LocalArgs {
 
 #[derive(Debug, Args)]
 pub struct ControllerArgs {
-    /// Address to listen on for agents.
-    #[arg(long, default_value = "127.0.0.1:29400")]
-    pub listen: SocketAddr,
+    /// Address to listen on for agents [default: 127.0.0.1:29400; with --recover, the address
+    /// the job's controller listened on].
+    #[arg(long)]
+    pub listen: Option<SocketAddr>,
+    /// Take back the job whose state a controller started with `--state-dir DIR` saved, after
+    /// that controller died (kill -9, a crash, its machine). The job's options come from DIR
+    /// (the job options given here are ignored, except --format, --metrics-out and --out); the
+    /// token must be the job's. Agents reconnect on their own within their
+    /// --reconnect-grace-ms; workers that trained on meanwhile keep their state, and training
+    /// resumes in place when every node comes back (see the README, "Controller fail-over").
+    /// The controller goes on saving into DIR. Exit 2 with a clear message when DIR holds no
+    /// state, a damaged one, or a finished job.
+    #[arg(long, value_name = "DIR", conflicts_with = "state_dir")]
+    pub recover: Option<PathBuf>,
     /// Agents to wait for before the first plan.
     #[arg(long, default_value_t = 2)]
     pub nodes: usize,
@@ -103,6 +125,11 @@ pub struct AgentArgs {
     /// Protocol version to announce (tests of the controller's version check only).
     #[arg(long, hide = true)]
     pub protocol_version: Option<u16>,
+    /// After losing the controller, keep the worker training and try to reconnect for this
+    /// many milliseconds (attempts 50 ms apart at first, doubling up to 1 s, jittered); then
+    /// stop the worker and exit 2. 0: give up at once.
+    #[arg(long, value_name = "MS", default_value_t = DEFAULT_RECONNECT_GRACE_MS)]
+    pub reconnect_grace_ms: u64,
 }
 
 #[derive(Debug, Args)]
@@ -194,6 +221,12 @@ pub struct JobArgs {
     /// Directory for the workers' replica checksum files `node<ID>.json`.
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
+    /// Save the controller's job state in DIR (atomically, at every change), so that a
+    /// controller that dies can be replaced: `lzrun controller --recover DIR`. `lzrun local`
+    /// always saves it (default: a temporary directory, removed at the end) and restarts its
+    /// own controller from it. One controller per directory (it is locked).
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
     /// Write summary.json, timeseries.csv (the simulator's columns), steps.csv and
     /// reconfigurations.jsonl into DIR.
     #[arg(long, value_name = "DIR")]
@@ -228,4 +261,8 @@ fn parse_kill(s: &str) -> Result<(usize, u64), String> {
 
 fn parse_join(s: &str) -> Result<u64, String> {
     faults::parse_join(s).map_err(|e| e.to_string())
+}
+
+fn parse_kill_controller(s: &str) -> Result<u64, String> {
+    faults::parse_kill_controller(s).map_err(|e| e.to_string())
 }

@@ -1,13 +1,21 @@
-//! `lzrun controller`: the controller of a multi-machine job.
+//! `lzrun controller`: the controller of a multi-machine job, or (`--recover DIR`) the
+//! replacement of one that died.
+
+use std::net::{SocketAddr, TcpListener};
 
 use anyhow::{Context, Result, ensure};
 
 use crate::args::ControllerArgs;
 use crate::drive::{NoHooks, drive, runtime, stop_signals};
-use crate::job::job_from_args;
+use crate::job::{Job, job_from_args};
 use crate::report::Report;
 
-/// Listens for agents, waits for `--nodes` of them, runs the job and prints its report.
+/// Where agents find the controller unless `--listen` (or the saved job) says otherwise.
+const DEFAULT_LISTEN: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 29400);
+
+/// Listens for agents, waits for `--nodes` of them, runs the job and prints its report; with
+/// `--recover DIR`, takes back the job saved in DIR instead.
 pub fn controller(a: ControllerArgs) -> Result<()> {
     ensure!(!a.token.is_empty(), "the token is empty");
     let rt = runtime()?;
@@ -17,20 +25,47 @@ pub fn controller(a: ControllerArgs) -> Result<()> {
         let _guard = rt.enter();
         stop_signals()?
     };
-    let job = job_from_args(&a.job, a.nodes, &a.token)?;
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind(a.listen))
-        .with_context(|| format!("listening on {}", a.listen))?;
-    let mut report = Report::new(a.job.format, a.job.model.steps);
-    report.say(&format!(
-        "lzrun controller: listening on {}, waiting for {} agents",
-        a.listen, a.nodes
-    ));
+    let (job, recovered) = match &a.recover {
+        Some(dir) => {
+            let (job, controller) = Job::recover(dir, &a.token)?;
+            (job, Some(controller))
+        }
+        None => (job_from_args(&a.job, a.nodes, &a.token, false)?, None),
+    };
+    let saved_listen = recovered.as_ref().and_then(|c| c.saved_listen_addr());
+    let listen = a.listen.or(saved_listen).unwrap_or(DEFAULT_LISTEN);
+    let listener = TcpListener::bind(listen).with_context(|| format!("listening on {listen}"))?;
+    listener.set_nonblocking(true)?;
+    let bound = listener.local_addr()?;
+    let controller = match recovered {
+        Some(c) => c,
+        None => job.controller(bound)?,
+    };
+    let steps = job.params.rules.total_steps;
+    let mut report = Report::new(a.job.format, steps);
+    match (&a.recover, &job.state_dir) {
+        (Some(dir), _) => report.say(&format!(
+            "lzrun controller: listening on {bound}, taking back the job saved in {}",
+            dir.display()
+        )),
+        (None, Some(dir)) => report.say(&format!(
+            "lzrun controller: listening on {bound}, waiting for {} agents; job state saved in \
+             {} (--recover it if this controller dies)",
+            a.nodes,
+            dir.display()
+        )),
+        (None, None) => report.say(&format!(
+            "lzrun controller: listening on {bound}, waiting for {} agents (no --state-dir: \
+             the job cannot outlive this controller)",
+            a.nodes
+        )),
+    }
     let config = job.params.config.clone();
     let result = rt.block_on(drive(
         listener,
         job.server,
-        job.params.clone(),
+        controller,
+        None,
         &mut report,
         &mut NoHooks,
         stop,

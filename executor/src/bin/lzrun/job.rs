@@ -1,11 +1,12 @@
 //! A job's settings resolved from the command line: planner rules, checkpoints, timeouts.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, ensure};
 use lazarus_executor::checkpoint::{self, RootLock};
-use lazarus_executor::control::{JobParams, ServerConfig};
+use lazarus_executor::control::{Controller, JobParams, ServerConfig};
 use lazarus_executor::worker::CheckpointSpec;
 use lazarus_planner::ModelSpec;
 use lazarus_planner::job::JobConfig;
@@ -23,6 +24,12 @@ pub struct Job {
     /// The lock on the checkpoint directory: never read, held for the whole job (dropping it
     /// releases the directory).
     _ckpt_lock: Option<RootLock>,
+    /// Where the controller saves the job state (`--state-dir`).
+    pub state_dir: Option<PathBuf>,
+    /// A state directory we created (`lzrun local` without `--state-dir`): removed at the end.
+    temp_state: Option<PathBuf>,
+    /// The lock on the state directory (one controller at a time), held for the whole job.
+    _state_lock: Option<RootLock>,
 }
 
 impl Job {
@@ -39,6 +46,9 @@ impl Job {
     pub fn clean_up(&self, result: &Result<()>) {
         if let Some(root) = self.ckpt_root() {
             let _ = checkpoint::remove_staging(root);
+        }
+        if let Some(dir) = &self.temp_state {
+            let _ = std::fs::remove_dir_all(dir);
         }
         let Some(dir) = &self.temp_ckpt else {
             return;
@@ -63,8 +73,98 @@ impl Job {
     }
 }
 
-/// Checks the job options and resolves them for a job that starts on `nodes` nodes.
-pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
+impl Job {
+    /// The job's controller, saving the job state into the state directory (if any) from the
+    /// start; `listen` is the address agents reach it at.
+    pub fn controller(&self, listen: SocketAddr) -> Result<Controller> {
+        let mut c =
+            Controller::new(self.params.clone()).map_err(|e| anyhow!("invalid job: {e}"))?;
+        if let Some(dir) = &self.state_dir {
+            c.save_to(dir, Some(listen))
+                .map_err(|e| anyhow!("state directory {} is not usable: {e}", dir.display()))?;
+        }
+        Ok(c)
+    }
+
+    /// The job saved in `dir` by a controller that died, and its controller rebuilt from there
+    /// (`lzrun controller --recover DIR`): the state and checkpoint directories are locked
+    /// again (the dead controller's locks went with it).
+    pub fn recover(dir: &Path, token: &str) -> Result<(Job, Controller)> {
+        ensure!(
+            dir.is_dir(),
+            "--recover {}: no such directory",
+            dir.display()
+        );
+        let state_lock = lock_dir(dir, "state directory")?;
+        let controller = Controller::recover(dir, token).map_err(|e| anyhow!("--recover: {e}"))?;
+        let params = controller.params().clone();
+        let ckpt_lock = match &params.checkpoint {
+            Some(c) if same_dir(&c.root, dir) => None,
+            Some(c) => {
+                std::fs::create_dir_all(&c.root).with_context(|| {
+                    format!("creating the checkpoint directory {}", c.root.display())
+                })?;
+                Some(lock_dir(&c.root, "checkpoint directory")?)
+            }
+            None => None,
+        };
+        let job = Job {
+            server: ServerConfig::new(50, params.rules.heartbeat_timeout_ms),
+            params,
+            temp_ckpt: None,
+            _ckpt_lock: ckpt_lock,
+            state_dir: Some(dir.to_path_buf()),
+            temp_state: None,
+            _state_lock: Some(state_lock),
+        };
+        Ok((job, controller))
+    }
+}
+
+/// Locks `dir` (a checkpoint or state directory) for this job, or says who holds it.
+fn lock_dir(dir: &Path, what: &str) -> Result<RootLock> {
+    checkpoint::lock_root(dir, &holder()).map_err(|e| match e {
+        checkpoint::CheckpointError::Locked { .. } => anyhow!("{e}"),
+        other => anyhow!("{what} {} is not usable: {other}", dir.display()),
+    })
+}
+
+/// Whether `a` and `b` name the same existing directory.
+fn same_dir(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
+/// Where the job state is saved: `--state-dir`, or with `temp_default` (`lzrun local`) a
+/// temporary directory; created and locked (unless it is the checkpoint directory, locked
+/// already). Returns the directory, whether it is temporary, and the lock.
+fn state_dir(
+    a: &JobArgs,
+    temp_default: bool,
+    ckpt: Option<&Path>,
+) -> Result<(Option<PathBuf>, Option<PathBuf>, Option<RootLock>)> {
+    let (dir, temp) = match (&a.state_dir, temp_default) {
+        (Some(d), _) => (d.clone(), None),
+        (None, true) => {
+            let d = std::env::temp_dir().join(format!("lzrun-state-{}", std::process::id()));
+            (d.clone(), Some(d))
+        }
+        (None, false) => return Ok((None, None, None)),
+    };
+    std::fs::create_dir_all(&dir)
+        .with_context(|| format!("creating the state directory {}", dir.display()))?;
+    let lock = match ckpt {
+        Some(root) if same_dir(root, &dir) => None,
+        _ => Some(lock_dir(&dir, "state directory")?),
+    };
+    Ok((Some(dir), temp, lock))
+}
+
+/// Checks the job options and resolves them for a job that starts on `nodes` nodes; with
+/// `temp_state` the job state is saved even without `--state-dir` (in a temporary directory).
+pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -> Result<Job> {
     ensure!(
         a.heartbeat_timeout_ms >= 1,
         "--heartbeat-timeout-ms must be at least 1"
@@ -115,14 +215,7 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
             .with_context(|| format!("creating the checkpoint directory {}", root.display()))?;
         // Two jobs on one directory would prune and overwrite each other's checkpoints; a
         // directory the lock file cannot be created in will not take checkpoints either.
-        let lock = checkpoint::lock_root(&root, &holder()).map_err(|e| match e {
-            checkpoint::CheckpointError::Locked { .. } => anyhow!("{e}"),
-            other => anyhow!(
-                "checkpoint directory {} is not usable: {other}",
-                root.display()
-            ),
-        })?;
-        ckpt_lock = Some(lock);
+        ckpt_lock = Some(lock_dir(&root, "checkpoint directory")?);
         Some(CheckpointSpec {
             root,
             every_steps: a.ckpt_every,
@@ -156,6 +249,8 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
     rules
         .validate()
         .map_err(|e| anyhow!("invalid job configuration: {e}"))?;
+    let (state_dir, temp_state, state_lock) =
+        state_dir(a, temp_state, checkpoint.as_ref().map(|c| c.root.as_path()))?;
     Ok(Job {
         server: ServerConfig::new(50, a.heartbeat_timeout_ms),
         params: JobParams {
@@ -170,6 +265,9 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str) -> Result<Job> {
         },
         temp_ckpt,
         _ckpt_lock: ckpt_lock,
+        state_dir,
+        temp_state,
+        _state_lock: state_lock,
     })
 }
 

@@ -9,10 +9,9 @@ use anyhow::{Context, Result, anyhow, bail, ensure};
 use lazarus_executor::control::JobHandle;
 use lazarus_executor::faults::{self, Fault, FaultSchedule};
 use lazarus_executor::metrics::StepRecord;
-use tokio::runtime::Runtime;
 
 use crate::args::{Format, LocalArgs};
-use crate::drive::{Hooks, drive, runtime, stop_signals};
+use crate::drive::{Failover, Hooks, drive, runtime, stop_signals};
 use crate::job::job_from_args;
 use crate::nodes::Nodes;
 use crate::report::Report;
@@ -34,11 +33,17 @@ pub fn local(a: LocalArgs) -> Result<()> {
     };
     // Keeps stray agents of other local runs out; not a secret against local users.
     let token = format!("{:016x}", rand::random::<u64>());
-    let job = job_from_args(&a.job, schedule.initial_nodes, &token)?;
+    let job = job_from_args(&a.job, schedule.initial_nodes, &token, true)?;
     if let Some(dir) = &a.job.out {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let (listener, addr) = bind_controller(&rt)?;
+    let (listener, addr) = bind_controller()?;
+    let controller = job.controller(addr)?;
+    let failover = job.state_dir.clone().map(|state_dir| Failover {
+        state_dir,
+        token: token.clone(),
+        down: Duration::from_millis(a.controller_down_ms),
+    });
     let mut report = Report::new(a.job.format, a.job.model.steps);
     report.say(&format!(
         "lzrun local: {} nodes, config {}, {} steps, {} faults scheduled, controller {addr}",
@@ -63,11 +68,13 @@ pub fn local(a: LocalArgs) -> Result<()> {
         schedule,
         format,
         fired: BTreeSet::new(),
+        kill_controller: false,
     };
     let result = rt.block_on(drive(
         listener,
         job.server,
-        job.params.clone(),
+        controller,
+        failover,
         &mut report,
         &mut faults,
         stop,
@@ -84,7 +91,7 @@ pub fn local(a: LocalArgs) -> Result<()> {
 
 /// The faults to inject: from `--fault-trace`, else from `--nodes`, `--kill` and `--join`.
 fn fault_schedule(a: &LocalArgs) -> Result<FaultSchedule> {
-    Ok(match &a.fault_trace {
+    let mut schedule = match &a.fault_trace {
         Some(path) => {
             // The trace error names the file and carries its cause as the source.
             let trace = lazarus_traces::load(path).context("--fault-trace")?;
@@ -95,18 +102,24 @@ fn fault_schedule(a: &LocalArgs) -> Result<FaultSchedule> {
             faults::schedule_from_flags(a.nodes.unwrap_or(2), &a.kill, &a.join, a.job.model.steps)
                 .map_err(|e| anyhow!("{e}"))?
         }
-    })
+    };
+    schedule
+        .add_controller_kills(&a.kill_controller, a.job.model.steps)
+        .map_err(|e| anyhow!("{e}"))?;
+    ensure!(
+        a.controller_down_ms <= 600_000,
+        "--controller-down-ms {} is more than 10 minutes",
+        a.controller_down_ms
+    );
+    Ok(schedule)
 }
 
-/// The controller's listener on a free loopback port, and its address.
-fn bind_controller(rt: &Runtime) -> Result<(tokio::net::TcpListener, SocketAddr)> {
-    let std_listener = StdListener::bind(("127.0.0.1", 0)).context("binding the controller")?;
-    std_listener.set_nonblocking(true)?;
-    let addr = std_listener.local_addr()?;
-    let listener = {
-        let _guard = rt.enter();
-        tokio::net::TcpListener::from_std(std_listener)?
-    };
+/// The controller's listener on a free loopback port, and its address. `lzrun local` keeps it
+/// open for the whole job: a restarted controller serves the same socket.
+fn bind_controller() -> Result<(StdListener, SocketAddr)> {
+    let listener = StdListener::bind(("127.0.0.1", 0)).context("binding the controller")?;
+    listener.set_nonblocking(true)?;
+    let addr = listener.local_addr()?;
     Ok((listener, addr))
 }
 
@@ -117,6 +130,8 @@ struct Faults {
     format: Format,
     /// Indices of the schedule's events already injected.
     fired: BTreeSet<usize>,
+    /// A controller kill is due (taken by `drive`).
+    kill_controller: bool,
 }
 
 impl Hooks for Faults {
@@ -126,6 +141,10 @@ impl Hooks for Faults {
             .filter(|i| self.schedule.events[*i].after_step == rec.step)
             .collect();
         self.inject(&due, &format!("after step {}", rec.step), job)
+    }
+
+    fn take_controller_kill(&mut self) -> bool {
+        std::mem::take(&mut self.kill_controller)
     }
 
     /// A fenced node's processes may be stopped, not dead: kill them for good.
@@ -197,6 +216,8 @@ impl Faults {
                         nodes.launched() - 1
                     ));
                 }
+                // `drive` kills it once this step's events are in.
+                Fault::KillController => self.kill_controller = true,
             }
         }
         Ok(())

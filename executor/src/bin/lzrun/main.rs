@@ -47,7 +47,9 @@ enum Cmd {
     /// Megatron-style log lines and the loss. Faults: `--kill NODE@STEP` SIGKILLs a node (its
     /// agent and worker) after STEP, `--join @STEP` starts a new node, `--fault-trace FILE
     /// --time-scale X` replays a spot trace (the formats `lzsim replay` reads). Each
-    /// reconfiguration prints its detect / replan / migrate / resume times. Ctrl-C, SIGTERM or
+    /// reconfiguration prints its detect / replan / migrate / resume times. `--kill-controller
+    /// @STEP` kills the controller instead; `lzrun local` restarts it from its saved job state
+    /// (as it does after any controller crash) and training goes on in place. Ctrl-C, SIGTERM or
     /// SIGHUP stops every process and keeps the committed checkpoints; so does a reader of the
     /// output that stops early (`lzrun local | head`), with exit status 0. A step whose loss or
     /// gradient is NaN or infinite on any worker applies no update on any worker (see
@@ -59,7 +61,11 @@ enum Cmd {
     ///
     /// Agents must present the shared token (`--token` or the LZRUN_TOKEN environment
     /// variable). Listens on loopback unless `--listen` says otherwise. Checkpoints must be on a
-    /// file system every node sees.
+    /// file system every node sees. With `--state-dir DIR` it saves the job state there at
+    /// every change; if it dies (kill -9, a crash), `lzrun controller --recover DIR` (same
+    /// token) takes the job back: agents keep their workers training for their
+    /// --reconnect-grace-ms and reconnect, and training resumes in place when every node comes
+    /// back consistent (otherwise the usual failure path: replan on the survivors or restore).
     Controller(ControllerArgs),
     /// One node's agent: registers with the controller, heartbeats, runs the node's worker.
     Agent(AgentArgs),

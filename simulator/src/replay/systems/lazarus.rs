@@ -168,6 +168,7 @@ impl Driver {
                     // and the driver reports every member idle itself (`Abort`).
                     Action::StartWorker { .. }
                     | Action::Abort { .. }
+                    | Action::Resend { .. }
                     | Action::Fence { .. }
                     | Action::Stop { .. }
                     | Action::Record(_)
