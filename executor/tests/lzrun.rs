@@ -49,6 +49,11 @@ fn lzrun(args: &[&str]) -> Outcome {
 }
 
 fn run(cmd: &mut Command) -> Outcome {
+    run_within(cmd, LIMIT)
+}
+
+/// [`run`], killed after `limit`.
+fn run_within(cmd: &mut Command, limit: Duration) -> Outcome {
     let mut child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -67,7 +72,7 @@ fn run(cmd: &mut Command) -> Outcome {
         let _ = err.read_to_string(&mut s);
         s
     });
-    let deadline = Instant::now() + LIMIT;
+    let deadline = Instant::now() + limit;
     let status = loop {
         if let Some(s) = child.try_wait().expect("wait for lzrun") {
             break s;
@@ -75,7 +80,7 @@ fn run(cmd: &mut Command) -> Outcome {
         if Instant::now() > deadline {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("lzrun did not finish within {LIMIT:?}");
+            panic!("lzrun did not finish within {limit:?}");
         }
         thread::sleep(Duration::from_millis(20));
     };
@@ -1520,5 +1525,100 @@ fn sigterm_and_sighup_stop_the_job_like_ctrl_c() {
     let args = ["local", "--steps", "100000", "--ckpt-every", "1"];
     stop_with(libc::SIGHUP, "SIGHUP", &args, &dir);
     assert_eq!(entries_starting(&dir, "lzrun-ckpt-"), Vec::<String>::new());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 14, item 4 ("slow is not dead"): one node's worker takes 6 s per step (the test hook
+/// `LZRUN_TEST_STEP_DELAY` sleeps before each step while its heartbeat thread goes on), six
+/// times `--timeout-ms` and more than the member timeout (2 × 1 s + 2 s). Before, its peer's
+/// collective timed out after 1 s, the slow node was aborted and fenced when it did not stop
+/// within 4 s, and the job went on without it. Now the first step is waited for (warm-up: the
+/// ceiling), the later ones up to 4 × the slowest measured step; the log says "slow, not
+/// gone", and nothing is fenced or reconfigured.
+#[test]
+fn a_slow_worker_that_heartbeats_is_waited_for_not_declared_dead() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("slow");
+    let d = dir.to_str().unwrap();
+    let args = [
+        "local",
+        "--nodes",
+        "2",
+        "--steps",
+        "3",
+        "--timeout-ms",
+        "1000",
+        "--ckpt-every",
+        "0",
+        "--format",
+        "json",
+        "--out",
+        d,
+    ];
+    let o = run_within(
+        Command::new(LZRUN)
+            .args(args)
+            .env("LZRUN_TEST_STEP_DELAY", "1:6000"),
+        Duration::from_secs(120),
+    );
+    let s = o.summary();
+    assert_eq!(s.steps, 3, "{}", o.show());
+    assert_eq!((s.recoveries, s.fallbacks), (0, 0), "{}", o.show());
+    assert!(
+        s.reconfigurations.iter().all(|r| r.kind == "start"),
+        "{}",
+        o.show()
+    );
+    assert!(!o.stderr.contains("fenced"), "{}", o.show());
+    assert!(o.stderr.contains("is slow, not gone"), "{}", o.show());
+    // Each step took the slow node's 6 s: the job really waited for it.
+    assert!(s.wall_s >= 17.0, "{s:?}");
+    assert_eq!(assert_consistent(&dir, &MoeConfig::tiny()).len(), 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 14, item 4: a frozen worker (SIGSTOP) is gone, not slow: its heartbeats stop, and it
+/// is fenced within the heartbeat timeout (1.5 s here) although the step deadline is 10 s or
+/// more. Before, the survivors waited out their 10 s collective timeout and the controller
+/// another 22 s before it fenced the node for not stopping.
+#[test]
+fn a_frozen_worker_is_gone_within_the_heartbeat_timeout_and_the_job_recovers() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("frozen");
+    let d = dir.to_str().unwrap();
+    let mut live = Live::start(&[
+        "local",
+        "--nodes",
+        "3",
+        "--steps",
+        "40",
+        "--heartbeat-timeout-ms",
+        "1500",
+        "--ckpt-every",
+        "0",
+        "--out",
+        d,
+    ]);
+    live.wait_for(" iteration        3/");
+    let (_, worker) = live.node("n1");
+    signal(worker, libc::SIGSTOP);
+    let stopped = Instant::now();
+    live.wait_for("node n1 fenced");
+    let detect = stopped.elapsed();
+    let o = live.finish();
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    let fence = o.stdout.lines().find(|l| l.contains("node n1 fenced"));
+    assert!(
+        fence.is_some_and(|l| l.contains("no heartbeat from its worker")),
+        "{}",
+        o.show()
+    );
+    assert!(
+        detect < Duration::from_secs(8),
+        "fenced {detect:?} after the SIGSTOP\n{}",
+        o.show()
+    );
+    assert!(o.stdout.contains(" iteration       40/"), "{}", o.show());
+    assert_eq!(assert_consistent(&dir, &MoeConfig::tiny()).len(), 2);
     let _ = std::fs::remove_dir_all(&dir);
 }
