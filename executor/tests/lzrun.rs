@@ -1622,3 +1622,19 @@ fn a_frozen_worker_is_gone_within_the_heartbeat_timeout_and_the_job_recovers() {
     assert_eq!(assert_consistent(&dir, &MoeConfig::tiny()).len(), 2);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 14, item 8: a usage error named nothing ("the following required arguments were
+/// not provided:" and no argument): only clap's first line was printed.
+#[test]
+fn a_usage_error_names_the_missing_arguments() {
+    let o = run(Command::new(LZRUN)
+        .args(["agent", "--controller", "127.0.0.1:1"])
+        .env_remove("LZRUN_TOKEN"));
+    assert_error(&o, "not provided: --token <TOKEN>");
+    assert_error(&o, "lzrun agent --help");
+    let o = run(Command::new(LZRUN).args(["worker", "--world", "2"]));
+    assert_error(&o, "--rank <RANK>");
+    assert_error(&o, "--peers <PEERS>");
+    let o = run(Command::new(LZRUN).args(["local", "--format", "yaml"]));
+    assert_error(&o, "possible values: text, json");
+}
