@@ -1638,3 +1638,48 @@ fn a_usage_error_names_the_missing_arguments() {
     let o = run(Command::new(LZRUN).args(["local", "--format", "yaml"]));
     assert_error(&o, "possible values: text, json");
 }
+
+/// Issue 14, item 8: a trace whose first node appears after t = 0 was refused with no way
+/// out; `--window START..END` (the syntax of `lzsim replay --window`) replays part of it, and
+/// the refusal suggests one.
+#[test]
+fn a_trace_that_starts_late_is_replayed_with_window() {
+    let dir = scratch("late-trace");
+    let trace = dir.join("late.csv");
+    let t = trace.to_str().unwrap();
+    std::fs::write(
+        &trace,
+        "480000,add,a\n480000,add,b\n600000,remove,b\n660000,add,c\n",
+    )
+    .unwrap();
+    let o = lzrun(&["local", "--fault-trace", t]);
+    assert_error(&o, "no live node at t=0");
+    assert_error(&o, "--window 480s..661s");
+    // A window that starts too early gets the same advice, in the trace's own times.
+    let o = lzrun(&["local", "--fault-trace", t, "--window", "100s..700s"]);
+    assert_error(&o, "--window 480s..661s");
+    assert_error(
+        &lzrun(&["local", "--fault-trace", t, "--window", "10m..8m"]),
+        "the range is empty",
+    );
+    assert_error(&lzrun(&["local", "--window", "8m..1h"]), "--fault-trace");
+
+    let o = lzrun(&[
+        "local",
+        "--fault-trace",
+        t,
+        "--window",
+        "8m..700s",
+        "--steps",
+        "10",
+        "--format",
+        "json",
+    ]);
+    let s = o.summary();
+    assert_eq!(s.steps, 10, "{}", o.show());
+    // b is removed 120 s into the window (after step 2), c added at 180 s (after step 3).
+    assert!(o.stderr.contains("killed node 1 (b)"), "{}", o.show());
+    assert!(o.stderr.contains("started node 2 (c)"), "{}", o.show());
+    assert_eq!(s.joins, 1, "{s:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

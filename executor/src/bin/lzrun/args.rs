@@ -49,9 +49,14 @@ pub struct LocalArgs {
     pub join: Vec<u64>,
     /// Replay a node-availability trace: Bamboo CSV `time_ms,add|remove,node`, Parcae /
     /// SpotServe JSON lines or a SkyPilot count series (the formats of `lzsim replay`). Nodes
-    /// live at time 0 start the job; removals kill, additions join.
+    /// live at time 0 (at START with --window) start the job; removals kill, additions join.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["kill", "join"])]
     pub fault_trace: Option<PathBuf>,
+    /// Replay only [START, END) of the --fault-trace, rebased to 0: the nodes live at START
+    /// start the job (as `lzsim replay --window`), e.g. `8m..2h`, `480s..7200s`. Needed for a
+    /// trace whose first node appears after 0.
+    #[arg(long, value_name = "START..END", requires = "fault_trace", value_parser = parse_window)]
+    pub window: Option<(u64, u64)>,
     /// Trace seconds one training step stands for: an event at trace time t fires after step
     /// ⌊t / X⌋.
     #[arg(
@@ -238,4 +243,8 @@ fn parse_kill(s: &str) -> Result<(usize, u64), String> {
 
 fn parse_join(s: &str) -> Result<u64, String> {
     faults::parse_join(s).map_err(|e| e.to_string())
+}
+
+fn parse_window(s: &str) -> Result<(u64, u64), String> {
+    lazarus_traces::duration::parse_range_ms("--window", s).map_err(|e| e.to_string())
 }
