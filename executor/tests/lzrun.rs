@@ -1683,3 +1683,24 @@ fn a_trace_that_starts_late_is_replayed_with_window() {
     assert_eq!(s.joins, 1, "{s:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 14, item 8: every `node<ID>.json` said `"world": 0`. After a kill and a join, each
+/// survivor's file names the final membership: world 3, ranks 0, 1 and 2.
+#[test]
+fn node_checksum_files_record_the_world_size() {
+    let dir = scratch("world");
+    let d = dir.to_str().unwrap();
+    let o = lzrun(&[
+        "local", "--nodes", "3", "--steps", "8", "--kill", "1@2", "--join", "@4", "--format",
+        "json", "--out", d,
+    ]);
+    let s = o.summary();
+    assert_eq!(s.steps, 8);
+    let sums = assert_consistent(&dir, &MoeConfig::tiny());
+    assert_eq!(sums.len(), 3, "{sums:?}");
+    assert!(sums.iter().all(|c| c.world == 3), "{sums:?}");
+    let mut ranks: Vec<usize> = sums.iter().map(|c| c.rank).collect();
+    ranks.sort_unstable();
+    assert_eq!(ranks, vec![0, 1, 2]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
