@@ -46,8 +46,9 @@
 //! * The nodes live at trace time 0 (after the whole batch at `t = 0`) are the initial nodes:
 //!   their count is the initial `N`, and they get indices `0..N` in the order they are added in
 //!   the `t = 0` batch (`initial_names`). A trace with no live node at `t = 0` is rejected
-//!   ([`FaultError::NoInitialNodes`]); slice it with `Trace::window` first (the g4dn trace
-//!   starts at 480 s).
+//!   ([`FaultError::NoInitialNodes`], whose message suggests `--window`); slice it with
+//!   [`Trace::window`] first (`lzrun local --window START..END`; the g4dn trace starts at
+//!   480 s).
 //! * Every later `remove` of a name becomes [`Fault::KillName`] of that name (the node that
 //!   currently carries it); every later `add` becomes `Join { name: Some(name) }`: the launcher
 //!   assigns the joining node the next index. A name that is removed and added again later is a
@@ -58,6 +59,7 @@
 //!   ([`FaultError::NoLiveNode`]).
 use std::collections::HashMap;
 
+use lazarus_traces::duration::format_ms;
 use lazarus_traces::{FitMode, NodeOp, Trace};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -199,12 +201,17 @@ pub enum FaultError {
     ZeroMaxNodes,
     /// The trace has no live node at time 0.
     #[error(
-        "the trace has no live node at t=0 (its first event is at {first_event_ms} ms): \
-         the initial nodes are those live at t=0; slice the trace to start where nodes are live"
+        "the trace has no live node at t=0 (its first event is at {first_event_ms} ms): the \
+         initial nodes are those live when the replay starts; replay from where nodes are live \
+         with --window START..END, e.g. --window {}..{}",
+        format_ms(*first_event_ms),
+        format_ms(window_end_ms(*last_event_ms))
     )]
     NoInitialNodes {
         /// Time of the trace's first event (0 for an empty trace).
         first_event_ms: u64,
+        /// Time of the trace's last event (0 for an empty trace).
+        last_event_ms: u64,
     },
     /// A kill of a node index that does not exist when the kill fires.
     #[error(
@@ -253,6 +260,12 @@ pub enum FaultError {
     /// The chaos parameters admit no schedule.
     #[error("cannot build a chaos schedule: {0}")]
     Chaos(String),
+}
+
+/// The end of a window `[first, end)` that takes in an event at `last_ms`: the next whole
+/// second after it (a window is half-open).
+fn window_end_ms(last_ms: u64) -> u64 {
+    (last_ms / 1000 + 1).saturating_mul(1000)
 }
 
 /// Parses a `--kill` argument `NODE@STEP` (e.g. `2@5`: kill node 2 after step 5). Spaces around
@@ -471,6 +484,7 @@ pub fn schedule_from_trace(
     if initial_names.is_empty() {
         return Err(FaultError::NoInitialNodes {
             first_event_ms: trace.events().first().map_or(0, |e| e.time_ms),
+            last_event_ms: trace.events().last().map_or(0, |e| e.time_ms),
         });
     }
     let ms_per_step = 1000.0 * x;
@@ -793,12 +807,16 @@ mod tests {
             matches!(
                 err,
                 FaultError::NoInitialNodes {
-                    first_event_ms: 5000
+                    first_event_ms: 5000,
+                    last_event_ms: 9000
                 }
             ),
             "{err}"
         );
+        // The message names the way out: a window that starts at the first event and takes
+        // in the last one.
         assert!(err.to_string().contains("t=0"), "{err}");
+        assert!(err.to_string().contains("--window 5s..10s"), "{err}");
         let small = parse(SMALL, TraceFormat::BambooCsv).unwrap();
         assert!(matches!(
             schedule_from_trace(&small, 1.0, 100, Some(0)),

@@ -47,6 +47,15 @@
 //!   idle when asked, does not finish a reconfiguration, makes no step progress, a worker that
 //!   never becomes ready) is declared failed and [`Action::Fence`]d: the driver stops talking
 //!   to it and kills its worker; the membership epoch moves on without it.
+//! * **Slow is not dead.** A node is *gone* when its agent's heartbeats stop
+//!   (`heartbeat_timeout_ms`) or, once its worker heartbeats on its own
+//!   ([`Event::WorkerAlive`], from a thread compute cannot starve), when those stop: fenced at
+//!   once, whatever it was doing. A node whose worker heartbeats is *slow*, not gone, when it
+//!   keeps the job waiting: with [`JobConfig::step_deadline`] it is logged once as slow past
+//!   the rule's floor and the slowest recent step, and waited for up to the larger of `member_timeout_ms` and the step
+//!   deadline ([`crate::deadline`]: a multiple of the slowest recent step, measured here as
+//!   the time between counted steps; the ceiling before any step was measured), and only then
+//!   fenced as stuck.
 //! * **Too few nodes.** When the live nodes' slots cannot hold every expert, the machine says
 //!   [`Action::WaitForNodes`] and waits for joins (a later plan restores or replans) — for at
 //!   most [`JobConfig::wait_for_nodes_ms`], then the job fails saying what it waited for.
@@ -80,6 +89,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+use crate::deadline::{Basis, DeadlineError, Limit, StepDeadline, StepTimes};
 use crate::migrate::{MappingMethod, MigrationPlan, PhysicalNode, lost_experts};
 use crate::{
     Aggregation, Alignment, AllocPolicy, ClusterSpec, LoadHistory, ModelPlan, ModelSpec,
@@ -123,6 +133,11 @@ pub struct JobConfig {
     /// This many failed checkpoints in a row end the job (0: never; training goes on without).
     #[serde(default)]
     pub max_checkpoint_failures: u64,
+    /// How long a member whose worker heartbeats ([`Event::WorkerAlive`]) may keep the job
+    /// waiting (see "Slow is not dead" in the [module docs](self)); `None`: `member_timeout_ms`
+    /// for every member.
+    #[serde(default)]
+    pub step_deadline: Option<StepDeadline>,
     pub aggregation: Aggregation,
     pub alloc: AllocPolicy,
     pub place: PlacePolicy,
@@ -149,6 +164,7 @@ impl JobConfig {
             resume: false,
             max_nonfinite_steps: default_max_nonfinite_steps(),
             max_checkpoint_failures: 0,
+            step_deadline: None,
             aggregation: Aggregation::Sum { window_steps: 200 },
             alloc: AllocPolicy::Lazarus,
             place: PlacePolicy::Mro,
@@ -178,7 +194,19 @@ impl JobConfig {
                 return Err(JobConfigError::Zero(name));
             }
         }
+        if let Some(d) = &self.step_deadline {
+            d.validate()?;
+        }
         Ok(())
+    }
+}
+
+/// When a member whose worker heartbeats is logged as slow: past the floor, and past the
+/// slowest recent step (a job whose every step is long is not slow at each of them).
+fn slow_after_ms(floor_ms: u64, limit: Limit) -> u64 {
+    match limit.basis {
+        Basis::WarmUp => floor_ms,
+        Basis::Measured { slowest_ms } => floor_ms.max(slowest_ms),
     }
 }
 
@@ -194,6 +222,8 @@ pub enum JobConfigError {
     Plan(#[from] PlanError),
     #[error("{0} must be at least 1")]
     Zero(&'static str),
+    #[error(transparent)]
+    Deadline(#[from] DeadlineError),
 }
 
 /// What a member reports about one step it trained.
@@ -249,7 +279,14 @@ pub enum Event {
     Ready {
         node: NodeId,
     },
+    /// The node's agent is alive.
     Heartbeat {
+        node: NodeId,
+    },
+    /// The node's worker is alive: it heartbeats from a thread of its own, so it does while it
+    /// computes a long step, and stops when the process is stopped, frozen or dead. From the
+    /// first one on, the worker's silence makes the node gone (see the [module docs](self)).
+    WorkerAlive {
         node: NodeId,
     },
     /// The node is gone (closed connection, goodbye, killed).
@@ -536,7 +573,10 @@ pub enum Phase {
 struct Node {
     name: String,
     joined_ms: u64,
+    /// The agent's last heartbeat.
     last_seen_ms: u64,
+    /// The worker's last heartbeat ([`Event::WorkerAlive`]); `None` before the first.
+    worker_seen_ms: Option<u64>,
     ready: bool,
     /// Reported idle in the current epoch: why, next step, holdings.
     idle: Option<(IdleReason, u64, Vec<Vec<u32>>)>,
@@ -625,12 +665,19 @@ pub struct JobMachine {
     /// A driver restart being reconciled.
     #[serde(default)]
     recovery: Option<Recovery>,
+    /// Times between counted steps in training, for [`JobConfig::step_deadline`].
+    step_times: StepTimes,
+    /// Members logged as slow, with the start of the wait they were logged for (once each).
+    slow_noted: BTreeMap<NodeId, u64>,
 }
 
 impl JobMachine {
     pub fn new(cfg: JobConfig) -> Result<Self, JobConfigError> {
         cfg.validate()?;
         let history = LoadHistory::new(cfg.aggregation, cfg.model.layers, cfg.model.experts)?;
+        let window_steps = cfg
+            .step_deadline
+            .map_or(StepDeadline::DEFAULT_WINDOW_STEPS, |d| d.window_steps);
         Ok(Self {
             cfg,
             phase: Phase::Gathering,
@@ -656,6 +703,8 @@ impl JobMachine {
             nodes_waiting_since: None,
             progress_ms: 0,
             recovery: None,
+            step_times: StepTimes::new(window_steps),
+            slow_noted: BTreeMap::new(),
         })
     }
 
@@ -851,6 +900,13 @@ impl JobMachine {
                     n.last_seen_ms = n.last_seen_ms.max(now_ms);
                 }
             }
+            Event::WorkerAlive { node } => {
+                // Relayed by the agent: both are alive.
+                if let Some(n) = self.nodes.get_mut(&node) {
+                    n.last_seen_ms = n.last_seen_ms.max(now_ms);
+                    n.worker_seen_ms = Some(n.worker_seen_ms.map_or(now_ms, |t| t.max(now_ms)));
+                }
+            }
             Event::Lost { node, reason } => self.lose(node, &reason, now_ms, out),
             Event::Stepped {
                 node,
@@ -914,6 +970,7 @@ impl JobMachine {
                 name: name.clone(),
                 joined_ms: now_ms,
                 last_seen_ms: now_ms,
+                worker_seen_ms: None,
                 ready: false,
                 idle: None,
                 has_state: false,
@@ -982,6 +1039,7 @@ impl JobMachine {
             r.awaiting.remove(&node);
             r.lost.push((n.name.clone(), why.to_owned()));
         }
+        self.slow_noted.remove(&node);
         if n.done.is_some() || self.phase == Phase::Stopping {
             // No replan any more, but a member is a live node.
             self.members.retain(|&m| m != node);
@@ -1027,72 +1085,10 @@ impl JobMachine {
     }
 
     fn tick(&mut self, now_ms: u64, out: &mut Vec<Action>) {
-        let hb = self.cfg.heartbeat_timeout_ms;
-        let expired: Vec<NodeId> = self
-            .nodes
-            .iter()
-            .filter(|(_, n)| now_ms.saturating_sub(n.last_seen_ms) > hb)
-            .map(|(&id, _)| id)
-            .collect();
-        for id in expired {
-            let awaited = self
-                .recovery
-                .as_ref()
-                .is_some_and(|r| r.awaiting.contains(&id));
-            let why = if awaited {
-                format!("did not come back within {hb} ms of the controller's restart")
-            } else {
-                "no heartbeat".into()
-            };
+        for (id, why) in self.gone(now_ms) {
             self.fence(id, why, now_ms, out);
         }
-        let late = now_ms.saturating_sub(self.progress_ms) > self.cfg.member_timeout_ms;
-        let stuck: Vec<(NodeId, &str)> = match self.phase {
-            Phase::Gathering | Phase::WaitingForNodes => self
-                .nodes
-                .iter()
-                .filter(|(_, n)| {
-                    !n.ready && now_ms.saturating_sub(n.joined_ms) > self.cfg.member_timeout_ms
-                })
-                .map(|(&id, _)| (id, "its worker never became ready"))
-                .collect(),
-            Phase::Quiescing if late => self
-                .members
-                .iter()
-                .filter(|m| self.nodes[m].idle.is_none())
-                .map(|&m| (m, "did not stop when asked"))
-                .collect(),
-            Phase::Reconfiguring if late => self
-                .pending
-                .iter()
-                .flat_map(|p| p.waiting.iter())
-                .map(|&m| (m, "did not finish the reconfiguration"))
-                .collect(),
-            Phase::Training if late => {
-                // Progress stalled: whoever has not reported the next step is stuck.
-                let reported = self.step_reports.get(&self.next_step);
-                self.members
-                    .iter()
-                    .filter(|m| !reported.is_some_and(|r| r.contains_key(m)))
-                    .map(|&m| (m, "made no step progress"))
-                    .collect()
-            }
-            Phase::Stopping if late => self
-                .nodes
-                .iter()
-                .filter(|(_, n)| n.done.is_none())
-                .map(|(&id, _)| (id, "did not stop when asked"))
-                .collect(),
-            _ => Vec::new(),
-        };
-        for (id, why) in stuck {
-            self.fence(
-                id,
-                format!("{why} within {} ms", self.cfg.member_timeout_ms),
-                now_ms,
-                out,
-            );
-        }
+        self.fence_stuck(now_ms, out);
         if self.phase == Phase::Training
             && self
                 .join_waiting_since
@@ -1118,6 +1114,144 @@ impl JobMachine {
                 self.nodes.len()
             );
             self.fail(why, out);
+        }
+    }
+
+    /// Nodes that are gone: their agent stopped heartbeating, or their worker did after it
+    /// had started to (a stopped, frozen or dead process), with why.
+    fn gone(&self, now_ms: u64) -> Vec<(NodeId, String)> {
+        let hb = self.cfg.heartbeat_timeout_ms;
+        self.nodes
+            .iter()
+            .filter_map(|(&id, n)| {
+                let agent_ms = now_ms.saturating_sub(n.last_seen_ms);
+                if agent_ms > hb {
+                    let awaited = self
+                        .recovery
+                        .as_ref()
+                        .is_some_and(|r| r.awaiting.contains(&id));
+                    let why = if awaited {
+                        format!("did not come back within {hb} ms of the controller's restart")
+                    } else {
+                        format!("no heartbeat from its agent for {agent_ms} ms")
+                    };
+                    return Some((id, why));
+                }
+                let worker_ms = now_ms.saturating_sub(n.worker_seen_ms?);
+                (worker_ms > hb && n.done.is_none()).then(|| {
+                    let why = format!(
+                        "no heartbeat from its worker for {worker_ms} ms (the process is \
+                         stopped, frozen or starved)"
+                    );
+                    (id, why)
+                })
+            })
+            .collect()
+    }
+
+    /// The nodes the current phase waits for, each with since when and what it has not done.
+    fn awaited(&self) -> Vec<(NodeId, u64, String)> {
+        let since = self.progress_ms;
+        match self.phase {
+            Phase::Gathering | Phase::WaitingForNodes => self
+                .nodes
+                .iter()
+                .filter(|(_, n)| !n.ready)
+                .map(|(&id, n)| (id, n.joined_ms, "its worker never became ready".into()))
+                .collect(),
+            Phase::Quiescing => self
+                .members
+                .iter()
+                .filter(|m| self.nodes[m].idle.is_none())
+                .map(|&m| (m, since, "did not stop when asked".into()))
+                .collect(),
+            Phase::Reconfiguring => self
+                .pending
+                .iter()
+                .flat_map(|p| p.waiting.iter())
+                .map(|&m| (m, since, "did not finish the reconfiguration".into()))
+                .collect(),
+            Phase::Training => {
+                // Whoever has not reported the next step keeps the job waiting.
+                let reported = self.step_reports.get(&self.next_step);
+                let step = self.next_step;
+                self.members
+                    .iter()
+                    .filter(|m| !reported.is_some_and(|r| r.contains_key(m)))
+                    .map(|&m| (m, since, format!("made no progress in step {step}")))
+                    .collect()
+            }
+            Phase::Stopping => self
+                .nodes
+                .iter()
+                .filter(|(_, n)| n.done.is_none())
+                .map(|(&id, _)| (id, since, "did not stop when asked".into()))
+                .collect(),
+            Phase::Restoring | Phase::Over => Vec::new(),
+        }
+    }
+
+    /// How long `node` may keep the job waiting: the step deadline (at least
+    /// `member_timeout_ms`) when its worker heartbeats and the rule is set, else
+    /// `member_timeout_ms`.
+    fn member_deadline(&self, node: NodeId) -> (u64, Option<Limit>) {
+        let alive = self
+            .nodes
+            .get(&node)
+            .is_some_and(|n| n.worker_seen_ms.is_some());
+        match &self.cfg.step_deadline {
+            Some(rule) if alive => {
+                let limit = rule.limit(&self.step_times);
+                (limit.ms.max(self.cfg.member_timeout_ms), Some(limit))
+            }
+            _ => (self.cfg.member_timeout_ms, None),
+        }
+    }
+
+    /// Logs members that are slow (their worker heartbeating, waited for longer than the step
+    /// deadline's floor and than the slowest recent step) once per wait, and fences those past
+    /// their deadline.
+    fn fence_stuck(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        let floor_ms = self.cfg.step_deadline.map_or(u64::MAX, |d| d.floor_ms);
+        let mut stuck = Vec::new();
+        let mut slow = Vec::new();
+        for (id, since, what) in self.awaited() {
+            let waited_ms = now_ms.saturating_sub(since);
+            let (deadline_ms, limit) = self.member_deadline(id);
+            if waited_ms > deadline_ms {
+                let why = match limit {
+                    None => format!("{what} within {deadline_ms} ms"),
+                    Some(_) => format!(
+                        "{what} within {:.1} s although its worker heartbeats (hung, or slower \
+                         than the step deadline)",
+                        deadline_ms as f64 / 1e3
+                    ),
+                };
+                stuck.push((id, why));
+            } else if let Some(limit) = limit
+                && waited_ms > slow_after_ms(floor_ms, limit)
+                && self.slow_noted.get(&id) != Some(&since)
+            {
+                self.slow_noted.insert(id, since);
+                slow.push((id, waited_ms, what, limit));
+            }
+        }
+        for (id, waited_ms, what, limit) in slow {
+            let name = &self.nodes[&id].name;
+            let deadline_ms = self.member_deadline(id).0;
+            let up_to = if deadline_ms == limit.ms {
+                limit.to_string()
+            } else {
+                format!("{:.1} s (the member timeout)", deadline_ms as f64 / 1e3)
+            };
+            out.push(Action::Log(format!(
+                "node {id} ({name}) is slow, not gone: {what} for {:.1} s, but its worker \
+                 heartbeats; waiting up to {up_to}",
+                waited_ms as f64 / 1e3,
+            )));
+        }
+        for (id, why) in stuck {
+            self.fence(id, why, now_ms, out);
         }
     }
 
@@ -1241,6 +1375,11 @@ impl JobMachine {
             && let Err(e) = self.history.push(routing)
         {
             out.push(Action::Log(format!("routing counts ignored: {e}")));
+        }
+        if self.phase == Phase::Training {
+            let steps = last - first + 1;
+            self.step_times
+                .push(now_ms.saturating_sub(self.progress_ms) / steps);
         }
         self.next_step = last + 1;
         self.progress_ms = now_ms;

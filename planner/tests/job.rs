@@ -2,6 +2,7 @@
 
 use lazarus_planner::ModelSpec;
 use lazarus_planner::job::reconcile::{WorkerProcess, WorkerReport};
+use lazarus_planner::deadline::StepDeadline;
 use lazarus_planner::job::{
     Action, Event, IdleReason, JobConfig, JobMachine, NodeId, Phase, ReconfigKind, Reconfiguration,
     StateChecksums, StateSource, StepReport,
@@ -976,6 +977,41 @@ fn running(epoch: u64, plan_version: u64, next_step: u64) -> WorkerReport {
         plan_version,
         next_step,
     }
+/// Issue 14, item 4 ("slow is not dead"): the step deadline of members whose workers heartbeat.
+/// Floor 1 s, ceiling 600 s; `member_timeout_ms` 5 s as everywhere here.
+fn slow_config(steps: u64) -> JobConfig {
+    let mut cfg = config(4, steps);
+    cfg.step_deadline = Some(StepDeadline::new(1_000, 600_000));
+    cfg
+}
+
+impl Job {
+    /// Agents and workers of `nodes` heartbeat every 250 ms from now to `until_ms`, with a tick
+    /// after each; returns what the ticks caused.
+    fn alive_until(&mut self, nodes: &[NodeId], until_ms: u64) -> Vec<Action> {
+        let mut a = Vec::new();
+        let mut t = self.now_ms;
+        while t < until_ms {
+            t = (t + 250).min(until_ms);
+            self.at(t);
+            for &n in nodes {
+                a.extend(self.ev(Event::Heartbeat { node: n }));
+                a.extend(self.ev(Event::WorkerAlive { node: n }));
+            }
+            a.extend(self.ev(Event::Tick));
+        }
+        a
+    }
+}
+
+fn fences(actions: &[Action]) -> Vec<(NodeId, String)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Fence { node, reason } => Some((*node, reason.clone())),
+            _ => None,
+        })
+        .collect()
 }
 
 fn logs(actions: &[Action]) -> Vec<String> {
@@ -1168,4 +1204,104 @@ fn a_stopping_job_sends_stop_again_and_ends_when_the_checksums_arrive() {
         });
     }
     assert_eq!(finished(&j.out), Some(Ok(())));
+/// A first step far longer than `member_timeout_ms` (nothing measured yet: the warm-up
+/// allowance is the ceiling) is waited for while the workers heartbeat, logged once as slow,
+/// and then sets the deadline of the next steps: 4 × 30 s. A member that stays silent past
+/// that, heartbeating all along, is fenced as stuck, not as gone.
+#[test]
+fn a_slow_member_whose_worker_heartbeats_is_waited_for_up_to_the_step_deadline() {
+    let mut j = Job::new(slow_config(50));
+    j.ev(Event::Joined {
+        node: 0,
+        name: "n0".into(),
+    });
+    j.ev(Event::Joined {
+        node: 1,
+        name: "n1".into(),
+    });
+    j.ev(Event::WorkerAlive { node: 0 });
+    j.ev(Event::WorkerAlive { node: 1 });
+    j.ev(Event::Ready { node: 0 });
+    let a = j.ev(Event::Ready { node: 1 });
+    let r = reconfig(&a).expect("the first plan");
+    j.migrated_all(&r);
+    // Step 0 takes 30 s: six member timeouts.
+    let a = j.alive_until(&[0, 1], 30_000);
+    assert!(fences(&a).is_empty(), "{:?}", fences(&a));
+    let slow = logs(&a)
+        .into_iter()
+        .filter(|l| l.contains("is slow, not gone"))
+        .collect::<Vec<_>>();
+    assert_eq!(slow.len(), 2, "once per member: {slow:?}");
+    assert!(
+        slow[0].contains("step 0") && slow[0].contains("warm-up"),
+        "{slow:?}"
+    );
+    assert_eq!(records(&j.step_all(0)), vec![0]);
+    // Step 1: node 1 reports, node 0 keeps computing (and heartbeating) for 100 s.
+    j.ev(Event::Stepped {
+        node: 1,
+        epoch: r.epoch,
+        step: 1,
+        report: StepReport::default(),
+    });
+    let a = j.alive_until(&[0, 1], 30_000 + 120_000);
+    assert!(fences(&a).is_empty(), "within 4 × 30 s: {:?}", fences(&a));
+    assert!(
+        logs(&a).iter().any(|l| l.contains("node 0 (n0) is slow")
+            && l.contains("120.0 s (from the slowest recent step, 30.0 s)")),
+        "{:?}",
+        logs(&a)
+    );
+    let a = j.alive_until(&[0, 1], 30_000 + 120_250);
+    let f = fences(&a);
+    assert_eq!(f.len(), 1, "{f:?}");
+    assert_eq!(f[0].0, 0);
+    assert!(f[0].1.contains("although its worker heartbeats"), "{f:?}");
+}
+
+/// A worker that stops heartbeating (SIGSTOP, a frozen host) is gone within one heartbeat
+/// timeout, however long the step deadline, while its agent still heartbeats.
+#[test]
+fn a_member_whose_worker_stops_heartbeating_is_gone_within_the_heartbeat_timeout() {
+    let (mut j, r) = started(slow_config(50), &[0, 1], 0);
+    j.ev(Event::WorkerAlive { node: 0 });
+    j.ev(Event::WorkerAlive { node: 1 });
+    let a = j.alive_until(&[0, 1], 2_000);
+    assert!(fences(&a).is_empty());
+    // Node 1's worker stops; its agent goes on heartbeating.
+    let mut a = Vec::new();
+    for t in (2_250..=3_250).step_by(250) {
+        j.at(t);
+        a.extend(j.ev(Event::Heartbeat { node: 0 }));
+        a.extend(j.ev(Event::WorkerAlive { node: 0 }));
+        a.extend(j.ev(Event::Heartbeat { node: 1 }));
+        a.extend(j.ev(Event::Tick));
+    }
+    let f = fences(&a);
+    assert_eq!(f.len(), 1, "{f:?}");
+    assert_eq!(f[0].0, 1);
+    assert!(f[0].1.contains("no heartbeat from its worker"), "{f:?}");
+    assert!(a.contains(&Action::Abort {
+        node: 0,
+        epoch: r.epoch
+    }));
+}
+
+/// Without worker heartbeats (a driver that sends none) `member_timeout_ms` still applies,
+/// step deadline or not.
+#[test]
+fn without_worker_heartbeats_the_member_timeout_applies() {
+    let (mut j, _) = started(slow_config(50), &[0, 1], 1);
+    let mut a = Vec::new();
+    for t in (500..=5_500).step_by(500) {
+        j.at(t);
+        a.extend(j.ev(Event::Heartbeat { node: 0 }));
+        a.extend(j.ev(Event::Heartbeat { node: 1 }));
+        a.extend(j.ev(Event::Tick));
+    }
+    let f = fences(&a);
+    assert!(!f.is_empty(), "{a:?}");
+    assert!(f[0].1.contains("within 5000 ms"), "{f:?}");
+    assert!(logs(&a).iter().all(|l| !l.contains("is slow")));
 }

@@ -6,7 +6,8 @@
 //! a smaller cluster ([`Trace::fit`], [`FitMode`]) and seeded synthetic generators
 //! ([`synth`]). Also the expert-load side: the SmartMoE gate-trace parser
 //! ([`routing::GateTrace`]) and the synthetic drifting-Zipf loads ([`zipf::ZipfLoads`]), and
-//! where tests find the third-party traces ([`shared`]).
+//! where tests find the third-party traces ([`shared`]), and the duration syntax of trace
+//! windows on the command line ([`duration`]: `--window 8m..1h`).
 //!
 //! Everything is pure and deterministic; the only I/O is the thin [`load`] helper.
 //!
@@ -31,6 +32,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod duration;
 pub mod error;
 pub mod fit;
 pub mod parse;

@@ -212,6 +212,11 @@ pub trait Communicator: Send {
 
     /// Abort: every later op fails fast with Aborted; peers blocked on us see PeerClosed/Timeout.
     fn abort(&mut self);
+
+    /// Changes how long one wait on a peer may last (at least 1 ms), from the next operation
+    /// on: a managed worker follows its step deadline with it
+    /// ([`lazarus_planner::deadline`]).
+    fn set_timeout_ms(&mut self, timeout_ms: u64) -> Result<(), CommError>;
 }
 
 /// Checks an all-reduce group: ranks below `world`, sorted and distinct, containing `rank`.

@@ -1330,6 +1330,11 @@ impl Communicator for NcclCommunicator {
             release(comm);
         }
     }
+
+    fn set_timeout_ms(&mut self, timeout_ms: u64) -> Result<(), CommError> {
+        NcclCommunicator::set_timeout_ms(self, timeout_ms);
+        Ok(())
+    }
 }
 
 impl Drop for NcclCommunicator {

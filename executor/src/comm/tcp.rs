@@ -908,6 +908,10 @@ impl Communicator for TcpCommunicator {
             let _ = s.shutdown(Shutdown::Both);
         }
     }
+
+    fn set_timeout_ms(&mut self, timeout_ms: u64) -> Result<(), CommError> {
+        TcpCommunicator::set_timeout_ms(self, timeout_ms)
+    }
 }
 
 impl Drop for TcpCommunicator {

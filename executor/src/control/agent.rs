@@ -2,9 +2,11 @@
 //! worker process and relays the controller's commands to it and its output lines back.
 //!
 //! Heartbeats come from the agent, a separate process from the worker, so heavy compute in
-//! the worker cannot starve them: a node that stops heartbeating is gone (the agent, the host
-//! or the network), one that heartbeats but stops answering is stuck — the controller tells the
-//! two apart and fences either.
+//! the worker cannot starve them; the worker heartbeats too, from a thread of its own (its
+//! `Alive` lines, relayed like any other). A node whose agent or worker stops heartbeating is
+//! gone (the agent, the worker process, the host or the network); one that heartbeats but does
+//! not finish its step is slow, and is waited for up to the step deadline before it is fenced
+//! as stuck (see [`lazarus_planner::deadline`]).
 //!
 //! # When the controller goes away
 //! A closed or broken controller connection does not end the node (with

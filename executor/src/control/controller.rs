@@ -569,6 +569,7 @@ impl Controller {
                 self.dirty = true;
                 Event::Ready { node }
             }
+            WorkerEvent::Alive => Event::WorkerAlive { node },
             WorkerEvent::Failed {
                 epoch,
                 step,
@@ -745,6 +746,9 @@ impl Controller {
             // The agent puts its own data-plane address here.
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             timeout_ms: self.params.timeout_ms,
+            step_deadline: self.params.rules.step_deadline,
+            // A few beats per heartbeat timeout, at most 4 a second.
+            alive_every_ms: (self.params.rules.heartbeat_timeout_ms / 4).clamp(10, 250),
             checkpoint: self.params.checkpoint.clone(),
             out: self.params.out.clone(),
         }

@@ -1,12 +1,27 @@
 //! The managed worker: one training process under a controller, in one of three explicit
 //! phases — idle (waiting for the controller), reconfiguring (applying a new membership and
 //! plan), training (one atomic step at a time) — until [`Command::Stop`].
+//!
+//! # Slow is not dead
+//! From the moment the job arrives a thread of its own says [`WorkerEvent::Alive`] every
+//! `alive_every_ms`: a long step (GPT-S on a CPU) does not silence it, a stopped, frozen or
+//! dead process does, so the controller tells a slow worker from a gone one. Every wait on a
+//! peer — forming a mesh, a migration, each collective — is bounded by the job's step deadline
+//! ([`lazarus_planner::deadline`]) over this worker's own step times (the time from one
+//! reported step to the next, so a checkpoint write between steps counts): the ceiling until
+//! a step was measured, then a multiple of the slowest recent step, never below the floor
+//! (`timeout_ms`). A peer that is gone is reported by the controller (an [`Command::Abort`])
+//! long before that.
 
 use std::net::{IpAddr, TcpListener};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
-use std::time::Instant;
+use std::thread;
+use std::time::{Duration, Instant};
 
-use anyhow::{Result, anyhow, bail, ensure};
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use lazarus_planner::deadline::StepTimes;
 
 use super::abort::AbortSlot;
 use super::migrate::reconfigure;
@@ -29,28 +44,83 @@ enum Phase {
     Stopped,
 }
 
+/// A test hook: the worker of node `node` sleeps `ms` at the start of each of its steps, as a
+/// slow device would compute, while its heartbeat thread goes on. `lzrun worker --managed`
+/// takes it from `LZRUN_TEST_STEP_DELAY=NODE:MS`; only tests set it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepDelay {
+    pub node: u32,
+    pub ms: u64,
+}
+
+/// Says [`WorkerEvent::Alive`] every `every_ms` from a thread that does nothing else, until
+/// dropped (or until a line cannot be written: nobody listens any more).
+struct Heartbeat(Arc<AtomicBool>);
+
+impl Heartbeat {
+    fn start<E>(every_ms: u64, emit: E) -> Result<Self>
+    where
+        E: Fn(&str) -> Result<()> + Send + 'static,
+    {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let line = serde_json::to_string(&WorkerEvent::Alive)?;
+        let every = Duration::from_millis(every_ms.max(1));
+        thread::Builder::new()
+            .name("heartbeat".into())
+            .spawn(move || {
+                while !flag.load(Ordering::Relaxed) && emit(&line).is_ok() {
+                    thread::sleep(every);
+                }
+            })
+            .context("starting the heartbeat thread")?;
+        Ok(Self(stop))
+    }
+}
+
+impl Drop for Heartbeat {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
 /// Waits for the job, then runs the managed worker of the [worker docs](super) until
 /// [`Command::Stop`]. `abort` is shared with the thread that reads `commands`, which aborts
 /// the current epoch's communicator on [`Command::Abort`]. `emit` gets every output line
-/// (JSON).
-pub fn run_managed_worker(
+/// (JSON), from this thread and from the heartbeat thread (one whole line per call).
+/// `delay` is a test hook ([`StepDelay`]).
+pub fn run_managed_worker<E>(
     commands: &Receiver<Command>,
     abort: &AbortSlot,
-    emit: impl FnMut(&str) -> Result<()>,
-) -> Result<Checksums> {
+    emit: E,
+    delay: Option<StepDelay>,
+) -> Result<Checksums>
+where
+    E: Fn(&str) -> Result<()> + Clone + Send + 'static,
+{
     let job = match commands.recv() {
         Ok(Command::Job(job)) => job,
         Ok(other) => bail!("the first command must be Job, got {other:?}"),
         Err(_) => bail!("control channel closed before the job arrived"),
     };
+    // Before the model is built: that may take long too.
+    let _heartbeat = Heartbeat::start(job.alive_every_ms, emit.clone())?;
     job.config
         .validate()
         .map_err(|e| anyhow!("model config: {e}"))?;
     let listener = TcpListener::bind(job.listen)
         .map_err(|e| anyhow!("binding the data-plane listener {}: {e}", job.listen))?;
+    let window = job.step_deadline.map_or(1, |d| d.window_steps);
+    let delay = delay
+        .filter(|d| d.node == job.node_id)
+        .map(|d| Duration::from_millis(d.ms));
     let mut w = Worker {
         st: State::fresh(&job.config)?,
+        peer_timeout_ms: job.timeout_ms,
         job,
+        step_times: StepTimes::new(window),
+        last_step_end: None,
+        delay,
         listener,
         abort,
         emit,
@@ -94,9 +164,25 @@ struct Worker<'a, E> {
     step: u64,
     epoch: u64,
     pause_pending: bool,
+    /// Times from one reported step to the next (the step deadline's measure).
+    step_times: StepTimes,
+    /// When the last step of this epoch was reported.
+    last_step_end: Option<Instant>,
+    /// The communicator's current timeout.
+    peer_timeout_ms: u64,
+    /// [`StepDelay`], if it names this worker.
+    delay: Option<Duration>,
 }
 
-impl<E: FnMut(&str) -> Result<()>> Worker<'_, E> {
+impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
+    /// How long one wait on a peer may last now: the step deadline over this worker's step
+    /// times, or the fixed `timeout_ms` without one.
+    fn step_limit_ms(&self) -> u64 {
+        self.job
+            .step_deadline
+            .map_or(self.job.timeout_ms, |rule| rule.limit(&self.step_times).ms)
+    }
+
     fn event(&mut self, ev: &WorkerEvent) -> Result<()> {
         (self.emit)(&serde_json::to_string(ev)?)
     }
@@ -163,14 +249,11 @@ impl<E: FnMut(&str) -> Result<()>> Worker<'_, E> {
             cmd.resume_step,
             self.step
         );
-        match reconfigure(
-            cmd,
-            &mut self.st,
-            &self.listener,
-            self.job.timeout_ms,
-            self.abort,
-        ) {
+        let timeout_ms = self.step_limit_ms();
+        match reconfigure(cmd, &mut self.st, &self.listener, timeout_ms, self.abort) {
             Ok((dist, bytes_in)) => {
+                self.peer_timeout_ms = timeout_ms;
+                self.last_step_end = None;
                 self.rank = cmd.rank;
                 self.replicas = cmd.replicas.clone();
                 // A fresh start checkpoints its initial state, so that losing every replica
@@ -244,7 +327,21 @@ impl<E: FnMut(&str) -> Result<()>> Worker<'_, E> {
         if let Some(next) = self.poll_commands(commands)? {
             return Ok(next);
         }
+        let limit_ms = self.step_limit_ms();
+        if limit_ms != self.peer_timeout_ms {
+            let set = match dist.with_comm(|c| c.set_timeout_ms(limit_ms)) {
+                Ok(r) => r.map_err(anyhow::Error::from),
+                Err(e) => Err(anyhow::Error::from(e)),
+            };
+            if let Err(e) = set {
+                return self.failed(&e.context("setting the step deadline"));
+            }
+            self.peer_timeout_ms = limit_ms;
+        }
         let t0 = Instant::now();
+        if let Some(d) = self.delay {
+            thread::sleep(d);
+        }
         let cfg = &self.job.config;
         let res = self
             .corpus
@@ -285,6 +382,11 @@ impl<E: FnMut(&str) -> Result<()>> Worker<'_, E> {
             nonfinite: done.nonfinite,
         };
         (self.emit)(&serde_json::to_string(&line)?)?;
+        let now = Instant::now();
+        let since = self.last_step_end.unwrap_or(t0);
+        let step_ms = u64::try_from(now.duration_since(since).as_millis()).unwrap_or(u64::MAX);
+        self.step_times.push(step_ms);
+        self.last_step_end = Some(now);
         self.step += 1;
         self.checkpoint_if_due()?;
         if pause {

@@ -55,7 +55,7 @@ pub mod standalone;
 pub mod state;
 
 pub use abort::AbortSlot;
-pub use managed::{ms_since, run_managed_worker};
+pub use managed::{StepDelay, ms_since, run_managed_worker};
 pub use protocol::{
     CheckpointSpec, Checksums, Command, JobSpec, Reconfigure, ReplicaChecksum, StateSource,
     StepLine, WorkerEvent, WorkerLine,

@@ -12,6 +12,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 use crate::checkpoint;
 use crate::comm::MeshSecret;
 use crate::model::{DenseModel, ExpertStore, Fnv64, MoeConfig};
+use lazarus_planner::deadline::StepDeadline;
 
 /// One training step as a worker reports it (one JSON line on stdout).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -152,11 +153,23 @@ pub struct JobSpec {
     pub node_id: u32,
     /// Address to listen on for peers (port 0: any free port).
     pub listen: SocketAddr,
-    /// Rendezvous and per-collective timeout of the communicator.
+    /// Rendezvous and per-collective timeout of the communicator: fixed without
+    /// `step_deadline`, else its floor.
     pub timeout_ms: u64,
+    /// How long any one wait on a peer may last, from this worker's measured step times
+    /// ([`lazarus_planner::deadline`]); `None`: `timeout_ms`, fixed.
+    #[serde(default)]
+    pub step_deadline: Option<StepDeadline>,
+    /// The worker says [`WorkerEvent::Alive`] this often, from a thread of its own.
+    #[serde(default = "default_alive_every_ms")]
+    pub alive_every_ms: u64,
     pub checkpoint: Option<CheckpointSpec>,
     /// Directory for the checksum file `rank<node_id>.json` written at [`Command::Stop`].
     pub out: Option<PathBuf>,
+}
+
+fn default_alive_every_ms() -> u64 {
+    250
 }
 
 /// Where a worker's state comes from when it applies a [`Reconfigure`].
@@ -219,6 +232,10 @@ pub enum Command {
 pub enum WorkerEvent {
     /// The job was accepted; peers reach this worker at `addr`.
     Ready { addr: SocketAddr },
+    /// The worker process is alive: said every `alive_every_ms` by a thread that does nothing
+    /// else, so a long step does not silence it and a stopped, frozen or dead process does.
+    /// The controller tells "slow" (alive, step not done) from "gone" with it.
+    Alive,
     /// Step `step` (or a reconfiguration to resume at `step`) failed and was discarded.
     Failed {
         epoch: u64,
@@ -299,6 +316,11 @@ mod tests {
             Some(WorkerLine::Event(WorkerEvent::Paused { step: 4, .. }))
         ));
         assert!(WorkerLine::parse("not json").is_none());
+        let alive = serde_json::to_string(&WorkerEvent::Alive).unwrap();
+        assert!(matches!(
+            WorkerLine::parse(&alive),
+            Some(WorkerLine::Event(WorkerEvent::Alive))
+        ));
     }
 
     /// Issue 14: a NaN loss went out as `null`, the controller could not parse the line, and

@@ -60,9 +60,14 @@ pub struct LocalArgs {
     pub controller_down_ms: u64,
     /// Replay a node-availability trace: Bamboo CSV `time_ms,add|remove,node`, Parcae /
     /// SpotServe JSON lines or a SkyPilot count series (the formats of `lzsim replay`). Nodes
-    /// live at time 0 start the job; removals kill, additions join.
+    /// live at time 0 (at START with --window) start the job; removals kill, additions join.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["kill", "join"])]
     pub fault_trace: Option<PathBuf>,
+    /// Replay only [START, END) of the --fault-trace, rebased to 0: the nodes live at START
+    /// start the job (as `lzsim replay --window`), e.g. `8m..2h`, `480s..7200s`. Needed for a
+    /// trace whose first node appears after 0.
+    #[arg(long, value_name = "START..END", requires = "fault_trace", value_parser = parse_window)]
+    pub window: Option<(u64, u64)>,
     /// Trace seconds one training step stands for: an event at trace time t fires after step
     /// ⌊t / X⌋.
     #[arg(
@@ -234,12 +239,22 @@ pub struct JobArgs {
     /// Output: text (log lines) or json (only the summary object on stdout).
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
-    /// Workers' rendezvous and per-collective timeout in milliseconds (a silent peer is
-    /// declared dead after it). A member that stops answering the controller (a hung or
-    /// stopped worker) is fenced after twice this plus 2 s.
+    /// Floor of the step deadline, in milliseconds: how long a worker waits for a silent peer
+    /// (in a collective, forming a mesh, migrating) at least. The deadline follows the measured
+    /// step times: 4 × the slowest of the last 20 steps, between this and
+    /// --step-timeout-max-ms (which is the deadline until a step was measured). The controller
+    /// waits at least twice this plus 2 s for a member, and as long as the step deadline for
+    /// one whose worker still heartbeats (slow, not gone).
     #[arg(long, default_value_t = 10_000)]
     pub timeout_ms: u64,
-    /// A node whose agent sent no heartbeat for this long is dead (and fenced).
+    /// Ceiling of the step deadline, and the deadline of the first steps (nothing is measured
+    /// yet), in milliseconds. A node that is gone (dead, or its agent or worker stopped
+    /// heartbeating) is found by --heartbeat-timeout-ms, not by this. Equal to --timeout-ms:
+    /// a fixed timeout.
+    #[arg(long, value_name = "MS", default_value_t = 600_000)]
+    pub step_timeout_max_ms: u64,
+    /// A node whose agent or worker sent no heartbeat for this long is gone (and fenced).
+    /// Agents and workers heartbeat from threads that compute cannot starve.
     #[arg(long, default_value_t = 3_000)]
     pub heartbeat_timeout_ms: u64,
     /// When the live nodes' slots cannot hold every expert, wait this many milliseconds for
@@ -265,4 +280,8 @@ fn parse_join(s: &str) -> Result<u64, String> {
 
 fn parse_kill_controller(s: &str) -> Result<u64, String> {
     faults::parse_kill_controller(s).map_err(|e| e.to_string())
+}
+
+fn parse_window(s: &str) -> Result<(u64, u64), String> {
+    lazarus_traces::duration::parse_range_ms("--window", s).map_err(|e| e.to_string())
 }

@@ -9,6 +9,7 @@ use lazarus_executor::checkpoint::{self, RootLock};
 use lazarus_executor::control::{Controller, JobParams, ServerConfig};
 use lazarus_executor::worker::CheckpointSpec;
 use lazarus_planner::ModelSpec;
+use lazarus_planner::deadline::StepDeadline;
 use lazarus_planner::job::JobConfig;
 
 use crate::args::JobArgs;
@@ -176,6 +177,12 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
         "--fault-tolerance must be at least 1"
     );
     ensure!(a.timeout_ms >= 1, "--timeout-ms must be at least 1");
+    ensure!(
+        a.step_timeout_max_ms >= a.timeout_ms,
+        "--step-timeout-max-ms ({}) must be at least --timeout-ms ({})",
+        a.step_timeout_max_ms,
+        a.timeout_ms
+    );
     ensure!(a.ckpt_keep >= 1, "--ckpt-keep must be at least 1");
     ensure!(
         a.max_nonfinite_steps >= 1,
@@ -229,9 +236,11 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
     let mut rules = JobConfig::new(model, slots, a.model.steps);
     rules.initial_nodes = nodes;
     rules.heartbeat_timeout_ms = a.heartbeat_timeout_ms;
-    // Survivors notice a stuck peer after one collective timeout; give the stuck member that
-    // long again (and a margin) to answer before fencing it.
+    // A member is waited for at least this long (survivors notice a stuck peer after one
+    // timeout; the stuck member gets that long again and a margin), and up to the step deadline
+    // while its worker heartbeats: slow is not dead.
     rules.member_timeout_ms = a.timeout_ms.saturating_mul(2).saturating_add(2_000);
+    rules.step_deadline = Some(StepDeadline::new(a.timeout_ms, a.step_timeout_max_ms));
     // Newcomers join at the next step boundary (the paper waits 2 min to batch joins; this
     // executor pauses training for them anyway).
     rules.scale_out_wait_ms = 0;

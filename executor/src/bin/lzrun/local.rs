@@ -9,6 +9,8 @@ use anyhow::{Context, Result, anyhow, bail, ensure};
 use lazarus_executor::control::JobHandle;
 use lazarus_executor::faults::{self, Fault, FaultSchedule};
 use lazarus_executor::metrics::StepRecord;
+use lazarus_traces::duration::format_ms;
+use tokio::runtime::Runtime;
 
 use crate::args::{Format, LocalArgs};
 use crate::drive::{Failover, Hooks, drive, runtime, stop_signals};
@@ -94,8 +96,30 @@ fn fault_schedule(a: &LocalArgs) -> Result<FaultSchedule> {
     let mut schedule = match &a.fault_trace {
         Some(path) => {
             // The trace error names the file and carries its cause as the source.
-            let trace = lazarus_traces::load(path).context("--fault-trace")?;
+            let mut trace = lazarus_traces::load(path).context("--fault-trace")?;
+            if let Some((start_ms, end_ms)) = a.window {
+                trace = trace.window(start_ms, end_ms);
+                ensure!(
+                    !trace.is_empty(),
+                    "--fault-trace {}: no node is live in --window {}..{}",
+                    path.display(),
+                    format_ms(start_ms),
+                    format_ms(end_ms)
+                );
+            }
+            let start_ms = a.window.map_or(0, |w| w.0);
             faults::schedule_from_trace(&trace, a.time_scale, a.job.model.steps, a.nodes)
+                .map_err(|e| match e {
+                    // Times of the original trace, so the suggested --window is right.
+                    faults::FaultError::NoInitialNodes {
+                        first_event_ms,
+                        last_event_ms,
+                    } => faults::FaultError::NoInitialNodes {
+                        first_event_ms: first_event_ms.saturating_add(start_ms),
+                        last_event_ms: last_event_ms.saturating_add(start_ms),
+                    },
+                    other => other,
+                })
                 .map_err(|e| anyhow!("--fault-trace {}: {e}", path.display()))?
         }
         None => {

@@ -80,6 +80,35 @@ enum Cmd {
     Worker(WorkerArgs),
 }
 
+/// A clap error as one line, details included: clap lists what the first line announces (the
+/// missing arguments, the possible values, a tip) on the lines after it, then the usage, which
+/// `--help` shows better. Only the first line used to be kept: "the following required
+/// arguments were not provided:" named none of them.
+fn one_line(rendered: &str) -> String {
+    let mut lines = rendered
+        .lines()
+        .take_while(|l| !l.starts_with("Usage:"))
+        .map(str::trim)
+        .filter(|l| !l.is_empty());
+    let first = lines.next().unwrap_or("");
+    let first = first.strip_prefix("error:").unwrap_or(first).trim();
+    let details: Vec<&str> = lines.collect();
+    match (details.is_empty(), first.ends_with(':')) {
+        (true, _) => first.to_owned(),
+        (false, true) => format!("{first} {}", details.join(", ")),
+        (false, false) => format!("{first}; {}", details.join("; ")),
+    }
+}
+
+/// `lzrun SUBCOMMAND --help` when the command line names one, else `lzrun --help`.
+fn help_hint() -> String {
+    let sub = std::env::args().nth(1);
+    match sub.as_deref() {
+        Some(s @ ("local" | "controller" | "agent" | "worker")) => format!("lzrun {s} --help"),
+        _ => "lzrun --help".to_owned(),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -95,10 +124,8 @@ fn main() -> ExitCode {
                     ExitCode::from(2)
                 }
                 _ => {
-                    let text = e.to_string();
-                    let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("");
-                    let msg = first.trim().trim_start_matches("error:").trim();
-                    let _ = writeln!(std::io::stderr(), "error: {msg} (see `lzrun --help`)");
+                    let msg = one_line(&e.to_string());
+                    let _ = writeln!(std::io::stderr(), "error: {msg} (see `{}`)", help_hint());
                     ExitCode::from(2)
                 }
             };

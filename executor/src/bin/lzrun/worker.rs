@@ -4,24 +4,41 @@ use std::io::{self, BufRead, Write};
 use std::sync::mpsc;
 use std::thread;
 
-use anyhow::{Result, bail, ensure};
+use anyhow::{Result, anyhow, bail, ensure};
 use lazarus_executor::worker::{
-    AbortSlot, Command as WorkerCommand, WorkerOptions, run_managed_worker, run_worker,
+    AbortSlot, Command as WorkerCommand, StepDelay, WorkerOptions, run_managed_worker, run_worker,
 };
 
 use crate::args::WorkerArgs;
 use crate::config::load_config;
 
+/// One whole line on stdout (from any thread: lines never interleave).
+fn emit(line: &str) -> Result<()> {
+    let mut out = io::stdout().lock();
+    writeln!(out, "{line}")?;
+    out.flush()?;
+    Ok(())
+}
+
+/// The test hook `LZRUN_TEST_STEP_DELAY=NODE:MS` ([`StepDelay`]): node NODE's worker sleeps MS
+/// at the start of every step, heartbeating all along (a slow device).
+fn step_delay_from_env() -> Result<Option<StepDelay>> {
+    const VAR: &str = "LZRUN_TEST_STEP_DELAY";
+    let Some(v) = std::env::var_os(VAR) else {
+        return Ok(None);
+    };
+    let v = v.to_string_lossy();
+    let parsed = v
+        .split_once(':')
+        .and_then(|(n, ms)| Some((n.trim().parse().ok()?, ms.trim().parse().ok()?)));
+    let (node, ms) = parsed.ok_or_else(|| anyhow!("{VAR}={v:?}: expected NODE:MS, e.g. 1:3000"))?;
+    Ok(Some(StepDelay { node, ms }))
+}
+
 /// Trains as a managed worker (commands on stdin) or as one rank of a fixed cluster.
 pub fn worker(a: WorkerArgs) -> Result<()> {
-    let stdout = io::stdout();
-    let emit = |line: &str| -> Result<()> {
-        let mut out = stdout.lock();
-        writeln!(out, "{line}")?;
-        out.flush()?;
-        Ok(())
-    };
     if a.managed {
+        let delay = step_delay_from_env()?;
         let (tx, rx) = mpsc::channel::<WorkerCommand>();
         let abort = AbortSlot::default();
         let slot = abort.clone();
@@ -49,7 +66,7 @@ pub fn worker(a: WorkerArgs) -> Result<()> {
             // The agent went away: so does its node.
             std::process::exit(3);
         });
-        run_managed_worker(&rx, &abort, emit)?;
+        run_managed_worker(&rx, &abort, emit, delay)?;
         return Ok(());
     }
     let (Some(rank), Some(world)) = (a.rank, a.world) else {
