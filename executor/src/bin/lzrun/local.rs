@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener as StdListener};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use lazarus_executor::control::JobHandle;
@@ -16,6 +16,7 @@ use crate::drive::{Hooks, drive, runtime, stop_signals};
 use crate::job::job_from_args;
 use crate::nodes::Nodes;
 use crate::report::Report;
+use crate::runinfo::Injection;
 
 /// Starts the controller and the initial nodes, injects the scheduled faults, prints the report.
 pub fn local(a: LocalArgs) -> Result<()> {
@@ -63,6 +64,8 @@ pub fn local(a: LocalArgs) -> Result<()> {
         schedule,
         format,
         fired: BTreeSet::new(),
+        start: report.started(),
+        injected: Vec::new(),
     };
     let result = rt.block_on(drive(
         listener,
@@ -76,6 +79,16 @@ pub fn local(a: LocalArgs) -> Result<()> {
     job.clean_up(&result);
     result?;
     report.finish(&a.job, &config)?;
+    if let Some(dir) = &a.job.metrics_out {
+        let info = crate::runinfo::RunInfo {
+            args: &a,
+            params: &job.params,
+            schedule: &faults.schedule,
+            injected: &faults.injected,
+            report: &report,
+        };
+        crate::runinfo::write(dir, &info)?;
+    }
     if format == Format::Text {
         report.print_mean_loss_per_step()?;
     }
@@ -117,6 +130,10 @@ struct Faults {
     format: Format,
     /// Indices of the schedule's events already injected.
     fired: BTreeSet<usize>,
+    /// The run's start (the report's), for the injection times.
+    start: Instant,
+    /// What was injected and when, for `run.json`.
+    injected: Vec<crate::runinfo::Injection>,
 }
 
 impl Hooks for Faults {
@@ -169,10 +186,14 @@ impl Faults {
                 continue;
             }
             let nodes = &mut self.nodes;
+            let after_step = self.schedule.events[i].after_step;
+            let t_s = self.start.elapsed().as_secs_f64();
             match &self.schedule.events[i].fault {
                 Fault::Kill { node } => {
                     let name = nodes.kill_group(*node)?;
                     handle.fault_injected();
+                    self.injected
+                        .push(Injection::new(t_s, after_step, "kill", *node, &name, when));
                     self.format.say(&format!(
                         "lzrun local: killed node {node} ({name}) with SIGKILL {when}"
                     ));
@@ -183,6 +204,8 @@ impl Faults {
                         .ok_or_else(|| anyhow!("trace kills {name}, which is not running"))?;
                     nodes.kill_group(i)?;
                     handle.fault_injected();
+                    self.injected
+                        .push(Injection::new(t_s, after_step, "kill", i, name, when));
                     self.format.say(&format!(
                         "lzrun local: killed node {i} ({name}) with SIGKILL {when}"
                     ));
@@ -192,6 +215,9 @@ impl Faults {
                         .clone()
                         .unwrap_or_else(|| format!("n{}", nodes.launched()));
                     nodes.spawn(&name)?;
+                    let index = nodes.launched() - 1;
+                    self.injected
+                        .push(Injection::new(t_s, after_step, "join", index, &name, when));
                     self.format.say(&format!(
                         "lzrun local: started node {} ({name}) {when}",
                         nodes.launched() - 1

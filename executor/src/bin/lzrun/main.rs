@@ -14,6 +14,7 @@ mod job;
 mod local;
 mod nodes;
 mod report;
+mod runinfo;
 mod worker;
 
 use std::io::Write;
