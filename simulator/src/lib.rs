@@ -8,7 +8,9 @@
 //!   module and print;
 //! * [`replay`]: the discrete-event simulator of MoE training under node failures, with the
 //!   systems it compares ([`replay::systems`]), on the cost model of [`cost`] and the expert-load
-//!   workloads of [`workload`]; [`replay_cmd`], [`sweep_cmd`], [`failures_cmd`] are its commands.
+//!   workloads of [`workload`]; [`replay_cmd`], [`sweep_cmd`], [`failures_cmd`] are its commands;
+//! * [`predict`]: a recorded `lzrun local` run replayed with a calibrated profile, measured vs
+//!   predicted; [`predict_cmd`] is its command.
 //!
 //! Every placement, allocation, dispatch and migration decision is the planner's
 //! (`lazarus-planner`); this crate only drives it.
@@ -20,6 +22,8 @@ pub mod limits;
 pub mod loads;
 pub mod plan_cmd;
 pub mod plot;
+pub mod predict;
+pub mod predict_cmd;
 pub mod reconfig_cmd;
 pub mod recovery;
 pub mod recovery_cmd;

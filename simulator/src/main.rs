@@ -3,7 +3,8 @@
 
 use clap::{Parser, Subcommand};
 use lazarus_simulator::{
-    failures_cmd, plan_cmd, reconfig_cmd, recovery_cmd, relayout_cmd, replay_cmd, sweep_cmd,
+    failures_cmd, plan_cmd, predict_cmd, reconfig_cmd, recovery_cmd, relayout_cmd, replay_cmd,
+    sweep_cmd,
 };
 use std::io::Write;
 use std::process::ExitCode;
@@ -40,6 +41,16 @@ enum Command {
     Reconfig(Box<reconfig_cmd::ReconfigArgs>),
     /// Replay a routing trace through re-layout policies (static, lazarus, eplb, flexmoe, laer).
     Relayout(Box<relayout_cmd::RelayoutArgs>),
+    /// Predict a recorded `lzrun local` run with a calibrated profile: measured vs predicted.
+    ///
+    /// Reads RUN_DIR (`lzrun local --metrics-out RUN_DIR`), replays the same fault schedule
+    /// through the lazarus system (the job state machine lzrun drives) with the hardware
+    /// profile `lzrun calibrate` measured, and prints measured and predicted wall time, steps,
+    /// samples, recoveries, fallbacks (checkpoint restores), joins, rebalances and the time
+    /// breakdown (compute, checkpoint, reconfigure, restore, lost, idle) with relative errors.
+    /// Example: lzrun calibrate --out hw.toml; lzrun local --nodes 4 --kill 2@5 --metrics-out
+    /// run; lzsim predict run --hardware hw.toml --format json
+    Predict(Box<predict_cmd::PredictArgs>),
 }
 
 fn main() -> ExitCode {
@@ -52,6 +63,7 @@ fn main() -> ExitCode {
         Command::Sweep(a) => sweep_cmd::run(&a),
         Command::Reconfig(a) => reconfig_cmd::run(&a),
         Command::Relayout(a) => relayout_cmd::run(&a),
+        Command::Predict(a) => predict_cmd::run(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

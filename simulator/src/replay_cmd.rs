@@ -183,6 +183,9 @@ impl Setup {
             node_boot_s,
             end_ms: None,
             sample_every_s: parse_period_ms("--sample-every", &sim.sample_every)? as f64 / 1e3,
+            step_events: Vec::new(),
+            end_after_steps: None,
+            pause_lag_steps: 0,
         };
         Ok(Self {
             systems,

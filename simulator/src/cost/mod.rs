@@ -71,6 +71,21 @@
 //! concurrently but every rank takes part in one per replica it holds, so a max over experts
 //! would undercount by the number of replicas per rank.
 //!
+//! # Calibrated profiles (`lzrun calibrate`)
+//!
+//! A profile measured on one host running every node as a process (`lzrun local`) carries
+//! optional host terms; the built-in profiles have none, and cost exactly as without them:
+//!
+//! * `host_cores`: the ranks share the host's cores, so both compute terms are multiplied by
+//!   [`HardwareProfile::compute_share`] = `max(1, ranks / host_cores)`;
+//! * `step_overhead_s` (per rank, also shared) and `step_per_peer_s · (ranks − 1)` are added as
+//!   `host_overhead_s` ([`HardwareProfile::step_fixed_s`]): on loopback TCP with small messages
+//!   a step's communication is latency and synchronisation, not bytes over bandwidth;
+//! * `state_transfer_bandwidth_bytes_per_s` replaces the NIC share in [`migration_s`];
+//! * `replan_s` is added to every reconfiguration and restore by the engine;
+//! * `job_start_s`, `job_start_per_node_s`, `job_stop_s` are the launcher's start and stop,
+//!   which `lzsim predict` adds around the replay.
+//!
 //! # Pauses
 //! [`checkpoint_save_s`] / [`checkpoint_load_s`]: the full checkpoint (dense state once +
 //! every expert's state once, [`ModelProfile::checkpoint_bytes`]) over the checkpoint store's
@@ -83,7 +98,9 @@ mod profile;
 mod tests;
 
 #[allow(unused_imports)] // until the simulator uses them (integration)
-pub use profile::{HardwareProfile, ModelProfile, hardware, hardware_names, model, model_names};
+pub use profile::{
+    HardwareProfile, ModelProfile, hardware, hardware_names, model, model_from_toml, model_names,
+};
 
 use anyhow::{Result, bail};
 use lazarus_planner::dispatch;
@@ -126,6 +143,8 @@ pub struct StepCost {
     pub expert_compute_s: f64,
     pub all_to_all_s: f64,
     pub grad_allreduce_s: f64,
+    /// Calibrated host terms ([`HardwareProfile::step_fixed_s`]; 0 for the built-in profiles).
+    pub host_overhead_s: f64,
     /// Sequences per step: `gpus × batch_per_gpu`.
     pub samples: u64,
     pub tokens_per_s: f64,
@@ -177,16 +196,21 @@ pub fn step_cost(
         all_to_all_s += 4.0 * act * traffic.max_link_time(inter_bw, intra_bw);
     }
 
+    let share = hw.compute_share(gpus);
+    expert_compute_s *= share;
     let dense_compute_s =
-        model.tokens_per_gpu() as f64 * model.dense_train_flops_per_token() / flops;
+        share * model.tokens_per_gpu() as f64 * model.dense_train_flops_per_token() / flops;
     let grad_allreduce_s = grad_allreduce_s(hw, model, gpus, input.replicas_per_rank);
-    let total_s = dense_compute_s + expert_compute_s + all_to_all_s + grad_allreduce_s;
+    let host_overhead_s = hw.step_fixed_s(gpus);
+    let total_s =
+        dense_compute_s + expert_compute_s + all_to_all_s + grad_allreduce_s + host_overhead_s;
     Ok(StepCost {
         total_s,
         dense_compute_s,
         expert_compute_s,
         all_to_all_s,
         grad_allreduce_s,
+        host_overhead_s,
         samples: gpus as u64 * model.batch_per_gpu,
         tokens_per_s: (gpus as u64 * model.tokens_per_gpu()) as f64 / total_s,
     })
@@ -596,7 +620,8 @@ pub fn migration_s(
     let bw = if same_node {
         hw.rank_intra_bandwidth()
     } else {
-        hw.node_inter_bandwidth()
+        hw.state_transfer_bandwidth_bytes_per_s
+            .unwrap_or_else(|| hw.node_inter_bandwidth())
     };
     max_sent_bytes.max(max_recv_bytes) as f64 / bw
 }
@@ -609,7 +634,7 @@ pub fn restart_s(hw: &HardwareProfile, model: &ModelProfile, gpus: usize) -> f64
 }
 
 /// Seconds of a checkpoint-free reconfiguration, migration excluded: detection timeout +
-/// communicator rebuild (§1.3).
+/// communicator rebuild (§1.3) (+ the calibrated replan time, when the profile has one).
 pub fn reconfigure_s(hw: &HardwareProfile) -> f64 {
-    hw.failure_detection_timeout_s + hw.communicator_rebuild_s
+    hw.failure_detection_timeout_s + hw.communicator_rebuild_s + hw.replan_s.unwrap_or(0.0)
 }

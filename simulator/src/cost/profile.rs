@@ -64,6 +64,37 @@ pub struct HardwareProfile {
     pub process_restart_s: f64,
     /// Time from a node-add event until the node is usable.
     pub node_boot_s: f64,
+    // --- Optional host terms, written by `lzrun calibrate` (absent in the built-in profiles,
+    // which then cost exactly as before). See the `cost` module docs, "Calibrated profiles".
+    /// Every node's ranks run on one host with this many cores (`lzrun local`): with more ranks
+    /// than cores, each rank's compute (and `step_overhead_s`) takes `ranks / host_cores` times
+    /// longer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_cores: Option<f64>,
+    /// Per-step time of a rank besides its matmul FLOPs (optimizer, framework).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_overhead_s: Option<f64>,
+    /// What every further rank adds to a step (collective messages, synchronisation):
+    /// `step_per_peer_s · (ranks − 1)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_per_peer_s: Option<f64>,
+    /// The controller's replan, added to every reconfiguration and restore.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replan_s: Option<f64>,
+    /// Expert-state migration bandwidth of a node (default: the node's network bandwidth,
+    /// [`HardwareProfile::node_inter_bandwidth`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_transfer_bandwidth_bytes_per_s: Option<f64>,
+    /// A launcher's start: from its launch to the first step, `job_start_s +
+    /// job_start_per_node_s · nodes` (`lzsim predict` adds it to the replay's time).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_start_s: Option<f64>,
+    /// See `job_start_s`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_start_per_node_s: Option<f64>,
+    /// A launcher's stop: from the last step to its exit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_stop_s: Option<f64>,
 }
 
 fn one_usize() -> usize {
@@ -95,6 +126,24 @@ impl HardwareProfile {
     pub fn node_inter_bandwidth(&self) -> f64 {
         self.inter_node_bandwidth_bytes_per_s * self.network_efficiency
             / self.nic_shared_by_nodes as f64
+    }
+
+    /// How many times longer a rank's compute takes on `ranks` ranks sharing the host's cores:
+    /// `max(1, ranks / host_cores)`, 1 without `host_cores`.
+    pub fn compute_share(&self, ranks: usize) -> f64 {
+        self.host_cores.map_or(1.0, |c| (ranks as f64 / c).max(1.0))
+    }
+
+    /// The fixed and per-peer step costs of `ranks` ranks (0 without them):
+    /// `compute_share · step_overhead_s + step_per_peer_s · (ranks − 1)`.
+    pub fn step_fixed_s(&self, ranks: usize) -> f64 {
+        self.compute_share(ranks) * self.step_overhead_s.unwrap_or(0.0)
+            + self.step_per_peer_s.unwrap_or(0.0) * ranks.saturating_sub(1) as f64
+    }
+
+    /// Launcher start for `nodes` nodes (0 without the fields).
+    pub fn job_start_s(&self, nodes: usize) -> f64 {
+        self.job_start_s.unwrap_or(0.0) + self.job_start_per_node_s.unwrap_or(0.0) * nodes as f64
     }
 
     /// Node of rank `rank`.
@@ -145,6 +194,24 @@ impl HardwareProfile {
         non_negative("communicator_rebuild_s", self.communicator_rebuild_s)?;
         non_negative("process_restart_s", self.process_restart_s)?;
         non_negative("node_boot_s", self.node_boot_s)?;
+        if let Some(c) = self.host_cores {
+            positive("host_cores", c)?;
+        }
+        if let Some(b) = self.state_transfer_bandwidth_bytes_per_s {
+            positive("state_transfer_bandwidth_bytes_per_s", b)?;
+        }
+        for (field, v) in [
+            ("step_overhead_s", self.step_overhead_s),
+            ("step_per_peer_s", self.step_per_peer_s),
+            ("replan_s", self.replan_s),
+            ("job_start_s", self.job_start_s),
+            ("job_start_per_node_s", self.job_start_per_node_s),
+            ("job_stop_s", self.job_stop_s),
+        ] {
+            if let Some(v) = v {
+                non_negative(field, v)?;
+            }
+        }
         Ok(())
     }
 }
@@ -447,6 +514,14 @@ pub fn model(name_or_path: &str) -> Result<ModelProfile> {
     let p: ModelProfile = load("model", BUILTIN_MODELS, name_or_path)?;
     p.validate()
         .with_context(|| format!("model profile {name_or_path}"))?;
+    Ok(p)
+}
+
+/// A model profile from TOML text (`what` names it in errors).
+pub fn model_from_toml(text: &str, what: &str) -> Result<ModelProfile> {
+    let p: ModelProfile = toml::from_str(text).with_context(|| format!("model profile {what}"))?;
+    p.validate()
+        .with_context(|| format!("model profile {what}"))?;
     Ok(p)
 }
 

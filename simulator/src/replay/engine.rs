@@ -163,6 +163,13 @@ pub struct Engine<'a> {
     events: Vec<EventRecord>,
     samples_out: Vec<Sample>,
     record: bool,
+    /// `cfg.step_events` with node ids (each addition a new node), and whether each fired.
+    step_events: Vec<(u64, NodeOp, NodeId)>,
+    fired: Vec<bool>,
+    /// `cfg.end_after_steps` was reached: nothing more starts.
+    steps_done: bool,
+    /// With `cfg.pause_lag_steps`: the step count at which the pending pause takes effect.
+    pause_at_steps: Option<u64>,
 }
 
 impl<'a> Engine<'a> {
@@ -221,6 +228,10 @@ impl<'a> Engine<'a> {
             events: Vec::new(),
             samples_out: Vec::new(),
             record,
+            step_events: Vec::new(),
+            fired: Vec::new(),
+            steps_done: false,
+            pause_at_steps: None,
         };
         let mut ids: BTreeMap<&str, NodeId> = BTreeMap::new();
         let end_ms = cfg
@@ -244,6 +255,26 @@ impl<'a> Engine<'a> {
                 NodeOp::Remove => e.push(t, Ev::TraceRemove(id)),
             }
         }
+        // Step events: an addition is always a new node (a name can come back after its
+        // removal); a removal takes the name's newest node.
+        let mut current: BTreeMap<String, NodeId> = ids
+            .iter()
+            .map(|(name, &id)| ((*name).to_string(), id))
+            .collect();
+        for ev in &cfg.step_events {
+            let id = match (ev.op, current.get(&ev.node)) {
+                (NodeOp::Remove, Some(&id)) => id,
+                _ => {
+                    e.names.push(ev.node.clone());
+                    e.state.push(NodeState::Dead);
+                    let id = (e.names.len() - 1) as NodeId;
+                    current.insert(ev.node.clone(), id);
+                    id
+                }
+            };
+            e.step_events.push((ev.after_step, ev.op, id));
+        }
+        e.fired = vec![false; e.step_events.len()];
         e.push(0, Ev::TryStart);
         if record && cfg.sample_every_s > 0.0 {
             e.push(0, Ev::Sample);
@@ -498,6 +529,7 @@ impl<'a> Engine<'a> {
                 }
                 self.set_layout(None);
                 self.job = Job::Idle;
+                self.fire_next_additions();
             }
             Order::Restore { step, layout } => {
                 self.t.restart_ns += detect;
@@ -512,7 +544,8 @@ impl<'a> Engine<'a> {
                 self.set_layout(Some(*layout));
                 self.log("restart", json!({"nodes": nodes}));
                 let gpus = nodes * self.cfg.hardware.gpus_per_node;
-                let s = cost::restart_s(&self.cfg.hardware, &self.cfg.model, gpus);
+                let s = cost::restart_s(&self.cfg.hardware, &self.cfg.model, gpus)
+                    + self.cfg.hardware.replan_s.unwrap_or(0.0);
                 self.pause(PauseKind::Restart, s);
             }
             Order::Reconfigure {
@@ -537,7 +570,8 @@ impl<'a> Engine<'a> {
                     return;
                 }
                 self.add_migration(&migration);
-                let mut pause = self.migration_pause_s(&migration);
+                let mut pause =
+                    self.migration_pause_s(&migration) + self.cfg.hardware.replan_s.unwrap_or(0.0);
                 if membership_changed {
                     pause += self.cfg.hardware.communicator_rebuild_s;
                 }
@@ -878,10 +912,82 @@ impl<'a> Engine<'a> {
         }
     }
 
+    /// At a step boundary: stop if `end_after_steps` is reached; fire the step events due
+    /// (additions first, then what happens next at this boundary, then the removals, which
+    /// interrupt it).
+    fn at_boundary(&mut self) {
+        if self.steps_done {
+            return;
+        }
+        if self.cfg.end_after_steps.is_some_and(|n| self.steps >= n) {
+            self.steps_done = true;
+            self.log("steps_done", json!({}));
+            self.push(self.now, Ev::End);
+            return;
+        }
+        let due: Vec<usize> = (0..self.step_events.len())
+            .filter(|&i| !self.fired[i] && self.step_events[i].0 < self.steps)
+            .collect();
+        for &i in &due {
+            self.fired[i] = true;
+        }
+        for &i in &due {
+            let (_, op, id) = self.step_events[i];
+            if op == NodeOp::Add {
+                self.handle(Ev::TraceAdd(id));
+            }
+        }
+        self.boundary_decision();
+        for &i in &due {
+            let (_, op, id) = self.step_events[i];
+            if op == NodeOp::Remove && self.state[id as usize] != NodeState::Dead {
+                self.on_remove(id);
+            }
+        }
+    }
+
+    /// While the job waits for nodes no step completes: start the next pending additions of
+    /// the step events now (as `lzrun local` does).
+    fn fire_next_additions(&mut self) {
+        let next = (0..self.step_events.len())
+            .filter(|&i| !self.fired[i] && self.step_events[i].1 == NodeOp::Add)
+            .map(|i| self.step_events[i].0)
+            .min();
+        let Some(step) = next else {
+            return;
+        };
+        for i in 0..self.step_events.len() {
+            let (after, op, id) = self.step_events[i];
+            if !self.fired[i] && op == NodeOp::Add && after == step {
+                self.fired[i] = true;
+                self.log(
+                    "early_add",
+                    json!({"node": self.names[id as usize], "after_step": after}),
+                );
+                self.handle(Ev::TraceAdd(id));
+            }
+        }
+    }
+
+    /// The steps until the next step event can fire (`u64::MAX` without one).
+    fn steps_to_next_event(&self) -> u64 {
+        let s = self.steps;
+        let mut n = u64::MAX;
+        for (i, &(after, _, _)) in self.step_events.iter().enumerate() {
+            if !self.fired[i] && after + 1 > s {
+                n = n.min(after + 1 - s);
+            }
+        }
+        if let Some(end) = self.cfg.end_after_steps {
+            n = n.min(end.saturating_sub(s).max(1));
+        }
+        n
+    }
+
     /// At a step boundary with a layout: checkpoint if due, then (baselines) a scale-out if
     /// due, or (lazarus) what the machine decides if it asked for a pause; else run the next
     /// segment.
-    fn at_boundary(&mut self) {
+    fn boundary_decision(&mut self) {
         let Some(layout) = self.layout.clone() else {
             self.job = Job::Idle;
             return;
@@ -903,6 +1009,19 @@ impl<'a> Engine<'a> {
         }
         if self.driver().is_some() {
             let (ctx, now, steps) = (self.ctx(), self.now, self.steps);
+            let lag = self.cfg.pause_lag_steps;
+            let d = self.driver().expect("lazarus");
+            // A pause takes effect `pause_lag_steps` steps after the first boundary since it
+            // was asked for (lzrun's members read the request when a step starts).
+            if !d.pause_wanted() {
+                self.pause_at_steps = None;
+            } else if lag > 0 {
+                let at = *self.pause_at_steps.get_or_insert(steps + lag);
+                if steps < at {
+                    self.run_segment(&layout);
+                    return;
+                }
+            }
             let d = self.driver().expect("lazarus");
             match d.at_boundary(&ctx, now, steps, &layout) {
                 Some(order) => self.perform(order, None),
@@ -1003,6 +1122,11 @@ impl<'a> Engine<'a> {
         };
         let mut n = until_multiple(self.cfg.checkpoint_every_steps)
             .min(decision)
+            .min(self.steps_to_next_event())
+            .min(
+                self.pause_at_steps
+                    .map_or(u64::MAX, |k| k.saturating_sub(s).max(1)),
+            )
             .min(self.workload.next_change(s).map_or(u64::MAX, |c| c - s))
             .min(1_000_000);
         if self.scale_out_requested {
@@ -1130,6 +1254,93 @@ mod tests {
         bytes_per_param_weights = 2\nbytes_per_param_state = 14\nbytes_per_expert_state = 28\n\
         ep_size = 2\nslots_per_gpu = 6\nf = 2\n";
 
+    fn step_event(after_step: u64, op: NodeOp, node: &str) -> crate::replay::StepEvent {
+        crate::replay::StepEvent {
+            after_step,
+            op,
+            node: node.to_string(),
+        }
+    }
+
+    fn step_config(events: Vec<crate::replay::StepEvent>) -> ReplayConfig {
+        let model: ModelProfile = toml::from_str(TINY_MODEL).expect("tiny model");
+        ReplayConfig {
+            hardware: cost::hardware("rtx3090-100g").expect("built-in"),
+            model,
+            checkpoint_every_steps: Some(10),
+            rebalance_every_steps: None,
+            load_window_steps: 200,
+            scale_out_wait_s: 0.0,
+            node_boot_s: 0.0,
+            end_ms: Some(3_600_000),
+            sample_every_s: 0.0,
+            step_events: events,
+            end_after_steps: Some(30),
+            pause_lag_steps: 0,
+        }
+    }
+
+    fn run_steps(cfg: &ReplayConfig, nodes: usize) -> RunResult {
+        let text: String = (0..nodes).map(|i| format!("0,add,n{i}\n")).collect();
+        let trace = parse(&text, TraceFormat::BambooCsv).expect("trace");
+        let model = &cfg.model;
+        let workload = Workload::Zipf(ZipfLoads::new(0.0, model.experts, model.moe_layers, 0));
+        Engine::new(cfg, SystemKind::Lazarus, &trace, &workload, true, None)
+            .run()
+            .expect("a short run")
+    }
+
+    #[test]
+    fn step_events_fire_after_their_step_and_the_run_stops_at_its_steps() {
+        let cfg = step_config(vec![
+            step_event(5, NodeOp::Remove, "n2"),
+            step_event(12, NodeOp::Add, "n4"),
+        ]);
+        let r = run_steps(&cfg, 4);
+        let s = &r.summary;
+        assert_eq!(s.steps, 30);
+        assert_eq!((s.recoveries, s.fallbacks, s.scale_outs), (1, 0, 1));
+        assert_eq!((s.preemptions, s.preemptions_in_use), (1, 1));
+        let remove = r.events.iter().find(|e| e.kind == "node_remove").unwrap();
+        assert_eq!(remove.step, 6, "killed once step 5 (0-based) completed");
+        let add = r
+            .events
+            .iter()
+            .find(|e| e.kind == "node_add" && e.step > 0)
+            .unwrap();
+        assert_eq!(add.step, 13);
+        assert_eq!(r.events.last().unwrap().kind, "steps_done");
+        // The run ends when its last step completes.
+        let t = s.time;
+        let busy = t.compute + t.lost + t.checkpoint + t.restart + t.reconfigure + t.rebalance;
+        assert!((busy + t.idle - s.duration_s).abs() < 1e-6);
+        assert_eq!(t.idle, 0.0);
+        // Deterministic.
+        let again = run_steps(&cfg, 4);
+        assert_eq!(again.summary, r.summary);
+        assert_eq!(again.events, r.events);
+    }
+
+    #[test]
+    fn killing_every_holder_restores_the_checkpoint_and_waiting_starts_joins_early() {
+        // Two nodes, f = 2: each holds every expert; killing both leaves nothing, the machine
+        // waits, and the join scheduled much later starts at once (as lzrun local does).
+        let mut cfg = step_config(vec![
+            step_event(14, NodeOp::Remove, "n0"),
+            step_event(14, NodeOp::Remove, "n1"),
+            step_event(25, NodeOp::Add, "n2"),
+            step_event(25, NodeOp::Add, "n3"),
+        ]);
+        cfg.end_after_steps = Some(20);
+        let r = run_steps(&cfg, 2);
+        let s = &r.summary;
+        assert_eq!(s.steps, 20);
+        assert_eq!(s.fallbacks, 1, "{:?}", r.events);
+        assert!(r.events.iter().any(|e| e.kind == "early_add"));
+        // Steps 10..=14 were rolled back to the checkpoint of step 10 and trained again.
+        assert!(s.time.lost > 0.0);
+    }
+
     #[test]
     fn a_run_stops_at_its_event_budget() {
         let model: ModelProfile = toml::from_str(TINY_MODEL).expect("tiny model");
@@ -1144,6 +1355,9 @@ mod tests {
             node_boot_s: 45.0,
             end_ms: Some(3_600_000),
             sample_every_s: 0.0,
+            step_events: Vec::new(),
+            end_after_steps: None,
+            pause_lag_steps: 0,
         };
         let trace = parse("0,add,a\n0,add,b\n", TraceFormat::BambooCsv).expect("trace");
         let engine = Engine::new(&cfg, SystemKind::Ds, &trace, &workload, false, None);

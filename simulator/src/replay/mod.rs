@@ -33,6 +33,37 @@ pub struct ReplayConfig {
     pub end_ms: Option<u64>,
     /// Time-series sampling period (0: none).
     pub sample_every_s: f64,
+    /// Node events tied to training progress instead of time (`lzrun local`'s fault schedule:
+    /// `--kill N@S`, `--join @S`), sorted by `after_step`; empty for trace replays.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub step_events: Vec<StepEvent>,
+    /// Stop once this many steps are counted (`lzrun`'s `--steps`); `None`: run to the end time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end_after_steps: Option<u64>,
+    /// `lazarus`: a pause the job machine asks for (a join, a rebalance) takes effect this many
+    /// steps after the next step boundary instead of at it. `lzrun`'s workers read a pause
+    /// request when a step starts and vote on it in that step's last collective, so a request
+    /// that arrives during a step stops the members after the following one: 1 for `lzsim
+    /// predict`, 0 (the paper's model) otherwise.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pause_lag_steps: u64,
+}
+
+fn is_zero(x: &u64) -> bool {
+    *x == 0
+}
+
+/// A node event that fires once training has completed step `after_step` (0-based) for the
+/// first time, as `lzrun local` injects its faults: at that step boundary, a `Remove` kills the
+/// node while whatever starts there runs (the next step, or a checkpoint), an `Add` starts a
+/// node that is ready `node_boot_s` later. While the job waits for nodes (no step can
+/// complete), the next pending additions fire at once, as `lzrun local` starts its next joins
+/// early. A name may come back after its removal: each addition is a new node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StepEvent {
+    pub after_step: u64,
+    pub op: lazarus_traces::NodeOp,
+    pub node: String,
 }
 
 /// Seconds spent in each activity; they add up to the run's duration.

@@ -233,7 +233,9 @@ pub struct JobArgs {
     #[arg(long, value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
     /// Write summary.json, timeseries.csv (the simulator's columns), steps.csv and
-    /// reconfigurations.jsonl into DIR.
+    /// reconfigurations.jsonl into DIR; `lzrun local` also writes run.json (model, nodes, seed,
+    /// checkpoint settings, fault schedule and its source, launch timeline: what `lzsim
+    /// predict DIR` replays).
     #[arg(long, value_name = "DIR")]
     pub metrics_out: Option<PathBuf>,
     /// Output: text (log lines) or json (only the summary object on stdout).

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener as StdListener};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use lazarus_executor::control::JobHandle;
@@ -17,6 +17,7 @@ use crate::drive::{Failover, Hooks, drive, runtime, stop_signals};
 use crate::job::job_from_args;
 use crate::nodes::Nodes;
 use crate::report::Report;
+use crate::runinfo::Injection;
 
 /// Starts the controller and the initial nodes, injects the scheduled faults, prints the report.
 pub fn local(a: LocalArgs) -> Result<()> {
@@ -71,6 +72,8 @@ pub fn local(a: LocalArgs) -> Result<()> {
         format,
         fired: BTreeSet::new(),
         kill_controller: false,
+        start: report.started(),
+        injected: Vec::new(),
     };
     let result = rt.block_on(drive(
         listener,
@@ -85,6 +88,16 @@ pub fn local(a: LocalArgs) -> Result<()> {
     job.clean_up(&result);
     result?;
     report.finish(&a.job, &config)?;
+    if let Some(dir) = &a.job.metrics_out {
+        let info = crate::runinfo::RunInfo {
+            args: &a,
+            params: &job.params,
+            schedule: &faults.schedule,
+            injected: &faults.injected,
+            report: &report,
+        };
+        crate::runinfo::write(dir, &info)?;
+    }
     if format == Format::Text {
         report.print_mean_loss_per_step()?;
     }
@@ -156,6 +169,10 @@ struct Faults {
     fired: BTreeSet<usize>,
     /// A controller kill is due (taken by `drive`).
     kill_controller: bool,
+    /// The run's start (the report's), for the injection times.
+    start: Instant,
+    /// What was injected and when, for `run.json`.
+    injected: Vec<crate::runinfo::Injection>,
 }
 
 impl Hooks for Faults {
@@ -212,10 +229,14 @@ impl Faults {
                 continue;
             }
             let nodes = &mut self.nodes;
+            let after_step = self.schedule.events[i].after_step;
+            let t_s = self.start.elapsed().as_secs_f64();
             match &self.schedule.events[i].fault {
                 Fault::Kill { node } => {
                     let name = nodes.kill_group(*node)?;
                     handle.fault_injected();
+                    self.injected
+                        .push(Injection::new(t_s, after_step, "kill", *node, &name, when));
                     self.format.say(&format!(
                         "lzrun local: killed node {node} ({name}) with SIGKILL {when}"
                     ));
@@ -226,6 +247,8 @@ impl Faults {
                         .ok_or_else(|| anyhow!("trace kills {name}, which is not running"))?;
                     nodes.kill_group(i)?;
                     handle.fault_injected();
+                    self.injected
+                        .push(Injection::new(t_s, after_step, "kill", i, name, when));
                     self.format.say(&format!(
                         "lzrun local: killed node {i} ({name}) with SIGKILL {when}"
                     ));
@@ -235,6 +258,9 @@ impl Faults {
                         .clone()
                         .unwrap_or_else(|| format!("n{}", nodes.launched()));
                     nodes.spawn(&name)?;
+                    let index = nodes.launched() - 1;
+                    self.injected
+                        .push(Injection::new(t_s, after_step, "join", index, &name, when));
                     self.format.say(&format!(
                         "lzrun local: started node {} ({name}) {when}",
                         nodes.launched() - 1

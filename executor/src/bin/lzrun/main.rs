@@ -7,6 +7,7 @@
 
 mod agent;
 mod args;
+mod calibrate;
 mod config;
 mod controller;
 mod drive;
@@ -14,6 +15,7 @@ mod job;
 mod local;
 mod nodes;
 mod report;
+mod runinfo;
 mod worker;
 
 use std::io::Write;
@@ -78,6 +80,18 @@ enum Cmd {
     /// --out, writes the checksums of its replicas and dense weights to `DIR/rank<R>.json`.
     /// With --managed it reads the controller's commands (JSON lines) on stdin instead.
     Worker(WorkerArgs),
+    /// Measure this machine for the simulator: write a hardware profile for `lzsim --hardware`.
+    ///
+    /// Runs short `lzrun local` jobs of this executable — step times on 1..=N nodes and at
+    /// half and twice the batch on one node, a run with a kill and a join, a run whose kills
+    /// force a checkpoint restore — writes and reads a full checkpoint through the checkpoint
+    /// module and moves buffers through the TCP communicator, then fits the cost model's
+    /// constants (compute FLOP/s, per-step and per-peer step costs on this host's cores,
+    /// bandwidths, failure detection, replan, mesh build, node start, restore, the launcher's
+    /// start and stop) and writes them as TOML, each with a comment saying how it was
+    /// measured. About a minute for the tiny model on 6 nodes; other work on the machine
+    /// slows what it measures. Use the profile with `lzsim predict RUN_DIR --hardware FILE`.
+    Calibrate(calibrate::CalibrateArgs),
 }
 
 /// A clap error as one line, details included: clap lists what the first line announces (the
@@ -136,6 +150,7 @@ fn main() -> ExitCode {
         Cmd::Controller(a) => controller::controller(a),
         Cmd::Agent(a) => agent::agent(a),
         Cmd::Worker(a) => worker::worker(a),
+        Cmd::Calibrate(a) => calibrate::calibrate(a),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

@@ -67,6 +67,11 @@ pub struct Report {
     reconfigs: Vec<RecoveryRecord>,
     consumed: u64,
     start: Instant,
+    /// Launch-relative seconds at which the first step record arrived: the origin of the
+    /// records' `t_s` (for `run.json`).
+    first_step_s: Option<f64>,
+    /// Launch-relative seconds at which each reconfiguration record arrived, with its kind.
+    reconfig_arrivals: Vec<(f64, String)>,
 }
 
 impl Report {
@@ -78,7 +83,20 @@ impl Report {
             reconfigs: Vec::new(),
             consumed: 0,
             start: Instant::now(),
+            first_step_s: None,
+            reconfig_arrivals: Vec::new(),
         }
+    }
+
+    /// When the run started (the origin of the launch-relative times in `run.json`).
+    pub fn started(&self) -> Instant {
+        self.start
+    }
+
+    /// The launch-relative times the report took (for `run.json`): when the first step record
+    /// arrived, and when each reconfiguration record did.
+    pub fn arrivals(&self) -> (Option<f64>, &[(f64, String)]) {
+        (self.first_step_s, &self.reconfig_arrivals)
     }
 
     pub fn say(&self, line: &str) {
@@ -86,12 +104,17 @@ impl Report {
     }
 
     pub fn step(&mut self, r: StepRecord) {
+        if self.first_step_s.is_none() {
+            self.first_step_s = Some(self.start.elapsed().as_secs_f64());
+        }
         self.consumed += r.samples;
         self.say(&metrics::log_line(&r, self.steps, self.consumed));
         self.records.push(r);
     }
 
     pub fn reconfigured(&mut self, r: RecoveryRecord) {
+        let at = self.start.elapsed().as_secs_f64();
+        self.reconfig_arrivals.push((at, r.kind.clone()));
         let line = serde_json::json!({ "reconfiguration": &r });
         self.say(&line.to_string());
         self.reconfigs.push(r);
@@ -156,7 +179,7 @@ impl Report {
 }
 
 /// The commit of the checkout the binary runs in, or "unknown".
-fn git_commit() -> String {
+pub fn git_commit() -> String {
     Command::new("git")
         .args(["rev-parse", "HEAD"])
         .stderr(Stdio::null())

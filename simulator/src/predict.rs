@@ -1,0 +1,811 @@
+//! `lzsim predict`: replays a real `lzrun local --metrics-out RUN_DIR` run through the
+//! simulator's `lazarus` system (the job state machine `lzrun`'s controller drives) with a
+//! calibrated hardware profile (`lzrun calibrate`), and compares what was measured with what
+//! the simulator predicts.
+//!
+//! # What is read
+//!
+//! `RUN_DIR/run.json` (the model, nodes, seed, steps, `f`, slots, checkpoint and rebalance
+//! settings, the fault schedule and the launch timeline), `summary.json`, `steps.csv` and
+//! `reconfigurations.jsonl`. A missing or malformed file is a [`RunDirError`] naming it.
+//!
+//! # How the run becomes a replay
+//!
+//! * The model profile is the run's model: every layer an MoE layer, `d_ff` per expert, two
+//!   matrices per FFN, the LM head tied to the embedding, f32 weights (4 bytes) and
+//!   f32 AdamW state (12 bytes per parameter), `batch` sequences per rank, the run's slots per
+//!   node and `f`.
+//! * The initial nodes are added at time 0; the fault schedule becomes step events
+//!   ([`crate::replay::StepEvent`]): a kill of launch index `i` or of a trace name removes that
+//!   node once step `after_step` completed, a join adds a node that is ready `node_boot_s`
+//!   later (joins while the job waits for nodes fire at once, as in `lzrun local`).
+//! * Expert loads are uniform (the run's own routing is not recorded per step); checkpoints
+//!   every `checkpoint.every_steps`, rebalances as configured, lazy scale-out wait 0 (as
+//!   `lzrun` plans newcomers at once), a pause taking effect one step after the next
+//!   boundary (`pause_lag_steps = 1`: `lzrun`'s members read a pause request when a step
+//!   starts), stop after `steps` steps.
+//! * Predicted wall time = the launcher's start (`job_start_s + job_start_per_node_s · N`) +
+//!   the replay + the launcher's stop (`job_stop_s`); both are part of the predicted `idle`.
+//!
+//! # The measured time breakdown (seconds)
+//!
+//! * a step's wall time is the time since the previous step record when it follows the
+//!   previous step on the same plan, else (the first step, the first after a reconfiguration)
+//!   its own `step_ms` (the same rule as `lzrun calibrate`'s step times);
+//! * `compute`: the wall time of the record that counts for each step (its last), less the
+//!   checkpoint share below; `lost`: the same for records a later record of the same step
+//!   replaced (rolled back by a restore, or redone);
+//! * `checkpoint`: workers write their parts between steps, so a checkpoint shows as a longer
+//!   step after it: for each step that follows a checkpoint (step index a multiple of the
+//!   interval, right after the previous step on the same plan), its excess over the mean step
+//!   of the same membership (steps that follow another and no checkpoint);
+//! * `reconfigure`: in-place recoveries' `detect + replan + migrate` and joins' and
+//!   rebalances' `replan + migrate` (their detection is the members finishing the step in
+//!   flight, which counts as compute); `restore`: checkpoint restores' `detect + replan +
+//!   migrate`; each reconfiguration's `resume_ms` is the first step after it, counted as
+//!   compute;
+//! * `idle`: the rest of the wall time (the launcher's start and stop, waiting for nodes).
+//!
+//! The predicted breakdown maps the simulator's: `compute`, `lost`, `checkpoint`,
+//! `reconfigure` (+ `rebalance`), `restore` (= `restart`: detection, restore and checkpoint
+//! read), `idle` (+ the launcher's start and stop).
+
+use crate::cost::{self, HardwareProfile, ModelProfile};
+use crate::replay::systems::SystemKind;
+use crate::replay::{self, ReplayConfig, RunResult, Sample, StepEvent};
+use crate::workload::Workload;
+use lazarus_traces::zipf::ZipfLoads;
+use lazarus_traces::{NodeOp, Trace, TraceEvent};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Why a run directory cannot be predicted. Every variant names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum RunDirError {
+    #[error("run directory {0}: no such directory")]
+    NotADirectory(PathBuf),
+    #[error(
+        "{0}: missing (is the run directory made by `lzrun local --metrics-out DIR` of this \
+         version, which writes run.json, summary.json, steps.csv and reconfigurations.jsonl?)"
+    )]
+    Missing(PathBuf),
+    #[error("{path}: cannot read: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {msg}")]
+    Malformed { path: PathBuf, msg: String },
+}
+
+fn malformed(path: &Path, msg: impl std::fmt::Display) -> RunDirError {
+    RunDirError::Malformed {
+        path: path.to_path_buf(),
+        msg: msg.to_string(),
+    }
+}
+
+/// The model config of an `lzrun` run (`lazarus_executor::model::MoeConfig`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct RunModel {
+    pub vocab: u64,
+    pub d_model: u64,
+    pub n_layers: usize,
+    pub n_heads: u64,
+    pub d_ff: u64,
+    pub experts: usize,
+    pub top_k: usize,
+    pub seq_len: u64,
+    pub batch: u64,
+}
+
+/// A fault of `lzrun`'s schedule (`lazarus_executor::faults::Fault`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub enum Fault {
+    Kill { node: usize },
+    KillName { name: String },
+    Join { name: Option<String> },
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct FaultEvent {
+    pub after_step: u64,
+    pub fault: Fault,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Faults {
+    pub source: String,
+    #[serde(default)]
+    pub trace: Option<String>,
+    #[serde(default)]
+    pub time_scale_s_per_step: Option<f64>,
+    pub events: Vec<FaultEvent>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct CheckpointSettings {
+    pub every_steps: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Timeline {
+    /// Launch-relative seconds of the first step record (the origin of `steps.csv`'s `t_s`).
+    pub first_step_s: Option<f64>,
+}
+
+/// `run.json` (the fields `predict` uses).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct RunConfig {
+    pub format: String,
+    pub model: RunModel,
+    pub expert_state_bytes: u64,
+    pub nodes: usize,
+    pub initial_names: Vec<String>,
+    pub seed: u64,
+    pub steps: u64,
+    pub fault_tolerance: usize,
+    pub slots_per_node: usize,
+    pub checkpoint: Option<CheckpointSettings>,
+    pub rebalance_every_steps: u64,
+    pub faults: Faults,
+    pub timeline: Timeline,
+}
+
+/// `summary.json` (the fields `predict` uses).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct RunSummary {
+    pub steps: u64,
+    pub recoveries: u64,
+    pub fallbacks: u64,
+    pub joins: u64,
+    pub rebalances: u64,
+    pub wall_s: f64,
+}
+
+/// A row of `steps.csv`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct StepRow {
+    pub step: u64,
+    pub t_s: f64,
+    pub samples: u64,
+    pub used_nodes: usize,
+    pub plan_version: u64,
+    pub step_ms: f64,
+}
+
+/// A line of `reconfigurations.jsonl`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct ReconfigRow {
+    pub kind: String,
+    pub detect_ms: f64,
+    pub replan_ms: f64,
+    pub migrate_ms: f64,
+}
+
+/// A recorded run.
+#[derive(Debug, Clone)]
+pub struct RunDir {
+    pub config: RunConfig,
+    pub summary: RunSummary,
+    pub steps: Vec<StepRow>,
+    pub reconfigs: Vec<ReconfigRow>,
+}
+
+fn read(path: &Path) -> Result<String, RunDirError> {
+    if !path.is_file() {
+        return Err(RunDirError::Missing(path.to_path_buf()));
+    }
+    std::fs::read_to_string(path).map_err(|source| RunDirError::Read {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+impl RunDir {
+    /// Reads and checks a run directory.
+    pub fn load(dir: &Path) -> Result<Self, RunDirError> {
+        if !dir.is_dir() {
+            return Err(RunDirError::NotADirectory(dir.to_path_buf()));
+        }
+        let path = dir.join("run.json");
+        let config: RunConfig =
+            serde_json::from_str(&read(&path)?).map_err(|e| malformed(&path, e))?;
+        if config.format != "lzrun-run/1" {
+            return Err(malformed(
+                &path,
+                format!("format {:?}, expected \"lzrun-run/1\"", config.format),
+            ));
+        }
+        if config.nodes == 0 || config.initial_names.len() != config.nodes {
+            return Err(malformed(
+                &path,
+                format!(
+                    "{} initial nodes with {} names",
+                    config.nodes,
+                    config.initial_names.len()
+                ),
+            ));
+        }
+        if config.steps == 0 {
+            return Err(malformed(&path, "steps is 0"));
+        }
+        if config.slots_per_node == 0 || config.fault_tolerance == 0 {
+            return Err(malformed(
+                &path,
+                "slots_per_node and fault_tolerance must be >= 1",
+            ));
+        }
+        let path = dir.join("summary.json");
+        let summary: RunSummary =
+            serde_json::from_str(&read(&path)?).map_err(|e| malformed(&path, e))?;
+        if !(summary.wall_s.is_finite() && summary.wall_s > 0.0) {
+            return Err(malformed(&path, format!("wall_s is {}", summary.wall_s)));
+        }
+        let path = dir.join("steps.csv");
+        let text = read(&path)?;
+        let steps: Vec<StepRow> = csv::Reader::from_reader(text.as_bytes())
+            .deserialize()
+            .collect::<Result<_, _>>()
+            .map_err(|e| malformed(&path, e))?;
+        if steps.is_empty() {
+            return Err(malformed(&path, "no step recorded"));
+        }
+        if let Some(r) = steps
+            .iter()
+            .find(|r| !(r.step_ms.is_finite() && r.step_ms >= 0.0))
+        {
+            return Err(malformed(
+                &path,
+                format!("step {} has step_ms {}", r.step, r.step_ms),
+            ));
+        }
+        let path = dir.join("reconfigurations.jsonl");
+        let text = read(&path)?;
+        let reconfigs = text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+            .map(|(i, l)| {
+                serde_json::from_str::<ReconfigRow>(l)
+                    .map_err(|e| malformed(&path, format!("line {}: {e}", i + 1)))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            config,
+            summary,
+            steps,
+            reconfigs,
+        })
+    }
+
+    /// The simulator's model profile of the run's model.
+    pub fn model_profile(&self) -> anyhow::Result<ModelProfile> {
+        let m = &self.config.model;
+        let text = format!(
+            "name = \"lzrun\"\nlayers = {l}\nmoe_layers = {l}\nd_model = {d}\nffn_hidden = {ff}\n\
+             ffn_matrices = 2\nexperts = {e}\nshared_experts = 0\ntop_k = {k}\nvocab = {v}\n\
+             tied_embeddings = true\nseq_len = {s}\nbatch_per_gpu = {b}\n\
+             bytes_per_param_weights = 4\nbytes_per_param_state = 12\n\
+             bytes_per_expert_state = {es}\nep_size = {e}\nslots_per_gpu = {slots}\nf = {f}\n",
+            l = m.n_layers,
+            d = m.d_model,
+            ff = m.d_ff,
+            e = m.experts,
+            k = m.top_k,
+            v = m.vocab,
+            s = m.seq_len,
+            b = m.batch,
+            es = self.config.expert_state_bytes,
+            slots = self.config.slots_per_node,
+            f = self.config.fault_tolerance,
+        );
+        cost::model_from_toml(&text, "the model of run.json")
+    }
+
+    /// Node names in launch order: the initial nodes, then every join of the schedule (the
+    /// executor names a join `n<index>` unless the trace names it).
+    fn launch_names(&self) -> Vec<String> {
+        let mut names = self.config.initial_names.clone();
+        for ev in &self.config.faults.events {
+            if let Fault::Join { name } = &ev.fault {
+                let n = name.clone().unwrap_or_else(|| format!("n{}", names.len()));
+                names.push(n);
+            }
+        }
+        names
+    }
+
+    /// The fault schedule as step events (see the module docs).
+    pub fn step_events(&self) -> Result<Vec<StepEvent>, RunDirError> {
+        let names = self.launch_names();
+        let mut out = Vec::new();
+        for ev in &self.config.faults.events {
+            let (op, node) = match &ev.fault {
+                Fault::Kill { node } => {
+                    let name = names.get(*node).ok_or_else(|| RunDirError::Malformed {
+                        path: PathBuf::from("run.json"),
+                        msg: format!(
+                            "the fault schedule kills node {node}, but only {} are launched",
+                            names.len()
+                        ),
+                    })?;
+                    (NodeOp::Remove, name.clone())
+                }
+                Fault::KillName { name } => (NodeOp::Remove, name.clone()),
+                Fault::Join { .. } => (NodeOp::Add, String::new()),
+            };
+            out.push(StepEvent {
+                after_step: ev.after_step,
+                op,
+                node,
+            });
+        }
+        // Joins take their launch names in order.
+        let mut joins = names[self.config.nodes..].iter();
+        for e in out.iter_mut().filter(|e| e.op == NodeOp::Add) {
+            e.node = joins.next().cloned().unwrap_or_default();
+        }
+        Ok(out)
+    }
+
+    /// Samples of the records that count (the last record of each step).
+    pub fn counted_samples(&self) -> u64 {
+        let mut last: BTreeMap<u64, u64> = BTreeMap::new();
+        for r in &self.steps {
+            last.insert(r.step, r.samples);
+        }
+        last.values().sum()
+    }
+
+    /// The measured time breakdown (module docs).
+    pub fn measured_breakdown(&self) -> Breakdown {
+        let mut last: BTreeMap<u64, usize> = BTreeMap::new();
+        for (i, r) in self.steps.iter().enumerate() {
+            last.insert(r.step, i);
+        }
+        let every = self.config.checkpoint.as_ref().map_or(0, |c| c.every_steps);
+        // Wall seconds of each step: since the previous record when it follows the previous
+        // step on the same plan, else its own step_ms; and whether a checkpoint precedes it.
+        let dur: Vec<(f64, bool, bool)> = (0..self.steps.len())
+            .map(|i| {
+                let r = &self.steps[i];
+                let follows = i > 0 && {
+                    let p = &self.steps[i - 1];
+                    p.step + 1 == r.step && p.plan_version == r.plan_version
+                };
+                let d = if follows {
+                    r.t_s - self.steps[i - 1].t_s
+                } else {
+                    r.step_ms / 1e3
+                };
+                let after_ckpt = every > 0 && r.step > 0 && r.step.is_multiple_of(every);
+                (d.max(0.0), follows, after_ckpt)
+            })
+            .collect();
+        let mut base: BTreeMap<usize, (f64, usize)> = BTreeMap::new();
+        for (r, &(d, follows, after_ckpt)) in self.steps.iter().zip(&dur) {
+            if follows && !after_ckpt {
+                let e = base.entry(r.used_nodes).or_default();
+                e.0 += d;
+                e.1 += 1;
+            }
+        }
+        let mut b = Breakdown::default();
+        for (i, (r, &(d, follows, after_ckpt))) in self.steps.iter().zip(&dur).enumerate() {
+            let mut d = d;
+            if follows
+                && after_ckpt
+                && let Some(&(sum, n)) = base.get(&r.used_nodes)
+            {
+                let excess = (d - sum / n as f64).max(0.0);
+                b.checkpoint_s += excess;
+                d -= excess;
+            }
+            if last.get(&r.step) == Some(&i) {
+                b.compute_s += d;
+            } else {
+                b.lost_s += d;
+            }
+        }
+        for r in &self.reconfigs {
+            let s = (r.detect_ms + r.replan_ms + r.migrate_ms) / 1e3;
+            match r.kind.as_str() {
+                "in-place" => b.reconfigure_s += s,
+                "checkpoint" => b.restore_s += s,
+                "join" | "rebalance" => b.reconfigure_s += (r.replan_ms + r.migrate_ms) / 1e3,
+                _ => {} // the start: part of the launcher's start (idle)
+            }
+        }
+        let busy = b.compute_s + b.lost_s + b.checkpoint_s + b.reconfigure_s + b.restore_s;
+        b.idle_s = (self.summary.wall_s - busy).max(0.0);
+        b
+    }
+
+    /// What was measured.
+    pub fn measured(&self) -> Outcome {
+        Outcome {
+            wall_s: self.summary.wall_s,
+            steps: self.summary.steps,
+            samples: self.counted_samples(),
+            recoveries: self.summary.recoveries,
+            fallbacks: self.summary.fallbacks,
+            joins: self.summary.joins,
+            rebalances: self.summary.rebalances,
+            time: self.measured_breakdown(),
+        }
+    }
+}
+
+/// Seconds per activity; they add up to the wall time.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Breakdown {
+    pub compute_s: f64,
+    pub checkpoint_s: f64,
+    pub reconfigure_s: f64,
+    pub restore_s: f64,
+    pub lost_s: f64,
+    pub idle_s: f64,
+}
+
+/// A run's totals, measured or predicted.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Outcome {
+    pub wall_s: f64,
+    pub steps: u64,
+    pub samples: u64,
+    pub recoveries: u64,
+    pub fallbacks: u64,
+    pub joins: u64,
+    pub rebalances: u64,
+    pub time: Breakdown,
+}
+
+/// The compared quantities, in output order.
+pub const KEYS: [&str; 13] = [
+    "wall_s",
+    "steps",
+    "samples",
+    "recoveries",
+    "fallbacks",
+    "joins",
+    "rebalances",
+    "compute_s",
+    "checkpoint_s",
+    "reconfigure_s",
+    "restore_s",
+    "lost_s",
+    "idle_s",
+];
+
+impl Outcome {
+    /// `(key, value)` in [`KEYS`] order.
+    pub fn values(&self) -> Vec<(&'static str, f64)> {
+        let t = &self.time;
+        let v = [
+            self.wall_s,
+            self.steps as f64,
+            self.samples as f64,
+            self.recoveries as f64,
+            self.fallbacks as f64,
+            self.joins as f64,
+            self.rebalances as f64,
+            t.compute_s,
+            t.checkpoint_s,
+            t.reconfigure_s,
+            t.restore_s,
+            t.lost_s,
+            t.idle_s,
+        ];
+        KEYS.into_iter().zip(v).collect()
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let mut m = serde_json::Map::new();
+        for (k, v) in self.values() {
+            let value = if k.ends_with("_s") {
+                serde_json::json!(round6(v))
+            } else {
+                serde_json::json!(v as u64)
+            };
+            m.insert(k.to_string(), value);
+        }
+        serde_json::Value::Object(m)
+    }
+}
+
+/// Rounded to the microsecond (and relative errors to 1e-6), so the output does not depend
+/// on the last bits of a sum's order.
+fn round6(x: f64) -> f64 {
+    (x * 1e6).round() / 1e6
+}
+
+/// `(predicted − measured) / measured`; `None` when measured is 0 (0 when both are).
+pub fn relative_error(measured: f64, predicted: f64) -> Option<f64> {
+    if measured == 0.0 {
+        (predicted == 0.0).then_some(0.0)
+    } else {
+        Some((predicted - measured) / measured)
+    }
+}
+
+/// A prediction of a recorded run.
+#[derive(Debug, Clone)]
+pub struct Prediction {
+    pub measured: Outcome,
+    pub predicted: Outcome,
+    /// The replay (its time series starts at the first step, `start_s` after the launch).
+    pub replay: RunResult,
+    /// The launcher's start the prediction adds before the replay.
+    pub start_s: f64,
+    /// Launch-relative seconds of the first step record of the run (if recorded).
+    pub measured_first_step_s: Option<f64>,
+}
+
+/// Replays `run` on `hw` (see the module docs).
+pub fn predict(run: &RunDir, hw: &HardwareProfile) -> anyhow::Result<Prediction> {
+    let model = run.model_profile()?;
+    let c = &run.config;
+    let events: Vec<TraceEvent> = c
+        .initial_names
+        .iter()
+        .map(|n| TraceEvent::add(0, n.clone()))
+        .collect();
+    let trace = Trace::new(events)?;
+    let workload = Workload::Zipf(ZipfLoads::new(0.0, model.experts, model.moe_layers, c.seed));
+    let wall = run.summary.wall_s;
+    // Far enough for any plausible replay, and bounded: a replay that never reaches the
+    // run's steps (it waits for nodes the schedule never brings) stops there.
+    let end_ms = ((wall * 100.0).clamp(60.0, 86_400.0) * 1e3) as u64;
+    let cfg = ReplayConfig {
+        hardware: hw.clone(),
+        model,
+        checkpoint_every_steps: c
+            .checkpoint
+            .as_ref()
+            .map(|k| k.every_steps)
+            .filter(|&k| k > 0),
+        rebalance_every_steps: (c.rebalance_every_steps > 0).then_some(c.rebalance_every_steps),
+        load_window_steps: 200,
+        scale_out_wait_s: 0.0,
+        node_boot_s: hw.node_boot_s,
+        end_ms: Some(end_ms),
+        sample_every_s: (wall / 400.0).max(1e-3),
+        step_events: run.step_events()?,
+        end_after_steps: Some(c.steps),
+        pause_lag_steps: 1,
+    };
+    let result = replay::run(&cfg, SystemKind::Lazarus, &trace, &workload, true, None)?;
+    let s = &result.summary;
+    let start_s = hw.job_start_s(c.nodes);
+    let stop_s = hw.job_stop_s.unwrap_or(0.0);
+    let t = s.time;
+    let predicted = Outcome {
+        wall_s: start_s + s.duration_s + stop_s,
+        steps: s.steps,
+        samples: s.samples,
+        recoveries: s.recoveries,
+        fallbacks: s.fallbacks,
+        joins: s.scale_outs,
+        rebalances: s.rebalances,
+        time: Breakdown {
+            compute_s: t.compute,
+            checkpoint_s: t.checkpoint,
+            reconfigure_s: t.reconfigure + t.rebalance,
+            restore_s: t.restart,
+            lost_s: t.lost,
+            idle_s: t.idle + start_s + stop_s,
+        },
+    };
+    Ok(Prediction {
+        measured: run.measured(),
+        predicted,
+        replay: result,
+        start_s,
+        measured_first_step_s: c.timeline.first_step_s,
+    })
+}
+
+impl Prediction {
+    /// `{"measured": {…}, "predicted": {…}, "relative_error": {…}}` (errors `null` where
+    /// the measured value is 0 and the predicted one is not).
+    pub fn json(&self) -> serde_json::Value {
+        let mut err = serde_json::Map::new();
+        for ((k, m), (_, p)) in self
+            .measured
+            .values()
+            .into_iter()
+            .zip(self.predicted.values())
+        {
+            let e = relative_error(m, p).map(round6);
+            err.insert(k.to_string(), serde_json::json!(e));
+        }
+        serde_json::json!({
+            "measured": self.measured.json(),
+            "predicted": self.predicted.json(),
+            "relative_error": serde_json::Value::Object(err),
+        })
+    }
+
+    /// The side-by-side table.
+    pub fn text(&self) -> String {
+        use std::fmt::Write;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "{:<16} {:>12} {:>12} {:>9}",
+            "", "measured", "predicted", "error"
+        );
+        for ((k, m), (_, p)) in self
+            .measured
+            .values()
+            .into_iter()
+            .zip(self.predicted.values())
+        {
+            if k == "compute_s" {
+                let _ = writeln!(s, "time breakdown (s):");
+            }
+            let e =
+                relative_error(m, p).map_or("-".to_string(), |e| format!("{:+.1} %", 100.0 * e));
+            let label = if k.ends_with("_s") && k != "wall_s" {
+                format!("  {}", k.trim_end_matches("_s"))
+            } else {
+                k.to_string()
+            };
+            if k.ends_with("_s") {
+                let _ = writeln!(s, "{label:<16} {m:>12.3} {p:>12.3} {e:>9}");
+            } else {
+                let _ = writeln!(s, "{label:<16} {m:>12.0} {p:>12.0} {e:>9}");
+            }
+        }
+        s
+    }
+
+    /// The replay's time series with `t_s` from the launch (the replay starts `start_s` in).
+    pub fn predicted_timeseries(&self) -> Vec<Sample> {
+        self.replay
+            .timeseries
+            .iter()
+            .map(|x| Sample {
+                t_s: round6(x.t_s + self.start_s),
+                ..x.clone()
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_errors() {
+        assert_eq!(relative_error(2.0, 3.0), Some(0.5));
+        assert_eq!(relative_error(0.0, 0.0), Some(0.0));
+        assert_eq!(relative_error(0.0, 1.0), None);
+    }
+}
+
+/// One point of a throughput-over-time curve: seconds since the launch, samples per second,
+/// samples trained so far.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Point {
+    pub t_s: f64,
+    pub throughput: f64,
+    pub samples: f64,
+}
+
+/// A row of the run's `timeseries.csv` (the simulator's columns).
+#[derive(Debug, Clone, Deserialize)]
+struct MeasuredRow {
+    t_s: f64,
+    samples: u64,
+    throughput_samples_per_s: f64,
+}
+
+/// The run's measured curve from `RUN_DIR/timeseries.csv`, shifted to launch-relative time by
+/// `timeline.first_step_s` (the first row is the first step's completion).
+pub fn measured_curve(dir: &Path, run: &RunDir) -> Result<Vec<Point>, RunDirError> {
+    let path = dir.join("timeseries.csv");
+    let text = read(&path)?;
+    let rows: Vec<MeasuredRow> = csv::Reader::from_reader(text.as_bytes())
+        .deserialize()
+        .collect::<Result<_, _>>()
+        .map_err(|e| malformed(&path, e))?;
+    let origin = run.config.timeline.first_step_s.unwrap_or(0.0);
+    Ok(rows
+        .iter()
+        .map(|r| Point {
+            t_s: r.t_s + origin,
+            throughput: r.throughput_samples_per_s,
+            samples: r.samples as f64,
+        })
+        .collect())
+}
+
+impl Prediction {
+    /// The predicted curve (launch-relative).
+    pub fn predicted_curve(&self) -> Vec<Point> {
+        self.predicted_timeseries()
+            .iter()
+            .map(|s| Point {
+                t_s: s.t_s,
+                throughput: s.throughput_samples_per_s,
+                samples: s.samples as f64,
+            })
+            .collect()
+    }
+}
+
+/// `overlay.svg`: measured and predicted throughput over time (top) and samples trained (bottom).
+pub fn overlay_chart(
+    path: &Path,
+    title: &str,
+    measured: &[Point],
+    predicted: &[Point],
+) -> anyhow::Result<()> {
+    use plotters::prelude::*;
+    crate::plot::register_font();
+    let root = SVGBackend::new(path, (1000, 720)).into_drawing_area();
+    let e = |x: DrawingAreaErrorKind<std::io::Error>| anyhow::anyhow!("{}: {x:?}", path.display());
+    root.fill(&WHITE).map_err(e)?;
+    let (top, bottom) = root.split_vertically(360);
+    let all = || measured.iter().chain(predicted);
+    let t_max = all().map(|p| p.t_s).fold(1.0, f64::max) * 1.02;
+    let thr_max = all().map(|p| p.throughput).fold(1.0, f64::max) * 1.15;
+    let s_max = all().map(|p| p.samples).fold(1.0, f64::max) * 1.1;
+    let series = [
+        ("measured (lzrun local)", measured, crate::plot::COLORS[0]),
+        (
+            "predicted (lzsim predict)",
+            predicted,
+            crate::plot::COLORS[1],
+        ),
+    ];
+    for (area, y_max, throughput) in [(&top, thr_max, true), (&bottom, s_max, false)] {
+        let caption = if throughput {
+            format!("throughput — {title}")
+        } else {
+            "samples trained".to_string()
+        };
+        let mut chart = ChartBuilder::on(area)
+            .caption(caption, ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0.0..t_max, 0.0..y_max)
+            .map_err(e)?;
+        chart
+            .configure_mesh()
+            .x_desc("seconds since launch")
+            .y_desc(if throughput { "samples / s" } else { "samples" })
+            .label_style(("sans-serif", 13))
+            .draw()
+            .map_err(e)?;
+        for (label, pts, color) in &series {
+            let color = *color;
+            chart
+                .draw_series(LineSeries::new(
+                    pts.iter()
+                        .map(|p| (p.t_s, if throughput { p.throughput } else { p.samples })),
+                    color.stroke_width(2),
+                ))
+                .map_err(e)?
+                .label(*label)
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 13))
+            .draw()
+            .map_err(e)?;
+    }
+    root.present().map_err(e)?;
+    Ok(())
+}

@@ -1,0 +1,234 @@
+//! `lzsim predict` on recorded `lzrun local --metrics-out` directories (fixtures made by real
+//! runs, trimmed: checkpoints removed) with a profile `lzrun calibrate` wrote on the machine that
+//! made them.
+
+use lazarus_simulator::cost::{self, HardwareProfile};
+use lazarus_simulator::predict::{self, RunDir, RunDirError};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const LZSIM: &str = env!("CARGO_BIN_EXE_lzsim");
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+fn profile_path() -> PathBuf {
+    fixtures().join("lzrun-local-hardware.toml")
+}
+
+fn profile() -> HardwareProfile {
+    cost::hardware(profile_path().to_str().unwrap()).expect("the calibrated profile loads")
+}
+
+fn lzsim(args: &[&str]) -> std::process::Output {
+    Command::new(LZSIM).args(args).output().expect("lzsim runs")
+}
+
+#[test]
+fn the_calibrated_profile_round_trips() {
+    let hw = profile();
+    // Every optional host term of a calibrated profile is there.
+    assert!(hw.host_cores.is_some() && hw.step_per_peer_s.is_some() && hw.job_stop_s.is_some());
+    let text = toml::to_string(&hw).unwrap();
+    let back: HardwareProfile = toml::from_str(&text).unwrap();
+    assert_eq!(back, hw);
+    // And through a file, as lzsim reads it.
+    let dir = std::env::temp_dir().join(format!("lzsim-predict-rt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("hw.toml");
+    std::fs::write(&file, &text).unwrap();
+    assert_eq!(cost::hardware(file.to_str().unwrap()).unwrap(), hw);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_built_in_profile_keeps_its_costs() {
+    // The optional host terms are absent from the built-ins, and serialising them adds none.
+    let hw = cost::hardware("rtx3090-100g").unwrap();
+    assert!(hw.host_cores.is_none() && hw.replan_s.is_none());
+    let text = toml::to_string(&hw).unwrap();
+    assert!(
+        !text.contains("host_cores") && !text.contains("job_start_s"),
+        "{text}"
+    );
+}
+
+/// `(fixture, recoveries, fallbacks, joins, steps)`.
+const RUNS: [(&str, u64, u64, u64, u64); 2] =
+    [("run-kill-join", 1, 0, 1, 16), ("run-restore", 0, 1, 0, 16)];
+
+#[test]
+fn predict_gives_the_recorded_counts_and_the_same_output_every_time() {
+    let hw = profile();
+    for (name, recoveries, fallbacks, joins, steps) in RUNS {
+        let run = RunDir::load(&fixtures().join(name)).unwrap();
+        let p = predict::predict(&run, &hw).unwrap();
+        for o in [&p.measured, &p.predicted] {
+            assert_eq!(
+                (o.recoveries, o.fallbacks, o.joins, o.steps),
+                (recoveries, fallbacks, joins, steps),
+                "{name}: {o:?}"
+            );
+        }
+        assert_eq!(p.predicted.samples, p.measured.samples, "{name}");
+        let a = serde_json::to_string(&p.json()).unwrap();
+        let b = serde_json::to_string(&predict::predict(&run, &hw).unwrap().json()).unwrap();
+        assert_eq!(a, b, "{name}: the prediction changed between two calls");
+        // The breakdowns add up to the wall time.
+        for o in [&p.measured, &p.predicted] {
+            let t = o.time;
+            let sum =
+                t.compute_s + t.checkpoint_s + t.reconfigure_s + t.restore_s + t.lost_s + t.idle_s;
+            assert!(
+                (sum - o.wall_s).abs() < 1e-6,
+                "{name}: {sum} vs {}",
+                o.wall_s
+            );
+        }
+    }
+}
+
+#[test]
+fn the_command_prints_the_same_json_every_time() {
+    let hw = profile_path();
+    for (name, recoveries, fallbacks, _, _) in RUNS {
+        let dir = fixtures().join(name);
+        let args = [
+            "predict",
+            dir.to_str().unwrap(),
+            "--hardware",
+            hw.to_str().unwrap(),
+            "--format",
+            "json",
+        ];
+        let a = lzsim(&args);
+        assert!(a.status.success(), "{}", String::from_utf8_lossy(&a.stderr));
+        let b = lzsim(&args);
+        assert_eq!(a.stdout, b.stdout, "{name}");
+        let v: serde_json::Value = serde_json::from_slice(&a.stdout).unwrap();
+        for side in ["measured", "predicted", "relative_error"] {
+            for key in ["wall_s", "steps", "samples", "recoveries", "fallbacks"] {
+                assert!(v[side].get(key).is_some(), "{name}: {side}.{key} missing");
+            }
+        }
+        assert_eq!(v["predicted"]["recoveries"], recoveries);
+        assert_eq!(v["predicted"]["fallbacks"], fallbacks);
+        assert_eq!(v["relative_error"]["steps"], 0.0);
+        // The text table names every quantity.
+        let t = lzsim(&args[..4]);
+        assert!(t.status.success());
+        let text = String::from_utf8(t.stdout).unwrap();
+        for word in [
+            "wall_s",
+            "recoveries",
+            "fallbacks",
+            "compute",
+            "restore",
+            "idle",
+        ] {
+            assert!(text.contains(word), "{name}: {word} missing in\n{text}");
+        }
+    }
+}
+
+#[test]
+fn the_profile_defaults_to_the_run_directory() {
+    let tmp = std::env::temp_dir().join(format!("lzsim-predict-default-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    let src = fixtures().join(RUNS[0].0);
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), tmp.join(f.file_name())).unwrap();
+    }
+    let out = lzsim(&["predict", tmp.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no hardware profile") && err.contains("hardware.toml"),
+        "{err}"
+    );
+    std::fs::copy(profile_path(), tmp.join("hardware.toml")).unwrap();
+    let out = lzsim(&["predict", tmp.to_str().unwrap(), "--format", "json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
+
+#[test]
+fn bad_input_names_the_problem_and_exits_2() {
+    let tmp = std::env::temp_dir().join(format!("lzsim-predict-bad-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    let hw = profile_path();
+    let hw = hw.to_str().unwrap();
+    let check = |args: &[&str], want: &[&str]| {
+        let out = lzsim(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked"), "{err}");
+        for w in want {
+            assert!(err.contains(w), "{args:?}: {w:?} not in {err}");
+        }
+    };
+    // No such directory.
+    let missing = tmp.join("nope");
+    check(
+        &["predict", missing.to_str().unwrap(), "--hardware", hw],
+        &["nope", "no such directory"],
+    );
+    // A directory without run.json.
+    let empty = tmp.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    check(
+        &["predict", empty.to_str().unwrap(), "--hardware", hw],
+        &["run.json", "missing"],
+    );
+    // Malformed files, one at a time.
+    let src = fixtures().join(RUNS[0].0);
+    for (file, bad) in [
+        ("run.json", "{\"format\": \"lzrun-run/1\"}"),
+        ("summary.json", "not json"),
+        ("steps.csv", "step,t_s\nx,y\n"),
+        ("reconfigurations.jsonl", "{\"kind\": 3}\n"),
+    ] {
+        let d = tmp.join(format!("bad-{file}"));
+        std::fs::create_dir_all(&d).unwrap();
+        for f in std::fs::read_dir(&src).unwrap() {
+            let f = f.unwrap();
+            std::fs::copy(f.path(), d.join(f.file_name())).unwrap();
+        }
+        std::fs::write(d.join(file), bad).unwrap();
+        check(&["predict", d.to_str().unwrap(), "--hardware", hw], &[file]);
+        match RunDir::load(&d) {
+            Err(RunDirError::Malformed { path, .. }) => assert!(path.ends_with(file)),
+            other => panic!("{file}: {other:?}"),
+        }
+    }
+    // A malformed or missing profile.
+    let bad_hw = tmp.join("bad-hw.toml");
+    std::fs::write(&bad_hw, "name = \"x\"\nhost_cores = -1\n").unwrap();
+    check(
+        &[
+            "predict",
+            src.to_str().unwrap(),
+            "--hardware",
+            bad_hw.to_str().unwrap(),
+        ],
+        &["bad-hw.toml"],
+    );
+    check(
+        &[
+            "predict",
+            src.to_str().unwrap(),
+            "--hardware",
+            "no-such-profile.toml",
+        ],
+        &["no-such-profile.toml"],
+    );
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
