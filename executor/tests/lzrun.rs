@@ -1573,28 +1573,6 @@ fn killing_the_controller_mid_training_resumes_in_place_without_a_restore() {
         "5",
         "--state-dir",
         state.to_str().unwrap(),
-/// Issue 14, item 4 ("slow is not dead"): one node's worker takes 6 s per step (the test hook
-/// `LZRUN_TEST_STEP_DELAY` sleeps before each step while its heartbeat thread goes on), six
-/// times `--timeout-ms` and more than the member timeout (2 × 1 s + 2 s). Before, its peer's
-/// collective timed out after 1 s, the slow node was aborted and fenced when it did not stop
-/// within 4 s, and the job went on without it. Now the first step is waited for (warm-up: the
-/// ceiling), the later ones up to 4 × the slowest measured step; the log says "slow, not
-/// gone", and nothing is fenced or reconfigured.
-#[test]
-fn a_slow_worker_that_heartbeats_is_waited_for_not_declared_dead() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = scratch("slow");
-    let d = dir.to_str().unwrap();
-    let args = [
-        "local",
-        "--nodes",
-        "2",
-        "--steps",
-        "3",
-        "--timeout-ms",
-        "1000",
-        "--ckpt-every",
-        "0",
         "--format",
         "json",
         "--out",
@@ -1863,6 +1841,35 @@ fn recovering_from_a_missing_or_damaged_state_exits_2_naming_it() {
     assert_error(&recover(), "checksum");
     std::fs::write(&file, b"lzrun-controller-state 99 2 0\n{}").unwrap();
     assert_error(&recover(), "format version 99");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 14, item 4 ("slow is not dead"): one node's worker takes 6 s per step (the test hook
+/// `LZRUN_TEST_STEP_DELAY` sleeps before each step while its heartbeat thread goes on), six
+/// times `--timeout-ms` and more than the member timeout (2 × 1 s + 2 s). Before, its peer's
+/// collective timed out after 1 s, the slow node was aborted and fenced when it did not stop
+/// within 4 s, and the job went on without it. Now the first step is waited for (warm-up: the
+/// ceiling), the later ones up to 4 × the slowest measured step; the log says "slow, not
+/// gone", and nothing is fenced or reconfigured.
+#[test]
+fn a_slow_worker_that_heartbeats_is_waited_for_not_declared_dead() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("slow");
+    let d = dir.to_str().unwrap();
+    let args = [
+        "local",
+        "--nodes",
+        "2",
+        "--steps",
+        "3",
+        "--timeout-ms",
+        "1000",
+        "--ckpt-every",
+        "0",
+        "--format",
+        "json",
+        "--out",
+        d,
     ];
     let o = run_within(
         Command::new(LZRUN)

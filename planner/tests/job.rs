@@ -1,8 +1,8 @@
 //! Unit tests of the job state machine's rules ([`lazarus_planner::job`]): one scenario each.
 
 use lazarus_planner::ModelSpec;
-use lazarus_planner::job::reconcile::{WorkerProcess, WorkerReport};
 use lazarus_planner::deadline::StepDeadline;
+use lazarus_planner::job::reconcile::{WorkerProcess, WorkerReport};
 use lazarus_planner::job::{
     Action, Event, IdleReason, JobConfig, JobMachine, NodeId, Phase, ReconfigKind, Reconfiguration,
     StateChecksums, StateSource, StepReport,
@@ -977,41 +977,6 @@ fn running(epoch: u64, plan_version: u64, next_step: u64) -> WorkerReport {
         plan_version,
         next_step,
     }
-/// Issue 14, item 4 ("slow is not dead"): the step deadline of members whose workers heartbeat.
-/// Floor 1 s, ceiling 600 s; `member_timeout_ms` 5 s as everywhere here.
-fn slow_config(steps: u64) -> JobConfig {
-    let mut cfg = config(4, steps);
-    cfg.step_deadline = Some(StepDeadline::new(1_000, 600_000));
-    cfg
-}
-
-impl Job {
-    /// Agents and workers of `nodes` heartbeat every 250 ms from now to `until_ms`, with a tick
-    /// after each; returns what the ticks caused.
-    fn alive_until(&mut self, nodes: &[NodeId], until_ms: u64) -> Vec<Action> {
-        let mut a = Vec::new();
-        let mut t = self.now_ms;
-        while t < until_ms {
-            t = (t + 250).min(until_ms);
-            self.at(t);
-            for &n in nodes {
-                a.extend(self.ev(Event::Heartbeat { node: n }));
-                a.extend(self.ev(Event::WorkerAlive { node: n }));
-            }
-            a.extend(self.ev(Event::Tick));
-        }
-        a
-    }
-}
-
-fn fences(actions: &[Action]) -> Vec<(NodeId, String)> {
-    actions
-        .iter()
-        .filter_map(|a| match a {
-            Action::Fence { node, reason } => Some((*node, reason.clone())),
-            _ => None,
-        })
-        .collect()
 }
 
 fn logs(actions: &[Action]) -> Vec<String> {
@@ -1204,6 +1169,55 @@ fn a_stopping_job_sends_stop_again_and_ends_when_the_checksums_arrive() {
         });
     }
     assert_eq!(finished(&j.out), Some(Ok(())));
+}
+
+/// Issue 14, item 4 ("slow is not dead"): the step deadline of members whose workers heartbeat.
+/// Floor 1 s, ceiling 600 s; `member_timeout_ms` 5 s as everywhere here.
+fn slow_config(steps: u64) -> JobConfig {
+    let mut cfg = config(4, steps);
+    cfg.step_deadline = Some(StepDeadline::new(1_000, 600_000));
+    cfg
+}
+
+impl Job {
+    /// Agents and workers of `nodes` heartbeat every 250 ms from now to `until_ms`, with a tick
+    /// after each; returns what the ticks caused.
+    fn alive_until(&mut self, nodes: &[NodeId], until_ms: u64) -> Vec<Action> {
+        let mut a = Vec::new();
+        let mut t = self.now_ms;
+        while t < until_ms {
+            t = (t + 250).min(until_ms);
+            self.at(t);
+            for &n in nodes {
+                a.extend(self.ev(Event::Heartbeat { node: n }));
+                a.extend(self.ev(Event::WorkerAlive { node: n }));
+            }
+            a.extend(self.ev(Event::Tick));
+        }
+        a
+    }
+}
+
+fn fences(actions: &[Action]) -> Vec<(NodeId, String)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Fence { node, reason } => Some((*node, reason.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn logs(actions: &[Action]) -> Vec<String> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Log(l) => Some(l.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
 /// A first step far longer than `member_timeout_ms` (nothing measured yet: the warm-up
 /// allowance is the ceiling) is waited for while the workers heartbeat, logged once as slow,
 /// and then sets the deadline of the next steps: 4 × 30 s. A member that stays silent past
