@@ -1208,16 +1208,6 @@ fn fences(actions: &[Action]) -> Vec<(NodeId, String)> {
         .collect()
 }
 
-fn logs(actions: &[Action]) -> Vec<String> {
-    actions
-        .iter()
-        .filter_map(|a| match a {
-            Action::Log(l) => Some(l.clone()),
-            _ => None,
-        })
-        .collect()
-}
-
 /// A first step far longer than `member_timeout_ms` (nothing measured yet: the warm-up
 /// allowance is the ceiling) is waited for while the workers heartbeat, logged once as slow,
 /// and then sets the deadline of the next steps: 4 × 30 s. A member that stays silent past
