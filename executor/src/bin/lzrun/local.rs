@@ -10,7 +10,6 @@ use lazarus_executor::control::JobHandle;
 use lazarus_executor::faults::{self, Fault, FaultSchedule};
 use lazarus_executor::metrics::StepRecord;
 use lazarus_traces::duration::format_ms;
-use tokio::runtime::Runtime;
 
 use crate::args::{Format, LocalArgs};
 use crate::drive::{Failover, Hooks, drive, runtime, stop_signals};
