@@ -681,6 +681,9 @@ fn help_explains_every_flag() {
         "--metrics-out",
         "--format",
         "--timeout-ms",
+        "--step-timeout-max-ms",
+        "--heartbeat-timeout-ms",
+        "--window",
         "--max-ckpt-failures",
         "--max-nonfinite-steps",
     ] {
