@@ -235,7 +235,7 @@ mod tests {
         longer.extend_from_slice(b"{}");
         assert!(err(&longer).contains("cut short or appended"));
         assert!(err(b"hello world\n{}").contains("4 fields"));
-        assert!(err(b"something else entirely 1 2\n").contains("not a controller state"));
+        assert!(err(b"something-else 1 2 3\n").contains("not a controller state"));
         let newer = String::from_utf8(bytes.clone())
             .unwrap()
             .replacen(" 1 ", " 99 ", 1);
