@@ -21,7 +21,12 @@
 //!   rebalance cadence (segments end at its next decision step) and lazy scale-out wait;
 //! * checkpoints are synchronous pauses; a failure during one loses it;
 //! * the run stops at `end_ms` (default: the trace's last event, which is still processed;
-//!   the Oobleck artifact stops just before it, so it counts one preemption fewer on P3).
+//!   the Oobleck artifact stops just before it, so it counts one preemption fewer on P3), or
+//!   once `end_after_steps` steps are counted;
+//! * step events (`lzsim predict`'s replay of an `lzrun` fault schedule) fire at the step
+//!   boundary after their step completed for the first time: additions before what starts
+//!   there, removals after (they interrupt it); while the machine waits for nodes, the next
+//!   pending additions fire at once ([`super::StepEvent`]).
 
 use super::systems::lazarus::{Driver, Order};
 use super::systems::{Ctx, Decision, Layout, Migration, NodeId, System, SystemKind};
