@@ -571,7 +571,7 @@ pub fn predict(run: &RunDir, hw: &HardwareProfile) -> anyhow::Result<Prediction>
         scale_out_wait_s: 0.0,
         node_boot_s: hw.node_boot_s,
         end_ms: Some(end_ms),
-        sample_every_s: (wall / 400.0).max(1e-3),
+        sample_every_s: (wall / 200.0).max(1e-3),
         step_events: run.step_events()?,
         end_after_steps: Some(c.steps),
         pause_lag_steps: 1,

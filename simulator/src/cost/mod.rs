@@ -76,13 +76,19 @@
 //! A profile measured on one host running every node as a process (`lzrun local`) carries
 //! optional host terms; the built-in profiles have none, and cost exactly as without them:
 //!
-//! * `host_cores`: the ranks share the host's cores, so both compute terms are multiplied by
-//!   [`HardwareProfile::compute_share`] = `max(1, ranks / host_cores)`;
+//! * `host_cores`: the ranks share the host's cores. The dense compute (the same on every
+//!   rank) is multiplied by [`HardwareProfile::compute_share`] = `max(1, ranks / host_cores)`;
+//!   a layer's expert compute is the host's total expert work over its cores, at least the
+//!   busiest rank's (`max(max_r processed_r, Σ_r processed_r / host_cores)`), not the busiest
+//!   rank's times the share: on shared cores a rank waiting for the all-to-all leaves its core
+//!   to the others, so an uneven layout costs its total, not its maximum;
 //! * `step_overhead_s` (per rank, also shared) and `step_per_peer_s · (ranks − 1)` are added as
 //!   `host_overhead_s` ([`HardwareProfile::step_fixed_s`]): on loopback TCP with small messages
 //!   a step's communication is latency and synchronisation, not bytes over bandwidth;
 //! * `state_transfer_bandwidth_bytes_per_s` replaces the NIC share in [`migration_s`];
-//! * `replan_s` is added to every reconfiguration and restore by the engine;
+//! * `replan_s` is added to every reconfiguration and restore by the engine, and
+//!   `failure_detection_steps` steps of the job's current step time to every failure
+//!   detection;
 //! * `job_start_s`, `job_start_per_node_s`, `job_stop_s` are the launcher's start and stop,
 //!   which `lzsim predict` adds around the replay.
 //!
@@ -192,12 +198,17 @@ pub fn step_cost(
         };
         res.map_err(|e| anyhow::anyhow!("MoE layer {layer}: {e}"))?;
         let max_processed = traffic.processed.iter().copied().fold(0.0, f64::max);
-        expert_compute_s += max_processed * model.expert_train_flops_per_assignment() / flops;
+        // Ranks sharing a host's cores: the layer takes the host's total expert work over its
+        // cores (a rank that waits frees its core for the others), at least the busiest rank's.
+        let processed = match hw.host_cores {
+            Some(cores) => max_processed.max(traffic.processed.iter().sum::<f64>() / cores),
+            None => max_processed,
+        };
+        expert_compute_s += processed * model.expert_train_flops_per_assignment() / flops;
         all_to_all_s += 4.0 * act * traffic.max_link_time(inter_bw, intra_bw);
     }
 
     let share = hw.compute_share(gpus);
-    expert_compute_s *= share;
     let dense_compute_s =
         share * model.tokens_per_gpu() as f64 * model.dense_train_flops_per_token() / flops;
     let grad_allreduce_s = grad_allreduce_s(hw, model, gpus, input.replicas_per_rank);

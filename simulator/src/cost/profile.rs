@@ -78,6 +78,11 @@ pub struct HardwareProfile {
     /// `step_per_peer_s · (ranks − 1)`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step_per_peer_s: Option<f64>,
+    /// Failure detection that grows with the step time, in steps: detection takes
+    /// `failure_detection_timeout_s + failure_detection_steps · step time` (on one host the
+    /// messages that carry a failure wait for the cores the training steps keep busy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_detection_steps: Option<f64>,
     /// The controller's replan, added to every reconfiguration and restore.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replan_s: Option<f64>,
@@ -204,6 +209,7 @@ impl HardwareProfile {
             ("step_overhead_s", self.step_overhead_s),
             ("step_per_peer_s", self.step_per_peer_s),
             ("replan_s", self.replan_s),
+            ("failure_detection_steps", self.failure_detection_steps),
             ("job_start_s", self.job_start_s),
             ("job_start_per_node_s", self.job_start_per_node_s),
             ("job_stop_s", self.job_stop_s),

@@ -21,7 +21,12 @@
 //!   rebalance cadence (segments end at its next decision step) and lazy scale-out wait;
 //! * checkpoints are synchronous pauses; a failure during one loses it;
 //! * the run stops at `end_ms` (default: the trace's last event, which is still processed;
-//!   the Oobleck artifact stops just before it, so it counts one preemption fewer on P3).
+//!   the Oobleck artifact stops just before it, so it counts one preemption fewer on P3), or
+//!   once `end_after_steps` steps are counted;
+//! * step events (`lzsim predict`'s replay of an `lzrun` fault schedule) fire at the step
+//!   boundary after their step completed for the first time: additions before what starts
+//!   there, removals after (they interrupt it); while the machine waits for nodes, the next
+//!   pending additions fire at once ([`super::StepEvent`]).
 
 use super::systems::lazarus::{Driver, Order};
 use super::systems::{Ctx, Decision, Layout, Migration, NodeId, System, SystemKind};
@@ -632,11 +637,21 @@ impl<'a> Engine<'a> {
         }
         self.summary.preemptions_in_use += 1;
         self.dead_pending.push(n);
+        // The step time the detection may scale with (only read with
+        // `failure_detection_steps`): the running segment's, else the layout's.
+        let step_ns = match (self.job, self.cfg.hardware.failure_detection_steps) {
+            (_, None) => 0,
+            (Job::Running { step_ns, .. }, _) => step_ns,
+            _ => match self.layout.clone() {
+                Some(l) => self.step_info(&l).step_ns,
+                None => 0,
+            },
+        };
         match self.job {
             Job::Detecting { .. } => {}
             Job::Running { .. } => {
                 self.close_segment();
-                self.start_detection();
+                self.start_detection(step_ns);
             }
             Job::Paused { kind, since } => {
                 *self.pause_bucket(kind) += self.now - since;
@@ -644,16 +659,18 @@ impl<'a> Engine<'a> {
                 // reconfiguration is handled from the new plan's holdings, i.e. as if the
                 // migration had completed (the paper does not discuss this case).
                 self.force_restart |= kind == PauseKind::Restart;
-                self.start_detection();
+                self.start_detection(step_ns);
             }
             Job::Idle => unreachable!("in_use implies a running job"),
         }
     }
 
-    fn start_detection(&mut self) {
+    fn start_detection(&mut self, step_ns: u64) {
         self.generation += 1;
         self.job = Job::Detecting { since: self.now };
-        let timeout = ns(self.cfg.hardware.failure_detection_timeout_s);
+        let steps = self.cfg.hardware.failure_detection_steps.unwrap_or(0.0);
+        let timeout = ns(self.cfg.hardware.failure_detection_timeout_s)
+            .saturating_add(ns(steps * secs(step_ns)));
         self.push_after(
             timeout,
             Ev::FailureDetected {
