@@ -64,12 +64,14 @@
 //! increasing step order: committing step `s` discards committed checkpoints newer than `s`,
 //! which can only come from a history abandoned by restoring an older checkpoint.
 
+use crate::faults::DISK_FULL_FAILPOINT_ENV;
 use crate::model::{ExpertState, Fnv64, MoeConfig, OptimState};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Name of the manifest inside a checkpoint directory.
@@ -554,6 +556,16 @@ fn unique_suffix() -> String {
     )
 }
 
+/// Whether the disk-full failpoint is on: [`DISK_FULL_FAILPOINT_ENV`] names a file that exists
+/// (`lzrun local` creates and removes it for a [`crate::faults::Fault::DiskFull`]).
+fn disk_full_failpoint() -> bool {
+    static MARKER: OnceLock<Option<PathBuf>> = OnceLock::new();
+    MARKER
+        .get_or_init(|| std::env::var_os(DISK_FULL_FAILPOINT_ENV).map(PathBuf::from))
+        .as_deref()
+        .is_some_and(Path::exists)
+}
+
 /// Writes `dir/name` so that readers see either the old file or the complete new one:
 /// write `tmp`, fsync it, rename it over `name`, fsync `dir`.
 fn write_atomic(dir: &Path, tmp: &Path, name: &str, bytes: &[u8]) -> Result<(), CheckpointError> {
@@ -565,6 +577,11 @@ fn write_atomic(dir: &Path, tmp: &Path, name: &str, bytes: &[u8]) -> Result<(), 
             .truncate(true)
             .open(tmp)
             .ctx("create", tmp)?;
+        if disk_full_failpoint() {
+            // As a full disk does: part of the data lands, then the write fails.
+            f.write_all(&bytes[..bytes.len() / 2]).ctx("write", tmp)?;
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC)).ctx("write", tmp);
+        }
         f.write_all(bytes).ctx("write", tmp)?;
         f.sync_all().ctx("fsync", tmp)?;
         drop(f);

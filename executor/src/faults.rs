@@ -12,6 +12,9 @@
 //! * **A node-availability trace** ([`schedule_from_trace`]): `--fault-trace FILE
 //!   --time-scale X`, in any format of the [`lazarus_traces`] crate.
 //! * **A seeded random "chaos" schedule** for tests ([`chaos_schedule`]).
+//! * **A seeded storm** of every kind of fault ([`storm_schedule`], `lzrun local --storm N`):
+//!   kills, simultaneous kills, joins racing kills, frozen workers and agents, controller
+//!   kills and a full checkpoint disk.
 //!
 //! # Node indices
 //!
@@ -85,7 +88,33 @@ pub enum Fault {
     },
     /// Kill the controller (the launcher restarts it from its saved state); no node is hurt.
     KillController,
+    /// SIGSTOP the worker process of the node with this index: alive but silent (no steps, no
+    /// heartbeats), as a hung GPU or a kernel stall leaves it. The controller must fence it;
+    /// the launcher then kills the node for good.
+    FreezeWorker {
+        /// Executor node index.
+        node: usize,
+    },
+    /// SIGSTOP the agent process of the node with this index: its worker trains on, but the
+    /// node's heartbeats stop, so the controller must fence the node.
+    FreezeAgent {
+        /// Executor node index.
+        node: usize,
+    },
+    /// The checkpoint storage is full for the next `steps` steps: every checkpoint write fails
+    /// part-way with "No space left on device" (the failpoint [`DISK_FULL_FAILPOINT_ENV`]).
+    DiskFull {
+        /// Steps until the space is back (at least 1).
+        steps: u64,
+    },
 }
+
+/// Environment variable naming a file whose existence makes every checkpoint part write fail
+/// part-way with ENOSPC (see `checkpoint::write_part`). `lzrun local` sets it for its nodes
+/// when the schedule holds a [`Fault::DiskFull`], and creates and removes the file as the
+/// schedule says. A failpoint, as in FoundationDB's or TiKV's fault injection: unset, it costs
+/// one environment lookup per process.
+pub const DISK_FULL_FAILPOINT_ENV: &str = "LZRUN_FAILPOINT_DISK_FULL";
 
 impl Fault {
     /// True for [`Fault::Kill`] and [`Fault::KillName`].
@@ -96,6 +125,24 @@ impl Fault {
     /// True for [`Fault::Join`].
     pub fn is_join(&self) -> bool {
         matches!(self, Fault::Join { .. })
+    }
+
+    /// True for the faults that take a node out of the job: kills and freezes.
+    pub fn removes_node(&self) -> bool {
+        self.is_kill() || matches!(self, Fault::FreezeWorker { .. } | Fault::FreezeAgent { .. })
+    }
+
+    /// A short name of the fault's kind, as `run.json` and the storm's tally use it: `kill`,
+    /// `join`, `kill-controller`, `freeze-worker`, `freeze-agent`, `disk-full`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Fault::Kill { .. } | Fault::KillName { .. } => "kill",
+            Fault::Join { .. } => "join",
+            Fault::KillController => "kill-controller",
+            Fault::FreezeWorker { .. } => "freeze-worker",
+            Fault::FreezeAgent { .. } => "freeze-agent",
+            Fault::DiskFull { .. } => "disk-full",
+        }
     }
 }
 
@@ -258,7 +305,7 @@ pub enum FaultError {
         steps: u64,
     },
     /// The chaos parameters admit no schedule.
-    #[error("cannot build a chaos schedule: {0}")]
+    #[error("cannot build a random fault schedule: {0}")]
     Chaos(String),
 }
 
@@ -431,9 +478,7 @@ pub fn schedule_from_flags(
                     return Err(FaultError::NoLiveNode { node, step });
                 }
             }
-            Fault::KillName { .. } | Fault::KillController => {
-                unreachable!("flag schedules kill nodes by index")
-            }
+            _ => unreachable!("flag schedules hold kills by index and joins only"),
         }
     }
     Ok(FaultSchedule {
@@ -514,6 +559,33 @@ pub fn schedule_from_trace(
     })
 }
 
+/// The preconditions of [`chaos_schedule`] and [`storm_schedule`]; returns `nodes`.
+fn check_random_schedule(
+    nodes: usize,
+    steps: u64,
+    faults: usize,
+    min_live: usize,
+) -> Result<usize, FaultError> {
+    if nodes == 0 {
+        return Err(FaultError::NoNodes);
+    }
+    if faults == 0 {
+        return Ok(nodes);
+    }
+    if steps < 3 {
+        return Err(FaultError::Chaos(format!(
+            "{faults} fault(s) need steps 1..=steps-2 to fire after, but the run has {steps} step(s)"
+        )));
+    }
+    let floor = min_live.max(1);
+    if nodes <= floor {
+        return Err(FaultError::Chaos(format!(
+            "no node can be killed: {nodes} node(s) and at least {floor} must stay live"
+        )));
+    }
+    Ok(nodes)
+}
+
 /// A seeded random schedule for chaos tests on `nodes` initial nodes (named `n0, n1, …`).
 ///
 /// `faults` fault slots are drawn uniformly from steps `1 ..= steps-2` (so several may share a
@@ -541,24 +613,11 @@ pub fn chaos_schedule(
     faults: usize,
     min_live: usize,
 ) -> Result<FaultSchedule, FaultError> {
-    if nodes == 0 {
-        return Err(FaultError::NoNodes);
-    }
-    let mut schedule = FaultSchedule::none(nodes);
+    let mut schedule = FaultSchedule::none(check_random_schedule(nodes, steps, faults, min_live)?);
     if faults == 0 {
         return Ok(schedule);
     }
-    if steps < 3 {
-        return Err(FaultError::Chaos(format!(
-            "{faults} fault(s) need steps 1..=steps-2 to fire after, but the run has {steps} step(s)"
-        )));
-    }
     let floor = min_live.max(1);
-    if nodes <= floor {
-        return Err(FaultError::Chaos(format!(
-            "no node can be killed: {nodes} node(s) and at least {floor} must stay live"
-        )));
-    }
     let mut rng = StdRng::seed_from_u64(seed);
     let mut slots: Vec<u64> = (0..faults)
         .map(|_| rng.random_range(1..=steps - 2))
@@ -591,6 +650,166 @@ pub fn chaos_schedule(
                 after_step,
                 fault: Fault::Join { name: None },
             });
+        }
+    }
+    Ok(schedule)
+}
+
+/// The kinds of fault a [`storm_schedule`] draws from, with their weights (see there).
+const STORM_KINDS: [(StormKind, u32); 8] = [
+    (StormKind::Kill, 4),
+    (StormKind::Burst, 1),
+    (StormKind::Join, 3),
+    (StormKind::JoinRacingKill, 1),
+    (StormKind::FreezeWorker, 1),
+    (StormKind::FreezeAgent, 1),
+    (StormKind::KillController, 1),
+    (StormKind::DiskFull, 1),
+];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StormKind {
+    Kill,
+    Burst,
+    Join,
+    JoinRacingKill,
+    FreezeWorker,
+    FreezeAgent,
+    KillController,
+    DiskFull,
+}
+
+/// Steps a node must have been in the schedule before a storm freezes it, so that its worker
+/// process exists by then (a node that just joined may still be starting it).
+const FREEZE_AFTER_JOIN_STEPS: u64 = 3;
+
+/// A seeded storm of every kind of fault on `nodes` initial nodes (named `n0, n1, …`), for
+/// `lzrun local --storm` and the storm test.
+///
+/// `faults` fault slots are drawn uniformly from steps `1 ..= steps-2` and sorted; at each
+/// slot one kind is drawn, by weight, among those possible then (`floor = max(min_live, 1)`):
+///
+/// | kind | weight | possible when |
+/// |---|---|---|
+/// | kill one random live node | 4 | more than `floor` nodes live |
+/// | burst: kill 2..=spare random live nodes at once (may take every replica of an expert: a checkpoint restore) | 1 | at least 2 nodes above `floor` |
+/// | join | 3 | fewer than `nodes` live |
+/// | join racing a kill: a join and a kill of another node at the same step | 1 | both of the above |
+/// | freeze the worker (SIGSTOP) of a random node live for ≥ 3 steps | 1 | a kill is possible |
+/// | freeze the agent of such a node | 1 | a kill is possible |
+/// | kill the controller | 1 | none at this step yet |
+/// | the checkpoint disk is full for 1..=4 steps | 1 | no such window open |
+///
+/// A frozen node counts as gone from its slot on (the controller fences it). Events are in slot
+/// order (so by step; a racing join comes before its kill). So the schedule has at least
+/// `faults` events, never names a node twice for removal nor one that does not exist by then,
+/// keeps the live count within `floor ..= nodes`, and fires every event after steps
+/// `1 ..= steps-2`. Deterministic for a seed. Errors as [`chaos_schedule`].
+pub fn storm_schedule(
+    seed: u64,
+    nodes: usize,
+    steps: u64,
+    faults: usize,
+    min_live: usize,
+) -> Result<FaultSchedule, FaultError> {
+    let mut schedule = FaultSchedule::none(check_random_schedule(nodes, steps, faults, min_live)?);
+    if faults == 0 {
+        return Ok(schedule);
+    }
+    let floor = min_live.max(1);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut slots: Vec<u64> = (0..faults)
+        .map(|_| rng.random_range(1..=steps - 2))
+        .collect();
+    slots.sort_unstable();
+    // Live nodes with the step they (were scheduled to) join at; 0 for the initial ones.
+    let mut live: Vec<(usize, u64)> = (0..nodes).map(|i| (i, 0)).collect();
+    let mut next_index = nodes;
+    let mut disk_full_until = 0u64;
+    let mut controller_killed_at = None;
+    let events = &mut schedule.events;
+    for after_step in slots {
+        let can_kill = live.len() > floor;
+        let can_join = live.len() < nodes;
+        let settled = |live: &[(usize, u64)]| {
+            live.iter()
+                .any(|&(_, joined)| joined + FREEZE_AFTER_JOIN_STEPS <= after_step)
+        };
+        let possible = |kind: StormKind| match kind {
+            StormKind::Kill => can_kill,
+            StormKind::Burst => live.len() >= floor + 2,
+            StormKind::Join => can_join,
+            StormKind::JoinRacingKill => can_join && can_kill,
+            StormKind::FreezeWorker | StormKind::FreezeAgent => can_kill && settled(&live),
+            StormKind::KillController => controller_killed_at != Some(after_step),
+            StormKind::DiskFull => disk_full_until <= after_step,
+        };
+        let choices: Vec<(StormKind, u32)> = STORM_KINDS
+            .iter()
+            .copied()
+            .filter(|&(k, _)| possible(k))
+            .collect();
+        let total: u32 = choices.iter().map(|c| c.1).sum();
+        let mut pick = rng.random_range(0..total);
+        let kind = choices
+            .iter()
+            .find(|&&(_, w)| {
+                let hit = pick < w;
+                pick = pick.saturating_sub(w);
+                hit
+            })
+            .map_or(StormKind::KillController, |c| c.0);
+        let mut push = |fault| events.push(FaultEvent { after_step, fault });
+        let kill_random = |rng: &mut StdRng, live: &mut Vec<(usize, u64)>| {
+            live.swap_remove(rng.random_range(0..live.len())).0
+        };
+        match kind {
+            StormKind::Kill => push(Fault::Kill {
+                node: kill_random(&mut rng, &mut live),
+            }),
+            StormKind::Burst => {
+                let spare = live.len() - floor;
+                let count = rng.random_range(2..=spare);
+                for _ in 0..count {
+                    push(Fault::Kill {
+                        node: kill_random(&mut rng, &mut live),
+                    });
+                }
+            }
+            StormKind::Join | StormKind::JoinRacingKill => {
+                // Joins before kills within a step (the launcher's order): the kill may not
+                // take the newcomer, which `kill_random` could, so it picks before the join.
+                let victim =
+                    (kind == StormKind::JoinRacingKill).then(|| kill_random(&mut rng, &mut live));
+                live.push((next_index, after_step));
+                next_index += 1;
+                push(Fault::Join { name: None });
+                if let Some(node) = victim {
+                    push(Fault::Kill { node });
+                }
+            }
+            StormKind::FreezeWorker | StormKind::FreezeAgent => {
+                let candidates: Vec<usize> = (0..live.len())
+                    .filter(|&i| live[i].1 + FREEZE_AFTER_JOIN_STEPS <= after_step)
+                    .collect();
+                let node = live
+                    .swap_remove(candidates[rng.random_range(0..candidates.len())])
+                    .0;
+                push(if kind == StormKind::FreezeWorker {
+                    Fault::FreezeWorker { node }
+                } else {
+                    Fault::FreezeAgent { node }
+                });
+            }
+            StormKind::KillController => {
+                controller_killed_at = Some(after_step);
+                push(Fault::KillController);
+            }
+            StormKind::DiskFull => {
+                let len = rng.random_range(1..=4u64);
+                disk_full_until = after_step + len;
+                push(Fault::DiskFull { steps: len });
+            }
         }
     }
     Ok(schedule)
@@ -844,21 +1063,35 @@ mod tests {
         let mut next = s.initial_nodes;
         let mut min = live.len();
         let mut last_step = 0;
+        let mut joined_at: HashMap<usize, u64> = HashMap::new();
+        let mut disk_full_until = 0;
         for e in &s.events {
             assert!(e.after_step >= last_step, "unsorted");
             assert!(e.after_step >= 1 && e.after_step + 1 < steps, "{e:?}");
             last_step = e.after_step;
             match &e.fault {
-                Fault::Kill { node } => {
+                Fault::Kill { node }
+                | Fault::FreezeWorker { node }
+                | Fault::FreezeAgent { node } => {
                     let pos = live
                         .iter()
                         .position(|n| n == node)
-                        .expect("kill of a dead node");
+                        .expect("removal of a dead node");
                     live.swap_remove(pos);
+                    if !e.fault.is_kill() {
+                        let joined = joined_at.get(node).copied().unwrap_or(0);
+                        assert!(joined + FREEZE_AFTER_JOIN_STEPS <= e.after_step, "{e:?}");
+                    }
                 }
                 Fault::Join { name: None } => {
+                    joined_at.insert(next, e.after_step);
                     live.push(next);
                     next += 1;
+                }
+                Fault::KillController => {}
+                Fault::DiskFull { steps } => {
+                    assert!((1..=4).contains(steps) && e.after_step >= disk_full_until);
+                    disk_full_until = e.after_step + steps;
                 }
                 other => panic!("unexpected {other:?}"),
             }
@@ -1002,5 +1235,58 @@ mod tests {
         let fitted = trace.fit(8, FitMode::Clamp);
         let total = fitted.events().iter().filter(|e| e.time_ms > 0).count();
         assert_eq!(s.len() + s.dropped_after_end, total);
+    }
+
+    #[test]
+    fn storm_properties() {
+        let a = storm_schedule(7, 6, 150, 100, 2).unwrap();
+        assert_eq!(a, storm_schedule(7, 6, 150, 100, 2).unwrap());
+        assert_ne!(a, storm_schedule(8, 6, 150, 100, 2).unwrap());
+        let mut kinds: HashMap<&str, usize> = HashMap::new();
+        let mut racing = 0;
+        for seed in 0..100 {
+            for &(nodes, steps, faults, min_live) in &[
+                (6, 150, 100, 2),
+                (4, 5, 9, 0),
+                (2, 3, 4, 1),
+                (8, 1000, 1000, 2),
+            ] {
+                let s = storm_schedule(seed, nodes, steps, faults, min_live).unwrap();
+                assert!(s.len() >= faults);
+                assert_eq!((s.initial_nodes, s.dropped_after_end), (nodes, 0));
+                assert!(replay(&s, steps) >= min_live.max(1));
+                for e in &s.events {
+                    *kinds.entry(e.fault.kind()).or_default() += 1;
+                }
+                racing += s
+                    .events
+                    .windows(2)
+                    .filter(|w| {
+                        w[0].after_step == w[1].after_step
+                            && w[0].fault.is_join()
+                            && w[1].fault.is_kill()
+                    })
+                    .count();
+            }
+        }
+        for kind in [
+            "kill",
+            "join",
+            "kill-controller",
+            "freeze-worker",
+            "freeze-agent",
+            "disk-full",
+        ] {
+            assert!(
+                kinds.get(kind).copied().unwrap_or(0) > 100,
+                "{kind}: {kinds:?}"
+            );
+        }
+        assert!(racing > 100, "{racing} joins racing a kill");
+        assert!(storm_schedule(1, 3, 10, 0, 5).unwrap().is_empty());
+        assert!(matches!(
+            storm_schedule(1, 3, 10, 1, 3),
+            Err(FaultError::Chaos(_))
+        ));
     }
 }

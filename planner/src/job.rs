@@ -540,7 +540,10 @@ pub enum Action {
     },
     /// Too few nodes to hold every expert: wait for more.
     WaitForNodes {
+        /// Registered nodes, ready or not.
         live: usize,
+        /// Nodes that can hold every expert: once this many are ready, the job goes on.
+        needed: usize,
         reason: String,
     },
     Record(StepRecord),
@@ -1651,6 +1654,7 @@ impl JobMachine {
             );
             out.push(Action::WaitForNodes {
                 live: self.nodes.len(),
+                needed: self.cfg.model.experts.div_ceil(self.cfg.slots_per_node),
                 reason,
             });
             return;

@@ -82,7 +82,10 @@ pub enum Notice {
     Log(String),
     /// Too few nodes to hold every expert: the job waits for joins (`reason` says for what).
     WaitingForNodes {
+        /// Registered nodes, ready or not.
         live: usize,
+        /// Ready nodes the job needs to go on.
+        needed: usize,
         reason: String,
     },
     /// The node named so was declared failed, and why (its processes should be killed).
@@ -693,9 +696,18 @@ impl Controller {
                 out.push(Output::Close(node));
                 Self::notice(out, Notice::Fenced { name, reason });
             }
-            Action::WaitForNodes { live, reason } => {
-                Self::notice(out, Notice::WaitingForNodes { live, reason })
-            }
+            Action::WaitForNodes {
+                live,
+                needed,
+                reason,
+            } => Self::notice(
+                out,
+                Notice::WaitingForNodes {
+                    live,
+                    needed,
+                    reason,
+                },
+            ),
             Action::Record(r) => {
                 let start = *self.start_ms.get_or_insert(now_ms);
                 let rec = StepRecord {

@@ -77,6 +77,19 @@ pub struct LocalArgs {
         requires = "fault_trace"
     )]
     pub time_scale: f64,
+    /// A seeded storm of N faults of every kind on --nodes nodes (default 6): kills, several
+    /// nodes killed at once, joins racing kills, frozen (SIGSTOPped) workers and agents,
+    /// controller kills and a full checkpoint disk for 1–4 steps; the job must survive all of
+    /// them and end with every copy of its state identical. The soak test of the README runs
+    /// 1,000. Adds to --kill-controller; not with --kill, --join or --fault-trace.
+    #[arg(long, value_name = "N", conflicts_with_all = ["kill", "join", "fault_trace"])]
+    pub storm: Option<usize>,
+    /// Seed of the --storm schedule (the same seed gives the same faults at the same steps).
+    #[arg(long, value_name = "SEED", default_value_t = 1, requires = "storm")]
+    pub storm_seed: u64,
+    /// Nodes a --storm never goes below (at least 1; the experts must fit on them).
+    #[arg(long, value_name = "N", default_value_t = 2, requires = "storm")]
+    pub storm_min_live: usize,
     #[command(flatten)]
     pub job: JobArgs,
 }

@@ -35,8 +35,9 @@ pub trait Hooks {
     /// With the name of every node the controller fenced.
     fn on_fenced(&mut self, _name: &str) {}
 
-    /// When the job starts waiting for nodes to join.
-    fn on_waiting(&mut self, _job: &JobHandle) -> Result<()> {
+    /// When the job starts waiting for nodes: `live` are registered (not all ready yet), the
+    /// job needs `needed` ready ones.
+    fn on_waiting(&mut self, _job: &JobHandle, _live: usize, _needed: usize) -> Result<()> {
         Ok(())
     }
 
@@ -197,9 +198,13 @@ pub async fn drive(
                 }
                 Some(Notice::Reconfigured(r)) => report.reconfigured(r),
                 Some(Notice::Log(l)) => report.say(&format!("[controller] {l}")),
-                Some(Notice::WaitingForNodes { live, reason }) => {
+                Some(Notice::WaitingForNodes {
+                    live,
+                    needed,
+                    reason,
+                }) => {
                     report.say(&format!("[controller] waiting for nodes ({live} live): {reason}"));
-                    if let Err(e) = hooks.on_waiting(&inc.handle) {
+                    if let Err(e) = hooks.on_waiting(&inc.handle, live, needed) {
                         outcome = Err(e);
                         break;
                     }

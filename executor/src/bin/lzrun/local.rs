@@ -1,8 +1,10 @@
 //! `lzrun local`: a controller plus one agent (and worker) process per node on this machine,
-//! with the faults of a schedule (`--kill`, `--join`, `--fault-trace`) injected between steps.
+//! with the faults of a schedule (`--kill`, `--join`, `--fault-trace`, `--storm`) injected
+//! between steps.
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener as StdListener};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
@@ -17,6 +19,9 @@ use crate::job::job_from_args;
 use crate::nodes::Nodes;
 use crate::report::Report;
 use crate::runinfo::Injection;
+
+/// Nodes of a `--storm` without `--nodes`.
+const STORM_NODES: usize = 6;
 
 /// Starts the controller and the initial nodes, injects the scheduled faults, prints the report.
 pub fn local(a: LocalArgs) -> Result<()> {
@@ -60,6 +65,14 @@ pub fn local(a: LocalArgs) -> Result<()> {
     }
     let exe = std::env::current_exe().context("locating the lzrun executable")?;
     let mut nodes = Nodes::new(exe, addr, token);
+    let disk_full = schedule
+        .events
+        .iter()
+        .any(|e| matches!(e.fault, Fault::DiskFull { .. }))
+        .then(DiskFull::new);
+    if let Some(d) = &disk_full {
+        nodes.set_env(faults::DISK_FULL_FAILPOINT_ENV, &d.marker);
+    }
     for name in &schedule.initial_names {
         nodes.spawn(name)?;
     }
@@ -71,6 +84,7 @@ pub fn local(a: LocalArgs) -> Result<()> {
         format,
         fired: BTreeSet::new(),
         kill_controller: false,
+        disk_full,
         start: report.started(),
         injected: Vec::new(),
     };
@@ -134,10 +148,23 @@ fn fault_schedule(a: &LocalArgs) -> Result<FaultSchedule> {
                 })
                 .map_err(|e| anyhow!("--fault-trace {}: {e}", path.display()))?
         }
-        None => {
-            faults::schedule_from_flags(a.nodes.unwrap_or(2), &a.kill, &a.join, a.job.model.steps)
-                .map_err(|e| anyhow!("{e}"))?
-        }
+        None => match a.storm {
+            Some(n) => faults::storm_schedule(
+                a.storm_seed,
+                a.nodes.unwrap_or(STORM_NODES),
+                a.job.model.steps,
+                n,
+                a.storm_min_live,
+            )
+            .map_err(|e| anyhow!("--storm {n}: {e}"))?,
+            None => faults::schedule_from_flags(
+                a.nodes.unwrap_or(2),
+                &a.kill,
+                &a.join,
+                a.job.model.steps,
+            )
+            .map_err(|e| anyhow!("{e}"))?,
+        },
     };
     schedule
         .add_controller_kills(&a.kill_controller, a.job.model.steps)
@@ -168,6 +195,8 @@ struct Faults {
     fired: BTreeSet<usize>,
     /// A controller kill is due (taken by `drive`).
     kill_controller: bool,
+    /// The disk-full failpoint, when the schedule fills the disk.
+    disk_full: Option<DiskFull>,
     /// The run's start (the report's), for the injection times.
     start: Instant,
     /// What was injected and when, for `run.json`.
@@ -177,9 +206,26 @@ struct Faults {
 impl Hooks for Faults {
     /// Injects the faults the schedule holds for the step `rec` completed: kills and joins.
     fn on_step(&mut self, rec: &StepRecord, job: &JobHandle) -> Result<()> {
-        let due: Vec<usize> = (0..self.schedule.events.len())
-            .filter(|i| self.schedule.events[*i].after_step == rec.step)
-            .collect();
+        if let Some(d) = self.disk_full.as_mut().filter(|d| d.ends_after(rec.step)) {
+            d.set(None)?;
+            self.format.say(&format!(
+                "lzrun local: the checkpoint disk has space again after step {}",
+                rec.step
+            ));
+        }
+        // Also the events of steps this launcher saw no record of (a controller that was
+        // down while the workers trained on counts those steps without reporting them).
+        let events = &self.schedule.events;
+        let (due, late): (Vec<usize>, Vec<usize>) = (0..events.len())
+            .filter(|i| events[*i].after_step <= rec.step && !self.fired.contains(i))
+            .partition(|i| events[*i].after_step == rec.step);
+        for i in late {
+            let when = format!(
+                "after step {} (scheduled after step {}, whose record was not seen)",
+                rec.step, self.schedule.events[i].after_step
+            );
+            self.inject(&[i], &when, job)?;
+        }
         self.inject(&due, &format!("after step {}", rec.step), job)
     }
 
@@ -195,8 +241,9 @@ impl Hooks for Faults {
     }
 
     /// No step completes while the job waits for nodes, so the joins scheduled after a later
-    /// step would never come: start the next ones now. With none left the wait is hopeless.
-    fn on_waiting(&mut self, job: &JobHandle) -> Result<()> {
+    /// step would never come: start the next ones now. With none left the wait is hopeless,
+    /// unless enough nodes are there and only not ready yet (a node that just joined).
+    fn on_waiting(&mut self, job: &JobHandle, live: usize, needed: usize) -> Result<()> {
         let next = self
             .schedule
             .events
@@ -205,6 +252,10 @@ impl Hooks for Faults {
             .find(|(i, e)| e.fault.is_join() && !self.fired.contains(i))
             .map(|(_, e)| e.after_step);
         let Some(step) = next else {
+            if live.max(self.nodes.running()) >= needed {
+                // Started nodes get ready (or are fenced, and the job asks again).
+                return Ok(());
+            }
             bail!(
                 "the job waits for nodes to join, and the fault schedule starts no more \
                  (add a --join, or give each node more --slots)"
@@ -231,11 +282,21 @@ impl Faults {
             let after_step = self.schedule.events[i].after_step;
             let t_s = self.start.elapsed().as_secs_f64();
             match &self.schedule.events[i].fault {
+                // Fenced and killed by now (a storm may freeze or slow it first): nothing to do.
+                Fault::Kill { node } if !nodes.is_running(*node) => self.format.say(&format!(
+                    "lzrun local: node {node} is gone already; no kill {when}"
+                )),
                 Fault::Kill { node } => {
                     let name = nodes.kill_group(*node)?;
                     handle.fault_injected();
-                    self.injected
-                        .push(Injection::new(t_s, after_step, "kill", *node, &name, when));
+                    self.injected.push(Injection::new(
+                        t_s,
+                        after_step,
+                        "kill",
+                        Some(*node),
+                        &name,
+                        when,
+                    ));
                     self.format.say(&format!(
                         "lzrun local: killed node {node} ({name}) with SIGKILL {when}"
                     ));
@@ -246,8 +307,14 @@ impl Faults {
                         .ok_or_else(|| anyhow!("trace kills {name}, which is not running"))?;
                     nodes.kill_group(i)?;
                     handle.fault_injected();
-                    self.injected
-                        .push(Injection::new(t_s, after_step, "kill", i, name, when));
+                    self.injected.push(Injection::new(
+                        t_s,
+                        after_step,
+                        "kill",
+                        Some(i),
+                        name,
+                        when,
+                    ));
                     self.format.say(&format!(
                         "lzrun local: killed node {i} ({name}) with SIGKILL {when}"
                     ));
@@ -258,17 +325,124 @@ impl Faults {
                         .unwrap_or_else(|| format!("n{}", nodes.launched()));
                     nodes.spawn(&name)?;
                     let index = nodes.launched() - 1;
-                    self.injected
-                        .push(Injection::new(t_s, after_step, "join", index, &name, when));
+                    self.injected.push(Injection::new(
+                        t_s,
+                        after_step,
+                        "join",
+                        Some(index),
+                        &name,
+                        when,
+                    ));
                     self.format.say(&format!(
                         "lzrun local: started node {} ({name}) {when}",
                         nodes.launched() - 1
                     ));
                 }
                 // `drive` kills it once this step's events are in.
-                Fault::KillController => self.kill_controller = true,
+                Fault::KillController => {
+                    self.kill_controller = true;
+                    self.injected.push(Injection::new(
+                        t_s,
+                        after_step,
+                        "kill-controller",
+                        None,
+                        "",
+                        when,
+                    ));
+                }
+                fault @ (Fault::FreezeWorker { node } | Fault::FreezeAgent { node }) => {
+                    let (node, kind) = (*node, fault.kind());
+                    let frozen = if matches!(fault, Fault::FreezeWorker { .. }) {
+                        nodes.freeze_worker(node)
+                    } else {
+                        nodes.freeze_agent(node)
+                    };
+                    match frozen {
+                        Ok(name) => {
+                            handle.fault_injected();
+                            self.injected.push(Injection::new(
+                                t_s,
+                                after_step,
+                                kind,
+                                Some(node),
+                                &name,
+                                when,
+                            ));
+                            self.format.say(&format!(
+                                "lzrun local: froze node {node} ({name}): SIGSTOP to its {} {when}",
+                                kind.trim_start_matches("freeze-")
+                            ));
+                        }
+                        // A node that died meanwhile (fenced, say) has nothing to freeze.
+                        Err(e) => self.format.say(&format!(
+                            "lzrun local: no {kind} of node {node} {when}: {e}"
+                        )),
+                    }
+                }
+                Fault::DiskFull { steps } => {
+                    let until = after_step + steps;
+                    if let Some(d) = self.disk_full.as_mut() {
+                        d.set(Some(until))?;
+                    }
+                    self.injected.push(Injection::new(
+                        t_s,
+                        after_step,
+                        "disk-full",
+                        None,
+                        "",
+                        when,
+                    ));
+                    self.format.say(&format!(
+                        "lzrun local: the checkpoint disk is full {when} until after step {until}"
+                    ));
+                }
             }
         }
         Ok(())
+    }
+}
+
+/// The disk-full failpoint of a run: a file whose existence makes the nodes' checkpoint writes
+/// fail with ENOSPC ([`faults::DISK_FULL_FAILPOINT_ENV`]); removed when dropped.
+struct DiskFull {
+    marker: PathBuf,
+    /// The disk is full until this step completes.
+    until_step: Option<u64>,
+}
+
+impl DiskFull {
+    fn new() -> Self {
+        let marker = std::env::temp_dir().join(format!("lzrun-disk-full-{}", std::process::id()));
+        Self {
+            marker,
+            until_step: None,
+        }
+    }
+
+    /// Fills the disk until step `until` completes (`Some`), or frees it (`None`).
+    fn set(&mut self, until: Option<u64>) -> Result<()> {
+        match until {
+            Some(_) => std::fs::write(&self.marker, b"")
+                .with_context(|| format!("creating {}", self.marker.display()))?,
+            None => match std::fs::remove_file(&self.marker) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(e).with_context(|| format!("removing {}", self.marker.display()));
+                }
+                _ => {}
+            },
+        }
+        self.until_step = until;
+        Ok(())
+    }
+
+    /// Whether the disk is full and its window ends once step `step` completed.
+    fn ends_after(&self, step: u64) -> bool {
+        self.until_step.is_some_and(|u| step >= u)
+    }
+}
+
+impl Drop for DiskFull {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.marker);
     }
 }

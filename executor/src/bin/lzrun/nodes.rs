@@ -1,5 +1,6 @@
 //! The local node processes of `lzrun local`: launching, killing and reaping agents.
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
@@ -15,6 +16,8 @@ pub struct Nodes {
     exe: PathBuf,
     controller: SocketAddr,
     token: String,
+    /// Extra environment of every agent (and so of its worker), e.g. a failpoint.
+    env: Vec<(String, OsString)>,
     children: Vec<(String, Option<Child>)>,
 }
 
@@ -25,8 +28,14 @@ impl Nodes {
             exe,
             controller,
             token,
+            env: Vec::new(),
             children: Vec::new(),
         }
+    }
+
+    /// Sets `key` in the environment of the agents started from now on.
+    pub fn set_env(&mut self, key: &str, value: impl Into<OsString>) {
+        self.env.push((key.to_owned(), value.into()));
     }
 
     /// Nodes launched so far, running or not (the next node's index).
@@ -41,6 +50,7 @@ impl Nodes {
             .args(["--controller", &self.controller.to_string()])
             .args(["--name", name])
             .env("LZRUN_TOKEN", &self.token)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
@@ -58,6 +68,51 @@ impl Nodes {
         self.children
             .iter()
             .rposition(|(n, c)| n == name && c.is_some())
+    }
+
+    /// Nodes launched and not killed by this launcher (some may be frozen or starting).
+    pub fn running(&self) -> usize {
+        self.children.iter().filter(|(_, c)| c.is_some()).count()
+    }
+
+    /// Whether node `i` was launched and not killed by this launcher.
+    pub fn is_running(&self, i: usize) -> bool {
+        self.agent_pid(i).is_some()
+    }
+
+    /// The pid of node `i`'s agent, while it runs.
+    fn agent_pid(&self, i: usize) -> Option<i32> {
+        let child = self.children.get(i)?.1.as_ref()?;
+        i32::try_from(child.id()).ok()
+    }
+
+    /// SIGSTOPs node `i`'s agent (its worker runs on); its name.
+    pub fn freeze_agent(&mut self, i: usize) -> Result<String> {
+        let pid = self
+            .agent_pid(i)
+            .ok_or_else(|| anyhow!("node {i} is not running"))?;
+        // SAFETY: kill(2) on a process this launcher started; no memory is shared.
+        unsafe {
+            libc::kill(pid, libc::SIGSTOP);
+        }
+        Ok(self.children[i].0.clone())
+    }
+
+    /// SIGSTOPs node `i`'s worker (its agent runs on); its name. Fails when the agent has no
+    /// worker process (yet).
+    pub fn freeze_worker(&mut self, i: usize) -> Result<String> {
+        let agent = self
+            .agent_pid(i)
+            .ok_or_else(|| anyhow!("node {i} is not running"))?;
+        let worker = children_of(agent)
+            .into_iter()
+            .next()
+            .ok_or_else(|| anyhow!("node {i} has no worker process"))?;
+        // SAFETY: kill(2) on a child of a process this launcher started; no memory is shared.
+        unsafe {
+            libc::kill(worker, libc::SIGSTOP);
+        }
+        Ok(self.children[i].0.clone())
     }
 
     /// SIGKILLs node `i`'s process group (agent and worker).
@@ -97,6 +152,29 @@ impl Nodes {
             }
         }
     }
+}
+
+/// The pids of `parent`'s child processes (Linux `/proc`; empty elsewhere).
+fn children_of(parent: i32) -> Vec<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                // `pid (comm) state ppid …`: comm may hold spaces, so split after the last ')'.
+                .and_then(|st| {
+                    st.rsplit_once(')')?
+                        .1
+                        .split_whitespace()
+                        .nth(1)?
+                        .parse()
+                        .ok()
+                })
+                == Some(parent)
+        })
+        .collect()
 }
 
 impl Drop for Nodes {

@@ -36,10 +36,11 @@ pub struct Injection {
     pub t_s: f64,
     /// The step the schedule fired it after.
     pub after_step: u64,
-    /// `kill` or `join`.
+    /// [`lazarus_executor::faults::Fault::kind`]: `kill`, `join`, `freeze-worker`, …
     pub kind: &'static str,
-    /// The node's launch index.
-    pub node: usize,
+    /// The node's launch index (none for a controller kill or a full disk).
+    pub node: Option<usize>,
+    /// The node's name (empty for a controller kill or a full disk).
     pub name: String,
     /// `after step S`, or `early (…)` for a join started while the job waited for nodes.
     pub when: String,
@@ -50,7 +51,7 @@ impl Injection {
         t_s: f64,
         after_step: u64,
         kind: &'static str,
-        node: usize,
+        node: Option<usize>,
         name: &str,
         when: &str,
     ) -> Self {
