@@ -559,31 +559,50 @@ pub fn schedule_from_trace(
     })
 }
 
-/// The preconditions of [`chaos_schedule`] and [`storm_schedule`]; returns `nodes`.
-fn check_random_schedule(
+/// What [`chaos_schedule`] and [`storm_schedule`] start from: the empty schedule, the seeded
+/// RNG, `faults` fault slots drawn uniformly from steps `1 ..= steps-2` and sorted (none when
+/// `faults == 0`), and the live-node floor `max(min_live, 1)`.
+struct RandomStart {
+    schedule: FaultSchedule,
+    rng: StdRng,
+    slots: Vec<u64>,
+    floor: usize,
+}
+
+/// Checks the parameters of a random schedule (see [`chaos_schedule`]'s errors) and draws its
+/// slots.
+fn random_start(
+    seed: u64,
     nodes: usize,
     steps: u64,
     faults: usize,
     min_live: usize,
-) -> Result<usize, FaultError> {
+) -> Result<RandomStart, FaultError> {
     if nodes == 0 {
         return Err(FaultError::NoNodes);
     }
-    if faults == 0 {
-        return Ok(nodes);
-    }
-    if steps < 3 {
+    let floor = min_live.max(1);
+    if faults > 0 && steps < 3 {
         return Err(FaultError::Chaos(format!(
             "{faults} fault(s) need steps 1..=steps-2 to fire after, but the run has {steps} step(s)"
         )));
     }
-    let floor = min_live.max(1);
-    if nodes <= floor {
+    if faults > 0 && nodes <= floor {
         return Err(FaultError::Chaos(format!(
             "no node can be killed: {nodes} node(s) and at least {floor} must stay live"
         )));
     }
-    Ok(nodes)
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut slots: Vec<u64> = (0..faults)
+        .map(|_| rng.random_range(1..=steps - 2))
+        .collect();
+    slots.sort_unstable();
+    Ok(RandomStart {
+        schedule: FaultSchedule::none(nodes),
+        rng,
+        slots,
+        floor,
+    })
 }
 
 /// A seeded random schedule for chaos tests on `nodes` initial nodes (named `n0, n1, …`).
@@ -613,16 +632,12 @@ pub fn chaos_schedule(
     faults: usize,
     min_live: usize,
 ) -> Result<FaultSchedule, FaultError> {
-    let mut schedule = FaultSchedule::none(check_random_schedule(nodes, steps, faults, min_live)?);
-    if faults == 0 {
-        return Ok(schedule);
-    }
-    let floor = min_live.max(1);
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut slots: Vec<u64> = (0..faults)
-        .map(|_| rng.random_range(1..=steps - 2))
-        .collect();
-    slots.sort_unstable();
+    let RandomStart {
+        mut schedule,
+        mut rng,
+        slots,
+        floor,
+    } = random_start(seed, nodes, steps, faults, min_live)?;
     let mut live: Vec<usize> = (0..nodes).collect();
     let mut next_index = nodes;
     for after_step in slots {
@@ -712,16 +727,12 @@ pub fn storm_schedule(
     faults: usize,
     min_live: usize,
 ) -> Result<FaultSchedule, FaultError> {
-    let mut schedule = FaultSchedule::none(check_random_schedule(nodes, steps, faults, min_live)?);
-    if faults == 0 {
-        return Ok(schedule);
-    }
-    let floor = min_live.max(1);
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut slots: Vec<u64> = (0..faults)
-        .map(|_| rng.random_range(1..=steps - 2))
-        .collect();
-    slots.sort_unstable();
+    let RandomStart {
+        mut schedule,
+        mut rng,
+        slots,
+        floor,
+    } = random_start(seed, nodes, steps, faults, min_live)?;
     // Live nodes with the step they (were scheduled to) join at; 0 for the initial ones.
     let mut live: Vec<(usize, u64)> = (0..nodes).map(|i| (i, 0)).collect();
     let mut next_index = nodes;

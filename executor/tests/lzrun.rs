@@ -704,19 +704,35 @@ fn help_explains_every_flag() {
     assert!(o.stdout.contains("--reconnect-grace-ms"), "{}", o.stdout);
 }
 
-/// Processes whose command line mentions `needle` (Linux `/proc`).
-fn processes_mentioning(needle: &str) -> Vec<u32> {
+/// Processes whose `/proc/PID/<file>` (`cmdline`, `environ`: NUL-separated) satisfies
+/// `matches` (Linux; the processes this user may read).
+fn processes_whose(file: &str, matches: impl Fn(&[u8]) -> bool) -> Vec<u32> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
     dir.filter_map(|e| {
         let e = e.ok()?;
         let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-        let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
-        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-        cmd.contains(needle).then_some(pid)
+        let bytes = std::fs::read(e.path().join(file)).ok()?;
+        matches(&bytes).then_some(pid)
     })
     .collect()
+}
+
+/// Processes whose command line mentions `needle`.
+fn processes_mentioning(needle: &str) -> Vec<u32> {
+    processes_whose("cmdline", |cmd| {
+        String::from_utf8_lossy(cmd)
+            .replace('\0', " ")
+            .contains(needle)
+    })
+}
+
+/// Processes whose environment holds `entry` (`KEY=VALUE`).
+fn processes_with_env(entry: &str) -> Vec<u32> {
+    processes_whose("environ", |env| {
+        env.split(|&b| b == 0).any(|kv| kv == entry.as_bytes())
+    })
 }
 
 #[test]
@@ -2020,22 +2036,6 @@ fn node_checksum_files_record_the_world_size() {
     ranks.sort_unstable();
     assert_eq!(ranks, vec![0, 1, 2]);
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// Processes whose environment holds `entry` (`KEY=VALUE`; Linux `/proc`, own processes).
-fn processes_with_env(entry: &str) -> Vec<u32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    dir.filter_map(|e| {
-        let e = e.ok()?;
-        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-        let env = std::fs::read(e.path().join("environ")).ok()?;
-        env.split(|&b| b == 0)
-            .any(|kv| kv == entry.as_bytes())
-            .then_some(pid)
-    })
-    .collect()
 }
 
 /// Issue 14 item 10: a storm of ≥ 100 mixed faults — kills, several nodes killed at once,

@@ -361,14 +361,9 @@ impl Controller {
         &self.checksums
     }
 
-    /// Admits a node: protocol version, token, a well-formed name no live node uses (see
-    /// [`check_node_name`]), 1 to [`MAX_DEVICES_PER_NODE`] devices. Ids are never reused.
-    pub fn register(
-        &mut self,
-        reg: &Registration,
-        now_ms: u64,
-        out: &mut Vec<Output>,
-    ) -> Result<NodeId, Reject> {
+    /// What a registration and a reattachment must both present: this protocol version, the
+    /// job's token and a well-formed name (checked before anything logs it).
+    fn check_credentials(&self, reg: &Registration) -> Result<(), Reject> {
         if reg.version != PROTOCOL_VERSION {
             return Err(Reject::Version {
                 agent: reg.version,
@@ -378,11 +373,21 @@ impl Controller {
         if !tokens_match(&reg.token, &self.params.token) {
             return Err(Reject::BadToken);
         }
-        // The name goes into log lines and notices from here on, so it is checked first.
-        if let Err(why) = check_node_name(&reg.node) {
-            let name = format!("\"{}\"", printable(&reg.node, 64));
-            return Err(Reject::BadName { name, why });
-        }
+        check_node_name(&reg.node).map_err(|why| Reject::BadName {
+            name: format!("\"{}\"", printable(&reg.node, 64)),
+            why,
+        })
+    }
+
+    /// Admits a node: protocol version, token, a well-formed name no live node uses (see
+    /// [`check_node_name`]), 1 to [`MAX_DEVICES_PER_NODE`] devices. Ids are never reused.
+    pub fn register(
+        &mut self,
+        reg: &Registration,
+        now_ms: u64,
+        out: &mut Vec<Output>,
+    ) -> Result<NodeId, Reject> {
+        self.check_credentials(reg)?;
         if reg.devices == 0 {
             return Err(Reject::NoDevices(reg.node.clone()));
         }
@@ -420,19 +425,7 @@ impl Controller {
         out: &mut Vec<Output>,
     ) -> Result<(NodeId, u64), Reject> {
         let reg = &r.registration;
-        if reg.version != PROTOCOL_VERSION {
-            return Err(Reject::Version {
-                agent: reg.version,
-                controller: PROTOCOL_VERSION,
-            });
-        }
-        if !tokens_match(&reg.token, &self.params.token) {
-            return Err(Reject::BadToken);
-        }
-        if let Err(why) = check_node_name(&reg.node) {
-            let name = format!("\"{}\"", printable(&reg.node, 64));
-            return Err(Reject::BadName { name, why });
-        }
+        self.check_credentials(reg)?;
         let id = r.node_id;
         if self.names.get(&id) != Some(&reg.node) {
             return Err(Reject::UnknownNode {
