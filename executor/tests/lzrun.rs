@@ -738,16 +738,20 @@ fn processes_with_env(entry: &str) -> Vec<u32> {
 #[test]
 fn ctrl_c_stops_every_process() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let mut live = Live::start(&[
+    // Its own TMPDIR: the temporary state and checkpoint directories must be gone afterwards
+    // (the controller task, still running at the interruption, wrote its state again after
+    // the directory was removed).
+    let tmp = scratch("ctrl-c-tmp");
+    let mut live = Live::start_cmd(Command::new(LZRUN).env("TMPDIR", &tmp).args([
         "local",
         "--nodes",
         "3",
         "--steps",
         "100000",
         "--ckpt-every",
-        "0",
-    ]);
-    live.wait_for(" iteration ");
+        "2",
+    ]));
+    live.wait_for(" iteration        4/");
     let addr = live.addr.clone();
     assert_eq!(processes_mentioning(&addr).len(), 3, "three agents run");
     // Workers started before this point (possibly some of another run: only their ending is
@@ -776,6 +780,12 @@ fn ctrl_c_stops_every_process() {
         "agents left behind"
     );
     assert_eq!(workers_left(), Vec::<u32>::new(), "workers left behind");
+    let left: Vec<_> = std::fs::read_dir(&tmp)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "left in TMPDIR: {left:?}");
+    let _ = std::fs::remove_dir_all(&tmp);
 }
 
 /// Issue 14: `lzrun local | head -3` panicked ("failed printing to stdout", exit 101). A

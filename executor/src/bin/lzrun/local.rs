@@ -98,6 +98,9 @@ pub fn local(a: LocalArgs) -> Result<()> {
         stop,
     ));
     faults.nodes.reap(Duration::from_secs(5));
+    // A controller task still running (the job was interrupted) saves its state at its next
+    // event: stop it before its temporary state directory is removed, or it writes it again.
+    rt.shutdown_timeout(Duration::from_secs(5));
     job.clean_up(&result);
     result?;
     report.finish(&a.job, &config)?;
@@ -244,16 +247,14 @@ impl Hooks for Faults {
     /// step would never come: start the next ones now. With none left the wait is hopeless,
     /// unless enough nodes are there and only not ready yet (a node that just joined).
     fn on_waiting(&mut self, job: &JobHandle, live: usize, needed: usize) -> Result<()> {
-        let next = self
-            .schedule
-            .events
-            .iter()
-            .enumerate()
-            .find(|(i, e)| e.fault.is_join() && !self.fired.contains(i))
-            .map(|(_, e)| e.after_step);
-        let Some(step) = next else {
-            if live.max(self.nodes.running()) >= needed {
-                // Started nodes get ready (or are fenced, and the job asks again).
+        let events = &self.schedule.events;
+        let unfired: Vec<usize> = (0..events.len())
+            .filter(|i| events[*i].fault.is_join() && !self.fired.contains(i))
+            .collect();
+        // Registered or started, ready or not (a frozen one is fenced, and the job asks again).
+        let mut coming = live.max(self.nodes.running());
+        let Some(&first) = unfired.first() else {
+            if coming >= needed {
                 return Ok(());
             }
             bail!(
@@ -261,13 +262,21 @@ impl Hooks for Faults {
                  (add a --join, or give each node more --slots)"
             );
         };
-        let due: Vec<usize> = (0..self.schedule.events.len())
-            .filter(|&i| {
-                let e = &self.schedule.events[i];
-                e.after_step == step && e.fault.is_join() && !self.fired.contains(&i)
-            })
-            .collect();
-        self.inject(&due, &format!("early (scheduled after step {step})"), job)
+        // The next step's joins, and later ones until enough nodes are coming: the job may
+        // not ask again when one node becomes ready and more are needed.
+        let first_step = events[first].after_step;
+        let mut due = Vec::new();
+        for i in unfired {
+            if events[i].after_step != first_step && coming >= needed {
+                break;
+            }
+            due.push((i, events[i].after_step));
+            coming += 1;
+        }
+        for (i, step) in due {
+            self.inject(&[i], &format!("early (scheduled after step {step})"), job)?;
+        }
+        Ok(())
     }
 }
 
