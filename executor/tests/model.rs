@@ -493,6 +493,44 @@ fn presets_validate() {
     );
 }
 
+/// The recipe fields: validated, and a config written before they existed (a TOML file or a
+/// checkpoint manifest) reads as the old recipe (β2 0.999, no clipping).
+#[test]
+fn recipe_fields_are_validated_and_default_to_the_old_recipe() {
+    let tiny = MoeConfig::tiny();
+    assert_eq!(
+        (tiny.lr, tiny.adam_beta2, tiny.grad_clip_norm),
+        (1e-3, 0.999, 1.0)
+    );
+    assert_eq!(tiny.adam_params().beta2, 0.999);
+    for bad in [
+        MoeConfig {
+            adam_beta2: 1.0,
+            ..MoeConfig::tiny()
+        },
+        MoeConfig {
+            adam_beta2: f64::NAN,
+            ..MoeConfig::tiny()
+        },
+        MoeConfig {
+            grad_clip_norm: -1.0,
+            ..MoeConfig::tiny()
+        },
+        MoeConfig {
+            grad_clip_norm: f64::INFINITY,
+            ..MoeConfig::tiny()
+        },
+    ] {
+        assert!(bad.validate().is_err(), "{bad:?}");
+    }
+    let mut json = serde_json::to_value(MoeConfig::tiny()).unwrap();
+    let obj = json.as_object_mut().unwrap();
+    obj.remove("adam_beta2");
+    obj.remove("grad_clip_norm");
+    let old: MoeConfig = serde_json::from_value(json).unwrap();
+    assert_eq!((old.adam_beta2, old.grad_clip_norm), (0.999, 0.0));
+}
+
 /// The dense parameter count formula matches the model's variables.
 #[test]
 fn dense_param_count_matches_vars() -> Result<()> {
