@@ -29,6 +29,8 @@ fn cfg() -> MoeConfig {
         batch: 2,
         lb_loss_coef: 0.01,
         lr: 3e-3,
+        adam_beta2: 0.999,
+        grad_clip_norm: 0.0,
         seed: 7,
     }
 }

@@ -362,8 +362,9 @@ fn a_joining_node_receives_experts() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// 20+ seeded faults (kills, simultaneous kills, joins) on 4 nodes; the run completes and the
-/// replicas are consistent at the end.
+/// 20+ seeded faults (kills, simultaneous kills, joins) on 4 nodes; the run completes, the
+/// replicas are consistent at the end, and no step after the 10th has a loss above the first
+/// step's (bug 4: the old recipe spiked in about one run in six).
 #[test]
 fn seeded_chaos_run_finishes_with_consistent_replicas() {
     let steps = 40;
@@ -426,6 +427,7 @@ fn seeded_chaos_run_finishes_with_consistent_replicas() {
     );
     assert!(s.joins >= 1 && s.recoveries + s.fallbacks >= 1, "{s:?}");
     assert!(s.final_loss.is_finite() && s.final_loss < s.initial_loss);
+    assert_no_loss_spike(&metrics, s.initial_loss);
     assert_consistent(&dir, &MoeConfig::tiny());
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -449,15 +451,14 @@ fn assert_no_loss_spike(metrics: &Path, initial_loss: f64) {
     }
 }
 
-/// Bug 4 of the control-plane issue, still open: a one-step loss spike after some
-/// reconfigurations. Reproduced this way in about one run in six on 2 cores: the seeded chaos
-/// schedule of `seeded_chaos_run_finishes_with_consistent_replicas` (`--kill 9@34 --join @34`:
-/// a kill and a join in one in-place reconfiguration, the newcomer in `dense_to`) gives EVERY
-/// member a loss of 8–9 at the first step after it (3.0 before and after), while the final
-/// replicas and dense states agree. Run with `cargo test -p lazarus-executor --test lzrun --
-/// --ignored` (runs the Bamboo P3 trace, skipped without it, and asserts no spike).
+/// Bug 4 of the control-plane issue: a one-step loss spike after some reconfigurations (a
+/// mean loss of 11.5 at step 59 of this run, 3.0 before and after). Not a race: the members
+/// held identical states; the training recipe (gradients summed over the members, AdamW at
+/// lr 3e-3 with β2 0.999, no clipping) was unstable under membership changes. With the
+/// gradient mean over the members and global-norm clipping (see the executor README, "Known
+/// limits") no step after the 10th exceeds the initial loss. Runs the Bamboo P3 trace; skipped
+/// without it.
 #[test]
-#[ignore = "open bug 4 (one-step loss spike after a kill + join reconfiguration); see the doc"]
 fn a_p3_spot_trace_run_has_no_loss_spike_and_consistent_replicas() {
     let Some(trace) = lazarus_traces::shared::or_skip("bamboo/traces/p3-trace.csv") else {
         return;

@@ -23,6 +23,8 @@ fn small(top_k: usize) -> MoeConfig {
         batch: 4,
         lb_loss_coef: 0.01,
         lr: 1e-2,
+        adam_beta2: 0.999,
+        grad_clip_norm: 0.0,
         seed: 7,
     }
 }
@@ -159,7 +161,7 @@ proptest! {
     /// Counts sum to tokens × k for any shape, and match the recorded choices.
     #[test]
     fn counts_match_choices(b in 1usize..4, s in 1usize..6, experts in 2usize..6, k in 1usize..3, seed in 0u64..1000) {
-        let cfg = MoeConfig { vocab: 256, d_model: 8, n_layers: 2, n_heads: 2, d_ff: 8, experts, top_k: k, seq_len: s, batch: b, lb_loss_coef: 0.01, lr: 1e-3, seed };
+        let cfg = MoeConfig { vocab: 256, d_model: 8, n_layers: 2, n_heads: 2, d_ff: 8, experts, top_k: k, seq_len: s, batch: b, lb_loss_coef: 0.01, lr: 1e-3, adam_beta2: 0.999, grad_clip_norm: 0.0, seed };
         let model = DenseModel::new(&cfg, &Device::Cpu).unwrap();
         let store = ExpertStore::all(&cfg, &Device::Cpu).unwrap();
         let mut stats = RoutingStats::default();
@@ -489,6 +491,44 @@ fn presets_validate() {
         .validate()
         .is_err()
     );
+}
+
+/// The recipe fields: validated, and a config written before they existed (a TOML file or a
+/// checkpoint manifest) reads as the old recipe (β2 0.999, no clipping).
+#[test]
+fn recipe_fields_are_validated_and_default_to_the_old_recipe() {
+    let tiny = MoeConfig::tiny();
+    assert_eq!(
+        (tiny.lr, tiny.adam_beta2, tiny.grad_clip_norm),
+        (1e-3, 0.999, 1.0)
+    );
+    assert_eq!(tiny.adam_params().beta2, 0.999);
+    for bad in [
+        MoeConfig {
+            adam_beta2: 1.0,
+            ..MoeConfig::tiny()
+        },
+        MoeConfig {
+            adam_beta2: f64::NAN,
+            ..MoeConfig::tiny()
+        },
+        MoeConfig {
+            grad_clip_norm: -1.0,
+            ..MoeConfig::tiny()
+        },
+        MoeConfig {
+            grad_clip_norm: f64::INFINITY,
+            ..MoeConfig::tiny()
+        },
+    ] {
+        assert!(bad.validate().is_err(), "{bad:?}");
+    }
+    let mut json = serde_json::to_value(MoeConfig::tiny()).unwrap();
+    let obj = json.as_object_mut().unwrap();
+    obj.remove("adam_beta2");
+    obj.remove("grad_clip_norm");
+    let old: MoeConfig = serde_json::from_value(json).unwrap();
+    assert_eq!((old.adam_beta2, old.grad_clip_norm), (0.999, 0.0));
 }
 
 /// The dense parameter count formula matches the model's variables.

@@ -10,7 +10,8 @@ use std::time::Duration;
 use candle_core::{Device, Result, Tensor};
 use lazarus_executor::comm::{Communicator, LocalGroup, TcpCommunicator};
 use lazarus_executor::model::{
-    Corpus, DenseModel, ExpertStore, LocalExperts, MoeConfig, RoutingStats,
+    Corpus, DenseModel, ExpertStore, LocalExperts, MoeConfig, RoutingStats, grad_norm_parts,
+    grad_scale,
 };
 use lazarus_executor::runtime::DistributedExperts;
 use lazarus_executor::worker::train_step;
@@ -31,6 +32,8 @@ fn cfg() -> MoeConfig {
         batch: 3,
         lb_loss_coef: 0.01,
         lr: 1e-2,
+        adam_beta2: 0.999,
+        grad_clip_norm: 1.0,
         seed: 11,
     }
 }
@@ -398,6 +401,74 @@ fn replicas_stay_bit_identical_over_three_steps() {
             .filter(|((l, e), s)| init.checksum(*l, *e).unwrap() != **s)
             .count();
         assert!(moved > 0, "no expert was updated");
+    }
+}
+
+/// The dense AdamW first moments of one worker after one [`train_step`].
+fn first_moments(comm: TcpCommunicator, world: usize) -> Vec<f32> {
+    let c = cfg();
+    let rank = comm.rank();
+    let reps = replicas(world);
+    let dev = Device::Cpu;
+    let model = DenseModel::new(&c, &dev).unwrap();
+    let mut opt = model.optimizer().unwrap();
+    let mut store = ExpertStore::with_replicas(&c, &dev, held(&reps, rank)).unwrap();
+    let mut dist = DistributedExperts::new(Box::new(comm), &store, reps).unwrap();
+    let tokens = shard(&Corpus::embedded(), &c, 0, rank).unwrap();
+    let done = train_step(&model, &mut opt, &mut store, &mut dist, &tokens, false).unwrap();
+    assert!(!done.nonfinite);
+    let st = opt.export().unwrap();
+    st.params.into_iter().flat_map(|p| p.m).collect()
+}
+
+/// The update of a distributed step follows the mean of the workers' gradients, clipped to
+/// the global norm of the dense and every expert gradient: after one step every worker's dense
+/// first moment is `(1 − β1) · grad_scale(W, norm parts) · Σ gradients`, as in one process
+/// with every shard (Adam's first update hides a scale; its moment does not). The clip is
+/// active here.
+#[test]
+fn a_distributed_step_applies_the_mean_clipped_gradient_of_one_process() {
+    for world in [2, 3] {
+        let comms = LocalGroup::new(world, T_MS).expect("loopback mesh");
+        let got = run_ranks(comms, move |comm| first_moments(comm, world));
+        let c = cfg();
+        let dev = Device::Cpu;
+        let (_, dense, experts) = reference_step(world);
+        let model = DenseModel::new(&c, &dev).unwrap();
+        let store = ExpertStore::all(&c, &dev).unwrap();
+        let dense: Vec<Option<Tensor>> = dense
+            .iter()
+            .zip(model.named_vars())
+            .map(|(g, (_, v))| Some(Tensor::from_slice(g, v.as_tensor().shape(), &dev).unwrap()))
+            .collect();
+        let experts: BTreeMap<_, _> = experts
+            .into_iter()
+            .map(|((l, e), (g1, g2))| {
+                let w = store.weights(l, e).unwrap();
+                let g1 = Tensor::from_slice(&g1, w.w1.shape(), &dev).unwrap();
+                let g2 = Tensor::from_slice(&g2, w.w2.shape(), &dev).unwrap();
+                ((l, e), (g1, g2))
+            })
+            .collect();
+        let factor = grad_scale(
+            world,
+            &grad_norm_parts(&dense, &experts).unwrap(),
+            c.grad_clip_norm,
+        );
+        assert!(
+            factor < 0.9 / world as f64,
+            "world {world}: the clip is not active (factor {factor})"
+        );
+        let beta1 = c.adam_params().beta1;
+        let want: Vec<f32> = dense
+            .iter()
+            .flatten()
+            .flat_map(flat)
+            .map(|g| (f64::from(g) * factor * (1.0 - beta1)) as f32)
+            .collect();
+        for (rank, m) in got.iter().enumerate() {
+            assert_close(m, &want, &format!("world {world} rank {rank}: dense m"));
+        }
     }
 }
 

@@ -12,7 +12,7 @@
 use super::config::MoeConfig;
 use super::experts::ExpertExec;
 use super::init::normal;
-use super::optim::{AdamW, ParamsAdamW};
+use super::optim::AdamW;
 use candle_core::{D, Device, Result, Tensor, Var};
 use candle_nn::VarMap;
 use candle_nn::ops::{layer_norm_slow, softmax};
@@ -192,15 +192,10 @@ impl DenseModel {
         self.vars.iter().find(|(n, _)| n == name).map(|(_, v)| v)
     }
 
-    /// A fresh AdamW over all dense variables with the config's learning rate.
+    /// A fresh AdamW over all dense variables with the config's hyper-parameters
+    /// ([`MoeConfig::adam_params`]).
     pub fn optimizer(&self) -> Result<AdamW> {
-        AdamW::new(
-            self.vars.clone(),
-            ParamsAdamW {
-                lr: self.cfg.lr,
-                ..ParamsAdamW::default()
-            },
-        )
+        AdamW::new(self.vars.clone(), self.cfg.adam_params())
     }
 
     /// Routing replay: when set, layer `l` sends token `t` to experts

@@ -141,10 +141,7 @@ impl ExpertStore {
             std_out: 0.02 / (2.0 * cfg.n_layers as f64).sqrt(),
             seed: cfg.seed,
             device: device.clone(),
-            params: ParamsAdamW {
-                lr: cfg.lr,
-                ..ParamsAdamW::default()
-            },
+            params: cfg.adam_params(),
             replicas: BTreeMap::new(),
         }
     }
@@ -254,19 +251,30 @@ impl ExpertStore {
         }
     }
 
-    /// One AdamW update of every replica that has a gradient in `grads`; replicas without one
-    /// (no token reached them) are skipped and their step does not advance. Replicas of the
-    /// same expert on different workers stay bit-identical only if they see identical
-    /// gradients: the runtime all-reduces them and uses [`Self::step_replica`].
-    pub fn step(&mut self, grads: &GradStore) -> Result<()> {
-        for r in self.replicas.values_mut() {
+    /// `(dL/dw1, dL/dw2)` of every replica that has a gradient in `grads` (a half without one
+    /// is zeros); replicas no token reached are absent. Ascending `(layer, expert)`.
+    pub fn gradients(
+        &self,
+        grads: &GradStore,
+    ) -> Result<BTreeMap<(usize, usize), (Tensor, Tensor)>> {
+        let mut out = BTreeMap::new();
+        for (&key, r) in &self.replicas {
             let g1 = grads.get(r.w1.as_tensor()).cloned();
             let g2 = grads.get(r.w2.as_tensor()).cloned();
-            if g1.is_some() || g2.is_some() {
-                r.opt.step_with(&[g1, g2])?;
+            if g1.is_none() && g2.is_none() {
+                continue;
             }
+            let g1 = match g1 {
+                Some(g) => g,
+                None => r.w1.as_tensor().zeros_like()?,
+            };
+            let g2 = match g2 {
+                Some(g) => g,
+                None => r.w2.as_tensor().zeros_like()?,
+            };
+            out.insert(key, (g1, g2));
         }
-        Ok(())
+        Ok(out)
     }
 
     /// One AdamW update of one replica from explicit gradients (e.g. all-reduced).

@@ -29,5 +29,5 @@ pub use data::{ByteTokenizer, Corpus, EMBEDDED_CORPUS};
 pub use dense::{DenseModel, MoeOutput, RoutingStats, moe_layer};
 pub use experts::{ExpertExec, ExpertState, ExpertStore, ExpertWeights, LocalExperts};
 pub use init::Fnv64;
-pub use optim::{AdamW, OptimState, ParamState, ParamsAdamW};
-pub use train::{StepReport, Trainer};
+pub use optim::{AdamW, OptimState, ParamState, ParamsAdamW, grad_scale, scale_grad, sq_norm};
+pub use train::{StepReport, Trainer, apply_update, grad_norm_parts};

@@ -185,6 +185,45 @@ impl AdamW {
     }
 }
 
+/// `Σ ‖g‖²` over `grads`: each tensor's sum of squares in f32, accumulated in f64 in the given
+/// order, returned as f32 (the unit a worker contributes to the global norm).
+pub fn sq_norm<'a>(grads: impl IntoIterator<Item = &'a Tensor>) -> Result<f32> {
+    let mut acc = 0f64;
+    for g in grads {
+        acc += f64::from(g.sqr()?.sum_all()?.to_scalar::<f32>()?);
+    }
+    Ok(acc as f32)
+}
+
+/// The factor by which a step's gradients, **summed** over its `members`, are multiplied before
+/// the optimizer update: `1 / members` (the update follows the mean of the members' shard
+/// losses, so its scale does not change when members come and go), times `clip_norm / ‖ḡ‖`
+/// when the global L2 norm `‖ḡ‖` of that mean exceeds `clip_norm > 0`. `norm_sq` holds the
+/// squared norms of disjoint parts of the summed gradient (added in f64, in order), so every
+/// worker that passes the same values gets the same factor. A non-finite norm leaves the
+/// factor at `1 / members` (such a step is skipped anyway).
+pub fn grad_scale(members: usize, norm_sq: &[f32], clip_norm: f64) -> f64 {
+    let mean = 1.0 / members.max(1) as f64;
+    if clip_norm <= 0.0 {
+        return mean;
+    }
+    let norm = norm_sq.iter().map(|&x| f64::from(x)).sum::<f64>().sqrt() * mean;
+    if norm.is_finite() && norm > clip_norm {
+        mean * clip_norm / norm
+    } else {
+        mean
+    }
+}
+
+/// `g · factor`, or `g` itself when the factor is 1.
+pub fn scale_grad(g: &Tensor, factor: f64) -> Result<Tensor> {
+    if factor == 1.0 {
+        Ok(g.clone())
+    } else {
+        g.affine(factor, 0.0)
+    }
+}
+
 /// Row-major f32 copy of a tensor.
 pub(crate) fn flat(t: &Tensor) -> Result<Vec<f32>> {
     t.flatten_all()?.to_vec1::<f32>()
@@ -221,6 +260,33 @@ mod tests {
             assert_eq!(bits(&x), bits(&y));
         }
         assert_eq!(ours.step_count(), 5);
+        Ok(())
+    }
+
+    #[test]
+    fn grad_scale_means_then_clips_the_global_norm() {
+        // No clipping: the mean over the members.
+        assert_eq!(grad_scale(4, &[100.0], 0.0), 0.25);
+        assert_eq!(grad_scale(1, &[100.0], 0.0), 1.0);
+        // Mean norm sqrt(9 + 16) / 5 = 1 ≤ 1: unchanged.
+        assert_eq!(grad_scale(5, &[9.0, 16.0], 1.0), 0.2);
+        // Mean norm 5 > 1: scaled down to norm 1.
+        let f = grad_scale(1, &[9.0, 0.0, 16.0], 1.0);
+        assert!((f - 0.2).abs() < 1e-12, "{f}");
+        let f = grad_scale(2, &[400.0], 2.0);
+        assert!((f * 20.0 - 2.0).abs() < 1e-12, "{f}");
+        assert_eq!(grad_scale(3, &[f32::NAN], 1.0), 1.0 / 3.0);
+        assert_eq!(grad_scale(0, &[], 1.0), 1.0);
+    }
+
+    #[test]
+    fn sq_norm_adds_every_tensor() -> Result<()> {
+        let dev = Device::Cpu;
+        let a = Tensor::from_slice(&[3f32, 4.0], 2, &dev)?;
+        let b = Tensor::from_slice(&[1f32, 2.0, 2.0], 3, &dev)?;
+        assert_eq!(sq_norm([&a, &b])?, 34.0);
+        assert_eq!(sq_norm(std::iter::empty())?, 0.0);
+        assert_eq!(flat(&scale_grad(&a, 0.5)?)?, vec![1.5, 2.0]);
         Ok(())
     }
 

@@ -1,15 +1,53 @@
 //! Single-worker training loop: every expert local, dense AdamW plus one AdamW per replica.
 //!
 //! The distributed runtime composes the same pieces itself ([`DenseModel::loss`] with its own
-//! [`super::ExpertExec`], `backward`, gradient all-reduce, [`AdamW::step_with`],
-//! [`ExpertStore::step_replica`]); this loop is the reference it must reproduce on one worker.
+//! [`super::ExpertExec`], `backward`, gradient all-reduce, the same [`grad_scale`] of the same
+//! [`grad_norm_parts`], [`apply_update`]); this loop is the reference it must reproduce on one
+//! worker.
 
 use super::config::MoeConfig;
 use super::data::Corpus;
 use super::dense::{DenseModel, RoutingStats};
 use super::experts::{ExpertStore, LocalExperts};
-use super::optim::{AdamW, OptimState};
+use super::optim::{AdamW, OptimState, grad_scale, scale_grad, sq_norm};
 use candle_core::{Device, Result, Tensor};
+use std::collections::BTreeMap;
+
+/// The squared L2 norms of a step's gradient in the parts [`grad_scale`] adds: the dense
+/// gradient, then each expert's `(w1, w2)` in ascending `(layer, expert)` order. A distributed
+/// step contributes the same parts from the ranks that own them, so one worker's run computes
+/// the same norm here as in [`crate::worker::train_step`].
+pub fn grad_norm_parts(
+    dense: &[Option<Tensor>],
+    experts: &BTreeMap<(usize, usize), (Tensor, Tensor)>,
+) -> Result<Vec<f32>> {
+    let mut parts = Vec::with_capacity(1 + experts.len());
+    parts.push(sq_norm(dense.iter().flatten())?);
+    for (g1, g2) in experts.values() {
+        parts.push(sq_norm([g1, g2])?);
+    }
+    Ok(parts)
+}
+
+/// The optimizer updates of one step: the dense AdamW with `dense` and every expert replica in
+/// `experts` with its gradients, all multiplied by `factor` (from [`grad_scale`]).
+pub fn apply_update(
+    dense_opt: &mut AdamW,
+    store: &mut ExpertStore,
+    dense: &[Option<Tensor>],
+    experts: BTreeMap<(usize, usize), (Tensor, Tensor)>,
+    factor: f64,
+) -> Result<()> {
+    let dense = dense
+        .iter()
+        .map(|g| g.as_ref().map(|g| scale_grad(g, factor)).transpose())
+        .collect::<Result<Vec<_>>>()?;
+    dense_opt.step_with(&dense)?;
+    for ((l, e), (g1, g2)) in experts {
+        store.step_replica(l, e, &scale_grad(&g1, factor)?, &scale_grad(&g2, factor)?)?;
+    }
+    Ok(())
+}
 
 /// What one training step did.
 #[derive(Debug, Clone, PartialEq)]
@@ -92,8 +130,25 @@ impl Trainer {
             .model
             .loss(&tokens, &mut LocalExperts(&self.experts), &mut stats)?;
         let grads = loss.backward()?;
-        self.dense_opt.step(&grads)?;
-        self.experts.step(&grads)?;
+        let dense: Vec<Option<Tensor>> = self
+            .model
+            .named_vars()
+            .iter()
+            .map(|(_, v)| grads.get(v.as_tensor()).cloned())
+            .collect();
+        let experts = self.experts.gradients(&grads)?;
+        let factor = grad_scale(
+            1,
+            &grad_norm_parts(&dense, &experts)?,
+            self.model.config().grad_clip_norm,
+        );
+        apply_update(
+            &mut self.dense_opt,
+            &mut self.experts,
+            &dense,
+            experts,
+            factor,
+        )?;
         let layers = stats.lb_loss.len().max(1) as f32;
         let report = StepReport {
             step: self.step,

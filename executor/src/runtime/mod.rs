@@ -36,8 +36,9 @@
 //! holding a replica (left fold in rank order: bit-identical everywhere) and applies
 //! [`ExpertStore::step_replica`](crate::model::ExpertStore::step_replica);
 //! [`DistributedExperts::all_reduce_dense`] sums the dense gradients over all ranks.
-//! [`crate::worker::train_step`] composes one whole step. Gradients are **summed** over workers (the loss of
-//! the step is the sum of the workers' shard losses).
+//! [`crate::worker::train_step`] composes one whole step. Both reductions **sum** over workers;
+//! the step then multiplies every gradient by [`crate::model::grad_scale`] (`1 / members`, so
+//! the update follows the mean of the workers' shard losses, times the clipping factor).
 //!
 //! Host staging: activations travel as f32 through host memory; on a non-CPU device the op runs
 //! on a host copy of the inputs (moved with differentiable `to_device`).

@@ -26,8 +26,9 @@
 //! ## No partial updates
 //!
 //! [`train_step`] runs every collective of a step (forward and backward exchanges, dense and
-//! expert all-reduces, then a two-value all-reduce that doubles as the barrier and carries the
-//! pause vote and the non-finite vote) before it applies any optimizer step, and keeps a
+//! expert all-reduces, then a small all-reduce that doubles as the barrier and carries the
+//! pause vote, the non-finite vote and the parts of the global gradient norm that clipping
+//! needs) before it applies any optimizer step, and keeps a
 //! [`Snapshot`] of the state before the update. When some member saw a NaN or an infinity in
 //! its loss or gradients, every member skips the update of that step (see [`train_step`]). A peer can still die while that last all-reduce completes for some ranks
 //! and not for others; then the survivors disagree by one step, the controller resumes at the

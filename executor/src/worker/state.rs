@@ -1,12 +1,15 @@
 //! A worker's training state, its one atomic training step, and its checkpoint parts.
 
+use std::collections::BTreeMap;
+
 use anyhow::{Context, Result, anyhow};
 use candle_core::{Device, Tensor};
 
 use super::protocol::CheckpointSpec;
 use crate::checkpoint;
 use crate::model::{
-    AdamW, DenseModel, ExpertState, ExpertStore, MoeConfig, OptimState, RoutingStats,
+    AdamW, DenseModel, ExpertState, ExpertStore, MoeConfig, OptimState, RoutingStats, apply_update,
+    grad_scale, sq_norm,
 };
 use crate::runtime::DistributedExperts;
 
@@ -80,9 +83,11 @@ pub struct TrainedStep {
 /// applies nothing unless every collective of the step succeeded (see the
 /// [worker docs](super)): forward through `experts`, backward (which runs the backward
 /// exchanges), dense gradients summed over all ranks and expert gradients over each expert's
-/// replicas, then a two-value all-reduce that is the barrier and carries the pause vote and
-/// the non-finite vote; only then the optimizer updates. `pause` is this worker's vote to
-/// pause after the step.
+/// replicas, then one small all-reduce that is the barrier and carries the pause vote, the
+/// non-finite vote and the parts of the global gradient norm; only then the optimizer
+/// updates, with every gradient multiplied by the same [`grad_scale`] factor on every member
+/// (the mean over the members, clipped to the config's `grad_clip_norm`). `pause` is this
+/// worker's vote to pause after the step.
 ///
 /// # Non-finite steps
 /// A worker votes non-finite when its loss, the summed dense gradient or the summed gradient
@@ -114,19 +119,19 @@ pub fn train_step(
     for (g1, g2) in expert_grads.values() {
         finite = finite && all_finite(g1)? && all_finite(g2)?;
     }
-    // The last collective: a barrier that also carries the pause and non-finite votes.
+    // The last collective: a barrier that also carries the pause and non-finite votes and the
+    // parts of the global gradient norm.
+    let mut v = vec![f32::from(u8::from(pause)), f32::from(u8::from(!finite))];
+    v.extend(norm_parts(model, experts, &dense, &expert_grads)?);
     let votes = experts.with_comm(|c| {
         let all: Vec<usize> = (0..c.world()).collect();
-        let mut v = [f32::from(u8::from(pause)), f32::from(u8::from(!finite))];
         c.all_reduce_sum(&all, &mut v).map(|()| v)
     })??;
     let nonfinite = votes[1] > 0.0;
+    let factor = grad_scale(experts.world(), &votes[2..], model.config().grad_clip_norm);
     let snapshot = Snapshot::take(dense_opt, store)?;
     if !nonfinite {
-        dense_opt.step_with(&dense)?;
-        for ((l, e), (g1, g2)) in expert_grads {
-            store.step_replica(l, e, &g1, &g2)?;
-        }
+        apply_update(dense_opt, store, &dense, expert_grads, factor)?;
     }
     Ok(TrainedStep {
         loss,
@@ -135,6 +140,38 @@ pub fn train_step(
         pause: votes[0] > 0.0,
         nonfinite,
     })
+}
+
+/// This rank's share of the global gradient norm
+/// ([`grad_norm_parts`](crate::model::grad_norm_parts) laid out over the whole
+/// model): `[dense, (layer, expert) for every layer and expert]`, each squared norm written by
+/// exactly one rank (the dense one by rank 0, an expert's by the lowest rank holding a replica
+/// of it; all holders have the same reduced gradient) and zeros elsewhere. Summed over the
+/// ranks, every slot holds one exact value, so every member computes the same norm and the
+/// same [`grad_scale`] factor. Empty when clipping is off (the norm is not needed).
+fn norm_parts(
+    model: &DenseModel,
+    experts: &DistributedExperts,
+    dense: &[Option<Tensor>],
+    expert_grads: &BTreeMap<(usize, usize), (Tensor, Tensor)>,
+) -> Result<Vec<f32>> {
+    if model.config().grad_clip_norm <= 0.0 {
+        return Ok(Vec::new());
+    }
+    let replicas = experts.replicas();
+    let n_experts = model.config().experts;
+    let mut parts = vec![0f32; 1 + replicas.len() * n_experts];
+    let rank = experts.rank();
+    if rank == 0 {
+        parts[0] = sq_norm(dense.iter().flatten())?;
+    }
+    for (&(l, e), (g1, g2)) in expert_grads {
+        let owner = replicas[l][e].iter().position(|&n| n > 0);
+        if owner == Some(rank) {
+            parts[1 + l * n_experts + e] = sq_norm([g1, g2])?;
+        }
+    }
+    Ok(parts)
 }
 
 /// Whether every value of `t` is finite. `0·x` is ±0 for a finite `x` and NaN for a NaN or an

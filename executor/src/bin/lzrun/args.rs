@@ -185,7 +185,8 @@ pub struct ModelArgs {
     pub steps: u64,
     /// Model configuration: tiny (fast on CPU), gpt-s, gpt-m, gpt-l (the paper's, for GPUs), or
     /// a TOML file: `base = "tiny"` plus any field of the model config to override (d_model,
-    /// n_layers, n_heads, d_ff, experts, top_k, seq_len, batch, lb_loss_coef, lr, seed, vocab).
+    /// n_layers, n_heads, d_ff, experts, top_k, seq_len, batch, lb_loss_coef, lr, adam_beta2,
+    /// grad_clip_norm, seed, vocab).
     #[arg(long, default_value = "tiny")]
     pub config: String,
     /// Seed of the model initialisation and of the data order (overrides the config's).
