@@ -31,37 +31,19 @@ pub fn parse_range_ms(arg: &str, text: &str) -> anyhow::Result<(u64, u64)> {
 mod tests {
     use super::*;
 
+    // The parser's own cases are tested in `lazarus_traces::duration`; these wrappers only
+    // convert its errors and must keep their messages.
     #[test]
-    fn durations() {
-        let p = |t| parse_ms("--x", t);
-        assert_eq!(p("80m").unwrap(), 4_800_000);
-        assert_eq!(p("45s").unwrap(), 45_000);
-        assert_eq!(p("1.5h").unwrap(), 5_400_000);
-        assert_eq!(p("250ms").unwrap(), 250);
-        assert_eq!(p("30").unwrap(), 30_000);
-        assert_eq!(p("0s").unwrap(), 0);
-        assert!(p("-1m").is_err());
-        assert!(p("abc").is_err());
+    fn wrappers_parse_and_keep_the_parsers_messages() {
+        assert_eq!(parse_ms("--x", "80m").unwrap(), 4_800_000);
         assert_eq!(parse_range_ms("--w", "0m..80m").unwrap(), (0, 4_800_000));
-        assert!(parse_range_ms("--w", "5m..1m").is_err());
-    }
-
-    #[test]
-    fn durations_are_bounded_and_periods_positive() {
-        assert_eq!(parse_ms("--end", "365d").unwrap(), MAX_DURATION_MS);
+        assert_eq!(parse_period_ms("--tick", "1ms").unwrap(), 1);
+        let e = parse_period_ms("--sample-every", "0s").unwrap_err();
+        assert_eq!(e.to_string(), "--sample-every \"0s\" must be at least 1ms");
         let e = parse_ms("--end", "99999999999h").unwrap_err().to_string();
         assert!(
             e.starts_with("--end \"99999999999h\" is longer than the limit of 365d"),
             "{e}"
         );
-        assert!(parse_ms("--end", "1e300d").is_err());
-        assert!(parse_range_ms("--window", "0m..366d").is_err());
-        let e = parse_period_ms("--sample-every", "0s")
-            .unwrap_err()
-            .to_string();
-        assert_eq!(e, "--sample-every \"0s\" must be at least 1ms");
-        // Rounds to zero milliseconds: as useless as zero.
-        assert!(parse_period_ms("--tick", "0.1ms").is_err());
-        assert_eq!(parse_period_ms("--tick", "1ms").unwrap(), 1);
     }
 }
