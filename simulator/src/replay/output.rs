@@ -42,9 +42,16 @@ pub fn prepare_dir(dir: &Path, overwrite: bool) -> Result<()> {
     fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))
 }
 
-/// The commit of the checkout the binary runs in, or "unknown".
+/// The commit of the checkout this binary was built in (the git repository around the
+/// executable, e.g. `target/release/lzsim`; not the working directory's), or "unknown".
 pub fn git_commit() -> String {
+    let exe_dir = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(Path::to_path_buf))
+        .unwrap_or_else(|| std::path::PathBuf::from("."));
     std::process::Command::new("git")
+        .arg("-C")
+        .arg(exe_dir)
         .args(["rev-parse", "HEAD"])
         .output()
         .ok()

@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::{self, Write as _};
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Instant;
@@ -72,6 +73,8 @@ pub struct Report {
     first_step_s: Option<f64>,
     /// Launch-relative seconds at which each reconfiguration record arrived, with its kind.
     reconfig_arrivals: Vec<(f64, String)>,
+    /// [`git_commit`] at the launch: the checkout may move on during a long run.
+    git_commit: String,
 }
 
 impl Report {
@@ -85,7 +88,13 @@ impl Report {
             start: Instant::now(),
             first_step_s: None,
             reconfig_arrivals: Vec::new(),
+            git_commit: git_commit(),
         }
+    }
+
+    /// The commit of the checkout at the launch ([`git_commit`]).
+    pub fn git_commit(&self) -> &str {
+        &self.git_commit
     }
 
     /// When the run started (the origin of the launch-relative times in `run.json`).
@@ -128,7 +137,7 @@ impl Report {
             self.start.elapsed().as_secs_f64(),
             serde_json::to_value(config)?,
             config.seed,
-            git_commit(),
+            self.git_commit.clone(),
         );
         if let Some(dir) = &a.metrics_out {
             metrics::write_metrics(dir, &summary, &self.records, &self.reconfigs)
@@ -178,9 +187,16 @@ impl Report {
     }
 }
 
-/// The commit of the checkout the binary runs in, or "unknown".
+/// The commit of the checkout this binary was built in (the git repository around the
+/// executable, e.g. `target/debug/lzrun`; not the working directory's), or "unknown".
 pub fn git_commit() -> String {
+    let exe_dir = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(Path::to_path_buf))
+        .unwrap_or_else(|| PathBuf::from("."));
     Command::new("git")
+        .arg("-C")
+        .arg(exe_dir)
         .args(["rev-parse", "HEAD"])
         .stderr(Stdio::null())
         .output()

@@ -104,7 +104,7 @@ pub fn to_json(info: &RunInfo) -> serde_json::Value {
     json!({
         "format": "lzrun-run/1",
         "command": std::env::args().collect::<Vec<_>>(),
-        "git_commit": crate::report::git_commit(),
+        "git_commit": info.report.git_commit(),
         "build": if cfg!(debug_assertions) { "debug" } else { "release" },
         "model_spec": a.job.model.config,
         "model": cfg,
