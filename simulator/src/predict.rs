@@ -103,9 +103,29 @@ pub struct RunModel {
 /// A fault of `lzrun`'s schedule (`lazarus_executor::faults::Fault`).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub enum Fault {
-    Kill { node: usize },
-    KillName { name: String },
-    Join { name: Option<String> },
+    Kill {
+        node: usize,
+    },
+    KillName {
+        name: String,
+    },
+    Join {
+        name: Option<String>,
+    },
+    /// `lzrun local --kill-controller` or `--storm`: not modelled (no node is lost).
+    KillController,
+    /// A SIGSTOPped worker (`--storm`): the node is lost, found by the heartbeat timeout.
+    FreezeWorker {
+        node: usize,
+    },
+    /// A SIGSTOPped agent (`--storm`): the node is lost, found by the heartbeat timeout.
+    FreezeAgent {
+        node: usize,
+    },
+    /// A full checkpoint disk for `steps` steps (`--storm`): not modelled.
+    DiskFull {
+        steps: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -323,7 +343,11 @@ impl RunDir {
         let mut out = Vec::new();
         for ev in &self.config.faults.events {
             let (op, node) = match &ev.fault {
-                Fault::Kill { node } => {
+                // Lost like a kill; the replay's detection delay is a kill's, not the
+                // heartbeat timeout that finds a frozen process.
+                Fault::Kill { node }
+                | Fault::FreezeWorker { node }
+                | Fault::FreezeAgent { node } => {
                     let name = names.get(*node).ok_or_else(|| RunDirError::Malformed {
                         path: PathBuf::from("run.json"),
                         msg: format!(
@@ -335,6 +359,21 @@ impl RunDir {
                 }
                 Fault::KillName { name } => (NodeOp::Remove, name.clone()),
                 Fault::Join { .. } => (NodeOp::Add, String::new()),
+                Fault::KillController | Fault::DiskFull { .. } => {
+                    return Err(RunDirError::Malformed {
+                        path: PathBuf::from("run.json"),
+                        msg: format!(
+                            "the fault schedule has a {} after step {}, which `lzsim predict` \
+                             does not model (it predicts runs of kills, joins and traces)",
+                            if ev.fault == Fault::KillController {
+                                "controller kill"
+                            } else {
+                                "full checkpoint disk"
+                            },
+                            ev.after_step
+                        ),
+                    });
+                }
             };
             out.push(StepEvent {
                 after_step: ev.after_step,

@@ -232,3 +232,62 @@ fn bad_input_names_the_problem_and_exits_2() {
     );
     std::fs::remove_dir_all(&tmp).unwrap();
 }
+
+/// A `--storm` run's schedule: a frozen worker or agent is a lost node (predicted like the
+/// kill it replaces); a controller kill or a full disk is named as not modelled (exit 2).
+#[test]
+fn storm_faults_are_predicted_as_lost_nodes_or_named_as_not_modelled() {
+    let tmp = std::env::temp_dir().join(format!("lzsim-predict-storm-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let src = fixtures().join(RUNS[0].0);
+    let with_events = |name: &str, edit: &dyn Fn(&mut Vec<serde_json::Value>)| {
+        let d = tmp.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        for f in std::fs::read_dir(&src).unwrap() {
+            let f = f.unwrap();
+            std::fs::copy(f.path(), d.join(f.file_name())).unwrap();
+        }
+        let mut run: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(d.join("run.json")).unwrap()).unwrap();
+        edit(run["faults"]["events"].as_array_mut().unwrap());
+        std::fs::write(d.join("run.json"), serde_json::to_vec(&run).unwrap()).unwrap();
+        d
+    };
+    let frozen = with_events("frozen", &|events| {
+        for e in events.iter_mut() {
+            if let Some(kill) = e["fault"].get("Kill").cloned() {
+                e["fault"] = serde_json::json!({ "FreezeWorker": kill });
+            }
+        }
+    });
+    let steps = |d: &Path| RunDir::load(d).unwrap().step_events().unwrap();
+    assert_eq!(steps(&frozen), steps(&src));
+    for (fault, want) in [
+        (
+            serde_json::json!("KillController"),
+            "controller kill after step 6",
+        ),
+        (
+            serde_json::json!({"DiskFull": {"steps": 2}}),
+            "full checkpoint disk after step 6",
+        ),
+    ] {
+        let d = with_events("unmodelled", &|events| {
+            events.push(serde_json::json!({"after_step": 6, "fault": fault.clone()}));
+        });
+        let out = lzsim(&[
+            "predict",
+            d.to_str().unwrap(),
+            "--hardware",
+            profile_path().to_str().unwrap(),
+        ]);
+        assert_eq!(out.status.code(), Some(2));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(want) && err.contains("does not model"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+}
