@@ -252,7 +252,7 @@ impl Hooks for Faults {
             .filter(|i| events[*i].fault.is_join() && !self.fired.contains(i))
             .collect();
         // Registered or started, ready or not (a frozen one is fenced, and the job asks again).
-        let mut coming = live.max(self.nodes.running());
+        let coming = live.max(self.nodes.running());
         let Some(&first) = unfired.first() else {
             if coming >= needed {
                 return Ok(());
@@ -265,14 +265,12 @@ impl Hooks for Faults {
         // The next step's joins, and later ones until enough nodes are coming: the job may
         // not ask again when one node becomes ready and more are needed.
         let first_step = events[first].after_step;
-        let mut due = Vec::new();
-        for i in unfired {
-            if events[i].after_step != first_step && coming >= needed {
-                break;
-            }
-            due.push((i, events[i].after_step));
-            coming += 1;
-        }
+        let due: Vec<(usize, u64)> = unfired
+            .into_iter()
+            .enumerate()
+            .take_while(|&(k, i)| events[i].after_step == first_step || coming + k < needed)
+            .map(|(_, i)| (i, events[i].after_step))
+            .collect();
         for (i, step) in due {
             self.inject(&[i], &format!("early (scheduled after step {step})"), job)?;
         }
