@@ -628,7 +628,8 @@ mod tests {
         assert_eq!(h.cluster_spec(&d, 4).total_slots(), 4 * 8 * 4);
         assert!((h.rank_inter_bandwidth() - 40e9).abs() < 1.0);
         let r = hardware("rtx3090-100g").unwrap();
-        assert!((r.rank_inter_bandwidth() - 5e9).abs() < 1.0);
+        // 12.5 GB/s × 0.57 shared by the two GPUs of a server.
+        assert!((r.rank_inter_bandwidth() - 3.5625e9).abs() < 1.0);
     }
 
     #[test]
@@ -644,7 +645,7 @@ mod tests {
         let bad = dir.join("bad.toml");
         let text = BUILTIN_HARDWARE[0]
             .1
-            .replace("network_efficiency = 0.8", "");
+            .replace("network_efficiency = 0.57", "");
         std::fs::write(&bad, text).unwrap();
         let e = format!("{:#}", hardware(bad.to_str().unwrap()).unwrap_err());
         assert!(
@@ -661,7 +662,7 @@ mod tests {
         // Out of range.
         let text = BUILTIN_HARDWARE[0]
             .1
-            .replace("network_efficiency = 0.8", "network_efficiency = 1.5");
+            .replace("network_efficiency = 0.57", "network_efficiency = 1.5");
         std::fs::write(&bad, text).unwrap();
         let e = format!("{:#}", hardware(bad.to_str().unwrap()).unwrap_err());
         assert!(
