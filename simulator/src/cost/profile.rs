@@ -83,6 +83,12 @@ pub struct HardwareProfile {
     /// messages that carry a failure wait for the cores the training steps keep busy).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure_detection_steps: Option<f64>,
+    /// Detection, in steps, of every failure after the job's first (`failure_detection_steps`
+    /// then times the first only). `lzrun local` sees the first failure of a job 2–4 steps
+    /// after the kill and later ones within about one (results/sim-vs-real/README.md). Absent
+    /// (profiles written before it was measured): `failure_detection_steps` for every failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_detection_steps_later: Option<f64>,
     /// The controller's replan, added to every reconfiguration and restore.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replan_s: Option<f64>,
@@ -144,6 +150,18 @@ impl HardwareProfile {
     pub fn step_fixed_s(&self, ranks: usize) -> f64 {
         self.compute_share(ranks) * self.step_overhead_s.unwrap_or(0.0)
             + self.step_per_peer_s.unwrap_or(0.0) * ranks.saturating_sub(1) as f64
+    }
+
+    /// Failure detection in steps of the job's first failure (`later` false) or of a later
+    /// one: `failure_detection_steps`, or `failure_detection_steps_later` (the former when it
+    /// is absent); 0 without either.
+    pub fn detection_steps(&self, later: bool) -> f64 {
+        let first = self.failure_detection_steps.unwrap_or(0.0);
+        if later {
+            self.failure_detection_steps_later.unwrap_or(first)
+        } else {
+            first
+        }
     }
 
     /// Launcher start for `nodes` nodes (0 without the fields).
@@ -210,6 +228,10 @@ impl HardwareProfile {
             ("step_per_peer_s", self.step_per_peer_s),
             ("replan_s", self.replan_s),
             ("failure_detection_steps", self.failure_detection_steps),
+            (
+                "failure_detection_steps_later",
+                self.failure_detection_steps_later,
+            ),
             ("job_start_s", self.job_start_s),
             ("job_start_per_node_s", self.job_start_per_node_s),
             ("job_stop_s", self.job_stop_s),
