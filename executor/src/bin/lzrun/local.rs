@@ -232,10 +232,12 @@ impl Faults {
             let t_s = self.start.elapsed().as_secs_f64();
             match &self.schedule.events[i].fault {
                 Fault::Kill { node } => {
+                    let rank = nodes.name(*node).and_then(|n| handle.rank_of(n));
                     let name = nodes.kill_group(*node)?;
                     handle.fault_injected();
-                    self.injected
-                        .push(Injection::new(t_s, after_step, "kill", *node, &name, when));
+                    self.injected.push(
+                        Injection::new(t_s, after_step, "kill", *node, &name, when).with_rank(rank),
+                    );
                     self.format.say(&format!(
                         "lzrun local: killed node {node} ({name}) with SIGKILL {when}"
                     ));
@@ -244,10 +246,12 @@ impl Faults {
                     let i = nodes
                         .index_of(name)
                         .ok_or_else(|| anyhow!("trace kills {name}, which is not running"))?;
+                    let rank = handle.rank_of(name);
                     nodes.kill_group(i)?;
                     handle.fault_injected();
-                    self.injected
-                        .push(Injection::new(t_s, after_step, "kill", i, name, when));
+                    self.injected.push(
+                        Injection::new(t_s, after_step, "kill", i, name, when).with_rank(rank),
+                    );
                     self.format.say(&format!(
                         "lzrun local: killed node {i} ({name}) with SIGKILL {when}"
                     ));
