@@ -153,6 +153,7 @@ fn calibrate_writes_every_number_with_how_it_was_measured() {
         "checkpoint_bandwidth_bytes_per_s",
         "failure_detection_timeout_s",
         "failure_detection_steps",
+        "failure_detection_steps_later",
         "replan_s",
         "communicator_rebuild_s",
         "process_restart_s",

@@ -10,8 +10,8 @@ from pathlib import Path
 PAPER = {
     ("mtbf5m", "gpt-s"): ("2.8x", "1.4x"),
     ("mtbf5m", "gpt-l"): ("5.7x", "2.8x"),
-    ("mtbf40m", "gpt-s"): ("1.6x", "≈1x (DS ≈ DS(FT))"),
-    ("mtbf40m", "gpt-l"): ("2.3x", "≈1x (DS ≈ DS(FT))"),
+    ("mtbf40m", "gpt-s"): ("1.6x", "≈1.6x: DS ≈ DS(FT)"),
+    ("mtbf40m", "gpt-l"): ("2.3x", "≈2.3x: DS ≈ DS(FT)"),
     ("p3-80m", "gpt-s"): ("2.3x", "1.2x"),
     ("p3-80m", "gpt-l"): ("3.4x", "1.8x"),
 }

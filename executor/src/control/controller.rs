@@ -486,6 +486,15 @@ impl Controller {
         self.settle(out);
     }
 
+    /// The rank node `name` holds in the plan in force (`None`: not a member).
+    pub fn rank_of(&self, name: &str) -> Option<usize> {
+        let id = self
+            .names
+            .iter()
+            .find_map(|(id, n)| (n == name).then_some(*id))?;
+        self.machine.members().iter().position(|m| *m == id)
+    }
+
     /// The launcher injected a fault now (the detection clock starts).
     pub fn fault_injected(&mut self, now_ms: u64, out: &mut Vec<Output>) {
         self.feed(now_ms, Event::FaultInjected, out);

@@ -149,6 +149,11 @@ impl JobHandle {
     pub fn fault_injected(&self) {
         self.ctx.with(|c, now, out| c.fault_injected(now, out));
     }
+
+    /// The rank node `name` holds in the plan in force (`None`: not a member).
+    pub fn rank_of(&self, name: &str) -> Option<usize> {
+        self.ctx.with(|c, _, _| c.rank_of(name))
+    }
 }
 
 /// Runs the job controller on `listener` until the job is over or `shutdown` turns `true`

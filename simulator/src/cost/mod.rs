@@ -88,7 +88,9 @@
 //! * `state_transfer_bandwidth_bytes_per_s` replaces the NIC share in [`migration_s`];
 //! * `replan_s` is added to every reconfiguration and restore by the engine, and
 //!   `failure_detection_steps` steps of the job's current step time to every failure
-//!   detection;
+//!   detection — of the job's first failure; `failure_detection_steps_later` for every later
+//!   one (`lzrun local` sees a job's first failure 2–4 steps after the kill and later ones
+//!   within about one; see `HardwareProfile::detection_steps`);
 //! * `job_start_s`, `job_start_per_node_s`, `job_stop_s` are the launcher's start and stop,
 //!   which `lzsim predict` adds around the replay.
 //!

@@ -154,6 +154,8 @@ pub struct Engine<'a> {
     compute_since_ckpt: u64,
     last_ckpt_handled: u64,
     dead_pending: Vec<NodeId>,
+    /// Failure detections started so far (the first is timed apart from later ones).
+    failures_detected: u64,
     scale_out_timer: bool,
     scale_out_requested: bool,
     /// A failure interrupted a restart: the next decision is another restart.
@@ -220,6 +222,7 @@ impl<'a> Engine<'a> {
             compute_since_ckpt: 0,
             last_ckpt_handled: 0,
             dead_pending: Vec::new(),
+            failures_detected: 0,
             scale_out_timer: false,
             scale_out_requested: false,
             force_restart: false,
@@ -665,10 +668,16 @@ impl<'a> Engine<'a> {
         }
     }
 
+    /// Detection of a failure, scaled by the step time `step_ns` where the profile measures
+    /// detection in steps (the job's first failure and later ones apart).
     fn start_detection(&mut self, step_ns: u64) {
         self.generation += 1;
         self.job = Job::Detecting { since: self.now };
-        let steps = self.cfg.hardware.failure_detection_steps.unwrap_or(0.0);
+        let steps = self
+            .cfg
+            .hardware
+            .detection_steps(self.failures_detected > 0);
+        self.failures_detected += 1;
         let timeout = ns(self.cfg.hardware.failure_detection_timeout_s)
             .saturating_add(ns(steps * secs(step_ns)));
         self.push_after(
@@ -1305,6 +1314,45 @@ mod tests {
         Engine::new(cfg, SystemKind::Lazarus, &trace, &workload, true, None)
             .run()
             .expect("a short run")
+    }
+
+    #[test]
+    fn the_first_failure_and_later_ones_are_detected_in_their_own_steps() {
+        // Detection only in steps (no fixed timeout), so the reconfiguration time shows it.
+        let reconfigure = |kills: &[(u64, &str)], steps: f64, later: Option<f64>| {
+            let events = kills
+                .iter()
+                .map(|&(at, node)| step_event(at, NodeOp::Remove, node))
+                .collect();
+            let mut cfg = step_config(events);
+            cfg.hardware.failure_detection_timeout_s = 0.0;
+            cfg.hardware.failure_detection_steps = Some(steps);
+            cfg.hardware.failure_detection_steps_later = later;
+            let r = run_steps(&cfg, 5);
+            let mut steps_killed: Vec<u64> = kills.iter().map(|k| k.0).collect();
+            steps_killed.dedup();
+            assert_eq!(r.summary.recoveries, steps_killed.len() as u64);
+            r.summary.time.reconfigure
+        };
+        let two = [(5, "n2"), (12, "n0")];
+        // The first failure takes failure_detection_steps, later ones their own ...
+        let (slow, fast) = (
+            reconfigure(&two, 3.0, None),
+            reconfigure(&two, 3.0, Some(1.0)),
+        );
+        assert!(fast < slow, "{fast} s, {slow} s");
+        assert_eq!(
+            reconfigure(&two[..1], 3.0, Some(1.0)),
+            reconfigure(&two[..1], 3.0, None)
+        );
+        // ... and a profile without the key detects every failure alike.
+        assert_eq!(slow, reconfigure(&two, 3.0, Some(3.0)));
+        // Nodes killed together are one failure.
+        let together = [(5, "n2"), (5, "n0")];
+        assert_eq!(
+            reconfigure(&together, 3.0, Some(1.0)),
+            reconfigure(&together, 3.0, None)
+        );
     }
 
     #[test]

@@ -294,16 +294,13 @@ impl Faults {
                     "lzrun local: node {node} is gone already; no kill {when}"
                 )),
                 Fault::Kill { node } => {
+                    let rank = nodes.name(*node).and_then(|n| handle.rank_of(n));
                     let name = nodes.kill_group(*node)?;
                     handle.fault_injected();
-                    self.injected.push(Injection::new(
-                        t_s,
-                        after_step,
-                        "kill",
-                        Some(*node),
-                        &name,
-                        when,
-                    ));
+                    self.injected.push(
+                        Injection::new(t_s, after_step, "kill", Some(*node), &name, when)
+                            .with_rank(rank),
+                    );
                     self.format.say(&format!(
                         "lzrun local: killed node {node} ({name}) with SIGKILL {when}"
                     ));
@@ -312,16 +309,13 @@ impl Faults {
                     let i = nodes
                         .index_of(name)
                         .ok_or_else(|| anyhow!("trace kills {name}, which is not running"))?;
+                    let rank = handle.rank_of(name);
                     nodes.kill_group(i)?;
                     handle.fault_injected();
-                    self.injected.push(Injection::new(
-                        t_s,
-                        after_step,
-                        "kill",
-                        Some(i),
-                        name,
-                        when,
-                    ));
+                    self.injected.push(
+                        Injection::new(t_s, after_step, "kill", Some(i), name, when)
+                            .with_rank(rank),
+                    );
                     self.format.say(&format!(
                         "lzrun local: killed node {i} ({name}) with SIGKILL {when}"
                     ));
@@ -359,6 +353,7 @@ impl Faults {
                 }
                 fault @ (Fault::FreezeWorker { node } | Fault::FreezeAgent { node }) => {
                     let (node, kind) = (*node, fault.kind());
+                    let rank = nodes.name(node).and_then(|n| handle.rank_of(n));
                     let frozen = if matches!(fault, Fault::FreezeWorker { .. }) {
                         nodes.freeze_worker(node)
                     } else {
@@ -367,14 +362,10 @@ impl Faults {
                     match frozen {
                         Ok(name) => {
                             handle.fault_injected();
-                            self.injected.push(Injection::new(
-                                t_s,
-                                after_step,
-                                kind,
-                                Some(node),
-                                &name,
-                                when,
-                            ));
+                            self.injected.push(
+                                Injection::new(t_s, after_step, kind, Some(node), &name, when)
+                                    .with_rank(rank),
+                            );
                             self.format.say(&format!(
                                 "lzrun local: froze node {node} ({name}): SIGSTOP to its {} {when}",
                                 kind.trim_start_matches("freeze-")

@@ -63,6 +63,11 @@ impl Nodes {
         Ok(())
     }
 
+    /// The name of node `i` (launch index), running or not.
+    pub fn name(&self, i: usize) -> Option<&str> {
+        self.children.get(i).map(|(n, _)| n.as_str())
+    }
+
     /// The index of the running node called `name`.
     pub fn index_of(&self, name: &str) -> Option<usize> {
         self.children

@@ -15,7 +15,7 @@
 //! | `rebalance_every_steps`, `timeout_ms`, `heartbeat_timeout_ms`, `wait_for_nodes_ms` | |
 //! | `rules` | the job machine's configuration (`lazarus_planner::job::JobConfig`) |
 //! | `faults` | `{source: "flags" \| "trace", trace, time_scale_s_per_step, max_nodes, dropped_after_end, events}`: `events` are the schedule's `{after_step, fault}` (a fault fires once every worker completed step `after_step`, 0-based; a trace event at `t_ms` fires after step `⌊t_ms / (1000·time_scale_s_per_step)⌋`) |
-//! | `timeline` | launch-relative seconds: `first_step_s` (when the first step record arrived: the origin of `t_s` in `steps.csv`), `injected` (every fault as it was injected: `t_s, after_step, kind, node, name, when`), `reconfigurations` (when each reconfiguration record arrived, with its kind), `wall_s` |
+//! | `timeline` | launch-relative seconds: `first_step_s` (when the first step record arrived: the origin of `t_s` in `steps.csv`), `injected` (every fault as it was injected: `t_s, after_step, kind, node, name, when`, and for a kill of a member `rank`, its rank in the plan in force), `reconfigurations` (when each reconfiguration record arrived, with its kind), `wall_s` |
 //! | `host` | `cpus` (available parallelism) and the 1-minute load average at the end |
 
 use std::path::Path;
@@ -44,6 +44,10 @@ pub struct Injection {
     pub name: String,
     /// `after step S`, or `early (…)` for a join started while the job waited for nodes.
     pub when: String,
+    /// A kill: the rank the node held in the plan in force when it was killed (absent: it
+    /// was not a member, or a join).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rank: Option<usize>,
 }
 
 impl Injection {
@@ -62,7 +66,14 @@ impl Injection {
             node,
             name: name.to_owned(),
             when: when.to_owned(),
+            rank: None,
         }
+    }
+
+    /// The same, with the killed node's rank.
+    pub fn with_rank(mut self, rank: Option<usize>) -> Self {
+        self.rank = rank;
+        self
     }
 }
 
