@@ -503,7 +503,7 @@ fn sweep_shards_concatenate_to_the_unsharded_csv() {
             "{n} shards concatenated"
         );
     }
-    let out = lzsim(&[&base[..], &["--shard", "3/2"]].concat());
+    let out = lzsim(&[&base[..], &["--shard", "3/2"][..]].concat());
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not a shard I/N"));
 }
@@ -541,7 +541,7 @@ fn failures_hardware_mode() {
     assert!(trace.adds() > 64);
     for (args, needle) in [
         (
-            &["failures", "--gpu-hazard", "-1"][..],
+            &["failures", "--gpu-hazard=-1"][..],
             "--gpu-hazard must be a finite rate",
         ),
         (
@@ -608,7 +608,7 @@ fn recovery_gpu_mode() {
         assert!(p(&gpus) >= p(&nodes) - 1e-12, "k={k}: {gpus} vs {nodes}");
         assert!(gpus[k].get("ci_low").is_none(), "exact at this size");
     }
-    assert!(nodes[2]["probability"].as_f64().unwrap() < 1.0);
+    assert!(nodes[3]["probability"].as_f64().unwrap() < 1.0);
     let out = lzsim(&args(&["--gpus-per-node", "5"]));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("GPUs per node must be between 1"));

@@ -538,7 +538,7 @@ fn padded_layer(
     let mut capacity = vec![0u64; groups.len()];
     let mut k = vec![0u64; groups.len()];
     let mut slots = vec![0.0f64; gpus];
-    for (e, (&te, row)) in t.iter().zip(replicas).enumerate() {
+    for (&te, row) in t.iter().zip(replicas) {
         for &(r, c) in row {
             slots[r as usize] += f64::from(c);
         }
@@ -549,11 +549,10 @@ fn padded_layer(
         for &(r, c) in row {
             k[group_of[r as usize]] += u64::from(c);
         }
-        for (gi, (&kg, cap)) in k.iter().zip(&mut capacity).enumerate() {
-            if kg == 0 {
-                let group = &groups[gi];
-                bail!("expert {e} has no replica in EP group {gi} (ranks {group:?})");
-            }
+        if k.contains(&0) {
+            return Err(missing_replica(t, replicas, groups, group_of));
+        }
+        for (&kg, cap) in k.iter().zip(&mut capacity) {
             *cap = (*cap).max(te.div_ceil(kg));
         }
     }
@@ -572,6 +571,26 @@ fn padded_layer(
     Ok(())
 }
 
+/// The error of an expert with tokens but no replica in some group: the first such group, then
+/// its first such expert.
+fn missing_replica(
+    t: &[u64],
+    replicas: &[Vec<(u32, u32)>],
+    groups: &[Vec<usize>],
+    group_of: &[usize],
+) -> anyhow::Error {
+    for (gi, group) in groups.iter().enumerate() {
+        for (e, (&te, row)) in t.iter().zip(replicas).enumerate() {
+            if te > 0 && !row.iter().any(|&(r, _)| group_of[r as usize] == gi) {
+                return anyhow::anyhow!(
+                    "expert {e} has no replica in EP group {gi} (ranks {group:?})"
+                );
+            }
+        }
+    }
+    anyhow::anyhow!("an expert has no replica in some EP group")
+}
+
 /// Dropless standard EP inside each EP group ([`Dispatch::Dropless`]): `own[p]`, the tokens
 /// `p` takes from each member of its group, is `Σ_e T_e · c_pe / k_e`; every other member
 /// sends it that many, over the intra-node link when they share a node.
@@ -585,7 +604,7 @@ fn dropless_layer(
     let gpus = traffic.processed.len();
     let mut k = vec![0u64; groups.len()];
     let mut own = vec![0.0f64; gpus];
-    for (e, (&te, row)) in t.iter().zip(replicas).enumerate() {
+    for (&te, row) in t.iter().zip(replicas) {
         if te == 0 {
             continue;
         }
@@ -593,9 +612,8 @@ fn dropless_layer(
         for &(r, c) in row {
             k[group_of[r as usize]] += u64::from(c);
         }
-        if let Some(gi) = k.iter().position(|&kg| kg == 0) {
-            let group = &groups[gi];
-            bail!("expert {e} has no replica in EP group {gi} (ranks {group:?})");
+        if k.contains(&0) {
+            return Err(missing_replica(t, replicas, groups, group_of));
         }
         for &(r, c) in row {
             own[r as usize] += te as f64 * f64::from(c) / k[group_of[r as usize]] as f64;

@@ -212,7 +212,7 @@ fn analytic_dispatch_matches_the_plan() {
         let mut m = model("gpt-s").unwrap();
         m.moe_layers = 2;
         m.layers = 2;
-        let r = lazarus_replicas(&hw, &m, 16 / gpus_per_node, &loads);
+        let r = sparse_replicas(&lazarus_replicas(&hw, &m, 16 / gpus_per_node, &loads));
         let gpus = 16;
         for (layer, rep) in r.iter().enumerate() {
             let t = routed_tokens(&loads[layer], m.assignments_per_gpu()).unwrap();
