@@ -77,4 +77,8 @@ pub enum PlanError {
     ZeroWindow,
     #[error("Monte Carlo needs at least 1 trial")]
     ZeroTrials,
+    #[error(
+        "GPUs per node must be between 1 and the {slots} slots of a node (got {gpus}): every GPU holds at least one slot"
+    )]
+    BadGpusPerNode { gpus: usize, slots: usize },
 }

@@ -831,6 +831,12 @@ impl FailureModel {
         ok
     }
 
+    /// [`Self::survives_with`] for callers with their own sampler: `dead` distinct and at most
+    /// `max_failed`, `hits` one zero per set (left zero).
+    pub(crate) fn survives_distinct(&self, dead: &[u32], hits: &mut [u32]) -> bool {
+        self.survives_with(dead, hits)
+    }
+
     /// Does the model survive these failed nodes (any number; duplicates ignored)?
     pub fn survives(&self, dead: &[u32]) -> bool {
         let mut d: Vec<u32> = dead.to_vec();

@@ -19,3 +19,44 @@ for nodes in 2048 16384; do
 done
 cargo test -p lazarus-planner --test scale -- --nocapture 2>&1 | grep -E "reference ratio|600 nodes" \
   > "$out/quality.txt"
+
+# GPU, node and rack failures: 54-day hardware traces at 2,048 nodes x 8 GPUs (counts by
+# cause on stderr), recovery under GPU vs node failures, and the 54-day replay.
+rm -f "$out"/failures-*-2048.csv "$out/failures.txt" "$out/nofail-2048.csv"
+for preset in llama3 llama3-gpu rsc; do
+  target/release/lzsim failures --nodes 2048 --preset "$preset" --duration 54d --seed 1 \
+    --out "$out/failures-$preset-2048.csv" 2>> "$out/failures.txt"
+done
+for unit in "" "--gpus-per-node 8"; do
+  # shellcheck disable=SC2086
+  target/release/lzsim recovery --nodes 128 --slots 32 --experts 256 --layers 4 --f 2 \
+    --place mro --failed 2,4,8,16 --method mc --trials 200000 $unit
+done > "$out/recovery-gpu-vs-node.csv"
+# One day of the 54-day trace, five systems; then the 54-day replay (minutes of CPU: see the
+# README). Wall clock and peak RSS from GNU time; note the load average.
+/usr/bin/time -v target/release/lzsim replay "$out/failures-llama3-gpu-2048.csv" \
+  --model deepseek-v3 --hardware h200-400g --system lazarus,dropless-ft,dropless,ds-ft,ds \
+  --end 1d --format json > "$out/replay-1d.json" 2> "$out/replay-1d.txt"
+# Failure-free throughput (6 h, no checkpoints; lazarus rebalances after 10 steps).
+target/release/lzsim failures --nodes 2048 --gpu-hazard 0 --duration 1m > "$out/nofail-2048.csv" 2>/dev/null
+for z in 1.2 0.6; do
+  target/release/lzsim replay "$out/nofail-2048.csv" --model deepseek-v3 --hardware h200-400g \
+    --system dropless,ds --end 6h --zipf "$z" --ckpt-every none --format json > "$out/nofail-z$z.json"
+  target/release/lzsim replay "$out/nofail-2048.csv" --model deepseek-v3 --hardware h200-400g \
+    --system lazarus --end 6h --zipf "$z" --ckpt-every none --rebalance-every 10 --format json \
+    > "$out/nofail-lazarus-z$z.json"
+done
+cat /proc/loadavg > "$out/replay-54d.txt"
+/usr/bin/time -v target/release/lzsim replay "$out/failures-llama3-gpu-2048.csv" \
+  --model deepseek-v3 --hardware h200-400g --system lazarus,ds-ft,ds --format json \
+  > "$out/replay-54d.json" 2>> "$out/replay-54d.txt"
+/usr/bin/time -v target/release/lzsim replay "$out/failures-llama3-gpu-2048.csv" \
+  --model deepseek-v3 --hardware h200-400g --system dropless-ft,dropless --format json \
+  > "$out/replay-54d-dropless.json" 2>> "$out/replay-54d.txt"
+# Sweep sharding: 4 shards concatenate to the unsharded CSV (also a test in simulator/tests).
+sweep=(sweep --hazard 0.3,0.9 --seeds 8 --nodes 16 --duration 2h --model gpt-s --system lazarus,ds)
+target/release/lzsim "${sweep[@]}" > "$out/sweep-whole.csv" 2> "$out/sweep-rate.txt"
+for i in 1 2 3 4; do
+  target/release/lzsim "${sweep[@]}" --shard "$i/4" 2>> "$out/sweep-rate.txt"
+done > "$out/sweep-shards.csv"
+cmp "$out/sweep-whole.csv" "$out/sweep-shards.csv" && echo "shards concatenate to the whole" >> "$out/sweep-rate.txt"

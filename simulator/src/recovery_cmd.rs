@@ -29,6 +29,11 @@ pub struct RecoveryArgs {
     /// Failure-domain mode: node j is in rack j mod R, and --failed counts whole racks.
     #[arg(long, value_parser = limits::count(MAX_NODES))]
     pub racks: Option<usize>,
+    /// GPU mode: a node has G GPUs (its slots split evenly over them) and --failed counts
+    /// failed GPUs, uniform over all of them; a node that loses one GPU keeps the replicas of
+    /// the others. Exact when the listing is affordable, else Monte Carlo (--trials, seeded).
+    #[arg(long, conflicts_with = "racks", value_parser = limits::count(limits::MAX_GPUS_PER_NODE))]
+    pub gpus_per_node: Option<usize>,
     /// Output format.
     #[arg(long, default_value = "csv", value_parser = ["csv", "json"])]
     pub format: String,
@@ -74,7 +79,10 @@ pub fn run(args: &RecoveryArgs) -> anyhow::Result<()> {
         Some(r) => Some((0..spec.nodes).map(|j| j % r).collect()),
         None => None,
     };
-    let units = args.racks.unwrap_or(spec.nodes);
+    let units = match args.gpus_per_node {
+        Some(g) => spec.nodes * g,
+        None => args.racks.unwrap_or(spec.nodes),
+    };
     let failed = match &args.failed {
         Some(t) => parse_failed(t)?,
         None => (0..=units.min(6)).collect(),
@@ -84,6 +92,8 @@ pub fn run(args: &RecoveryArgs) -> anyhow::Result<()> {
             "--failed {k} exceeds the {units} {}",
             if args.racks.is_some() {
                 "racks"
+            } else if args.gpus_per_node.is_some() {
+                "GPUs"
             } else {
                 "nodes"
             }
@@ -105,16 +115,19 @@ pub fn run(args: &RecoveryArgs) -> anyhow::Result<()> {
         },
         _ => Method::Exact,
     };
-    let rows = recovery::rows(
-        &plans,
-        &Query {
-            nodes: spec.nodes,
-            slots: spec.slots,
-            failed: &failed,
-            domains: domains.as_deref(),
-            method,
-        },
-    )?;
+    let rows = match args.gpus_per_node {
+        Some(g) => gpu_rows(&plans, g, &failed, args.trials, spec.seed)?,
+        None => recovery::rows(
+            &plans,
+            &Query {
+                nodes: spec.nodes,
+                slots: spec.slots,
+                failed: &failed,
+                domains: domains.as_deref(),
+                method,
+            },
+        )?,
+    };
     if let Some(path) = &args.plot {
         let title = format!(
             "{} nodes x {} slots, {} experts, {} layer(s), f={} ({})",
@@ -122,6 +135,8 @@ pub fn run(args: &RecoveryArgs) -> anyhow::Result<()> {
         );
         let x_label = if args.racks.is_some() {
             "failed racks"
+        } else if args.gpus_per_node.is_some() {
+            "failed GPUs"
         } else {
             "failed nodes"
         };
@@ -146,6 +161,42 @@ pub fn run(args: &RecoveryArgs) -> anyhow::Result<()> {
         crate::stdout::print(&csv)?;
     }
     Ok(())
+}
+
+/// GPU mode: `gpu_failures::gpu_recovery` (exact listing when affordable), or seeded Monte
+/// Carlo with `trials` when it is not.
+fn gpu_rows(
+    plans: &[(PlacePolicy, lazarus_planner::ModelPlan)],
+    gpus_per_node: usize,
+    failed: &[usize],
+    trials: u64,
+    seed: u64,
+) -> anyhow::Result<Vec<recovery::Row>> {
+    use lazarus_planner::gpu_failures::{MixedFailureModel, MixedFailures, gpu_recovery};
+    let mut rows = Vec::new();
+    for (place, plan) in plans {
+        for &k in failed {
+            let exact = gpu_recovery(&plan.layers, gpus_per_node, k, seed)?;
+            let est = if exact.trials.is_none() {
+                exact
+            } else {
+                let f = MixedFailures {
+                    gpus: k,
+                    ..Default::default()
+                };
+                MixedFailureModel::new(&plan.layers, gpus_per_node, None, f)?
+                    .monte_carlo(trials, seed)?
+            };
+            rows.push(recovery::Row {
+                place: place.to_string(),
+                failed: k,
+                probability: est.probability,
+                ci_low: est.ci_low,
+                ci_high: est.ci_high,
+            });
+        }
+    }
+    Ok(rows)
 }
 
 #[cfg(test)]

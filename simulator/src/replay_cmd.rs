@@ -60,7 +60,8 @@ pub struct ReplayArgs {
 /// Options shared by `replay` and `sweep`.
 #[derive(Args, Debug, Clone)]
 pub struct SimArgs {
-    /// Systems to compare: lazarus, ds-ft, ds, or all.
+    /// Systems to compare: lazarus, ds-ft, ds, dropless-ft, dropless (dropless EP,
+    /// Megatron-Core style), or all (the paper's three).
     #[arg(long, default_value = "all")]
     pub system: String,
     /// Model profile: gpt-s, gpt-m, gpt-l, deepseek-v3, or a TOML file.
@@ -83,6 +84,7 @@ pub struct SimArgs {
     pub f: Option<usize>,
     /// Checkpoint interval in steps: `ds=50,ds-ft=250,lazarus=250` (the paper's, default), one
     /// number for all, `young-daly` (optimal interval from the trace's failure rate), or `none`.
+    /// `dropless` and `dropless-ft` take `ds`'s and `ds-ft`'s unless named.
     #[arg(long, default_value = "ds=50,ds-ft=250,lazarus=250")]
     pub ckpt_every: String,
     /// Lazarus rebalance period in steps (0: never).
@@ -118,7 +120,7 @@ fn checkpoint_intervals(text: &str) -> Result<Option<BTreeMap<SystemKind, Option
         return Ok(None);
     }
     let mut out: BTreeMap<SystemKind, Option<u64>> =
-        SystemKind::ALL.into_iter().map(|k| (k, None)).collect();
+        SystemKind::KNOWN.into_iter().map(|k| (k, None)).collect();
     if t == "none" {
         return Ok(Some(out));
     }
@@ -126,6 +128,7 @@ fn checkpoint_intervals(text: &str) -> Result<Option<BTreeMap<SystemKind, Option
         out.values_mut().for_each(|v| *v = (k > 0).then_some(k));
         return Ok(Some(out));
     }
+    let mut named = Vec::new();
     for part in t.split(',') {
         let (sys, k) = part
             .split_once('=')
@@ -136,6 +139,16 @@ fn checkpoint_intervals(text: &str) -> Result<Option<BTreeMap<SystemKind, Option
             .parse()
             .with_context(|| format!("--ckpt-every {part:?}: steps must be an integer"))?;
         out.insert(sys, (k > 0).then_some(k));
+        named.push(sys);
+    }
+    // The dropless baselines checkpoint like their DS counterparts unless named.
+    for (dropless, ds) in [
+        (SystemKind::Dropless, SystemKind::Ds),
+        (SystemKind::DroplessFt, SystemKind::DsFt),
+    ] {
+        if !named.contains(&dropless) {
+            out.insert(dropless, out[&ds]);
+        }
     }
     Ok(Some(out))
 }

@@ -9,7 +9,8 @@ use crate::replay_cmd::{Setup, SimArgs};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use lazarus_traces::synth;
+use lazarus_traces::hardware::{self, HardwareModel};
+use lazarus_traces::synth::{self, IntervalDist};
 use rayon::prelude::*;
 use serde::Serialize;
 use std::fmt::Write;
@@ -39,6 +40,22 @@ pub struct SweepArgs {
     /// Write the CSV here (refuses to replace a file) and print a summary; default: CSV on stdout.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Run only shard I of N (1-based, e.g. `--shard 3/8`, or `$((SLURM_ARRAY_TASK_ID+1))/N`
+    /// for a 0-based Slurm array): the (hazard, seed) traces are cut into N contiguous runs in
+    /// sweep order. Shard 1 writes the CSV header, the others none, so the shards' CSVs
+    /// concatenated in shard order (`cat s1.csv s2.csv …`) equal the unsharded CSV byte for
+    /// byte.
+    #[arg(long, value_parser = parse_shard)]
+    pub shard: Option<Shard>,
+    /// Dedicated-cluster mode: the --hazard rates are GPU faults per GPU-hour (`lzsim failures
+    /// --gpu-hazard`, GPUs per node from the hardware profile); a faulty node is repaired
+    /// after --repair on average (exponential) and comes back, and --tick and --add-rate are
+    /// not used.
+    #[arg(long)]
+    pub gpu_faults: bool,
+    /// Dedicated-cluster mode: mean repair time of a GPU fault.
+    #[arg(long, default_value = "24h")]
+    pub repair: String,
     #[command(flatten)]
     pub sim: SimArgs,
 }
@@ -56,6 +73,62 @@ pub struct Row {
     pub fallbacks: u64,
     pub preemptions: u64,
     pub avg_live_nodes: f64,
+}
+
+/// Shard `index` (1-based) of `count`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    pub index: usize,
+    pub count: usize,
+}
+
+impl Shard {
+    /// The contiguous range of `0..jobs` this shard runs: the first `jobs % count` shards get
+    /// one job more than the others.
+    pub fn range(self, jobs: usize) -> std::ops::Range<usize> {
+        let (base, extra) = (jobs / self.count, jobs % self.count);
+        let i = self.index - 1;
+        let start = i * base + i.min(extra);
+        start..start + base + usize::from(i < extra)
+    }
+}
+
+/// Most shards of one sweep.
+pub const MAX_SHARDS: usize = 1 << 20;
+
+/// `I/N` with `1 <= I <= N <= 2^20`.
+pub fn parse_shard(text: &str) -> Result<Shard, String> {
+    let err = || format!("{text:?} is not a shard I/N with 1 <= I <= N <= {MAX_SHARDS} (e.g. 2/8)");
+    let (i, n) = text.trim().split_once('/').ok_or_else(err)?;
+    let index: usize = i.trim().parse().map_err(|_| err())?;
+    let count: usize = n.trim().parse().map_err(|_| err())?;
+    if index == 0 || index > count || count > MAX_SHARDS {
+        return Err(err());
+    }
+    Ok(Shard { index, count })
+}
+
+/// GPU faults only, at `per_gpu_hour`, exponential repairs of mean `repair_ms`.
+fn hardware_model(
+    nodes: usize,
+    gpus_per_node: usize,
+    per_gpu_hour: f64,
+    repair_ms: u64,
+    duration_ms: u64,
+) -> HardwareModel {
+    HardwareModel {
+        nodes,
+        gpus_per_node,
+        nodes_per_rack: 0,
+        gpu_per_hour: per_gpu_hour,
+        node_per_hour: 0.0,
+        rack_per_hour: 0.0,
+        gpu_repair_ms: repair_ms,
+        node_repair_ms: repair_ms,
+        rack_repair_ms: repair_ms,
+        repair: IntervalDist::Exp,
+        duration_ms,
+    }
 }
 
 fn parse_rates(text: &str) -> Result<Vec<f64>> {
@@ -81,13 +154,33 @@ pub fn sweep(a: &SweepArgs, progress: bool) -> Result<Vec<Row>> {
     let rates = parse_rates(&a.hazard)?;
     let duration = parse_period_ms("--duration", &a.duration)?;
     let tick = parse_period_ms("--tick", &a.tick)?;
-    limits::check_hazard_draws(duration, tick, a.nodes)?;
+    if !a.gpu_faults {
+        limits::check_hazard_draws(duration, tick, a.nodes)?;
+    }
+    let repair_ms = parse_period_ms("--repair", &a.repair)?;
     let setup = Setup::new(&a.sim)?;
+    let gpus_per_node = setup.base.hardware.gpus_per_node;
+    if a.gpu_faults {
+        for &h in &rates {
+            let m = hardware_model(a.nodes, gpus_per_node, h, repair_ms, duration);
+            let expected = m.faults_per_day() * duration as f64 / 86_400_000.0;
+            if expected > crate::failures_cmd::MAX_HARDWARE_FAULTS {
+                bail!(
+                    "--hazard {h} expects {expected:.3e} GPU faults per trace, more than the \
+                     limit of {:e}",
+                    crate::failures_cmd::MAX_HARDWARE_FAULTS
+                );
+            }
+        }
+    }
     let cache = replay::StepCache::default();
-    let jobs: Vec<(f64, u64)> = rates
+    let mut jobs: Vec<(f64, u64)> = rates
         .iter()
         .flat_map(|&h| (0..a.seeds).map(move |s| (h, s)))
         .collect();
+    if let Some(shard) = a.shard {
+        jobs = jobs[shard.range(jobs.len())].to_vec();
+    }
     let bar = if progress {
         ProgressBar::new(jobs.len() as u64)
     } else {
@@ -105,7 +198,12 @@ pub fn sweep(a: &SweepArgs, progress: bool) -> Result<Vec<Row>> {
                 .seed
                 .wrapping_mul(0x9E37_79B9_7F4A_7C15)
                 .wrapping_add(s);
-            let trace = synth::hazard(a.nodes, h, a.add_rate, duration, tick, a.nodes, seed);
+            let trace = if a.gpu_faults {
+                let m = hardware_model(a.nodes, gpus_per_node, h, repair_ms, duration);
+                hardware::hardware(&m, seed).trace
+            } else {
+                synth::hazard(a.nodes, h, a.add_rate, duration, tick, a.nodes, seed)
+            };
             let out = setup
                 .systems
                 .iter()
@@ -136,8 +234,27 @@ pub fn sweep(a: &SweepArgs, progress: bool) -> Result<Vec<Row>> {
     Ok(rows.into_iter().flatten().collect())
 }
 
-fn to_csv(rows: &[Row]) -> Result<Vec<u8>> {
-    let mut w = csv::Writer::from_writer(Vec::new());
+/// The CSV of `rows`, with the header line when `header` (shard 1, or no shard). The header
+/// does not depend on the rows, so an empty shard 1 still writes it.
+pub fn to_csv(rows: &[Row], header: bool) -> Result<Vec<u8>> {
+    let mut w = csv::WriterBuilder::new()
+        .has_headers(false)
+        .from_writer(Vec::new());
+    if header {
+        w.write_record([
+            "hazard_per_hour",
+            "seed",
+            "system",
+            "samples",
+            "steps",
+            "ettr",
+            "samples_per_s",
+            "recoveries",
+            "fallbacks",
+            "preemptions",
+            "avg_live_nodes",
+        ])?;
+    }
     for r in rows {
         w.serialize(r)?;
     }
@@ -191,14 +308,68 @@ pub fn run(a: &SweepArgs) -> Result<()> {
     {
         bail!("{} exists; not replacing it", p.display());
     }
+    let started = std::time::Instant::now();
     let rows = sweep(a, true)?;
-    let csv = to_csv(&rows)?;
+    let wall = started.elapsed().as_secs_f64();
+    let header = a.shard.is_none_or(|s| s.index == 1);
+    let csv = to_csv(&rows, header)?;
+    let rate = format!(
+        "{} runs in {wall:.2} s: {:.2} runs/s",
+        rows.len(),
+        rows.len() as f64 / wall.max(1e-9)
+    );
     match &a.out {
-        None => crate::stdout::print(&String::from_utf8(csv)?)?,
+        None => {
+            crate::stdout::print(&String::from_utf8(csv)?)?;
+            eprintln!("{rate}");
+        }
         Some(p) => {
             write_atomic(p, &csv)?;
-            crate::stdout::print(&summary(&rows))?;
+            if rows.is_empty() {
+                crate::stdout::println(&rate)?;
+            } else {
+                crate::stdout::print(&format!("{}{rate}\n", summary(&rows)))?;
+            }
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_cover_the_jobs_in_order() {
+        for jobs in [0usize, 1, 5, 7, 64] {
+            for count in 1..=9 {
+                let mut next = 0;
+                for index in 1..=count {
+                    let r = Shard { index, count }.range(jobs);
+                    assert_eq!(r.start, next, "jobs {jobs} shard {index}/{count}");
+                    assert!(r.len() == jobs / count || r.len() == jobs / count + 1);
+                    next = r.end;
+                }
+                assert_eq!(next, jobs);
+            }
+        }
+    }
+
+    #[test]
+    fn shard_syntax() {
+        assert_eq!(parse_shard("2/8"), Ok(Shard { index: 2, count: 8 }));
+        assert_eq!(parse_shard(" 1 / 1 "), Ok(Shard { index: 1, count: 1 }));
+        for bad in [
+            "0/4",
+            "5/4",
+            "1",
+            "a/b",
+            "1/0",
+            "-1/4",
+            "1/2/3",
+            "1/2000000",
+        ] {
+            assert!(parse_shard(bad).is_err(), "{bad}");
+        }
+    }
 }

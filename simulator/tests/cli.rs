@@ -453,3 +453,163 @@ fn a_full_disk_is_an_error() {
         );
     }
 }
+
+/// `sweep --shard I/N`: the shards' CSVs, concatenated in shard order, are the unsharded CSV
+/// byte for byte (shard 1 alone writes the header, an empty shard writes nothing).
+#[test]
+fn sweep_shards_concatenate_to_the_unsharded_csv() {
+    let base = [
+        "sweep",
+        "--hazard",
+        "0.3,0.9",
+        "--seeds",
+        "3",
+        "--nodes",
+        "4",
+        "--duration",
+        "20m",
+        "--model",
+        "gpt-s",
+        "--system",
+        "lazarus,ds",
+    ];
+    let run = |shard: Option<&str>| {
+        let mut args: Vec<&str> = base.to_vec();
+        if let Some(s) = shard {
+            args.extend(["--shard", s]);
+        }
+        let out = lzsim(&args);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(err.contains("runs/s"), "{err}");
+        out.stdout
+    };
+    let whole = run(None);
+    let text = String::from_utf8_lossy(&whole).to_string();
+    assert!(text.starts_with("hazard_per_hour,seed,system,"), "{text}");
+    assert_eq!(text.lines().count(), 1 + 2 * 3 * 2);
+    for n in [1usize, 2, 4, 7] {
+        let mut cat = Vec::new();
+        for i in 1..=n {
+            cat.extend(run(Some(&format!("{i}/{n}"))));
+        }
+        assert_eq!(
+            String::from_utf8_lossy(&cat),
+            text,
+            "{n} shards concatenated"
+        );
+    }
+    let out = lzsim(&[&base[..], &["--shard", "3/2"][..]].concat());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not a shard I/N"));
+}
+
+/// `failures` in hardware mode: a preset, repairs bring nodes back under their names, the
+/// causes are counted on stderr, and bad rates exit 2.
+#[test]
+fn failures_hardware_mode() {
+    let out = lzsim(&[
+        "failures",
+        "--nodes",
+        "64",
+        "--preset",
+        "llama3",
+        "--gpu-hazard",
+        "0.001",
+        "--duration",
+        "30d",
+        "--seed",
+        "3",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("hardware faults over 30.0 days: gpu "),
+        "{err}"
+    );
+    let trace = lazarus_traces::parse(
+        &String::from_utf8_lossy(&out.stdout),
+        lazarus_traces::TraceFormat::BambooCsv,
+    )
+    .unwrap();
+    assert_eq!(trace.max_live(), 64);
+    assert!(trace.removals() > 10, "{}", trace.removals());
+    assert!(trace.adds() > 64);
+    for (args, needle) in [
+        (
+            &["failures", "--gpu-hazard=-1"][..],
+            "--gpu-hazard must be a finite rate",
+        ),
+        (
+            &["failures", "--rack-hazard", "0.1"][..],
+            "--rack-hazard needs --nodes-per-rack",
+        ),
+        (
+            &[
+                "failures",
+                "--gpu-hazard",
+                "1000",
+                "--nodes",
+                "100000",
+                "--duration",
+                "365d",
+            ][..],
+            "faults over --duration, more than the limit",
+        ),
+        (
+            &["failures", "--gpu-hazard", "0.1", "--every", "5m"][..],
+            "cannot be used with",
+        ),
+        (
+            &["failures", "--preset", "nope"][..],
+            "invalid value 'nope'",
+        ),
+    ] {
+        let out = lzsim(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}
+
+/// `recovery --gpus-per-node`: a GPU failure loses only that GPU's slots, so k GPU failures
+/// are survived at least as often as k node failures.
+#[test]
+fn recovery_gpu_mode() {
+    let args = |extra: &[&'static str]| {
+        let mut a = vec![
+            "recovery",
+            "--nodes",
+            "8",
+            "--slots",
+            "4",
+            "--experts",
+            "8",
+            "--f",
+            "2",
+            "--place",
+            "mro",
+            "--failed",
+            "0..3",
+            "--format",
+            "json",
+        ];
+        a.extend_from_slice(extra);
+        a
+    };
+    let nodes = stdout_json(&args(&[]));
+    let gpus = stdout_json(&args(&["--gpus-per-node", "2"]));
+    for k in 0..=3 {
+        let p = |v: &Value| v[k]["probability"].as_f64().unwrap();
+        assert!(p(&gpus) >= p(&nodes) - 1e-12, "k={k}: {gpus} vs {nodes}");
+        assert!(gpus[k].get("ci_low").is_none(), "exact at this size");
+    }
+    assert!(nodes[3]["probability"].as_f64().unwrap() < 1.0);
+    let out = lzsim(&args(&["--gpus-per-node", "5"]));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("GPUs per node must be between 1"));
+}

@@ -35,6 +35,7 @@
 pub mod duration;
 pub mod error;
 pub mod fit;
+pub mod hardware;
 pub mod parse;
 pub mod routing;
 pub mod shared;

@@ -63,7 +63,7 @@ impl FromStr for IntervalDist {
 
 impl IntervalDist {
     /// One gap in (possibly fractional) milliseconds for mean `mean_ms`.
-    fn sample(self, mean_ms: f64, rng: &mut Xoshiro256PlusPlus) -> f64 {
+    pub(crate) fn sample(self, mean_ms: f64, rng: &mut Xoshiro256PlusPlus) -> f64 {
         match self {
             IntervalDist::Fixed => mean_ms,
             IntervalDist::Exp => mean_ms * std_exp(rng),

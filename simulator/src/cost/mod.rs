@@ -59,6 +59,12 @@
 //!   sends `slots_p · C` tokens to every peer `p` of its group and receives `slots_r · C`
 //!   from each, and **computes on the padded buffer** (`|group| · slots_r · C` tokens), as
 //!   DeepSpeed runs the experts on the whole `[experts, capacity, d]` tensor.
+//! * [`Dispatch::Dropless`] (Megatron-Core / DeepSeek-V3 style dropless expert parallelism:
+//!   token permutation and grouped GEMMs, no capacity factor): the same EP groups and the same
+//!   routing as `Padded`, without the padding. Rank `r` sends `T_e · c_pe / k_e` tokens of
+//!   expert `e` to each replica holder `p` of its group; `p` computes exactly what it
+//!   receives, `|group| · Σ_e T_e · c_pe / k_e`. The busiest rank is the one holding the
+//!   hottest experts (no load balancing beyond what the router does), not a padded block.
 //!
 //! **Gradient all-reduce.** Ring all-reduces, each member sending and receiving
 //! `2(m−1)/m · bytes` (the nccl-tests "bus bandwidth" model): the dense gradients
@@ -125,6 +131,8 @@ pub enum Dispatch {
     Padded,
     /// Lazarus's flexible dispatcher: any replica anywhere, no padding.
     Unpadded,
+    /// Dropless standard EP (Megatron-Core style): inside an EP group, no padding.
+    Dropless,
 }
 
 /// One step's layout and loads.
@@ -164,21 +172,94 @@ impl StepCost {
     }
 }
 
+/// `[moe_layer][expert]` → the `(rank, count)` pairs of the ranks holding replicas of the
+/// expert (count > 0, ranks ascending): the sparse form of `replicas_per_rank`. At 16,384
+/// ranks the dense form is 58 × 256 × 16,384 counts (about 1 GB per layout); this one has one
+/// pair per replica at most.
+pub type SparseReplicas = Vec<Vec<Vec<(u32, u32)>>>;
+
+/// The sparse form of dense `[moe_layer][expert][rank]` counts.
+pub fn sparse_replicas(dense: &[Vec<Vec<u32>>]) -> SparseReplicas {
+    dense
+        .iter()
+        .map(|layer| {
+            layer
+                .iter()
+                .map(|row| {
+                    row.iter()
+                        .enumerate()
+                        .filter(|(_, c)| **c > 0)
+                        .map(|(r, &c)| (r as u32, c))
+                        .collect()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// [`StepInput`] with sparse replicas ([`SparseReplicas`]): what the replay's layouts hold.
+#[derive(Debug, Clone, Copy)]
+pub struct SparseStepInput<'a> {
+    /// GPUs in use (ranks); rank `r` is on node `r / gpus_per_node`.
+    pub gpus: usize,
+    /// `[moe_layer][expert]` → `(rank, count)`, ranks ascending, counts > 0.
+    pub replicas: &'a [Vec<Vec<(u32, u32)>>],
+    pub loads: &'a [Vec<u64>],
+    pub dispatch: Dispatch,
+    pub ep_groups: Option<&'a [Vec<usize>]>,
+}
+
 /// The duration of one training step; see the module docs for every term.
 pub fn step_cost(
     hw: &HardwareProfile,
     model: &ModelProfile,
     input: &StepInput,
 ) -> Result<StepCost> {
-    let gpus = input.gpus;
     check_shapes(model, input)?;
+    let sparse = sparse_replicas(input.replicas_per_rank);
+    step_cost_sparse(
+        hw,
+        model,
+        &SparseStepInput {
+            gpus: input.gpus,
+            replicas: &sparse,
+            loads: input.loads,
+            dispatch: input.dispatch,
+            ep_groups: input.ep_groups,
+        },
+    )
+}
+
+/// [`step_cost`] of sparse replicas: the same terms, in time proportional to the replicas
+/// (plus ranks × groups for padded dispatch) instead of experts × ranks.
+pub fn step_cost_sparse(
+    hw: &HardwareProfile,
+    model: &ModelProfile,
+    input: &SparseStepInput,
+) -> Result<StepCost> {
+    let gpus = input.gpus;
+    check_sparse_shapes(model, input)?;
     let groups = match (input.dispatch, input.ep_groups) {
-        (Dispatch::Padded, None) => bail!("padded dispatch needs the EP groups"),
-        (Dispatch::Padded, Some(g)) => {
+        (Dispatch::Padded | Dispatch::Dropless, None) => {
+            bail!("padded and dropless dispatch need the EP groups")
+        }
+        (Dispatch::Padded | Dispatch::Dropless, Some(g)) => {
             check_partition(g, gpus)?;
             Some(g)
         }
         (Dispatch::Unpadded, _) => None,
+    };
+    let group_of: Vec<usize> = match groups {
+        Some(g) => {
+            let mut of = vec![0usize; gpus];
+            for (gi, group) in g.iter().enumerate() {
+                for &r in group {
+                    of[r] = gi;
+                }
+            }
+            of
+        }
+        None => Vec::new(),
     };
 
     let flops = hw.gpu_flops_effective;
@@ -187,12 +268,15 @@ pub fn step_cost(
     let mut traffic = Traffic::new(hw, gpus);
     let mut expert_compute_s = 0.0;
     let mut all_to_all_s = 0.0;
-    for (layer, (replicas, loads)) in input.replicas_per_rank.iter().zip(input.loads).enumerate() {
+    for (layer, (replicas, loads)) in input.replicas.iter().zip(input.loads).enumerate() {
         let t = routed_tokens(loads, model.assignments_per_gpu())
             .map_err(|e| anyhow::anyhow!("MoE layer {layer}: {e}"))?;
         traffic.clear();
         let res = match groups {
-            Some(g) => padded_layer(&t, replicas, g, &mut traffic),
+            Some(g) if input.dispatch == Dispatch::Dropless => {
+                dropless_layer(&t, replicas, g, &group_of, &mut traffic)
+            }
+            Some(g) => padded_layer(&t, replicas, g, &group_of, &mut traffic),
             None if gpus > ANALYTIC_DISPATCH_ABOVE_GPUS => {
                 analytic_layer(&t, replicas, &mut traffic)
             }
@@ -213,7 +297,7 @@ pub fn step_cost(
     let share = hw.compute_share(gpus);
     let dense_compute_s =
         share * model.tokens_per_gpu() as f64 * model.dense_train_flops_per_token() / flops;
-    let grad_allreduce_s = grad_allreduce_s(hw, model, gpus, input.replicas_per_rank);
+    let grad_allreduce_s = grad_allreduce_s(hw, model, gpus, input.replicas);
     let host_overhead_s = hw.step_fixed_s(gpus);
     let total_s =
         dense_compute_s + expert_compute_s + all_to_all_s + grad_allreduce_s + host_overhead_s;
@@ -314,10 +398,20 @@ pub fn routed_tokens(loads: &[u64], total: u64) -> Result<Vec<u64>> {
 }
 
 /// Lazarus dispatch through the planner's exact integer plan.
-fn planned_layer(t: &[u64], replicas: &[Vec<u32>], traffic: &mut Traffic) -> Result<()> {
+fn planned_layer(t: &[u64], replicas: &[Vec<(u32, u32)>], traffic: &mut Traffic) -> Result<()> {
     let gpus = traffic.processed.len();
     let tokens: Vec<Vec<u64>> = t.iter().map(|&te| vec![te; gpus]).collect();
-    let plan = dispatch::plan(&tokens, replicas)?;
+    let dense: Vec<Vec<u32>> = replicas
+        .iter()
+        .map(|row| {
+            let mut d = vec![0u32; gpus];
+            for &(r, c) in row {
+                d[r as usize] = c;
+            }
+            d
+        })
+        .collect();
+    let plan = dispatch::plan(&tokens, &dense)?;
     for (src, row) in plan.send_counts.iter().enumerate() {
         for (dst, &c) in row.iter().enumerate() {
             if c == 0 {
@@ -334,11 +428,12 @@ fn planned_layer(t: &[u64], replicas: &[Vec<u32>], traffic: &mut Traffic) -> Res
 
 /// Lazarus dispatch, fractional (Algorithm 1 without rounding).
 ///
-/// Cost `O(E·(R + nodes + holders))` with cheap inner loops: a rank holding no replica of `e`
-/// overflows all its `T_e` tokens, and how they split between its own node and the network
-/// depends only on its node, so non-holders are accumulated per node and spread over the
-/// node's ranks once per layer; holders (few per expert) are corrected individually.
-fn analytic_layer(t: &[u64], replicas: &[Vec<u32>], traffic: &mut Traffic) -> Result<()> {
+/// Cost `O(R + E·holders)` per layer: a rank holding no replica of `e` overflows all its
+/// `T_e` tokens, and how they split between its own node and the network depends only on its
+/// node (all of it leaves, except the share that lands on holders of the same node), so
+/// non-holders are accumulated per node, touching only the holders' nodes, and spread over
+/// the node's ranks once per layer; holders (few per expert) are corrected individually.
+fn analytic_layer(t: &[u64], replicas: &[Vec<(u32, u32)>], traffic: &mut Traffic) -> Result<()> {
     let gpus = traffic.processed.len();
     let nodes = traffic.node[gpus - 1] + 1;
     let mut node_size = vec![0usize; nodes];
@@ -346,35 +441,40 @@ fn analytic_layer(t: &[u64], replicas: &[Vec<u32>], traffic: &mut Traffic) -> Re
         node_size[n] += 1;
     }
     let mut holders: Vec<(usize, f64)> = Vec::new();
+    // Per-node sums of the current expert, kept on the holders' nodes only (`touched`) and
+    // reset there after each expert: the work per expert is O(holders), not O(nodes).
     let (mut p_node, mut o_node) = (vec![0.0; nodes], vec![0.0; nodes]);
     let mut held_on = vec![0usize; nodes];
-    // Sent by every non-holding rank of a node, summed over experts.
+    let mut touched: Vec<usize> = Vec::new();
+    // Sent by every non-holding rank of a node, summed over experts: all of `T_e` leaves the
+    // node (`uniform_inter`, the same for every node) except the share `P_node / S` that lands
+    // on the node's own holders, moved from inter to intra on those nodes.
     let (mut nh_intra, mut nh_inter) = (vec![0.0; nodes], vec![0.0; nodes]);
+    let mut uniform_inter = 0.0;
     for (e, (&te, r_row)) in t.iter().zip(replicas).enumerate() {
         if te == 0 {
             continue;
         }
         holders.clear();
-        holders.extend(
-            r_row
-                .iter()
-                .enumerate()
-                .filter(|(_, r)| **r > 0)
-                .map(|(j, &r)| (j, f64::from(r))),
-        );
+        holders.extend(r_row.iter().map(|&(j, r)| (j as usize, f64::from(r))));
         if holders.is_empty() {
             bail!("expert {e} receives {te} tokens per rank but has no replica");
         }
         let r_e: f64 = holders.iter().map(|h| h.1).sum();
         let te = te as f64;
         let per_replica = te * gpus as f64 / r_e;
-        p_node.fill(0.0);
-        held_on.fill(0);
+        touched.clear();
         for &(j, _) in &holders {
-            held_on[traffic.node[j]] += 1;
+            let n = traffic.node[j];
+            if held_on[n] == 0 {
+                touched.push(n);
+            }
+            held_on[n] += 1;
         }
-        for ((o, &size), &held) in o_node.iter_mut().zip(&node_size).zip(&held_on) {
-            *o = te * (size - held) as f64;
+        // Overflow of every non-holding rank of every node: te per rank.
+        let mut s = te * (gpus - holders.len()) as f64;
+        for &n in &touched {
+            o_node[n] = te * (node_size[n] - held_on[n]) as f64;
         }
         for &(j, r) in &holders {
             let c = per_replica * r;
@@ -382,78 +482,164 @@ fn analytic_layer(t: &[u64], replicas: &[Vec<u32>], traffic: &mut Traffic) -> Re
             let n = traffic.node[j];
             if te > c {
                 o_node[n] += te - c;
+                s += te - c;
             } else {
                 p_node[n] += c - te;
             }
         }
-        let s: f64 = o_node.iter().sum();
-        if s <= 0.0 {
-            continue;
-        }
-        // Sender i's overflow goes to the receivers in proportion to their residuals
-        // (O_i·P_j/S), so the share landing on its own node is P_node / S (a sender's own
-        // residual is zero); a receiver's inflow from its own node is P_j·O_node/S.
-        for ((&p, a), b) in p_node.iter().zip(&mut nh_intra).zip(&mut nh_inter) {
-            let same = p / s;
-            *a += te * same;
-            *b += te * (1.0 - same);
-        }
-        for &(j, r) in &holders {
-            let c = per_replica * r;
-            let n = traffic.node[j];
-            let same = p_node[n] / s;
-            // Undo the non-holder share that the per-node sums will give this rank.
-            traffic.sent_intra[j] -= te * same;
-            traffic.sent_inter[j] -= te * (1.0 - same);
-            if te > c {
-                traffic.sent_intra[j] += (te - c) * same;
-                traffic.sent_inter[j] += (te - c) * (1.0 - same);
-            } else {
-                let from_node = (o_node[n] / s).min(1.0);
-                traffic.recv_intra[j] += (c - te) * from_node;
-                traffic.recv_inter[j] += (c - te) * (1.0 - from_node);
+        if s > 0.0 {
+            // Sender i's overflow goes to the receivers in proportion to their residuals
+            // (O_i·P_j/S), so the share landing on its own node is P_node / S (a sender's own
+            // residual is zero); a receiver's inflow from its own node is P_j·O_node/S.
+            uniform_inter += te;
+            for &n in &touched {
+                let same = p_node[n] / s;
+                nh_intra[n] += te * same;
+                nh_inter[n] -= te * same;
             }
+            for &(j, r) in &holders {
+                let c = per_replica * r;
+                let n = traffic.node[j];
+                let same = p_node[n] / s;
+                // Undo the non-holder share that the per-node sums will give this rank.
+                traffic.sent_intra[j] -= te * same;
+                traffic.sent_inter[j] -= te * (1.0 - same);
+                if te > c {
+                    traffic.sent_intra[j] += (te - c) * same;
+                    traffic.sent_inter[j] += (te - c) * (1.0 - same);
+                } else {
+                    let from_node = (o_node[n] / s).min(1.0);
+                    traffic.recv_intra[j] += (c - te) * from_node;
+                    traffic.recv_inter[j] += (c - te) * (1.0 - from_node);
+                }
+            }
+        }
+        for &n in &touched {
+            p_node[n] = 0.0;
+            o_node[n] = 0.0;
+            held_on[n] = 0;
         }
     }
     for (j, &n) in traffic.node.iter().enumerate() {
         traffic.sent_intra[j] += nh_intra[n];
-        traffic.sent_inter[j] += nh_inter[n];
+        traffic.sent_inter[j] += uniform_inter + nh_inter[n];
     }
     Ok(())
 }
 
-/// DeepSpeed-style padded expert parallelism inside each EP group.
+/// DeepSpeed-style padded expert parallelism inside each EP group: every expert's block is
+/// padded to the group's capacity (the hottest expert's tokens per replica).
 fn padded_layer(
     t: &[u64],
-    replicas: &[Vec<u32>],
+    replicas: &[Vec<(u32, u32)>],
     groups: &[Vec<usize>],
+    group_of: &[usize],
     traffic: &mut Traffic,
 ) -> Result<()> {
-    for (gi, group) in groups.iter().enumerate() {
-        let mut capacity = 0u64;
-        for (e, (&te, r_row)) in t.iter().zip(replicas).enumerate() {
-            if te == 0 {
-                continue;
-            }
-            let k: u64 = group.iter().map(|&p| u64::from(r_row[p])).sum();
-            if k == 0 {
-                bail!("expert {e} has no replica in EP group {gi} (ranks {group:?})");
-            }
-            capacity = capacity.max(te.div_ceil(k));
+    let gpus = traffic.processed.len();
+    let mut capacity = vec![0u64; groups.len()];
+    let mut k = vec![0u64; groups.len()];
+    let mut slots = vec![0.0f64; gpus];
+    for (&te, row) in t.iter().zip(replicas) {
+        for &(r, c) in row {
+            slots[r as usize] += f64::from(c);
         }
+        if te == 0 {
+            continue;
+        }
+        k.fill(0);
+        for &(r, c) in row {
+            k[group_of[r as usize]] += u64::from(c);
+        }
+        if k.contains(&0) {
+            return Err(missing_replica(t, replicas, groups, group_of));
+        }
+        for (&kg, cap) in k.iter().zip(&mut capacity) {
+            *cap = (*cap).max(te.div_ceil(kg));
+        }
+    }
+    for (group, &capacity) in groups.iter().zip(&capacity) {
         let c = capacity as f64;
-        let slots: Vec<f64> = group
-            .iter()
-            .map(|&p| replicas.iter().map(|row| f64::from(row[p])).sum())
-            .collect();
         let g = group.len() as f64;
-        for (&r, &slots_r) in group.iter().zip(&slots) {
-            traffic.processed[r] += g * slots_r * c;
-            for (&p, &slots_p) in group.iter().zip(&slots) {
+        for &r in group {
+            traffic.processed[r] += g * slots[r] * c;
+            for &p in group {
                 if p != r {
-                    traffic.send(r, p, slots_p * c);
+                    traffic.send(r, p, slots[p] * c);
                 }
             }
+        }
+    }
+    Ok(())
+}
+
+/// The error of an expert with tokens but no replica in some group: the first such group, then
+/// its first such expert.
+fn missing_replica(
+    t: &[u64],
+    replicas: &[Vec<(u32, u32)>],
+    groups: &[Vec<usize>],
+    group_of: &[usize],
+) -> anyhow::Error {
+    for (gi, group) in groups.iter().enumerate() {
+        for (e, (&te, row)) in t.iter().zip(replicas).enumerate() {
+            if te > 0 && !row.iter().any(|&(r, _)| group_of[r as usize] == gi) {
+                return anyhow::anyhow!(
+                    "expert {e} has no replica in EP group {gi} (ranks {group:?})"
+                );
+            }
+        }
+    }
+    anyhow::anyhow!("an expert has no replica in some EP group")
+}
+
+/// Dropless standard EP inside each EP group ([`Dispatch::Dropless`]): `own[p]`, the tokens
+/// `p` takes from each member of its group, is `Σ_e T_e · c_pe / k_e`; every other member
+/// sends it that many, over the intra-node link when they share a node.
+fn dropless_layer(
+    t: &[u64],
+    replicas: &[Vec<(u32, u32)>],
+    groups: &[Vec<usize>],
+    group_of: &[usize],
+    traffic: &mut Traffic,
+) -> Result<()> {
+    let gpus = traffic.processed.len();
+    let mut k = vec![0u64; groups.len()];
+    let mut own = vec![0.0f64; gpus];
+    for (&te, row) in t.iter().zip(replicas) {
+        if te == 0 {
+            continue;
+        }
+        k.fill(0);
+        for &(r, c) in row {
+            k[group_of[r as usize]] += u64::from(c);
+        }
+        if k.contains(&0) {
+            return Err(missing_replica(t, replicas, groups, group_of));
+        }
+        for &(r, c) in row {
+            own[r as usize] += te as f64 * f64::from(c) / k[group_of[r as usize]] as f64;
+        }
+    }
+    // Per group: the tokens its members take, in all and per node.
+    let mut node_own: std::collections::HashMap<usize, (f64, f64)> = Default::default();
+    for group in groups {
+        node_own.clear();
+        let mut total = 0.0;
+        for &p in group {
+            let entry = node_own.entry(traffic.node[p]).or_insert((0.0, 0.0));
+            entry.0 += own[p];
+            entry.1 += 1.0;
+            total += own[p];
+        }
+        let g = group.len() as f64;
+        for &r in group {
+            let (on_node, members) = node_own[&traffic.node[r]];
+            traffic.processed[r] += g * own[r];
+            traffic.sent_intra[r] += on_node - own[r];
+            traffic.sent_inter[r] += total - on_node;
+            traffic.recv_intra[r] += own[r] * (members - 1.0);
+            traffic.recv_inter[r] += own[r] * (g - members);
         }
     }
     Ok(())
@@ -465,7 +651,7 @@ fn grad_allreduce_s(
     hw: &HardwareProfile,
     model: &ModelProfile,
     gpus: usize,
-    replicas_per_rank: &[Vec<Vec<u32>>],
+    replicas: &[Vec<Vec<(u32, u32)>>],
 ) -> f64 {
     let mut inter = vec![0.0; gpus];
     let mut intra = vec![0.0; gpus];
@@ -481,15 +667,10 @@ fn grad_allreduce_s(
     }
     let expert_bytes = model.expert_grad_bytes() as f64;
     let mut holders = Vec::new();
-    for layer in replicas_per_rank {
+    for layer in replicas {
         for row in layer {
             holders.clear();
-            holders.extend(
-                row.iter()
-                    .enumerate()
-                    .filter(|(_, r)| **r > 0)
-                    .map(|(j, _)| j),
-            );
+            holders.extend(row.iter().map(|&(j, _)| j as usize));
             let m = holders.len();
             if m < 2 {
                 continue;
@@ -542,6 +723,50 @@ fn check_shapes(model: &ModelProfile, input: &StepInput) -> Result<()> {
                 "MoE layer {l}, expert {e}: {} rank columns, expected {gpus}",
                 row.len()
             );
+        }
+    }
+    Ok(())
+}
+
+fn check_sparse_shapes(model: &ModelProfile, input: &SparseStepInput) -> Result<()> {
+    let gpus = input.gpus;
+    if gpus == 0 {
+        bail!("a step needs at least one GPU");
+    }
+    if input.replicas.len() != model.moe_layers {
+        bail!(
+            "replicas have {} layers, the model has {} MoE layers",
+            input.replicas.len(),
+            model.moe_layers
+        );
+    }
+    if input.loads.len() != model.moe_layers {
+        bail!(
+            "loads has {} layers, the model has {} MoE layers",
+            input.loads.len(),
+            model.moe_layers
+        );
+    }
+    for (l, (layer, loads)) in input.replicas.iter().zip(input.loads).enumerate() {
+        if layer.len() != model.experts || loads.len() != model.experts {
+            bail!(
+                "MoE layer {l}: {} replica rows and {} loads, the model has {} experts",
+                layer.len(),
+                loads.len(),
+                model.experts
+            );
+        }
+        for (e, row) in layer.iter().enumerate() {
+            let mut last: Option<u32> = None;
+            for &(r, c) in row {
+                if r as usize >= gpus || c == 0 || last.is_some_and(|x| x >= r) {
+                    bail!(
+                        "MoE layer {l}, expert {e}: replica ({r}, {c}) is not a positive count \
+                         on a rank below {gpus} in ascending order"
+                    );
+                }
+                last = Some(r);
+            }
         }
     }
     Ok(())

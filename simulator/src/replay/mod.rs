@@ -270,12 +270,12 @@ pub fn young_daly_steps(
     let Some(layout) = system.build().start(&ctx, &ready, &loads) else {
         return 1_000_000;
     };
-    let step_s = crate::cost::step_cost(
+    let step_s = crate::cost::step_cost_sparse(
         &cfg.hardware,
         &cfg.model,
-        &crate::cost::StepInput {
+        &crate::cost::SparseStepInput {
             gpus: layout.gpus(&cfg.hardware),
-            replicas_per_rank: &layout.replicas_per_rank,
+            replicas: &layout.replicas_per_rank,
             loads: &loads,
             dispatch: layout.dispatch,
             ep_groups: layout.ep_groups.as_deref(),

@@ -1,4 +1,5 @@
-//! `ds` and `ds-ft` (paper §6.3).
+//! `ds` and `ds-ft` (paper §6.3), and the same rules on dropless EP: `dropless` and
+//! `dropless-ft` (Megatron-Core style, [`crate::cost::Dispatch::Dropless`]).
 //!
 //! * `ds` — DeepSpeed-MoE with checkpoint/restart: static EP (EP size from the model profile),
 //!   padded all-to-all; any failure of a node in use restarts from the last checkpoint on the
@@ -7,27 +8,44 @@
 //! * `ds-ft` — DS plus Lazarus's reconfiguration module: if every expert still has a replica
 //!   on a surviving node in use, the EP groups are reassigned in place on the largest multiple
 //!   of the EP size of those survivors, fetching missing expert states from their owners (the
-//!   planner's optimal migration mapping chooses which survivor takes which EP position and
-//!   which are dropped); otherwise restart from the checkpoint. It never brings back nodes it
+//!   planner's migration mapping chooses which survivor takes which EP position and which are
+//!   dropped: optimal up to 256 nodes, then the `scalable` mapping, which is optimal when the
+//!   nodes fall into few classes of equal contents, as EP nodes do); otherwise restart from
+//!   the checkpoint. It never brings back nodes it
 //!   dropped or new nodes without a restart (§6.3), so it does not scale out.
 
 use super::{Ctx, Decision, Layout, Migration, NodeId, System, ep};
+use crate::cost::Dispatch;
 use lazarus_planner::migrate::{MappingMethod, PhysicalNode, lost_experts, map_nodes};
 
 pub struct Ds {
     fault_tolerant: bool,
+    dispatch: Dispatch,
 }
 
 impl Ds {
+    /// DeepSpeed-MoE (padded EP).
     pub fn new(fault_tolerant: bool) -> Self {
-        Self { fault_tolerant }
+        Self {
+            fault_tolerant,
+            dispatch: Dispatch::Padded,
+        }
+    }
+
+    /// `dropless` / `dropless-ft`: the same rules on dropless EP (Megatron-Core style: one
+    /// replica per expert per EP group, static placement, no padding).
+    pub fn dropless(fault_tolerant: bool) -> Self {
+        Self {
+            fault_tolerant,
+            dispatch: Dispatch::Dropless,
+        }
     }
 }
 
 impl System for Ds {
     fn start(&mut self, ctx: &Ctx, ready: &[NodeId], _loads: &[Vec<u64>]) -> Option<Layout> {
         let n = ep::usable_nodes(ctx.hw, ctx.model, ready.len());
-        (n > 0).then(|| ep::layout(ctx.hw, ctx.model, ready[..n].to_vec()))
+        (n > 0).then(|| ep::layout(ctx.hw, ctx.model, ready[..n].to_vec(), self.dispatch))
     }
 
     fn on_failure(
@@ -64,14 +82,14 @@ impl System for Ds {
             &plan_nodes,
             &survivors,
             model.experts,
-            MappingMethod::Optimal,
+            MappingMethod::Scalable,
             model.bytes_per_expert_state,
         ) else {
             return Decision::RestartFromCheckpoint;
         };
         let nodes: Vec<NodeId> = m.plan_to_physical[..keep].to_vec();
         Decision::Reconfigure {
-            layout: Box::new(ep::layout(ctx.hw, model, nodes)),
+            layout: Box::new(ep::layout(ctx.hw, model, nodes, self.dispatch)),
             migration: Migration {
                 replicas: m.new_replicas,
                 bytes: m.bytes,

@@ -5,7 +5,7 @@
 //! expert has `G` replicas (uniform replication), and tokens stay inside their group.
 
 use super::{Layout, NodeId};
-use crate::cost::{Dispatch, HardwareProfile, ModelProfile, uniform_ep_layout};
+use crate::cost::{Dispatch, HardwareProfile, ModelProfile};
 
 /// How many whole nodes a layout on `available` nodes can use: the largest count whose GPUs
 /// form whole EP groups.
@@ -16,31 +16,55 @@ pub fn usable_nodes(hw: &HardwareProfile, model: &ModelProfile, available: usize
         .unwrap_or(0)
 }
 
-/// The EP layout on exactly `nodes` (whose GPU count must be a multiple of `ep_size`), from
-/// the cost model's [`crate::cost::uniform_ep_layout`].
-pub fn layout(hw: &HardwareProfile, model: &ModelProfile, nodes: Vec<NodeId>) -> Layout {
+/// The EP layout on exactly `nodes` (whose GPU count must be a multiple of `ep_size`): the
+/// cost model's [`crate::cost::uniform_ep_layout`], built sparse (tested equal).
+pub fn layout(
+    hw: &HardwareProfile,
+    model: &ModelProfile,
+    nodes: Vec<NodeId>,
+    dispatch: Dispatch,
+) -> Layout {
     let g = hw.gpus_per_node;
-    let ep = uniform_ep_layout(model, nodes.len() * g).expect("a whole number of EP groups");
+    let gpus = nodes.len() * g;
+    let ep = model.ep_size;
+    assert!(
+        gpus > 0 && gpus.is_multiple_of(ep),
+        "a whole number of EP groups"
+    );
+    let per_rank = model.experts / ep;
+    let groups = gpus / ep;
+    // Expert `e` sits at position `e / per_rank` of every group.
+    let layer: Vec<Vec<(u32, u32)>> = (0..model.experts)
+        .map(|e| {
+            if per_rank == 0 || e >= ep * per_rank {
+                return Vec::new();
+            }
+            (0..groups)
+                .map(|grp| ((grp * ep + e / per_rank) as u32, 1))
+                .collect()
+        })
+        .collect();
     let holdings: Vec<Vec<Vec<u32>>> = (0..nodes.len())
         .map(|n| {
-            ep.replicas_per_rank
-                .iter()
-                .map(|layer| {
-                    (0..model.experts as u32)
-                        .flat_map(|e| {
-                            let count: u32 = layer[e as usize][n * g..(n + 1) * g].iter().sum();
-                            std::iter::repeat_n(e, count as usize)
-                        })
-                        .collect()
+            let mut held: Vec<u32> = (n * g..(n + 1) * g)
+                .flat_map(|rank| {
+                    let pos = rank % ep;
+                    (pos * per_rank..(pos + 1) * per_rank).map(|e| e as u32)
                 })
-                .collect()
+                .collect();
+            held.sort_unstable();
+            vec![held; model.moe_layers]
         })
         .collect();
     Layout {
         nodes,
-        replicas_per_rank: ep.replicas_per_rank,
-        dispatch: Dispatch::Padded,
-        ep_groups: Some(ep.ep_groups),
+        replicas_per_rank: vec![layer; model.moe_layers],
+        dispatch,
+        ep_groups: Some(
+            (0..groups)
+                .map(|grp| (grp * ep..(grp + 1) * ep).collect())
+                .collect(),
+        ),
         holdings,
         plan: None,
     }
@@ -55,10 +79,56 @@ pub fn plan_nodes(
     nodes: usize,
     spare: usize,
 ) -> Vec<Vec<Vec<u32>>> {
-    let mut out = layout(hw, model, (0..nodes as NodeId).collect()).holdings;
+    let mut out = layout(hw, model, (0..nodes as NodeId).collect(), Dispatch::Padded).holdings;
     out.extend(std::iter::repeat_n(
         vec![Vec::new(); model.moe_layers],
         spare,
     ));
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::{self, sparse_replicas, uniform_ep_layout};
+
+    /// The sparse layout is the cost model's dense EP layout, and each node holds what its
+    /// ranks hold.
+    #[test]
+    fn sparse_layout_equals_the_dense_one() {
+        let hw = cost::hardware("h200-400g").unwrap();
+        let model = cost::model("deepseek-v3").unwrap();
+        let nodes = ep_nodes(&hw, &model);
+        let l = layout(
+            &hw,
+            &model,
+            (0..nodes as NodeId).collect(),
+            Dispatch::Padded,
+        );
+        let dense = uniform_ep_layout(&model, nodes * hw.gpus_per_node).unwrap();
+        assert_eq!(
+            l.replicas_per_rank,
+            sparse_replicas(&dense.replicas_per_rank)
+        );
+        assert_eq!(l.ep_groups.as_ref(), Some(&dense.ep_groups));
+        let g = hw.gpus_per_node;
+        for (n, held) in l.holdings.iter().enumerate() {
+            for (layer, ids) in held.iter().enumerate() {
+                let want: Vec<u32> = (0..model.experts as u32)
+                    .flat_map(|e| {
+                        let c: u32 = dense.replicas_per_rank[layer][e as usize][n * g..(n + 1) * g]
+                            .iter()
+                            .sum();
+                        std::iter::repeat_n(e, c as usize)
+                    })
+                    .collect();
+                assert_eq!(ids, &want, "node {n} layer {layer}");
+            }
+        }
+    }
+
+    /// Two EP groups' worth of nodes.
+    fn ep_nodes(hw: &HardwareProfile, model: &ModelProfile) -> usize {
+        2 * model.ep_size.div_ceil(hw.gpus_per_node)
+    }
 }

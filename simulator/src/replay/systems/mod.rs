@@ -22,8 +22,9 @@ pub type NodeId = u32;
 pub struct Layout {
     /// Nodes in use, in plan-node order (rank `r` lives on `nodes[r / gpus_per_node]`).
     pub nodes: Vec<NodeId>,
-    /// `[moe_layer][expert][rank]` replicas, the cost model's input.
-    pub replicas_per_rank: Vec<Vec<Vec<u32>>>,
+    /// `[moe_layer][expert]` → `(rank, replicas)`, the cost model's input in its sparse form
+    /// ([`crate::cost::SparseReplicas`]).
+    pub replicas_per_rank: crate::cost::SparseReplicas,
     pub dispatch: Dispatch,
     /// Padded dispatch only: ranks of each EP group.
     pub ep_groups: Option<Vec<Vec<usize>>>,
@@ -105,21 +106,38 @@ pub enum SystemKind {
     Ds,
     DsFt,
     Lazarus,
+    /// Dropless standard EP (Megatron-Core style) with checkpoint restart.
+    Dropless,
+    /// Dropless standard EP with DS(FT)'s in-place recovery.
+    DroplessFt,
 }
 
 impl SystemKind {
+    /// The paper's three systems: what `all` selects.
     pub const ALL: [SystemKind; 3] = [Self::Lazarus, Self::DsFt, Self::Ds];
+    /// Every system, the paper's and the dropless baselines.
+    pub const KNOWN: [SystemKind; 5] = [
+        Self::Lazarus,
+        Self::DsFt,
+        Self::Ds,
+        Self::DroplessFt,
+        Self::Dropless,
+    ];
     pub fn name(self) -> &'static str {
         match self {
             Self::Ds => "ds",
             Self::DsFt => "ds-ft",
             Self::Lazarus => "lazarus",
+            Self::Dropless => "dropless",
+            Self::DroplessFt => "dropless-ft",
         }
     }
     pub fn build(self) -> Box<dyn System> {
         match self {
             Self::Ds => Box::new(ds::Ds::new(false)),
             Self::DsFt => Box::new(ds::Ds::new(true)),
+            Self::Dropless => Box::new(ds::Ds::dropless(false)),
+            Self::DroplessFt => Box::new(ds::Ds::dropless(true)),
             Self::Lazarus => Box::new(lazarus::Lazarus),
         }
     }
@@ -134,14 +152,18 @@ impl fmt::Display for SystemKind {
 impl FromStr for SystemKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL
+        Self::KNOWN
             .into_iter()
             .find(|k| k.name() == s)
-            .ok_or_else(|| format!("unknown system {s:?} (expected lazarus, ds-ft, ds or all)"))
+            .ok_or_else(|| {
+                format!(
+                    "unknown system {s:?} (expected lazarus, ds-ft, ds, dropless-ft, dropless or all)"
+                )
+            })
     }
 }
 
-/// Parses `lazarus,ds` or `all`.
+/// Parses `lazarus,ds` or `all` (the paper's three; the dropless baselines are named).
 pub fn parse_systems(text: &str) -> Result<Vec<SystemKind>, String> {
     if text.trim() == "all" {
         return Ok(SystemKind::ALL.to_vec());
