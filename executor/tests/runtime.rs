@@ -10,7 +10,7 @@ use std::time::Duration;
 use candle_core::{Device, Result, Tensor};
 use lazarus_executor::comm::{Communicator, LocalGroup, TcpCommunicator};
 use lazarus_executor::model::{
-    Corpus, DenseModel, ExpertStore, LocalExperts, MoeConfig, RoutingStats, grad_norm_parts,
+    AdamW, Corpus, DenseModel, ExpertStore, LocalExperts, MoeConfig, RoutingStats, grad_norm_parts,
     grad_scale,
 };
 use lazarus_executor::runtime::DistributedExperts;
@@ -332,15 +332,26 @@ fn three_workers_match_single_process_reference() {
 /// Checksums of every held replica and the bits of every dense variable after each step.
 type Snapshot = (Vec<f32>, BTreeMap<(usize, usize), u64>, Vec<u32>);
 
-fn train_worker(comm: TcpCommunicator, world: usize, steps: u64) -> Vec<Snapshot> {
+/// A fresh worker of `world` on `comm`: its model, optimizer, the replicas its rank holds and
+/// their distributed execution.
+fn worker_state(
+    comm: TcpCommunicator,
+    world: usize,
+) -> (DenseModel, AdamW, ExpertStore, DistributedExperts) {
     let c = cfg();
-    let rank = comm.rank();
     let reps = replicas(world);
     let dev = Device::Cpu;
     let model = DenseModel::new(&c, &dev).unwrap();
-    let mut opt = model.optimizer().unwrap();
-    let mut store = ExpertStore::with_replicas(&c, &dev, held(&reps, rank)).unwrap();
-    let mut dist = DistributedExperts::new(Box::new(comm), &store, reps).unwrap();
+    let opt = model.optimizer().unwrap();
+    let store = ExpertStore::with_replicas(&c, &dev, held(&reps, comm.rank())).unwrap();
+    let dist = DistributedExperts::new(Box::new(comm), &store, reps).unwrap();
+    (model, opt, store, dist)
+}
+
+fn train_worker(comm: TcpCommunicator, world: usize, steps: u64) -> Vec<Snapshot> {
+    let c = cfg();
+    let rank = comm.rank();
+    let (model, mut opt, mut store, mut dist) = worker_state(comm, world);
     let corpus = Corpus::embedded();
     let mut out = Vec::new();
     let mut losses = Vec::new();
@@ -408,12 +419,7 @@ fn replicas_stay_bit_identical_over_three_steps() {
 fn first_moments(comm: TcpCommunicator, world: usize) -> Vec<f32> {
     let c = cfg();
     let rank = comm.rank();
-    let reps = replicas(world);
-    let dev = Device::Cpu;
-    let model = DenseModel::new(&c, &dev).unwrap();
-    let mut opt = model.optimizer().unwrap();
-    let mut store = ExpertStore::with_replicas(&c, &dev, held(&reps, rank)).unwrap();
-    let mut dist = DistributedExperts::new(Box::new(comm), &store, reps).unwrap();
+    let (model, mut opt, mut store, mut dist) = worker_state(comm, world);
     let tokens = shard(&Corpus::embedded(), &c, 0, rank).unwrap();
     let done = train_step(&model, &mut opt, &mut store, &mut dist, &tokens, false).unwrap();
     assert!(!done.nonfinite);

@@ -692,62 +692,68 @@ fn grad_allreduce_s(
 
 fn check_shapes(model: &ModelProfile, input: &StepInput) -> Result<()> {
     let gpus = input.gpus;
-    if gpus == 0 {
-        bail!("a step needs at least one GPU");
-    }
-    if input.replicas_per_rank.len() != model.moe_layers {
-        bail!(
-            "replicas_per_rank has {} layers, the model has {} MoE layers",
-            input.replicas_per_rank.len(),
-            model.moe_layers
-        );
-    }
-    if input.loads.len() != model.moe_layers {
-        bail!(
-            "loads has {} layers, the model has {} MoE layers",
-            input.loads.len(),
-            model.moe_layers
-        );
-    }
-    for (l, (layer, loads)) in input.replicas_per_rank.iter().zip(input.loads).enumerate() {
-        if layer.len() != model.experts || loads.len() != model.experts {
-            bail!(
-                "MoE layer {l}: {} replica rows and {} loads, the model has {} experts",
-                layer.len(),
-                loads.len(),
-                model.experts
-            );
-        }
-        if let Some((e, row)) = layer.iter().enumerate().find(|(_, r)| r.len() != gpus) {
-            bail!(
-                "MoE layer {l}, expert {e}: {} rank columns, expected {gpus}",
-                row.len()
-            );
-        }
-    }
-    Ok(())
+    check_layers(
+        model,
+        gpus,
+        input.replicas_per_rank,
+        input.loads,
+        |l, e, row| {
+            if row.len() != gpus {
+                bail!(
+                    "MoE layer {l}, expert {e}: {} rank columns, expected {gpus}",
+                    row.len()
+                );
+            }
+            Ok(())
+        },
+    )
 }
 
 fn check_sparse_shapes(model: &ModelProfile, input: &SparseStepInput) -> Result<()> {
     let gpus = input.gpus;
+    check_layers(model, gpus, input.replicas, input.loads, |l, e, row| {
+        let mut last: Option<u32> = None;
+        for &(r, c) in row {
+            if r as usize >= gpus || c == 0 || last.is_some_and(|x| x >= r) {
+                bail!(
+                    "MoE layer {l}, expert {e}: replica ({r}, {c}) is not a positive count \
+                     on a rank below {gpus} in ascending order"
+                );
+            }
+            last = Some(r);
+        }
+        Ok(())
+    })
+}
+
+/// What the dense and the sparse step inputs share: at least one GPU, a replica table and a
+/// load row for every MoE layer, with an entry per expert; `check_row(layer, expert, row)`
+/// checks one expert's replicas.
+fn check_layers<R>(
+    model: &ModelProfile,
+    gpus: usize,
+    replicas: &[Vec<R>],
+    loads: &[Vec<u64>],
+    check_row: impl Fn(usize, usize, &R) -> Result<()>,
+) -> Result<()> {
     if gpus == 0 {
         bail!("a step needs at least one GPU");
     }
-    if input.replicas.len() != model.moe_layers {
+    if replicas.len() != model.moe_layers {
         bail!(
             "replicas have {} layers, the model has {} MoE layers",
-            input.replicas.len(),
+            replicas.len(),
             model.moe_layers
         );
     }
-    if input.loads.len() != model.moe_layers {
+    if loads.len() != model.moe_layers {
         bail!(
             "loads has {} layers, the model has {} MoE layers",
-            input.loads.len(),
+            loads.len(),
             model.moe_layers
         );
     }
-    for (l, (layer, loads)) in input.replicas.iter().zip(input.loads).enumerate() {
+    for (l, (layer, loads)) in replicas.iter().zip(loads).enumerate() {
         if layer.len() != model.experts || loads.len() != model.experts {
             bail!(
                 "MoE layer {l}: {} replica rows and {} loads, the model has {} experts",
@@ -757,16 +763,7 @@ fn check_sparse_shapes(model: &ModelProfile, input: &SparseStepInput) -> Result<
             );
         }
         for (e, row) in layer.iter().enumerate() {
-            let mut last: Option<u32> = None;
-            for &(r, c) in row {
-                if r as usize >= gpus || c == 0 || last.is_some_and(|x| x >= r) {
-                    bail!(
-                        "MoE layer {l}, expert {e}: replica ({r}, {c}) is not a positive count \
-                         on a rank below {gpus} in ascending order"
-                    );
-                }
-                last = Some(r);
-            }
+            check_row(l, e, row)?;
         }
     }
     Ok(())
