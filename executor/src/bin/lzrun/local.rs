@@ -351,45 +351,17 @@ impl Faults {
                         when,
                     ));
                 }
-                fault @ (Fault::FreezeWorker { node } | Fault::FreezeAgent { node }) => {
-                    let (node, kind) = (*node, fault.kind());
-                    let rank = nodes.name(node).and_then(|n| handle.rank_of(n));
-                    let frozen = if matches!(fault, Fault::FreezeWorker { .. }) {
-                        nodes.freeze_worker(node)
-                    } else {
-                        nodes.freeze_agent(node)
-                    };
-                    match frozen {
-                        Ok(name) => {
-                            handle.fault_injected();
-                            self.injected.push(
-                                Injection::new(t_s, after_step, kind, Some(node), &name, when)
-                                    .with_rank(rank),
-                            );
-                            self.format.say(&format!(
-                                "lzrun local: froze node {node} ({name}): SIGSTOP to its {} {when}",
-                                kind.trim_start_matches("freeze-")
-                            ));
-                        }
-                        // A node that died meanwhile (fenced, say) has nothing to freeze.
-                        Err(e) => self.format.say(&format!(
-                            "lzrun local: no {kind} of node {node} {when}: {e}"
-                        )),
-                    }
+                Fault::FreezeWorker { node } | Fault::FreezeAgent { node } => {
+                    let fault = self.schedule.events[i].fault.clone();
+                    self.freeze(&fault, *node, Injected { t_s, after_step }, when, handle);
                 }
                 Fault::DiskFull { steps } => {
                     let until = after_step + steps;
                     if let Some(d) = self.disk_full.as_mut() {
                         d.set(Some(until))?;
                     }
-                    self.injected.push(Injection::new(
-                        t_s,
-                        after_step,
-                        "disk-full",
-                        None,
-                        "",
-                        when,
-                    ));
+                    let at = Injected { t_s, after_step };
+                    self.injected.push(at.of("disk-full", None, "", when));
                     self.format.say(&format!(
                         "lzrun local: the checkpoint disk is full {when} until after step {until}"
                     ));
@@ -397,6 +369,45 @@ impl Faults {
             }
         }
         Ok(())
+    }
+
+    /// SIGSTOPs node `node`'s worker or agent (`fault` says which); a node that died meanwhile
+    /// (fenced, say) has nothing to freeze, which is logged.
+    fn freeze(&mut self, fault: &Fault, node: usize, at: Injected, when: &str, handle: &JobHandle) {
+        let kind = fault.kind();
+        let rank = self.nodes.name(node).and_then(|n| handle.rank_of(n));
+        let frozen = if matches!(fault, Fault::FreezeWorker { .. }) {
+            self.nodes.freeze_worker(node)
+        } else {
+            self.nodes.freeze_agent(node)
+        };
+        match frozen {
+            Ok(name) => {
+                handle.fault_injected();
+                self.injected
+                    .push(at.of(kind, Some(node), &name, when).with_rank(rank));
+                self.format.say(&format!(
+                    "lzrun local: froze node {node} ({name}): SIGSTOP to its {} {when}",
+                    kind.trim_start_matches("freeze-")
+                ));
+            }
+            Err(e) => self.format.say(&format!(
+                "lzrun local: no {kind} of node {node} {when}: {e}"
+            )),
+        }
+    }
+}
+
+/// When an event was injected: seconds since the launch and the step it fired after.
+#[derive(Clone, Copy)]
+struct Injected {
+    t_s: f64,
+    after_step: u64,
+}
+
+impl Injected {
+    fn of(self, kind: &'static str, node: Option<usize>, name: &str, when: &str) -> Injection {
+        Injection::new(self.t_s, self.after_step, kind, node, name, when)
     }
 }
 
