@@ -80,8 +80,8 @@ pub struct LocalArgs {
     /// A seeded storm of N faults of every kind on --nodes nodes (default 6): kills, several
     /// nodes killed at once, joins racing kills, frozen (SIGSTOPped) workers and agents,
     /// controller kills and a full checkpoint disk for 1–4 steps; the job must survive all of
-    /// them and end with every copy of its state identical. The soak test of the README runs
-    /// 1,000. Adds to --kill-controller; not with --kill, --join or --fault-trace.
+    /// them and end with every copy of its state identical (`results/soak/run.sh` runs 1,000).
+    /// Adds to --kill-controller; not with --kill, --join or --fault-trace.
     #[arg(long, value_name = "N", conflicts_with_all = ["kill", "join", "fault_trace"])]
     pub storm: Option<usize>,
     /// Seed of the --storm schedule (the same seed gives the same faults at the same steps).
