@@ -547,11 +547,7 @@ fn padded_layer(
         if te == 0 {
             continue;
         }
-        k.fill(0);
-        for &(r, c) in row {
-            k[group_of[r as usize]] += u64::from(c);
-        }
-        if k.contains(&0) {
+        if !count_per_group(&mut k, row, group_of) {
             return Err(missing_replica(t, replicas, groups, group_of));
         }
         for (&kg, cap) in k.iter().zip(&mut capacity) {
@@ -610,11 +606,7 @@ fn dropless_layer(
         if te == 0 {
             continue;
         }
-        k.fill(0);
-        for &(r, c) in row {
-            k[group_of[r as usize]] += u64::from(c);
-        }
-        if k.contains(&0) {
+        if !count_per_group(&mut k, row, group_of) {
             return Err(missing_replica(t, replicas, groups, group_of));
         }
         for &(r, c) in row {
@@ -688,6 +680,16 @@ fn grad_allreduce_s(
     (0..gpus)
         .map(|r| (inter[r] / inter_bw).max(intra[r] / intra_bw))
         .fold(0.0, f64::max)
+}
+
+/// One expert's replicas per EP group (`row` as `(rank, count)`) into `k`; false when some
+/// group holds none.
+fn count_per_group(k: &mut [u64], row: &[(u32, u32)], group_of: &[usize]) -> bool {
+    k.fill(0);
+    for &(r, c) in row {
+        k[group_of[r as usize]] += u64::from(c);
+    }
+    !k.contains(&0)
 }
 
 fn check_shapes(model: &ModelProfile, input: &StepInput) -> Result<()> {
