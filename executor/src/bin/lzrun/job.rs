@@ -163,9 +163,8 @@ fn state_dir(
     Ok((Some(dir), temp, lock))
 }
 
-/// Checks the job options and resolves them for a job that starts on `nodes` nodes; with
-/// `temp_state` the job state is saved even without `--state-dir` (in a temporary directory).
-pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -> Result<Job> {
+/// The flags' own bounds (the rules' consistency is checked by `JobConfig::validate`).
+fn check_job_args(a: &JobArgs, nodes: usize) -> Result<()> {
     ensure!(
         a.heartbeat_timeout_ms >= 1,
         "--heartbeat-timeout-ms must be at least 1"
@@ -188,6 +187,13 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
         a.max_nonfinite_steps >= 1,
         "--max-nonfinite-steps must be at least 1"
     );
+    Ok(())
+}
+
+/// Checks the job options and resolves them for a job that starts on `nodes` nodes; with
+/// `temp_state` the job state is saved even without `--state-dir` (in a temporary directory).
+pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -> Result<Job> {
+    check_job_args(a, nodes)?;
     let config = load_config(&a.model.config, a.model.seed)?;
     let slots = a
         .slots
