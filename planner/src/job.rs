@@ -663,6 +663,10 @@ pub struct JobMachine {
     join_waiting_since: Option<u64>,
     /// Since when the job waits for enough nodes to hold every expert.
     nodes_waiting_since: Option<u64>,
+    /// Live nodes when the job last announced `WaitForNodes` (announced again when that
+    /// changes and every node is ready: one became ready, or one was lost, and more are needed).
+    #[serde(default)]
+    waiting_announced_live: Option<usize>,
     /// When the phase last made progress (timeouts count from here).
     progress_ms: u64,
     /// A driver restart being reconciled.
@@ -704,6 +708,7 @@ impl JobMachine {
             started: false,
             join_waiting_since: None,
             nodes_waiting_since: None,
+            waiting_announced_live: None,
             progress_ms: 0,
             recovery: None,
             step_times: StepTimes::new(window_steps),
@@ -1523,7 +1528,9 @@ impl JobMachine {
                     return;
                 }
                 let slots = self.nodes.len() * self.cfg.slots_per_node;
-                if slots >= self.cfg.model.experts {
+                if slots >= self.cfg.model.experts
+                    || self.waiting_announced_live != Some(self.nodes.len())
+                {
                     self.plan_next(now_ms, out);
                 }
             }
@@ -1652,6 +1659,7 @@ impl JobMachine {
                 self.cfg.slots_per_node,
                 candidates.len()
             );
+            self.waiting_announced_live = Some(self.nodes.len());
             out.push(Action::WaitForNodes {
                 live: self.nodes.len(),
                 needed: self.cfg.model.experts.div_ceil(self.cfg.slots_per_node),
@@ -1660,6 +1668,7 @@ impl JobMachine {
             return;
         }
         self.nodes_waiting_since = None;
+        self.waiting_announced_live = None;
         if !self.started && !self.cfg.resume {
             // The first start, or one that did not complete on every member: start afresh.
             return self.send_plan(ReconfigKind::Start, StateSource::Fresh, 0, now_ms, out);
