@@ -1,6 +1,12 @@
 //! Step cost of fully sharded experts (FSEP, LAER-MoE; our reference §1.2), on the same terms
 //! as [`super::step_cost_sparse`].
 //!
+//! **Experts materialised per rank** (`C`, LAER's `--expert_capacity_per_device`): LAER's
+//! runs pick `C` so that the `N·C` slots give every expert about 8 copies (`C = 2` for 8
+//! experts and `C = 4` for 16 experts on 32 GPUs; our reference §1.2, §1.7), so we take
+//! `C = clamp(⌈8·E/N⌉, 1, slots_per_gpu)` ([`slots_per_gpu`]): more would only add gather
+//! bytes, fewer would starve the balancing of hot experts.
+//!
 //! Every expert's weights and Adam state are cut into `S` shards; `copies` (= f) nodes hold
 //! each shard (`1` in LAER). Per MoE layer and step, every rank materialises the
 //! `C = slots_per_gpu` experts its layout assigns to it:
@@ -66,7 +72,7 @@ pub fn shard_traffic(
     let (s, ranks) = (shape.shards as f64, gpus as f64);
     let held_share = (shape.copies as f64 * s / ranks / s).min(1.0);
     let remote = 1.0 - held_share;
-    let c = model.slots_per_gpu as f64;
+    let c = slots_per_gpu(model, gpus) as f64;
     let p_w = (model.expert_params() * model.bytes_per_param_weights) as f64;
     let p_g = model.expert_grad_bytes() as f64;
     let fan_in = ranks / shape.holder_ranks as f64;
@@ -80,6 +86,14 @@ pub fn shard_traffic(
         shard_s: link_s(hw, gpus, bytes_per_rank),
         bytes_per_rank,
     })
+}
+
+/// Experts each of `gpus` ranks materialises per MoE layer (module docs): about 8 copies per
+/// expert, within the profile's slots.
+pub fn slots_per_gpu(model: &ModelProfile, gpus: usize) -> usize {
+    (8 * model.experts)
+        .div_ceil(gpus.max(1))
+        .clamp(1, model.slots_per_gpu.max(1))
 }
 
 /// Seconds for one rank to exchange `bytes` uniformly with its peers: the off-node share over

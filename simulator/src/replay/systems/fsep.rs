@@ -61,14 +61,17 @@ pub fn shard_bytes(model: &ModelProfile, shards: usize) -> u64 {
 }
 
 /// The layout FSEP materialises for `loads` on `nodes` nodes: Eq. 1 with `f = 1` and spread
-/// placement, in the cost model's sparse form (`None` when the slots cannot hold every expert).
+/// placement on [`cost::fsep::slots_per_gpu`] slots per GPU, in the cost model's sparse form
+/// (`None` when the slots cannot hold every expert).
 pub fn materialised(
     hw: &HardwareProfile,
     model: &ModelProfile,
     nodes: usize,
     loads: &[Vec<u64>],
 ) -> Option<cost::SparseReplicas> {
-    let cluster = hw.cluster_spec(model, nodes);
+    let g = hw.gpus_per_node;
+    let c = cost::fsep::slots_per_gpu(model, nodes * g);
+    let cluster = lazarus_planner::ClusterSpec::new(nodes, c * g).with_gpus_per_node(g);
     let spec = ModelSpec {
         f: 1,
         ..model.planner_spec()

@@ -46,6 +46,8 @@ fn fsep_step_exceeds_replicated_by_the_shard_traffic() {
     )
     .unwrap();
     // By hand: one GPU per node, so every peer is remote; S = 10 shards, one held locally.
+    // ⌈8·16/10⌉ = 13 copies' worth is above the profile's 6 slots: C = 6.
+    assert_eq!(cost::fsep::slots_per_gpu(&model, 10), model.slots_per_gpu);
     let c = model.slots_per_gpu as f64;
     let p_w = (model.expert_params() * model.bytes_per_param_weights) as f64;
     let p_g = model.expert_grad_bytes() as f64;
