@@ -302,8 +302,15 @@ pub fn place(spec: &FsepSpec) -> Result<ShardPlacement, FsepError> {
         // The blocks fit: MRO, optimal by Theorem 1.
         return Ok(place_batched(spec, c));
     }
-    let best = (1..=c)
-        .rev()
+    // Every batch size on small instances (where the brute-force test checks optimality);
+    // halvings of `c` at scale, where each try costs O(S·N log N / b).
+    let batches: Vec<usize> = if spec.shards * spec.nodes <= 1 << 22 {
+        (1..=c).rev().collect()
+    } else {
+        std::iter::successors(Some(c), |&b| (b > 1).then_some(b / 2)).collect()
+    };
+    let best = batches
+        .into_iter()
         .map(|b| place_batched(spec, b))
         .min_by_key(|p| {
             let sets = p.critical_sets();

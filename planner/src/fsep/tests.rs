@@ -377,3 +377,17 @@ fn repair_moves_a_surviving_copy_only_when_the_room_requires_it() {
     assert_eq!(r.transfers.len(), missing + 1);
     assert!(r.placement.load().iter().all(|&l| l == 6));
 }
+
+/// At scale (odd N, tight room: the non-block case) the placement stays valid and its
+/// survival exact at small k.
+#[test]
+fn large_odd_cluster() {
+    let spec = FsepSpec::balanced(1001, 8008, 2);
+    let p = place(&spec).unwrap();
+    p.check(&spec).unwrap();
+    let s = survival(&p, 2, 0).unwrap();
+    assert!(s.trials.is_none());
+    let sets = p.critical_sets().len() as f64;
+    assert!((s.probability - (1.0 - sets / recovery::binomial(1001, 2))).abs() < 1e-12);
+    assert_eq!(survival(&p, 1, 0).unwrap().probability, 1.0);
+}
