@@ -61,7 +61,8 @@ pub struct ReplayArgs {
 #[derive(Args, Debug, Clone)]
 pub struct SimArgs {
     /// Systems to compare: lazarus, ds-ft, ds, dropless-ft, dropless (dropless EP,
-    /// Megatron-Core style), or all (the paper's three).
+    /// Megatron-Core style), laer (fully sharded experts, LAER-MoE), lazarus-fsep (sharded
+    /// experts with f copies per shard), or all (the paper's three).
     #[arg(long, default_value = "all")]
     pub system: String,
     /// Model profile: gpt-s, gpt-m, gpt-l, deepseek-v3, or a TOML file.
@@ -84,7 +85,8 @@ pub struct SimArgs {
     pub f: Option<usize>,
     /// Checkpoint interval in steps: `ds=50,ds-ft=250,lazarus=250` (the paper's, default), one
     /// number for all, `young-daly` (optimal interval from the trace's failure rate), or `none`.
-    /// `dropless` and `dropless-ft` take `ds`'s and `ds-ft`'s unless named.
+    /// `dropless` and `dropless-ft` take `ds`'s and `ds-ft`'s unless named; `laer` takes
+    /// `ds`'s, `lazarus-fsep` `lazarus`'s.
     #[arg(long, default_value = "ds=50,ds-ft=250,lazarus=250")]
     pub ckpt_every: String,
     /// Lazarus rebalance period in steps (0: never).
@@ -141,10 +143,14 @@ fn checkpoint_intervals(text: &str) -> Result<Option<BTreeMap<SystemKind, Option
         out.insert(sys, (k > 0).then_some(k));
         named.push(sys);
     }
-    // The dropless baselines checkpoint like their DS counterparts unless named.
+    // The dropless baselines checkpoint like their DS counterparts unless named; the FSEP
+    // systems like DS (laer: checkpoint/restart on every loss, as DS) and Lazarus
+    // (lazarus-fsep: the checkpoint covers only the rare loss of every copy of a shard).
     for (dropless, ds) in [
         (SystemKind::Dropless, SystemKind::Ds),
         (SystemKind::DroplessFt, SystemKind::DsFt),
+        (SystemKind::Laer, SystemKind::Ds),
+        (SystemKind::LazarusFsep, SystemKind::Lazarus),
     ] {
         if !named.contains(&dropless) {
             out.insert(dropless, out[&ds]);

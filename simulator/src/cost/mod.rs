@@ -107,6 +107,7 @@
 //! checkpoint load. [`reconfigure_s`]: failure detection + communicator rebuild; migration
 //! ([`migration_s`]) is added by the caller.
 
+pub mod fsep;
 mod profile;
 #[cfg(test)]
 mod tests;

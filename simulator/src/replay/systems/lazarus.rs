@@ -49,6 +49,7 @@ fn layout_of(ctx: &Ctx, mut plan: ModelPlan) -> Layout {
         ep_groups: None,
         holdings: plan.plan_node_contents(),
         plan: Some(plan),
+        fsep: None,
     }
 }
 
