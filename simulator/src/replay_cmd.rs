@@ -355,9 +355,14 @@ pub fn table(results: &[RunResult]) -> String {
         .iter()
         .find(|r| r.summary.system == SystemKind::Ds)
         .map(|r| r.summary.samples);
+    // Wide enough for the longest system name (`lazarus-fsep`).
+    let w = results
+        .iter()
+        .map(|r| r.summary.system.name().len())
+        .fold(8, usize::max);
     let _ = writeln!(
         s,
-        "{:<8} {:>10} {:>7} {:>6} {:>9} {:>6} {:>6} {:>6} {:>6}  time: compute/lost/ckpt/restart/reconf/rebal/idle %",
+        "{:<w$} {:>10} {:>7} {:>6} {:>9} {:>6} {:>6} {:>6} {:>6}  time: compute/lost/ckpt/restart/reconf/rebal/idle %",
         "system", "samples", "steps", "ettr", "samples/s", "vs ds", "recov", "fallbk", "preempt"
     );
     for r in results {
@@ -369,7 +374,7 @@ pub fn table(results: &[RunResult]) -> String {
         });
         let _ = writeln!(
             s,
-            "{:<8} {:>10} {:>7} {:>6.3} {:>9.2} {:>6} {:>6} {:>6} {:>7}  {:.0}/{:.0}/{:.0}/{:.0}/{:.0}/{:.0}/{:.0}",
+            "{:<w$} {:>10} {:>7} {:>6.3} {:>9.2} {:>6} {:>6} {:>6} {:>7}  {:.0}/{:.0}/{:.0}/{:.0}/{:.0}/{:.0}/{:.0}",
             m.system.name(),
             m.samples,
             m.steps,
