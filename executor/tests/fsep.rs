@@ -122,6 +122,9 @@ struct Run {
     traffic: Vec<Traffic>,
 }
 
+/// The dense state and every expert's state a replicated re-layout starts from.
+type Migrated = (OptimState, BTreeMap<(usize, usize), ExpertState>);
+
 /// Trains `steps` steps from `start` on `comm`: replicated with `layout` (the dense state
 /// and the held replicas imported from `from` when given: a migration), or FSEP with
 /// `layout` until `switch = (step, layout)` and the new layout after.
@@ -132,7 +135,7 @@ struct Job {
     switch: Option<(u64, Vec<Vec<Vec<u32>>>)>,
     start: u64,
     steps: u64,
-    from: Option<Arc<(OptimState, BTreeMap<(usize, usize), ExpertState>)>>,
+    from: Option<Arc<Migrated>>,
 }
 
 fn run(comm: TcpCommunicator, job: &Job) -> Run {

@@ -2267,3 +2267,42 @@ fn a_kill_in_fsep_mode_restores_the_checkpoint_and_completes() {
     assert_eq!(assert_fsep_consistent(&dir), 2);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// FSEP under skewed routing: the periodic rebalances change the layout at a step boundary
+/// over the same members — no checkpoint restore, the shards stay (moved at most to renumbered
+/// ranks), and training goes on to the end.
+#[test]
+fn rebalances_in_fsep_mode_relayout_in_place() {
+    let dir = scratch("fsep-rebalance");
+    let config = dir.join("skew.toml");
+    std::fs::write(&config, "base = \"tiny\"\nlb_loss_coef = 0.0\n").unwrap();
+    let o = lzrun(&[
+        "local",
+        "--expert-mode",
+        "fsep",
+        "--nodes",
+        "3",
+        "--steps",
+        "16",
+        "--rebalance-every",
+        "5",
+        "--config",
+        config.to_str().unwrap(),
+        "--format",
+        "json",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    let s = o.summary();
+    assert_eq!(s.steps, 16);
+    assert_eq!((s.recoveries, s.fallbacks), (0, 0), "{}", o.show());
+    let rebalances: Vec<_> = s
+        .reconfigurations
+        .iter()
+        .filter(|r| r.kind == "rebalance")
+        .collect();
+    assert!(rebalances.len() >= 2, "{}", o.show());
+    assert!(s.final_loss.is_finite());
+    assert_eq!(assert_fsep_consistent(&dir), 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -15,6 +15,9 @@ use crate::model::{ExpertState, ExpertWeights, ShardState, ShardStore, assemble}
 /// at a step boundary keeps them) and the epoch's [`super::DistributedExperts`].
 pub type SharedShards = Arc<Mutex<ShardStore>>;
 
+/// Expert gradients (or gradient shards) `(dL/dw1, dL/dw2)` by `(layer, expert)`.
+pub(super) type ExpertGrads = BTreeMap<(usize, usize), (Tensor, Tensor)>;
+
 pub(super) fn wrap<E: std::error::Error + Send + Sync + 'static>(e: E) -> candle_core::Error {
     candle_core::Error::wrap(e)
 }
@@ -117,8 +120,8 @@ pub(super) fn reduce_scatter(
     shards: &ShardStore,
     replicas: &[Vec<Vec<u32>>],
     keys: &[(usize, usize)],
-    local: &BTreeMap<(usize, usize), (Tensor, Tensor)>,
-) -> Result<(BTreeMap<(usize, usize), (Tensor, Tensor)>, u64)> {
+    local: &ExpertGrads,
+) -> Result<(ExpertGrads, u64)> {
     let (me, world) = (comm.rank(), comm.world());
     let len = shards.expert_len();
     let mut send = vec![Vec::new(); world];
