@@ -144,6 +144,12 @@ pub struct JobConfig {
     pub mapping: MappingMethod,
     /// Bytes of one expert's state (weights + optimizer), for the migration estimates.
     pub bytes_per_expert: u64,
+    /// Experts are fully sharded over the members (FSEP: member `w` holds shard `w` of every
+    /// expert, cut for exactly that membership) instead of replicated: any change of
+    /// membership — a lost member loses its shard of every expert, a newcomer has none —
+    /// restores the checkpoint; a rebalance over the same members moves no state.
+    #[serde(default)]
+    pub sharded_experts: bool,
 }
 
 impl JobConfig {
@@ -170,6 +176,7 @@ impl JobConfig {
             place: PlacePolicy::Mro,
             mapping: MappingMethod::Optimal,
             bytes_per_expert: 0,
+            sharded_experts: false,
         }
     }
 
@@ -1679,29 +1686,45 @@ impl JobMachine {
             .map(|(p, _)| p.clone())
             .collect();
         let lost = lost_experts(&with_state, self.cfg.model.layers, self.cfg.model.experts);
-        if !self.started || !self.lineage_complete || with_state.is_empty() || !lost.is_empty() {
-            if self.lineage_complete && !lost.is_empty() {
-                out.push(Action::Log(format!(
-                    "{} lost every replica: restoring a checkpoint",
-                    describe_lost(&lost)
-                )));
+        let resharded = self.started && self.membership_changes(&candidates);
+        if !self.started
+            || !self.lineage_complete
+            || with_state.is_empty()
+            || !lost.is_empty()
+            || resharded
+        {
+            let what = if resharded && lost.is_empty() {
+                "the membership of the sharded experts changed".to_owned()
+            } else {
+                format!("{} lost every replica", describe_lost(&lost))
+            };
+            if self.lineage_complete && (!lost.is_empty() || resharded) {
+                out.push(Action::Log(format!("{what}: restoring a checkpoint")));
             }
             // A resumed job's start reads its checkpoint whatever the cadence.
             if self.started && self.cfg.checkpoint_every_steps == 0 {
                 self.enter(Phase::Over, now_ms);
-                return self.fail(
-                    format!(
-                        "{} lost every replica and checkpoints are off",
-                        describe_lost(&lost)
-                    ),
-                    out,
-                );
+                return self.fail(format!("{what} and checkpoints are off"), out);
             }
             self.enter(Phase::Restoring, now_ms);
             out.push(Action::FindCheckpoint);
             return;
         }
         self.replan_in_place(&candidates, now_ms, out);
+    }
+
+    /// With sharded experts: whether the next plan's nodes differ from the last plan's (see
+    /// [`JobConfig::sharded_experts`]). Always false for replicated experts.
+    fn membership_changes(&self, candidates: &[(PhysicalNode, bool)]) -> bool {
+        if !self.cfg.sharded_experts {
+            return false;
+        }
+        let Some(plan) = &self.plan else {
+            return false;
+        };
+        let before: BTreeSet<NodeId> = plan.node_map.iter().copied().collect();
+        let next: BTreeSet<NodeId> = candidates.iter().map(|(p, _)| p.id).collect();
+        before != next
     }
 
     fn replan_in_place(

@@ -1358,3 +1358,61 @@ fn without_worker_heartbeats_the_member_timeout_applies() {
     assert!(f[0].1.contains("within 5000 ms"), "{f:?}");
     assert!(logs(&a).iter().all(|l| !l.contains("is slow")));
 }
+
+/// FSEP: every member holds one shard of every expert, so a lost member loses experts even
+/// when the survivors' replica tables still cover them: restore, not an in-place replan.
+#[test]
+fn with_sharded_experts_any_lost_member_restores_the_checkpoint() {
+    let mut cfg = config(4, 20);
+    cfg.checkpoint_every_steps = 5;
+    cfg.sharded_experts = true;
+    let (mut j, _) = started(cfg, &[0, 1, 2], 7);
+    j.at(10).ev(Event::Lost {
+        node: 2,
+        reason: "killed".into(),
+    });
+    j.idle(0, IdleReason::Failed("peer".into()), 7);
+    let a = j.idle(1, IdleReason::Failed("peer".into()), 7);
+    assert!(a.contains(&Action::FindCheckpoint), "{a:?}");
+    assert!(
+        logs(&a).iter().any(|l| l.contains("sharded")),
+        "{:?}",
+        logs(&a)
+    );
+    let a = j.ev(Event::CheckpointFound { step: 5 });
+    let r = reconfig(&a).unwrap();
+    assert_eq!(r.kind, ReconfigKind::Restore);
+    assert_eq!(r.source, StateSource::Checkpoint { step: 5 });
+    assert_eq!(r.members(), &[0, 1]);
+}
+
+/// FSEP without checkpoints: a lost member ends the job, saying why.
+#[test]
+fn with_sharded_experts_and_no_checkpoints_a_lost_member_ends_the_job() {
+    let mut cfg = config(4, 20);
+    cfg.sharded_experts = true;
+    let (mut j, _) = started(cfg, &[0, 1, 2], 3);
+    j.ev(Event::Lost {
+        node: 1,
+        reason: "killed".into(),
+    });
+    j.idle(0, IdleReason::Failed("peer".into()), 3);
+    let a = j.idle(2, IdleReason::Failed("peer".into()), 3);
+    let err = finished(&a).expect("the job ends").unwrap_err();
+    assert!(err.contains("sharded"), "{err}");
+}
+
+/// FSEP: a rebalance over the same members stays in place (only the layout changes).
+#[test]
+fn with_sharded_experts_a_rebalance_stays_in_place() {
+    let mut cfg = config(4, 50);
+    cfg.rebalance_every_steps = 5;
+    cfg.sharded_experts = true;
+    let (mut j, _) = started(cfg, &[0, 1], 4);
+    j.step_all(4);
+    j.idle(0, IdleReason::Paused, 5);
+    let a = j.idle(1, IdleReason::Paused, 5);
+    let r = reconfig(&a).unwrap();
+    assert_eq!((r.kind, r.resume_step), (ReconfigKind::Rebalance, 5));
+    assert!(matches!(r.source, StateSource::Peers { .. }));
+}

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, anyhow, ensure};
 use lazarus_executor::checkpoint::{self, RootLock};
 use lazarus_executor::control::{Controller, JobParams, ServerConfig};
+use lazarus_executor::model::ExpertMode;
 use lazarus_executor::worker::CheckpointSpec;
 use lazarus_planner::ModelSpec;
 use lazarus_planner::deadline::StepDeadline;
@@ -261,6 +262,7 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
     rules.max_nonfinite_steps = a.max_nonfinite_steps;
     rules.max_checkpoint_failures = a.max_ckpt_failures;
     rules.bytes_per_expert = config.expert_state_bytes() as u64;
+    rules.sharded_experts = a.expert_mode == ExpertMode::Fsep;
     rules
         .validate()
         .map_err(|e| anyhow!("invalid job configuration: {e}"))?;
