@@ -899,7 +899,11 @@ pub fn assignment_cost(cost: &[Vec<u64>], assignment: &[usize]) -> u64 {
 /// Every `(layer, expert)` with `layer < layers`, `expert < experts` held by none of `survivors`.
 /// Ids or layers out of range in the holdings are ignored. Sorted by (layer, expert).
 pub fn lost_experts(survivors: &[PhysicalNode], layers: usize, experts: usize) -> Vec<(u32, u32)> {
-    lost_experts_of(survivors.iter().map(|n| n.holdings.as_slice()), layers, experts)
+    lost_experts_of(
+        survivors.iter().map(|n| n.holdings.as_slice()),
+        layers,
+        experts,
+    )
 }
 
 /// [`lost_experts`] of holdings given by reference (`[layer]` = expert ids of one node), for
