@@ -14,7 +14,9 @@ use lazarus_planner::dispatch::plan;
 
 fn arg(i: usize, default: usize) -> Result<usize> {
     match std::env::args().nth(i) {
-        Some(v) => v.parse().with_context(|| format!("argument {i}: {v:?} is not a number")),
+        Some(v) => v
+            .parse()
+            .with_context(|| format!("argument {i}: {v:?} is not a number")),
         None => Ok(default),
     }
 }
@@ -28,14 +30,31 @@ fn main() -> Result<()> {
     let gate: Vec<u32> = (0..slots as u64)
         .map(|i| {
             let h = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
-            (if h % 2 == 0 { h % (experts as u64 / 4).max(1) } else { h % experts as u64 }) as u32
+            (if h % 2 == 0 {
+                h % (experts as u64 / 4).max(1)
+            } else {
+                h % experts as u64
+            }) as u32
         })
         .collect();
     let counts = cpu::count_experts(&gate, experts)?;
     // Four ranks' worth of plan: this rank keeps what it can and sends the rest.
     let ranks = 4;
-    let tok: Vec<Vec<u64>> = counts.iter().map(|&c| { let mut v = vec![u64::from(c); ranks]; v[1] /= 2; v }).collect();
-    let rep: Vec<Vec<u32>> = (0..experts).map(|e| (0..ranks).map(|r| u32::from(r == e % ranks || r == (e + 1) % ranks)).collect()).collect();
+    let tok: Vec<Vec<u64>> = counts
+        .iter()
+        .map(|&c| {
+            let mut v = vec![u64::from(c); ranks];
+            v[1] /= 2;
+            v
+        })
+        .collect();
+    let rep: Vec<Vec<u32>> = (0..experts)
+        .map(|e| {
+            (0..ranks)
+                .map(|r| u32::from(r == e % ranks || r == (e + 1) % ranks))
+                .collect()
+        })
+        .collect();
     let p = plan(&tok, &rep)?;
     let t = DispatchTables::from_plan(&p, 0)?;
     let d_gate = s.clone_htod(&gate)?;
@@ -68,7 +87,8 @@ fn main() -> Result<()> {
         Ok(f64::from(a.elapsed_ms(&b)?) / f64::from(reps))
     };
     let permute_ms = timed(&mut || {
-        k.permute(&d_x, hidden, top_k, &d_pos, slots, &mut d_send).map_err(|e| anyhow!("{e}"))
+        k.permute(&d_x, hidden, top_k, &d_pos, slots, &mut d_send)
+            .map_err(|e| anyhow!("{e}"))
     })?;
     let copy_ms = timed(&mut || Ok(s.memcpy_dtod(&d_src, &mut d_copy)?))?;
     let bytes = (slots * hidden * 2) as f64;

@@ -65,12 +65,7 @@ pub fn order_from_positions(pos: &[u32], rows: usize) -> Vec<usize> {
     order
 }
 
-fn check_rows(
-    what: &str,
-    len: usize,
-    rows: usize,
-    row_len: usize,
-) -> Result<(), KernelError> {
+fn check_rows(what: &str, len: usize, rows: usize, row_len: usize) -> Result<(), KernelError> {
     if row_len == 0 || len != rows * row_len {
         return Err(KernelError::Shape(format!(
             "{what} has {len} elements, expected {rows} rows of {row_len} (row length must be > 0)"

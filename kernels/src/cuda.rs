@@ -96,11 +96,7 @@ impl DispatchKernels {
     /// Per-expert slot counts of `experts` (device array of `n` expert ids), synchronizing to
     /// bring the counts to the host (they feed the planner). Errors on an expert id out of
     /// range.
-    pub fn count(
-        &self,
-        experts: &CudaSlice<u32>,
-        n_experts: usize,
-    ) -> Result<Counts, KernelError> {
+    pub fn count(&self, experts: &CudaSlice<u32>, n_experts: usize) -> Result<Counts, KernelError> {
         let slots = to_u32("slots", experts.len() as u64)?;
         let e_n = to_u32("experts", n_experts as u64)?;
         if n_experts == 0 || n_experts > MAX_EXPERTS {
@@ -282,7 +278,13 @@ impl DispatchKernels {
     ) -> Result<(), KernelError> {
         let (t, k, h) = self.combine_shape(back.len(), hidden, top_k, pos, weights, out.len())?;
         let mut b = self.stream.launch_builder(&self.combine_f32);
-        b.arg(back).arg(pos).arg(weights).arg(&t).arg(&k).arg(&h).arg(out);
+        b.arg(back)
+            .arg(pos)
+            .arg(weights)
+            .arg(&t)
+            .arg(&k)
+            .arg(&h)
+            .arg(out);
         // SAFETY: matches `lz_combine_f32`; shapes checked by `combine_shape`.
         unsafe { b.launch(combine_cfg(t, h)) }.map_err(cuda("lz_combine_f32"))?;
         Ok(())
@@ -300,7 +302,13 @@ impl DispatchKernels {
     ) -> Result<(), KernelError> {
         let (t, k, h) = self.combine_shape(back.len(), hidden, top_k, pos, weights, out.len())?;
         let mut b = self.stream.launch_builder(&self.combine_bf16);
-        b.arg(back).arg(pos).arg(weights).arg(&t).arg(&k).arg(&h).arg(out);
+        b.arg(back)
+            .arg(pos)
+            .arg(weights)
+            .arg(&t)
+            .arg(&k)
+            .arg(&h)
+            .arg(out);
         // SAFETY: matches `lz_combine_bf16`; shapes checked by `combine_shape`.
         unsafe { b.launch(combine_cfg(t, h)) }.map_err(cuda("lz_combine_bf16"))?;
         Ok(())

@@ -89,7 +89,9 @@ fn combine_is_close_to_f64() {
     let back: Vec<f32> = (0..tokens * k * hidden)
         .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
         .collect();
-    let w: Vec<f32> = (0..tokens * k).map(|i| (i % 5) as f32 / 3.0 - 0.4).collect();
+    let w: Vec<f32> = (0..tokens * k)
+        .map(|i| (i % 5) as f32 / 3.0 - 0.4)
+        .collect();
     let y = combine(&back, hidden, k, &pos, &w).unwrap();
     for t in 0..tokens {
         for i in 0..hidden {
@@ -100,7 +102,10 @@ fn combine_is_close_to_f64() {
                 })
                 .sum();
             let got = f64::from(y[t * hidden + i]);
-            assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0), "{got} vs {want}");
+            assert!(
+                (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "{got} vs {want}"
+            );
         }
     }
     // bf16 rows: the sum of the rounded inputs, rounded once (relative error ≤ 2^-8).
@@ -109,7 +114,11 @@ fn combine_is_close_to_f64() {
     let want = combine(&rounded, hidden, k, &pos, &w).unwrap();
     let y16 = combine_bf16(&back16, hidden, k, &pos, &w).unwrap();
     for (a, b) in y16.iter().zip(&want) {
-        assert_eq!(*a, bf16_from_f32(*b), "bf16 combine rounds the f32 sum once");
+        assert_eq!(
+            *a,
+            bf16_from_f32(*b),
+            "bf16 combine rounds the f32 sum once"
+        );
     }
 }
 

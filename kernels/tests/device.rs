@@ -31,7 +31,15 @@ fn no_device_is_an_error_not_a_panic() {
 }
 
 /// One scenario: `ranks` ranks, `experts` experts with skewed routing, replicas on a few ranks.
-fn check(k: &DispatchKernels, seed: u64, ranks: usize, experts: usize, tokens: usize, top_k: usize, hidden: usize) {
+fn check(
+    k: &DispatchKernels,
+    seed: u64,
+    ranks: usize,
+    experts: usize,
+    tokens: usize,
+    top_k: usize,
+    hidden: usize,
+) {
     let mut rng = StdRng::seed_from_u64(seed);
     let gate: Vec<Vec<u32>> = (0..ranks)
         .map(|_| {
@@ -61,7 +69,11 @@ fn check(k: &DispatchKernels, seed: u64, ranks: usize, experts: usize, tokens: u
         device_counts.push((d_experts, c));
     }
     let replicas: Vec<Vec<u32>> = (0..experts)
-        .map(|e| (0..ranks).map(|r| u32::from((e + r) % 3 == 0 || r == e % ranks)).collect())
+        .map(|e| {
+            (0..ranks)
+                .map(|r| u32::from((e + r) % 3 == 0 || r == e % ranks))
+                .collect()
+        })
         .collect();
     let p = plan(&counts_all, &replicas).unwrap();
     for (src, (d_experts, c)) in device_counts.iter().enumerate() {
@@ -76,32 +88,51 @@ fn check(k: &DispatchKernels, seed: u64, ranks: usize, experts: usize, tokens: u
         );
         // Permutation of bf16 rows (bit-exact), both kernel variants (hidden and hidden + 1).
         for h in [hidden, hidden + 1] {
-            let x: Vec<u16> = (0..tokens * h).map(|_| bf16_from_f32(rng.random_range(-4.0..4.0))).collect();
+            let x: Vec<u16> = (0..tokens * h)
+                .map(|_| bf16_from_f32(rng.random_range(-4.0..4.0)))
+                .collect();
             let want_send = cpu::permute_rows(&x, h, top_k, &want, t.send_rows).unwrap();
             let d_x = s.clone_htod(&x).unwrap();
             let mut d_send = s.alloc_zeros::<u16>(t.send_rows * h).unwrap();
-            k.permute(&d_x, h, top_k, &d_pos, gate[src].len(), &mut d_send).unwrap();
-            assert_eq!(s.clone_dtoh(&d_send).unwrap(), want_send, "permute, hidden {h}");
+            k.permute(&d_x, h, top_k, &d_pos, gate[src].len(), &mut d_send)
+                .unwrap();
+            assert_eq!(
+                s.clone_dtoh(&d_send).unwrap(),
+                want_send,
+                "permute, hidden {h}"
+            );
         }
         // Combine: f32 and bf16, against the reference within a tolerance.
-        let w: Vec<f32> = (0..tokens * top_k).map(|_| rng.random_range(0.0..1.0)).collect();
-        let back: Vec<f32> = (0..t.send_rows * hidden).map(|_| rng.random_range(-2.0..2.0)).collect();
+        let w: Vec<f32> = (0..tokens * top_k)
+            .map(|_| rng.random_range(0.0..1.0))
+            .collect();
+        let back: Vec<f32> = (0..t.send_rows * hidden)
+            .map(|_| rng.random_range(-2.0..2.0))
+            .collect();
         let want_y = cpu::combine(&back, hidden, top_k, &want, &w).unwrap();
         let d_back = s.clone_htod(&back).unwrap();
         let d_w = s.clone_htod(&w).unwrap();
         let mut d_y = s.alloc_zeros::<f32>(tokens * hidden).unwrap();
-        k.combine_f32(&d_back, hidden, top_k, &d_pos, &d_w, &mut d_y).unwrap();
+        k.combine_f32(&d_back, hidden, top_k, &d_pos, &d_w, &mut d_y)
+            .unwrap();
         for (a, b) in s.clone_dtoh(&d_y).unwrap().iter().zip(&want_y) {
-            assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "combine f32 {a} vs {b}");
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                "combine f32 {a} vs {b}"
+            );
         }
         let back16: Vec<u16> = back.iter().map(|&v| bf16_from_f32(v)).collect();
         let want16 = cpu::combine_bf16(&back16, hidden, top_k, &want, &w).unwrap();
         let d_back16 = s.clone_htod(&back16).unwrap();
         let mut d_y16 = s.alloc_zeros::<u16>(tokens * hidden).unwrap();
-        k.combine_bf16(&d_back16, hidden, top_k, &d_pos, &d_w, &mut d_y16).unwrap();
+        k.combine_bf16(&d_back16, hidden, top_k, &d_pos, &d_w, &mut d_y16)
+            .unwrap();
         for (a, b) in s.clone_dtoh(&d_y16).unwrap().iter().zip(&want16) {
             let (a, b) = (f32_from_bf16(*a), f32_from_bf16(*b));
-            assert!((a - b).abs() <= 1e-2 * b.abs().max(1.0), "combine bf16 {a} vs {b}");
+            assert!(
+                (a - b).abs() <= 1e-2 * b.abs().max(1.0),
+                "combine bf16 {a} vs {b}"
+            );
         }
     }
 }
@@ -123,11 +154,18 @@ fn device_rejects_bad_experts_and_counts() {
     let d = s.clone_htod(&[0u32, 1, 7, 1]).unwrap();
     assert_eq!(
         k.count(&d, 4).unwrap_err(),
-        KernelError::UnknownExpert { slot: 2, expert: 7, experts: 4 }
+        KernelError::UnknownExpert {
+            slot: 2,
+            expert: 7,
+            experts: 4
+        }
     );
     let d = s.clone_htod(&[0u32, 1]).unwrap();
     let c = k.count(&d, 2).unwrap();
     let p = plan(&[vec![2], vec![0]], &[vec![1], vec![1]]).unwrap();
     let t = DispatchTables::from_plan(&p, 0).unwrap();
-    assert!(matches!(k.positions(&d, &c, &t), Err(KernelError::CountMismatch { .. })));
+    assert!(matches!(
+        k.positions(&d, &c, &t),
+        Err(KernelError::CountMismatch { .. })
+    ));
 }
