@@ -10,7 +10,7 @@ use std::time::Duration;
 use lazarus_executor::control::proto::{self, Reattachment, Registration};
 use lazarus_executor::control::{
     Controller, JobParams, Notice, Output, PROTOCOL_VERSION, Reject, ServerConfig, StateError,
-    ToAgent, ToController, run_controller,
+    ToAgent, ToController, serve_controller,
 };
 use lazarus_executor::model::MoeConfig;
 use lazarus_executor::worker::{Command, Reconfigure};
@@ -333,7 +333,7 @@ async fn serve(
     let (tx, notices) = mpsc::unbounded_channel();
     let (stop, stop_rx) = watch::channel(false);
     let task = tokio::spawn(async move {
-        run_controller(
+        serve_controller(
             listener,
             ServerConfig::new(50, 1_000),
             controller,

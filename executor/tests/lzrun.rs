@@ -2169,3 +2169,140 @@ fn a_storm_that_cannot_be_built_is_a_clear_error() {
     assert_eq!(o.code, Some(2), "{}", o.show());
     assert!(o.stderr.contains("cannot be used with"), "{}", o.show());
 }
+
+/// Every node's checksum file of an FSEP run: one dense state everywhere, no whole replica
+/// anywhere (each worker holds only shards). Returns how many files.
+fn assert_fsep_consistent(dir: &Path) -> usize {
+    let mut sums = Vec::new();
+    for entry in std::fs::read_dir(dir).expect("checksum dir") {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("node") && name.ends_with(".json") {
+            sums.push(Checksums::read(&path).expect("checksum file"));
+        }
+    }
+    assert!(!sums.is_empty(), "no checksum files in {}", dir.display());
+    for s in &sums {
+        assert_eq!(s.dense, sums[0].dense, "dense weights differ: {sums:?}");
+        assert!(
+            s.replicas.is_empty(),
+            "an FSEP worker holds replicas: {s:?}"
+        );
+    }
+    sums.len()
+}
+
+/// Issue 13 item 1: `lzrun local --expert-mode fsep` trains the default tiny job to the end.
+#[test]
+fn local_fsep_trains_to_completion_and_the_loss_falls() {
+    let dir = scratch("fsep");
+    let d = dir.to_str().unwrap();
+    let o = lzrun(&[
+        "local",
+        "--expert-mode",
+        "fsep",
+        "--format",
+        "json",
+        "--out",
+        d,
+    ]);
+    let s = o.summary();
+    assert_eq!(s.steps, 20);
+    assert!(
+        s.final_loss < s.initial_loss - 1.0,
+        "loss {} → {}",
+        s.initial_loss,
+        s.final_loss
+    );
+    assert_eq!((s.recoveries, s.fallbacks), (0, 0), "{}", o.show());
+    assert_eq!(assert_fsep_consistent(&dir), 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// FSEP without resilient shards: a killed node takes its shard of every expert with it, so
+/// the survivors restore the newest checkpoint (written from gathered shards) and finish.
+#[test]
+fn a_kill_in_fsep_mode_restores_the_checkpoint_and_completes() {
+    let dir = scratch("fsep-kill");
+    let d = dir.to_str().unwrap();
+    let ck = dir.join("ckpt");
+    let o = lzrun(&[
+        "local",
+        "--expert-mode",
+        "fsep",
+        "--nodes",
+        "3",
+        "--steps",
+        "10",
+        "--kill",
+        "2@5",
+        "--ckpt-every",
+        "4",
+        "--ckpt-dir",
+        ck.to_str().unwrap(),
+        "--format",
+        "json",
+        "--out",
+        d,
+    ]);
+    let s = o.summary();
+    assert_eq!(s.steps, 10);
+    assert_eq!((s.recoveries, s.fallbacks), (0, 1), "{}", o.show());
+    let rec = s
+        .reconfigurations
+        .iter()
+        .find(|r| r.kind == "checkpoint")
+        .unwrap();
+    assert_eq!(
+        rec.resume_step, 4,
+        "restored the step-4 checkpoint: {rec:?}"
+    );
+    assert_eq!((rec.nodes_before, rec.nodes_after), (3, 2), "{rec:?}");
+    assert!(
+        o.stderr
+            .contains("membership of the sharded experts changed"),
+        "{}",
+        o.show()
+    );
+    assert_eq!(assert_fsep_consistent(&dir), 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// FSEP under skewed routing: the periodic rebalances change the layout at a step boundary
+/// over the same members — no checkpoint restore, the shards stay (moved at most to renumbered
+/// ranks), and training goes on to the end.
+#[test]
+fn rebalances_in_fsep_mode_relayout_in_place() {
+    let dir = scratch("fsep-rebalance");
+    let config = dir.join("skew.toml");
+    std::fs::write(&config, "base = \"tiny\"\nlb_loss_coef = 0.0\n").unwrap();
+    let o = lzrun(&[
+        "local",
+        "--expert-mode",
+        "fsep",
+        "--nodes",
+        "3",
+        "--steps",
+        "16",
+        "--rebalance-every",
+        "5",
+        "--config",
+        config.to_str().unwrap(),
+        "--format",
+        "json",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    let s = o.summary();
+    assert_eq!(s.steps, 16);
+    assert_eq!((s.recoveries, s.fallbacks), (0, 0), "{}", o.show());
+    let rebalances: Vec<_> = s
+        .reconfigurations
+        .iter()
+        .filter(|r| r.kind == "rebalance")
+        .collect();
+    assert!(rebalances.len() >= 2, "{}", o.show());
+    assert!(s.final_loss.is_finite());
+    assert_eq!(assert_fsep_consistent(&dir), 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -90,7 +90,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use crate::deadline::{Basis, DeadlineError, Limit, StepDeadline, StepTimes};
-use crate::migrate::{MappingMethod, MigrationPlan, PhysicalNode, lost_experts};
+use crate::migrate::{MappingMethod, MigrationPlan, PhysicalNode, lost_experts, lost_experts_of};
 use crate::{
     Aggregation, Alignment, AllocPolicy, ClusterSpec, LoadHistory, ModelPlan, ModelSpec,
     PlacePolicy, PlanError, ReplanOptions, plan_model, replan,
@@ -144,6 +144,12 @@ pub struct JobConfig {
     pub mapping: MappingMethod,
     /// Bytes of one expert's state (weights + optimizer), for the migration estimates.
     pub bytes_per_expert: u64,
+    /// Experts are fully sharded over the members (FSEP: member `w` holds shard `w` of every
+    /// expert, cut for exactly that membership) instead of replicated: any change of
+    /// membership — a lost member loses its shard of every expert, a newcomer has none —
+    /// restores the checkpoint; a rebalance over the same members moves no state.
+    #[serde(default)]
+    pub sharded_experts: bool,
 }
 
 impl JobConfig {
@@ -170,6 +176,7 @@ impl JobConfig {
             place: PlacePolicy::Mro,
             mapping: MappingMethod::Optimal,
             bytes_per_expert: 0,
+            sharded_experts: false,
         }
     }
 
@@ -663,6 +670,10 @@ pub struct JobMachine {
     join_waiting_since: Option<u64>,
     /// Since when the job waits for enough nodes to hold every expert.
     nodes_waiting_since: Option<u64>,
+    /// Live nodes when the job last announced `WaitForNodes` (announced again when that
+    /// changes and every node is ready: one became ready, or one was lost, and more are needed).
+    #[serde(default)]
+    waiting_announced_live: Option<usize>,
     /// When the phase last made progress (timeouts count from here).
     progress_ms: u64,
     /// A driver restart being reconciled.
@@ -704,6 +715,7 @@ impl JobMachine {
             started: false,
             join_waiting_since: None,
             nodes_waiting_since: None,
+            waiting_announced_live: None,
             progress_ms: 0,
             recovery: None,
             step_times: StepTimes::new(window_steps),
@@ -1523,7 +1535,9 @@ impl JobMachine {
                     return;
                 }
                 let slots = self.nodes.len() * self.cfg.slots_per_node;
-                if slots >= self.cfg.model.experts {
+                if slots >= self.cfg.model.experts
+                    || self.waiting_announced_live != Some(self.nodes.len())
+                {
                     self.plan_next(now_ms, out);
                 }
             }
@@ -1610,33 +1624,58 @@ impl JobMachine {
         }
     }
 
-    /// Nodes the next plan is made over: members (their reported holdings) then ready
-    /// newcomers (holding nothing), with whether each holds the job's state.
-    fn candidates(&self) -> Vec<(PhysicalNode, bool)> {
+    /// Ids of the nodes the next plan is made over: members, then ready newcomers.
+    fn candidate_ids(&self) -> Vec<NodeId> {
+        // Sorted for the membership test: `members.contains` per node was quadratic.
+        let mut sorted = self.members.clone();
+        sorted.sort_unstable();
         let newcomers = self
             .nodes
             .iter()
-            .filter(|(id, n)| n.ready && !self.members.contains(id))
+            .filter(|(id, n)| n.ready && sorted.binary_search(id).is_err())
             .map(|(&id, _)| id);
-        self.members
-            .iter()
-            .copied()
-            .chain(newcomers)
-            .map(|id| {
-                let n = &self.nodes[&id];
-                let holdings = match (&n.idle, n.has_state) {
-                    (Some((_, _, held)), true) => held.clone(),
+        self.members.iter().copied().chain(newcomers).collect()
+    }
+
+    /// What node `id` reported holding (empty for a node without the job's state).
+    fn reported_holdings(&self, id: NodeId) -> &[Vec<u32>] {
+        let n = &self.nodes[&id];
+        match (&n.idle, n.has_state) {
+            (Some((_, _, held)), true) => held,
+            _ => &[],
+        }
+    }
+
+    /// The candidates as the planner's [`PhysicalNode`]s, their reported holdings moved out
+    /// of the machine's records (a copy was 15 MB at 2,048 nodes). [`Self::restore_holdings`]
+    /// puts them back when no plan is issued from them.
+    fn take_holdings(&mut self, ids: &[NodeId]) -> Vec<PhysicalNode> {
+        ids.iter()
+            .map(|&id| {
+                let n = self.nodes.get_mut(&id).expect("candidates are known nodes");
+                let holdings = match (&mut n.idle, n.has_state) {
+                    (Some((_, _, held)), true) => std::mem::take(held),
                     _ => Vec::new(),
                 };
-                (PhysicalNode { id, holdings }, n.has_state)
+                PhysicalNode { id, holdings }
             })
             .collect()
+    }
+
+    fn restore_holdings(&mut self, physical: Vec<PhysicalNode>) {
+        for p in physical {
+            if let Some(n) = self.nodes.get_mut(&p.id)
+                && let (Some((_, _, held)), true) = (&mut n.idle, n.has_state)
+            {
+                *held = p.holdings;
+            }
+        }
     }
 
     /// Plans the next membership: in place, a restore, or a fresh start.
     fn plan_next(&mut self, now_ms: u64, out: &mut Vec<Action>) {
         self.join_waiting_since = None;
-        let candidates = self.candidates();
+        let candidates = self.candidate_ids();
         let slots = candidates.len() * self.cfg.slots_per_node;
         if slots < self.cfg.model.experts {
             self.enter(Phase::WaitingForNodes, now_ms);
@@ -1652,6 +1691,7 @@ impl JobMachine {
                 self.cfg.slots_per_node,
                 candidates.len()
             );
+            self.waiting_announced_live = Some(self.nodes.len());
             out.push(Action::WaitForNodes {
                 live: self.nodes.len(),
                 needed: self.cfg.model.experts.div_ceil(self.cfg.slots_per_node),
@@ -1660,44 +1700,69 @@ impl JobMachine {
             return;
         }
         self.nodes_waiting_since = None;
+        self.waiting_announced_live = None;
         if !self.started && !self.cfg.resume {
             // The first start, or one that did not complete on every member: start afresh.
             return self.send_plan(ReconfigKind::Start, StateSource::Fresh, 0, now_ms, out);
         }
-        let with_state: Vec<PhysicalNode> = candidates
+        // Candidates without state hold nothing, so the experts lost are those of the nodes
+        // with state.
+        let lost = lost_experts_of(
+            candidates.iter().map(|&id| self.reported_holdings(id)),
+            self.cfg.model.layers,
+            self.cfg.model.experts,
+        );
+        let has_state: Vec<bool> = candidates
             .iter()
-            .filter(|(_, s)| *s)
-            .map(|(p, _)| p.clone())
+            .map(|id| self.nodes[id].has_state)
             .collect();
-        let lost = lost_experts(&with_state, self.cfg.model.layers, self.cfg.model.experts);
-        if !self.started || !self.lineage_complete || with_state.is_empty() || !lost.is_empty() {
-            if self.lineage_complete && !lost.is_empty() {
-                out.push(Action::Log(format!(
-                    "{} lost every replica: restoring a checkpoint",
-                    describe_lost(&lost)
-                )));
+        let none_with_state = !has_state.contains(&true);
+        let resharded = self.started && self.membership_changes(&candidates);
+        if !self.started
+            || !self.lineage_complete
+            || none_with_state
+            || !lost.is_empty()
+            || resharded
+        {
+            let what = if resharded && lost.is_empty() {
+                "the membership of the sharded experts changed".to_owned()
+            } else {
+                format!("{} lost every replica", describe_lost(&lost))
+            };
+            if self.lineage_complete && (!lost.is_empty() || resharded) {
+                out.push(Action::Log(format!("{what}: restoring a checkpoint")));
             }
             // A resumed job's start reads its checkpoint whatever the cadence.
             if self.started && self.cfg.checkpoint_every_steps == 0 {
                 self.enter(Phase::Over, now_ms);
-                return self.fail(
-                    format!(
-                        "{} lost every replica and checkpoints are off",
-                        describe_lost(&lost)
-                    ),
-                    out,
-                );
+                return self.fail(format!("{what} and checkpoints are off"), out);
             }
             self.enter(Phase::Restoring, now_ms);
             out.push(Action::FindCheckpoint);
             return;
         }
-        self.replan_in_place(&candidates, now_ms, out);
+        self.replan_in_place(&candidates, &has_state, now_ms, out);
     }
 
+    /// With sharded experts: whether the next plan's nodes differ from the last plan's (see
+    /// [`JobConfig::sharded_experts`]). Always false for replicated experts.
+    fn membership_changes(&self, candidates: &[NodeId]) -> bool {
+        if !self.cfg.sharded_experts {
+            return false;
+        }
+        let Some(plan) = &self.plan else {
+            return false;
+        };
+        let before: BTreeSet<NodeId> = plan.node_map.iter().copied().collect();
+        let next: BTreeSet<NodeId> = candidates.iter().copied().collect();
+        before != next
+    }
+
+    /// `has_state[i]`: whether node `candidates[i]` holds the job's state.
     fn replan_in_place(
         &mut self,
-        candidates: &[(PhysicalNode, bool)],
+        candidates: &[NodeId],
+        has_state: &[bool],
         now_ms: u64,
         out: &mut Vec<Action>,
     ) {
@@ -1712,13 +1777,13 @@ impl JobMachine {
             // Not past the first uncounted step: members that trained a step a member without
             // state never reported roll it back (else it would never be counted).
             .map_or(self.next_step, |s| s.min(self.next_step));
-        let physical: Vec<PhysicalNode> = candidates.iter().map(|(p, _)| p.clone()).collect();
         let options = ReplanOptions {
             alloc: self.cfg.alloc,
             place: self.cfg.place,
             mapping: self.cfg.mapping,
             bytes_per_expert: self.cfg.bytes_per_expert,
         };
+        let physical = self.take_holdings(candidates);
         let made = replan(
             &physical,
             self.cfg.slots_per_node,
@@ -1730,6 +1795,7 @@ impl JobMachine {
         let (plan, migration) = match made {
             Ok(pm) => pm,
             Err(e) => {
+                self.restore_holdings(physical);
                 // Holdings that no plan can be mapped onto (should not happen once lost
                 // experts were ruled out): fall back to a restore rather than stall.
                 out.push(Action::Log(format!(
@@ -1740,8 +1806,11 @@ impl JobMachine {
                 return;
             }
         };
-        let has_state: BTreeMap<NodeId, bool> =
-            candidates.iter().map(|(p, s)| (p.id, *s)).collect();
+        let has_state: BTreeMap<NodeId, bool> = candidates
+            .iter()
+            .zip(has_state)
+            .map(|(&id, &s)| (id, s))
+            .collect();
         let dense_from = plan
             .node_map
             .iter()
@@ -1779,7 +1848,7 @@ impl JobMachine {
         now_ms: u64,
         out: &mut Vec<Action>,
     ) {
-        let mut ids: Vec<NodeId> = self.candidates().iter().map(|(p, _)| p.id).collect();
+        let mut ids: Vec<NodeId> = self.candidate_ids();
         if kind == ReconfigKind::Start {
             // Ranks follow node names (n2 before n10), not registration order: reproducible.
             ids.sort_by_cached_key(|id| natural_key(&self.nodes[id].name));
@@ -1818,12 +1887,7 @@ impl JobMachine {
             since_ms: now_ms,
             nodes_before: self.members.len(),
         });
-        let rank: BTreeMap<NodeId, usize> = plan
-            .node_map
-            .iter()
-            .enumerate()
-            .map(|(r, &id)| (id, r))
-            .collect();
+        let rank = RankOf::new(&plan.node_map);
         let transfers: Vec<RankTransfer> = migration
             .map(|m| {
                 m.transfers
@@ -1831,8 +1895,8 @@ impl JobMachine {
                     .map(|t| RankTransfer {
                         layer: t.layer as usize,
                         expert: t.expert as usize,
-                        src_rank: rank[&t.src],
-                        dst_rank: rank[&t.dst],
+                        src_rank: rank.of(t.src),
+                        dst_rank: rank.of(t.dst),
                     })
                     .collect()
             })
@@ -1904,7 +1968,7 @@ impl JobMachine {
         if let Some(c) = self.cause.as_mut() {
             c.kind = kind;
         }
-        if self.candidates().len() * self.cfg.slots_per_node < self.cfg.model.experts {
+        if self.candidate_ids().len() * self.cfg.slots_per_node < self.cfg.model.experts {
             // Nodes were lost while the checkpoint was looked for: wait for more.
             return self.plan_next(now_ms, out);
         }
@@ -2040,4 +2104,75 @@ pub fn natural_key(name: &str) -> (String, u64, String) {
         num.parse().unwrap_or(u64::MAX),
         name.to_owned(),
     )
+}
+
+/// Rank of each node of a plan's `node_map`, looked up once per transfer (about 10⁵ per
+/// reconfiguration at 2,048 nodes, where a `BTreeMap` lookup per transfer was a visible cost).
+/// Node ids are small counters in practice, so the table is dense, indexed by id; ids far
+/// beyond the node count fall back to a sorted table and binary search.
+enum RankOf {
+    Dense(Vec<u32>),
+    Sorted(Vec<(NodeId, usize)>),
+}
+
+impl RankOf {
+    /// Ids up to this many times the node count (plus a margin) use the dense table.
+    const DENSE_FACTOR: usize = 16;
+
+    fn new(node_map: &[NodeId]) -> Self {
+        let max_id = node_map.iter().copied().max().map_or(0, |m| m as usize);
+        if max_id <= Self::DENSE_FACTOR * node_map.len() + 1024 {
+            let mut rank = vec![u32::MAX; max_id + 1];
+            for (r, &id) in node_map.iter().enumerate() {
+                rank[id as usize] = r as u32;
+            }
+            Self::Dense(rank)
+        } else {
+            let mut rank: Vec<(NodeId, usize)> = node_map
+                .iter()
+                .enumerate()
+                .map(|(r, &id)| (id, r))
+                .collect();
+            rank.sort_unstable();
+            Self::Sorted(rank)
+        }
+    }
+
+    /// # Panics
+    /// If `id` is not in the plan (a transfer always names plan members), as the map lookup
+    /// it replaces did.
+    fn of(&self, id: NodeId) -> usize {
+        let r = match self {
+            Self::Dense(rank) => rank
+                .get(id as usize)
+                .copied()
+                .filter(|&r| r != u32::MAX)
+                .map(|r| r as usize),
+            Self::Sorted(rank) => rank
+                .binary_search_by_key(&id, |&(i, _)| i)
+                .ok()
+                .map(|i| rank[i].1),
+        };
+        r.unwrap_or_else(|| panic!("node {id} of a transfer is not in the plan"))
+    }
+}
+
+#[cfg(test)]
+mod rank_of_tests {
+    use super::RankOf;
+
+    /// The dense and the sorted table give every member's rank.
+    #[test]
+    fn dense_and_sorted_tables_agree() {
+        let small: Vec<u32> = vec![7, 3, 0, 12, 5];
+        let sparse: Vec<u32> = vec![4_000_000_000, 3, 90_000, 12, 5];
+        for map in [small, sparse] {
+            let rank = RankOf::new(&map);
+            for (r, &id) in map.iter().enumerate() {
+                assert_eq!(rank.of(id), r);
+            }
+        }
+        assert!(matches!(RankOf::new(&[7, 3, 0]), RankOf::Dense(_)));
+        assert!(matches!(RankOf::new(&[4_000_000_000]), RankOf::Sorted(_)));
+    }
 }

@@ -14,6 +14,7 @@ pub mod allocate;
 pub mod deadline;
 pub mod dispatch;
 pub mod error;
+pub mod fsep;
 pub mod gpu_failures;
 pub mod migrate;
 pub mod place;

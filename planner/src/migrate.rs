@@ -49,6 +49,7 @@ use std::fmt;
 use std::ops::{Add, AddAssign, Sub, SubAssign};
 use std::str::FromStr;
 
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::place::LayerPlacement;
@@ -562,11 +563,7 @@ impl Instance {
 
     /// `cost[q][p]` for one plan node and one physical node.
     fn pair_cost(&self, q: usize, p: usize) -> u64 {
-        self.node(&self.need, q)
-            .iter()
-            .zip(self.node(&self.have, p))
-            .map(|(&a, &b)| u64::from((a & !b).count_ones()))
-            .sum()
+        and_not_ones(self.node(&self.need, q), self.node(&self.have, p))
     }
 
     /// The [`MappingMethod::Scalable`] assignment: exact Hungarian up to
@@ -634,29 +631,39 @@ impl Instance {
         let w = w.max(2);
         let mut assign: Vec<usize> = (0..n).collect();
         for offset in [0, w / 2] {
+            let mut windows = Vec::new();
             let mut lo = 0;
             let mut hi = offset.min(n);
             if hi == 0 {
                 hi = w.min(n);
             }
             while lo < n {
-                let qs: Vec<usize> = (lo..hi).collect();
-                let ps: Vec<usize> = qs.iter().map(|&q| assign[q]).collect();
-                let cost: Vec<Vec<u64>> = qs
-                    .iter()
-                    .map(|&q| ps.iter().map(|&p| self.pair_cost(q, p)).collect())
-                    .collect();
-                let before: u64 = (0..qs.len()).map(|i| cost[i][i]).sum();
-                let sol = min_cost_assignment(&cost);
-                let after = assignment_cost(&cost, &sol);
-                // Keep the old pairing on ties so that the result is stable.
-                if after < before {
-                    for (i, &j) in sol.iter().enumerate() {
-                        assign[qs[i]] = ps[j];
-                    }
-                }
+                windows.push(lo..hi);
                 lo = hi;
                 hi = (hi + w).min(n);
+            }
+            // The windows of a pass are disjoint ranges of plan nodes, each re-pairing only the
+            // physical nodes its own plan nodes hold, so they are solved independently (in
+            // parallel) and applied afterwards: the same result as one after the other.
+            let repaired: Vec<Option<Vec<usize>>> = windows
+                .par_iter()
+                .map(|qs| {
+                    let ps: Vec<usize> = qs.clone().map(|q| assign[q]).collect();
+                    let cost: Vec<Vec<u64>> = qs
+                        .clone()
+                        .map(|q| ps.iter().map(|&p| self.pair_cost(q, p)).collect())
+                        .collect();
+                    let before: u64 = (0..ps.len()).map(|i| cost[i][i]).sum();
+                    let sol = min_cost_assignment(&cost);
+                    let after = assignment_cost(&cost, &sol);
+                    // Keep the old pairing on ties so that the result is stable.
+                    (after < before).then(|| sol.iter().map(|&j| ps[j]).collect())
+                })
+                .collect();
+            for (qs, new) in windows.iter().zip(repaired) {
+                if let Some(ps) = new {
+                    assign[qs.clone()].copy_from_slice(&ps);
+                }
             }
         }
         assign
@@ -668,17 +675,53 @@ impl Instance {
             .map(|q| {
                 let need = self.node(&self.need, q);
                 (0..n)
-                    .map(|p| {
-                        let have = self.node(&self.have, p);
-                        need.iter()
-                            .zip(have)
-                            .map(|(&a, &b)| u64::from((a & !b).count_ones()))
-                            .sum()
-                    })
+                    .map(|p| and_not_ones(need, self.node(&self.have, p)))
                     .collect()
             })
             .collect()
     }
+}
+
+/// `Σ popcount(a[i] & !b[i])`: the pair cost, evaluated for millions of node pairs per
+/// windowed mapping (232 words each at E = 256, L = 58). The portable build targets x86-64
+/// without `popcnt`, whose software popcount made this the largest part of a replan, so the
+/// same loop is also compiled for CPUs with vector or scalar popcount and picked at run time.
+/// Every variant computes the same integer.
+fn and_not_ones(a: &[u64], b: &[u64]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512vpopcntdq")
+            && std::arch::is_x86_feature_detected!("avx512f")
+        {
+            // SAFETY: the CPU has the features the function is compiled for (checked above).
+            return unsafe { and_not_ones_avx512(a, b) };
+        }
+        if std::arch::is_x86_feature_detected!("popcnt") {
+            // SAFETY: as above.
+            return unsafe { and_not_ones_popcnt(a, b) };
+        }
+    }
+    and_not_ones_portable(a, b)
+}
+
+#[inline(always)]
+fn and_not_ones_portable(a: &[u64], b: &[u64]) -> u64 {
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| u64::from((x & !y).count_ones()))
+        .sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vpopcntdq")]
+fn and_not_ones_avx512(a: &[u64], b: &[u64]) -> u64 {
+    and_not_ones_portable(a, b)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "popcnt")]
+fn and_not_ones_popcnt(a: &[u64], b: &[u64]) -> u64 {
+    and_not_ones_portable(a, b)
 }
 
 /// Nodes grouped by equal bitsets. Class `k` is numbered by its first member, so class 0
@@ -856,9 +899,23 @@ pub fn assignment_cost(cost: &[Vec<u64>], assignment: &[usize]) -> u64 {
 /// Every `(layer, expert)` with `layer < layers`, `expert < experts` held by none of `survivors`.
 /// Ids or layers out of range in the holdings are ignored. Sorted by (layer, expert).
 pub fn lost_experts(survivors: &[PhysicalNode], layers: usize, experts: usize) -> Vec<(u32, u32)> {
+    lost_experts_of(
+        survivors.iter().map(|n| n.holdings.as_slice()),
+        layers,
+        experts,
+    )
+}
+
+/// [`lost_experts`] of holdings given by reference (`[layer]` = expert ids of one node), for
+/// callers that keep them elsewhere than in [`PhysicalNode`]s.
+pub fn lost_experts_of<'a>(
+    holdings: impl IntoIterator<Item = &'a [Vec<u32>]>,
+    layers: usize,
+    experts: usize,
+) -> Vec<(u32, u32)> {
     let mut held = vec![false; layers * experts];
-    for node in survivors {
-        for (l, ids) in node.holdings.iter().enumerate().take(layers) {
+    for node in holdings {
+        for (l, ids) in node.iter().enumerate().take(layers) {
             for &e in ids {
                 if (e as usize) < experts {
                     held[l * experts + e as usize] = true;
@@ -1457,6 +1514,17 @@ mod tests {
             need,
             have,
         })
+    }
+
+    proptest::proptest! {
+        /// The run-time picked popcount equals the portable loop on any words and lengths.
+        #[test]
+        fn and_not_ones_equals_the_portable_loop(
+            pairs in proptest::collection::vec((proptest::num::u64::ANY, proptest::num::u64::ANY), 0..300)
+        ) {
+            let (a, b): (Vec<u64>, Vec<u64>) = pairs.into_iter().unzip();
+            proptest::prop_assert_eq!(and_not_ones(&a, &b), and_not_ones_portable(&a, &b));
+        }
     }
 
     proptest::proptest! {

@@ -499,6 +499,55 @@ fn too_few_nodes_wait_for_more_then_restore() {
     assert_eq!((r2.kind, r2.resume_step), (ReconfigKind::Restore, 2));
 }
 
+/// While the job waits for nodes it says so again whenever the number of live nodes changes
+/// (a newcomer became ready but more are needed, or one was lost), so a driver that starts
+/// nodes on demand learns how many are still missing.
+#[test]
+fn waiting_for_nodes_is_announced_again_when_the_live_count_changes() {
+    let mut cfg = config(1, 50);
+    cfg.checkpoint_every_steps = 2;
+    let (mut j, r) = started(cfg, &[0, 1, 2, 3], 3);
+    let m = r.members().to_vec();
+    for &gone in &m[2..] {
+        j.ev(Event::Lost {
+            node: gone,
+            reason: "killed".into(),
+        });
+    }
+    j.idle(m[0], IdleReason::Failed("x".into()), 3);
+    let a = j.idle(m[1], IdleReason::Failed("x".into()), 3);
+    let announced = |a: &[Action]| {
+        a.iter()
+            .filter_map(|a| match a {
+                Action::WaitForNodes { live, needed, .. } => Some((*live, *needed)),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(announced(&a), [(2, 4)], "{a:?}");
+    // Nothing new: no second announcement.
+    j.at(j.now_ms + 100).ev(Event::Heartbeat { node: m[0] });
+    assert_eq!(announced(&j.ev(Event::Tick)), []);
+    // A newcomer registers: said again once it is ready (3 live, 4 needed).
+    let a = j.ev(Event::Joined {
+        node: 7,
+        name: "n7".into(),
+    });
+    assert_eq!(announced(&a), []);
+    assert_eq!(announced(&j.ev(Event::Ready { node: 7 })), [(3, 4)]);
+    // It dies: said again (2 live).
+    let a = j.ev(Event::Lost {
+        node: 7,
+        reason: "killed".into(),
+    });
+    assert_eq!(announced(&a), [(2, 4)], "{a:?}");
+    // Two more: enough, the job plans (a restore: experts lost every replica).
+    j.join(8);
+    let a = j.join(9);
+    assert!(a.contains(&Action::FindCheckpoint), "{a:?}");
+    assert_eq!(j.m.phase(), Phase::Restoring);
+}
+
 #[test]
 fn waiting_for_nodes_gives_up_after_wait_for_nodes_ms() {
     let mut cfg = config(2, 50);
@@ -1308,4 +1357,62 @@ fn without_worker_heartbeats_the_member_timeout_applies() {
     assert!(!f.is_empty(), "{a:?}");
     assert!(f[0].1.contains("within 5000 ms"), "{f:?}");
     assert!(logs(&a).iter().all(|l| !l.contains("is slow")));
+}
+
+/// FSEP: every member holds one shard of every expert, so a lost member loses experts even
+/// when the survivors' replica tables still cover them: restore, not an in-place replan.
+#[test]
+fn with_sharded_experts_any_lost_member_restores_the_checkpoint() {
+    let mut cfg = config(4, 20);
+    cfg.checkpoint_every_steps = 5;
+    cfg.sharded_experts = true;
+    let (mut j, _) = started(cfg, &[0, 1, 2], 7);
+    j.at(10).ev(Event::Lost {
+        node: 2,
+        reason: "killed".into(),
+    });
+    j.idle(0, IdleReason::Failed("peer".into()), 7);
+    let a = j.idle(1, IdleReason::Failed("peer".into()), 7);
+    assert!(a.contains(&Action::FindCheckpoint), "{a:?}");
+    assert!(
+        logs(&a).iter().any(|l| l.contains("sharded")),
+        "{:?}",
+        logs(&a)
+    );
+    let a = j.ev(Event::CheckpointFound { step: 5 });
+    let r = reconfig(&a).unwrap();
+    assert_eq!(r.kind, ReconfigKind::Restore);
+    assert_eq!(r.source, StateSource::Checkpoint { step: 5 });
+    assert_eq!(r.members(), &[0, 1]);
+}
+
+/// FSEP without checkpoints: a lost member ends the job, saying why.
+#[test]
+fn with_sharded_experts_and_no_checkpoints_a_lost_member_ends_the_job() {
+    let mut cfg = config(4, 20);
+    cfg.sharded_experts = true;
+    let (mut j, _) = started(cfg, &[0, 1, 2], 3);
+    j.ev(Event::Lost {
+        node: 1,
+        reason: "killed".into(),
+    });
+    j.idle(0, IdleReason::Failed("peer".into()), 3);
+    let a = j.idle(2, IdleReason::Failed("peer".into()), 3);
+    let err = finished(&a).expect("the job ends").unwrap_err();
+    assert!(err.contains("sharded"), "{err}");
+}
+
+/// FSEP: a rebalance over the same members stays in place (only the layout changes).
+#[test]
+fn with_sharded_experts_a_rebalance_stays_in_place() {
+    let mut cfg = config(4, 50);
+    cfg.rebalance_every_steps = 5;
+    cfg.sharded_experts = true;
+    let (mut j, _) = started(cfg, &[0, 1], 4);
+    j.step_all(4);
+    j.idle(0, IdleReason::Paused, 5);
+    let a = j.idle(1, IdleReason::Paused, 5);
+    let r = reconfig(&a).unwrap();
+    assert_eq!((r.kind, r.resume_step), (ReconfigKind::Rebalance, 5));
+    assert!(matches!(r.source, StateSource::Peers { .. }));
 }

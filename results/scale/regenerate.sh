@@ -22,7 +22,7 @@ cargo test -p lazarus-planner --test scale -- --nocapture 2>&1 | grep -E "refere
 
 # GPU, node and rack failures: 54-day hardware traces at 2,048 nodes x 8 GPUs (counts by
 # cause on stderr), recovery under GPU vs node failures, and the 54-day replay.
-rm -f "$out"/failures-*-2048.csv "$out/failures.txt" "$out/nofail-2048.csv"
+rm -f "$out"/failures-*-2048.csv "$out/failures.txt" "$out/nofail-2048.csv" "$out/replay-1d-alone.txt"
 for preset in llama3 llama3-gpu rsc; do
   target/release/lzsim failures --nodes 2048 --preset "$preset" --duration 54d --seed 1 \
     --out "$out/failures-$preset-2048.csv" 2>> "$out/failures.txt"
@@ -32,11 +32,21 @@ for unit in "" "--gpus-per-node 8"; do
   target/release/lzsim recovery --nodes 128 --slots 32 --experts 256 --layers 4 --f 2 \
     --place mro --failed 2,4,8,16 --method mc --trials 200000 $unit
 done > "$out/recovery-gpu-vs-node.csv"
+# Profiles of one replay day: build with line tables (CARGO_PROFILE_RELEASE_DEBUG=line-tables-only
+# CARGO_TARGET_DIR=<elsewhere> cargo build --release --bin lzsim) and run it under
+# `perf record --call-graph dwarf` with `--system S --end 1d`.
 # One day of the 54-day trace, five systems; then the 54-day replay (minutes of CPU: see the
 # README). Wall clock and peak RSS from GNU time; note the load average.
 /usr/bin/time -v target/release/lzsim replay "$out/failures-llama3-gpu-2048.csv" \
   --model deepseek-v3 --hardware h200-400g --system lazarus,dropless-ft,dropless,ds-ft,ds \
   --end 1d --format json > "$out/replay-1d.json" 2> "$out/replay-1d.txt"
+# Each system alone for the same day: CPU time and peak RSS (the README compares them with the
+# previous binary run the same way, outputs compared with cmp).
+for s in lazarus ds-ft ds; do
+  /usr/bin/time -f "$s %U s user %S s sys %e s wall %M KB" target/release/lzsim replay \
+    "$out/failures-llama3-gpu-2048.csv" --model deepseek-v3 --hardware h200-400g --system "$s" \
+    --end 1d --format json > "$out/replay-1d-$s.json" 2>> "$out/replay-1d-alone.txt"
+done
 # Failure-free throughput (6 h, no checkpoints; lazarus rebalances after 10 steps).
 target/release/lzsim failures --nodes 2048 --gpu-hazard 0 --duration 1m > "$out/nofail-2048.csv" 2>/dev/null
 for z in 1.2 0.6; do

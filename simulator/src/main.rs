@@ -31,7 +31,8 @@ enum Command {
     Plan(plan_cmd::PlanArgs),
     /// Probability that the survivors of k simultaneous failures still hold every expert.
     Recovery(recovery_cmd::RecoveryArgs),
-    /// Replay a node trace: simulate MoE training with lazarus, ds-ft and ds and compare.
+    /// Replay a node trace: simulate MoE training with Lazarus and its baselines (ds-ft, ds,
+    /// dropless, laer, lazarus-fsep) and compare.
     Replay(Box<replay_cmd::ReplayArgs>),
     /// Write a synthetic failure trace (Bamboo CSV) for replay here and in lzrun.
     Failures(failures_cmd::FailuresArgs),

@@ -34,6 +34,11 @@ pub struct RecoveryArgs {
     /// the others. Exact when the listing is affordable, else Monte Carlo (--trials, seeded).
     #[arg(long, conflicts_with = "racks", value_parser = limits::count(limits::MAX_GPUS_PER_NODE))]
     pub gpus_per_node: Option<usize>,
+    /// Also rows for fully sharded experts (FSEP): S shards of every expert, each on f distinct
+    /// nodes (`fsep-fF`, the planner's resilient placement) and on one node (`laer`), with
+    /// the balanced room per node. Node failures only (no --racks, --gpus-per-node).
+    #[arg(long, value_parser = limits::count(MAX_NODES), conflicts_with_all = ["racks", "gpus_per_node"])]
+    pub fsep_shards: Option<usize>,
     /// Output format.
     #[arg(long, default_value = "csv", value_parser = ["csv", "json"])]
     pub format: String,
@@ -115,7 +120,7 @@ pub fn run(args: &RecoveryArgs) -> anyhow::Result<()> {
         },
         _ => Method::Exact,
     };
-    let rows = match args.gpus_per_node {
+    let mut rows = match args.gpus_per_node {
         Some(g) => gpu_rows(&plans, g, &failed, args.trials, spec.seed)?,
         None => recovery::rows(
             &plans,
@@ -128,6 +133,12 @@ pub fn run(args: &RecoveryArgs) -> anyhow::Result<()> {
             },
         )?,
     };
+    if let Some(shards) = args.fsep_shards {
+        let plans = crate::fsep_recovery::plans(spec.nodes, shards, spec.f)?;
+        rows.extend(crate::fsep_recovery::rows(
+            &plans, &failed, method, spec.seed,
+        )?);
+    }
     if let Some(path) = &args.plot {
         let title = format!(
             "{} nodes x {} slots, {} experts, {} layer(s), f={} ({})",

@@ -61,7 +61,8 @@ pub struct ReplayArgs {
 #[derive(Args, Debug, Clone)]
 pub struct SimArgs {
     /// Systems to compare: lazarus, ds-ft, ds, dropless-ft, dropless (dropless EP,
-    /// Megatron-Core style), or all (the paper's three).
+    /// Megatron-Core style), laer (fully sharded experts, LAER-MoE), lazarus-fsep (sharded
+    /// experts with f copies per shard), or all (the paper's three).
     #[arg(long, default_value = "all")]
     pub system: String,
     /// Model profile: gpt-s, gpt-m, gpt-l, deepseek-v3, or a TOML file.
@@ -84,7 +85,8 @@ pub struct SimArgs {
     pub f: Option<usize>,
     /// Checkpoint interval in steps: `ds=50,ds-ft=250,lazarus=250` (the paper's, default), one
     /// number for all, `young-daly` (optimal interval from the trace's failure rate), or `none`.
-    /// `dropless` and `dropless-ft` take `ds`'s and `ds-ft`'s unless named.
+    /// `dropless` and `dropless-ft` take `ds`'s and `ds-ft`'s unless named; `laer` takes
+    /// `ds`'s, `lazarus-fsep` `lazarus`'s.
     #[arg(long, default_value = "ds=50,ds-ft=250,lazarus=250")]
     pub ckpt_every: String,
     /// Lazarus rebalance period in steps (0: never).
@@ -141,10 +143,14 @@ fn checkpoint_intervals(text: &str) -> Result<Option<BTreeMap<SystemKind, Option
         out.insert(sys, (k > 0).then_some(k));
         named.push(sys);
     }
-    // The dropless baselines checkpoint like their DS counterparts unless named.
+    // The dropless baselines checkpoint like their DS counterparts unless named; the FSEP
+    // systems like DS (laer: checkpoint/restart on every loss, as DS) and Lazarus
+    // (lazarus-fsep: the checkpoint covers only the rare loss of every copy of a shard).
     for (dropless, ds) in [
         (SystemKind::Dropless, SystemKind::Ds),
         (SystemKind::DroplessFt, SystemKind::DsFt),
+        (SystemKind::Laer, SystemKind::Ds),
+        (SystemKind::LazarusFsep, SystemKind::Lazarus),
     ] {
         if !named.contains(&dropless) {
             out.insert(dropless, out[&ds]);
@@ -349,9 +355,14 @@ pub fn table(results: &[RunResult]) -> String {
         .iter()
         .find(|r| r.summary.system == SystemKind::Ds)
         .map(|r| r.summary.samples);
+    // Wide enough for the longest system name (`lazarus-fsep`).
+    let w = results
+        .iter()
+        .map(|r| r.summary.system.name().len())
+        .fold(8, usize::max);
     let _ = writeln!(
         s,
-        "{:<8} {:>10} {:>7} {:>6} {:>9} {:>6} {:>6} {:>6} {:>6}  time: compute/lost/ckpt/restart/reconf/rebal/idle %",
+        "{:<w$} {:>10} {:>7} {:>6} {:>9} {:>6} {:>6} {:>6} {:>6}  time: compute/lost/ckpt/restart/reconf/rebal/idle %",
         "system", "samples", "steps", "ettr", "samples/s", "vs ds", "recov", "fallbk", "preempt"
     );
     for r in results {
@@ -363,7 +374,7 @@ pub fn table(results: &[RunResult]) -> String {
         });
         let _ = writeln!(
             s,
-            "{:<8} {:>10} {:>7} {:>6.3} {:>9.2} {:>6} {:>6} {:>6} {:>7}  {:.0}/{:.0}/{:.0}/{:.0}/{:.0}/{:.0}/{:.0}",
+            "{:<w$} {:>10} {:>7} {:>6.3} {:>9.2} {:>6} {:>6} {:>6} {:>7}  {:.0}/{:.0}/{:.0}/{:.0}/{:.0}/{:.0}/{:.0}",
             m.system.name(),
             m.samples,
             m.steps,

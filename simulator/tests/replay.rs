@@ -436,11 +436,11 @@ fn lazarus_failure_decisions_are_the_machines() {
         layout
             .nodes
             .iter()
-            .zip(&layout.holdings)
-            .filter(|(id, _)| !dead.contains(id))
-            .map(|(&id, h)| PhysicalNode {
+            .enumerate()
+            .filter(|(_, id)| !dead.contains(id))
+            .map(|(i, &id)| PhysicalNode {
                 id,
-                holdings: h.clone(),
+                holdings: layout.held(i),
             })
             .collect()
     };

@@ -436,39 +436,92 @@ struct Away {
 
 type Attempt<'a> = Pin<Box<dyn Future<Output = Result<(Framed, u64), AgentError>> + Send + 'a>>;
 
-/// The agent ([`crate::control::controller`]): registers, heartbeats, starts its worker process on
-/// the controller's `Job` command and relays, one JSON line each, the controller's commands to
-/// the worker's stdin and the worker's stdout lines to the controller. When the controller goes
-/// away it keeps the worker and reconnects (see the [module docs](self)). Ends with `Ok` when
-/// the worker exited cleanly (after `Stop`) or the controller shut the job down, and with an
-/// error when the worker failed, the controller rejected the node or did not come back within
-/// `reconnect_grace_ms`. The worker dies with the agent (its stdin closes), so killing an agent
-/// kills its node.
-pub async fn run_agent(
-    cfg: &AgentConfig,
-    launch: &WorkerLaunch,
-    mut shutdown: watch::Receiver<bool>,
-) -> Result<AgentExit, AgentError> {
-    let agent = Agent::register(cfg).await?;
-    let node_id = agent.node_id;
-    let mut conn = Some(agent.framed);
-    let every = agent.heartbeat_every;
-    let mut heartbeat = tokio::time::interval_at(Instant::now() + every, every);
-    heartbeat.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut worker = Worker::default();
-    let mut unacked = Unacked::default();
-    let mut step = 0u64;
-    let mut away: Option<Away> = None;
-    let mut attempt: Option<Attempt<'_>> = None;
-    let seed = u64::from(std::process::id()) << 32 ^ u64::from(node_id);
-    let mut backoff = Backoff::new(cfg.reconnect_initial_ms, cfg.reconnect_max_ms, seed);
-    let say = |line: &str| eprintln!("agent {}: {line}", printable(&cfg.node, 64));
-    loop {
-        // Reap the worker only once its stdout is drained (no line is lost).
+/// What woke the agent's loop.
+enum Wake {
+    /// The local shutdown signal fired.
+    Shutdown,
+    /// A message (or the end, or an error) on the controller connection.
+    Message(Result<Option<ToAgent>, ProtoError>),
+    /// Time to heartbeat.
+    Beat,
+    /// An output line of the worker, or the end of its stdout.
+    Line(std::io::Result<Option<String>>),
+    /// The worker process exited.
+    Exited(std::io::Result<std::process::ExitStatus>),
+    /// Away from the controller: time for the next reattach attempt.
+    Retry,
+    /// A reattach attempt ended.
+    Attempted(Result<(Framed, u64), AgentError>),
+}
+
+/// What the loop does after handling a wake-up.
+enum Flow {
+    Go,
+    /// The controller connection broke (why).
+    Broken(String),
+    /// The agent ends without error.
+    Exit(AgentExit),
+}
+
+/// The state of a registered agent's main loop (see [`run_agent`]).
+struct AgentLoop<'a> {
+    cfg: &'a AgentConfig,
+    launch: &'a WorkerLaunch,
+    node_id: u32,
+    /// The controller connection; `None` while it is away.
+    conn: Option<Framed>,
+    heartbeat: tokio::time::Interval,
+    worker: Worker,
+    unacked: Unacked,
+    /// Highest step the worker reported (sent with heartbeats).
+    step: u64,
+    away: Option<Away>,
+    attempt: Option<Attempt<'a>>,
+    backoff: Backoff,
+}
+
+impl<'a> AgentLoop<'a> {
+    fn new(cfg: &'a AgentConfig, launch: &'a WorkerLaunch, agent: Agent) -> Self {
+        let every = agent.heartbeat_every;
+        let mut heartbeat = tokio::time::interval_at(Instant::now() + every, every);
+        heartbeat.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let seed = u64::from(std::process::id()) << 32 ^ u64::from(agent.node_id);
+        Self {
+            cfg,
+            launch,
+            node_id: agent.node_id,
+            conn: Some(agent.framed),
+            heartbeat,
+            worker: Worker::default(),
+            unacked: Unacked::default(),
+            step: 0,
+            away: None,
+            attempt: None,
+            backoff: Backoff::new(cfg.reconnect_initial_ms, cfg.reconnect_max_ms, seed),
+        }
+    }
+
+    fn say(&self, line: &str) {
+        eprintln!("agent {}: {line}", printable(&self.cfg.node, 64));
+    }
+
+    /// Waits for the next thing to handle. Each source is armed only when it can fire (a
+    /// connection to read, a worker to reap once its stdout is drained so no line is lost, a
+    /// retry while away with no attempt running).
+    async fn next_wake(&mut self, shutdown: &mut watch::Receiver<bool>) -> Wake {
+        let Self {
+            conn,
+            heartbeat,
+            worker,
+            away,
+            attempt,
+            ..
+        } = self;
         let reading = worker.lines.is_some();
+        let reaped = worker.exit.is_some();
         let exited = async {
             match worker.child.as_mut() {
-                Some(c) if !reading && worker.exit.is_none() => c.wait().await,
+                Some(c) if !reading && !reaped => c.wait().await,
                 _ => std::future::pending().await,
             }
         };
@@ -507,187 +560,291 @@ pub async fn run_agent(
                 None => std::future::pending().await,
             }
         };
-        // What broke the controller connection, if something did.
-        let mut broken: Option<String> = None;
         tokio::select! {
-            _ = shutdown_signal(&mut shutdown) => {
-                if let Some(f) = conn.as_mut() {
-                    let _ = proto::send(f, &ToController::Bye { node_id }).await;
-                }
-                return Ok(AgentExit::LocalShutdown);
+            _ = shutdown_signal(shutdown) => Wake::Shutdown,
+            m = msg => Wake::Message(m),
+            _ = beat => Wake::Beat,
+            l = next_line => Wake::Line(l),
+            s = exited => Wake::Exited(s),
+            _ = retry => Wake::Retry,
+            a = attempted => Wake::Attempted(a),
+        }
+    }
+
+    async fn handle(&mut self, wake: Wake) -> Result<Flow, AgentError> {
+        match wake {
+            Wake::Shutdown => {
+                self.bye().await;
+                Ok(Flow::Exit(AgentExit::LocalShutdown))
             }
-            msg = msg => match msg {
-                Ok(Some(ToAgent::Worker { line })) => {
-                    let cmd: crate::worker::Command = serde_json::from_str(&line)
-                        .map_err(|e| AgentError::BadCommand(format!("{e}: {line}")))?;
-                    let mut cmd = cmd;
-                    if let crate::worker::Command::Job(job) = &mut cmd {
-                        if worker.child.is_some() {
-                            // Sent again by a recovered controller: the worker has it.
-                            continue;
-                        }
-                        job.listen = launch.listen;
-                        worker.spawn(launch)?;
-                    }
-                    worker.commanded(&cmd);
-                    let text = serde_json::to_string(&cmd)
-                        .map_err(|e| AgentError::BadCommand(e.to_string()))?;
-                    worker.send(&text).await;
-                }
-                Ok(Some(ToAgent::Ack { seq })) => unacked.ack(seq),
-                Ok(Some(ToAgent::Shutdown)) => {
-                    if let Some(mut c) = worker.child.take() {
-                        drop(worker.stdin.take());
-                        let grace = tokio::time::timeout(Duration::from_secs(2), c.wait()).await;
-                        if grace.is_err() {
-                            let _ = c.kill().await;
-                        }
-                    }
-                    return Ok(AgentExit::ControllerShutdown);
-                }
-                Ok(Some(ToAgent::Rejected { reason })) => return Err(rejected(&reason)),
-                Ok(Some(ToAgent::Registered { .. } | ToAgent::Reattached { .. })) => {
-                    return Err(AgentError::Unexpected("second Registered"));
-                }
-                Ok(None) => broken = Some("it closed the connection".into()),
-                Err(e) => broken = Some(e.to_string()),
-            },
-            _ = beat => {
-                if let Some(f) = conn.as_mut()
-                    && let Err(e) = proto::send(f, &ToController::Heartbeat { node_id, step }).await
-                {
-                    broken = Some(e.to_string());
-                }
-            }
-            line = next_line => match line {
-                Ok(Some(line)) => {
-                    if let Ok(s) = serde_json::from_str::<crate::worker::StepLine>(&line) {
-                        step = step.max(s.step);
-                    }
-                    worker.reported(&line);
-                    let seq = unacked.push(line.clone());
-                    if let Some(f) = conn.as_mut() {
-                        if let Err(e) = proto::send(f, &ToController::Worker { node_id, seq, line }).await {
-                            broken = Some(e.to_string());
-                        }
-                        // A controller that saves no state never acknowledges: it has them.
-                        while unacked.lines.len() > MAX_KEPT_LINES {
-                            unacked.lines.pop_front();
-                        }
-                    } else if let Some(a) = away.as_mut() {
-                        if unacked.lines.len() > MAX_KEPT_LINES {
-                            worker.kill().await;
-                            return Err(AgentError::TooManyLines { lines: unacked.lines.len() });
-                        }
-                        if unacked.lines.len() > PAUSE_AFTER_LINES && !a.paused {
-                            a.paused = true;
-                            say(&format!(
-                                "{} lines wait for the controller: pausing the worker",
-                                unacked.lines.len()
-                            ));
-                            worker.send("\"Pause\"").await;
-                        }
-                    }
-                }
-                _ => worker.lines = None,
-            },
-            status = exited => {
-                let status = status.map_err(|e| e.to_string());
-                worker.report.process = match &status {
-                    Ok(s) if s.success() => WorkerProcess::Stopped,
-                    _ => WorkerProcess::Died,
+            Wake::Message(Ok(Some(msg))) => self.on_message(msg).await,
+            Wake::Message(Ok(None)) => Ok(Flow::Broken("it closed the connection".into())),
+            Wake::Message(Err(e)) => Ok(Flow::Broken(e.to_string())),
+            Wake::Beat => {
+                let beat = ToController::Heartbeat {
+                    node_id: self.node_id,
+                    step: self.step,
                 };
-                worker.exit = Some(status.clone());
-                if let Some(f) = conn.as_mut() {
-                    let _ = proto::send(f, &ToController::Bye { node_id }).await;
-                    return worker_exit(status);
-                }
-                // Away from the controller: keep trying, to deliver its last lines and say so.
+                Ok(match self.conn.as_mut() {
+                    Some(f) => match proto::send(f, &beat).await {
+                        Ok(()) => Flow::Go,
+                        Err(e) => Flow::Broken(e.to_string()),
+                    },
+                    None => Flow::Go,
+                })
             }
-            _ = retry => {
-                let a = away.as_ref().expect("retry only while away");
-                if Instant::now() >= a.deadline {
-                    worker.kill().await;
-                    return Err(AgentError::ControllerGone {
-                        addr: cfg.addr.clone(),
-                        why: a.why.clone(),
-                        grace_ms: cfg.reconnect_grace_ms,
-                    });
-                }
-                attempt = Some(Box::pin(reattach(cfg, node_id, unacked.last_seq, worker.report)));
+            Wake::Line(Ok(Some(line))) => self.on_line(line).await,
+            Wake::Line(_) => {
+                self.worker.lines = None;
+                Ok(Flow::Go)
             }
-            done = attempted => {
-                attempt = None;
-                match done {
-                    Ok((mut framed, acked)) => {
-                        unacked.ack(acked);
-                        let mut resent = Ok(());
-                        for (seq, line) in &unacked.lines {
-                            let msg = ToController::Worker { node_id, seq: *seq, line: line.clone() };
-                            resent = proto::send(&mut framed, &msg).await;
-                            if resent.is_err() {
-                                break;
-                            }
-                        }
-                        match resent {
-                            Ok(()) => {
-                                let a = away.take().expect("attempts only while away");
-                                say(&format!(
-                                    "back with the controller ({} lines sent again); it was away: {}",
-                                    unacked.lines.len(),
-                                    a.why
-                                ));
-                                backoff.reset();
-                                heartbeat.reset();
-                                conn = Some(framed);
-                                if let Some(status) = worker.exit.clone() {
-                                    if let Some(f) = conn.as_mut() {
-                                        let _ = proto::send(f, &ToController::Bye { node_id }).await;
-                                    }
-                                    return worker_exit(status);
-                                }
-                            }
-                            Err(e) => broken = Some(e.to_string()),
-                        }
-                    }
-                    Err(e @ AgentError::Rejected { .. }) => {
-                        worker.kill().await;
-                        return Err(e);
-                    }
-                    Err(e) => {
-                        if let Some(a) = away.as_mut() {
-                            a.next_try = Instant::now() + backoff.next_delay();
-                            if a.why.is_empty() {
-                                a.why = e.to_string();
-                            }
-                        }
-                    }
-                }
+            Wake::Exited(status) => self.on_exit(status.map_err(|e| e.to_string())).await,
+            Wake::Retry => self.on_retry().await,
+            Wake::Attempted(done) => {
+                self.attempt = None;
+                self.on_attempted(done).await
             }
         }
-        if let Some(why) = broken {
-            conn = None;
-            if cfg.reconnect_grace_ms == 0 {
-                return Err(AgentError::ControllerClosed);
-            }
-            match away.as_mut() {
-                // A connection that broke right after a reattach: keep the first deadline.
-                Some(a) => a.next_try = Instant::now() + backoff.next_delay(),
-                None => {
-                    say(&format!(
-                        "lost the controller ({why}); the worker trains on, reconnecting for up \
-                         to {} ms",
-                        cfg.reconnect_grace_ms
-                    ));
-                    let now = Instant::now();
-                    away = Some(Away {
-                        why,
-                        deadline: now + Duration::from_millis(cfg.reconnect_grace_ms),
-                        next_try: now + backoff.next_delay(),
-                        paused: false,
-                    });
+    }
+
+    /// Tells the controller this node leaves (best effort).
+    async fn bye(&mut self) {
+        if let Some(f) = self.conn.as_mut() {
+            let _ = proto::send(
+                f,
+                &ToController::Bye {
+                    node_id: self.node_id,
+                },
+            )
+            .await;
+        }
+    }
+
+    async fn on_message(&mut self, msg: ToAgent) -> Result<Flow, AgentError> {
+        match msg {
+            ToAgent::Worker { line } => {
+                let mut cmd: crate::worker::Command = serde_json::from_str(&line)
+                    .map_err(|e| AgentError::BadCommand(format!("{e}: {line}")))?;
+                if let crate::worker::Command::Job(job) = &mut cmd {
+                    if self.worker.child.is_some() {
+                        // Sent again by a recovered controller: the worker has it.
+                        return Ok(Flow::Go);
+                    }
+                    job.listen = self.launch.listen;
+                    self.worker.spawn(self.launch)?;
                 }
+                self.worker.commanded(&cmd);
+                let text = serde_json::to_string(&cmd)
+                    .map_err(|e| AgentError::BadCommand(e.to_string()))?;
+                self.worker.send(&text).await;
+                Ok(Flow::Go)
             }
+            ToAgent::Ack { seq } => {
+                self.unacked.ack(seq);
+                Ok(Flow::Go)
+            }
+            ToAgent::Shutdown => {
+                if let Some(mut c) = self.worker.child.take() {
+                    drop(self.worker.stdin.take());
+                    let grace = tokio::time::timeout(Duration::from_secs(2), c.wait()).await;
+                    if grace.is_err() {
+                        let _ = c.kill().await;
+                    }
+                }
+                Ok(Flow::Exit(AgentExit::ControllerShutdown))
+            }
+            ToAgent::Rejected { reason } => Err(rejected(&reason)),
+            ToAgent::Registered { .. } | ToAgent::Reattached { .. } => {
+                Err(AgentError::Unexpected("second Registered"))
+            }
+        }
+    }
+
+    /// Relays a worker line to the controller, or keeps it while the controller is away
+    /// (pausing the worker past [`PAUSE_AFTER_LINES`], giving up past [`MAX_KEPT_LINES`]).
+    async fn on_line(&mut self, line: String) -> Result<Flow, AgentError> {
+        if let Ok(s) = serde_json::from_str::<crate::worker::StepLine>(&line) {
+            self.step = self.step.max(s.step);
+        }
+        self.worker.reported(&line);
+        let seq = self.unacked.push(line.clone());
+        let kept = self.unacked.lines.len();
+        if let Some(f) = self.conn.as_mut() {
+            let sent = proto::send(
+                f,
+                &ToController::Worker {
+                    node_id: self.node_id,
+                    seq,
+                    line,
+                },
+            )
+            .await;
+            // A controller that saves no state never acknowledges: it has them.
+            while self.unacked.lines.len() > MAX_KEPT_LINES {
+                self.unacked.lines.pop_front();
+            }
+            return Ok(match sent {
+                Ok(()) => Flow::Go,
+                Err(e) => Flow::Broken(e.to_string()),
+            });
+        }
+        if kept > MAX_KEPT_LINES {
+            self.worker.kill().await;
+            return Err(AgentError::TooManyLines { lines: kept });
+        }
+        if kept > PAUSE_AFTER_LINES && self.away.as_ref().is_some_and(|a| !a.paused) {
+            if let Some(a) = self.away.as_mut() {
+                a.paused = true;
+            }
+            self.say(&format!(
+                "{kept} lines wait for the controller: pausing the worker"
+            ));
+            self.worker.send("\"Pause\"").await;
+        }
+        Ok(Flow::Go)
+    }
+
+    /// The worker exited: connected, the agent says goodbye and ends as its worker did; away,
+    /// it keeps trying to deliver the worker's last lines and say so.
+    async fn on_exit(
+        &mut self,
+        status: Result<std::process::ExitStatus, String>,
+    ) -> Result<Flow, AgentError> {
+        self.worker.report.process = match &status {
+            Ok(s) if s.success() => WorkerProcess::Stopped,
+            _ => WorkerProcess::Died,
+        };
+        self.worker.exit = Some(status.clone());
+        if self.conn.is_some() {
+            self.bye().await;
+            return worker_exit(status).map(Flow::Exit);
+        }
+        Ok(Flow::Go)
+    }
+
+    /// Away from the controller: gives up past the grace period, else starts an attempt.
+    async fn on_retry(&mut self) -> Result<Flow, AgentError> {
+        let a = self.away.as_ref().expect("retry only while away");
+        if Instant::now() >= a.deadline {
+            let gone = AgentError::ControllerGone {
+                addr: self.cfg.addr.clone(),
+                why: a.why.clone(),
+                grace_ms: self.cfg.reconnect_grace_ms,
+            };
+            self.worker.kill().await;
+            return Err(gone);
+        }
+        let attempt = reattach(
+            self.cfg,
+            self.node_id,
+            self.unacked.last_seq,
+            self.worker.report,
+        );
+        self.attempt = Some(Box::pin(attempt));
+        Ok(Flow::Go)
+    }
+
+    /// A reattach attempt ended: back with the controller once the lines it lacks are sent
+    /// again; a rejection ends the node; any other failure waits for the next attempt.
+    async fn on_attempted(
+        &mut self,
+        done: Result<(Framed, u64), AgentError>,
+    ) -> Result<Flow, AgentError> {
+        let (mut framed, acked) = match done {
+            Ok(back) => back,
+            Err(e @ AgentError::Rejected { .. }) => {
+                self.worker.kill().await;
+                return Err(e);
+            }
+            Err(e) => {
+                let delay = self.backoff.next_delay();
+                if let Some(a) = self.away.as_mut() {
+                    a.next_try = Instant::now() + delay;
+                    if a.why.is_empty() {
+                        a.why = e.to_string();
+                    }
+                }
+                return Ok(Flow::Go);
+            }
+        };
+        self.unacked.ack(acked);
+        for (seq, line) in &self.unacked.lines {
+            let msg = ToController::Worker {
+                node_id: self.node_id,
+                seq: *seq,
+                line: line.clone(),
+            };
+            if let Err(e) = proto::send(&mut framed, &msg).await {
+                return Ok(Flow::Broken(e.to_string()));
+            }
+        }
+        let a = self.away.take().expect("attempts only while away");
+        self.say(&format!(
+            "back with the controller ({} lines sent again); it was away: {}",
+            self.unacked.lines.len(),
+            a.why
+        ));
+        self.backoff.reset();
+        self.heartbeat.reset();
+        self.conn = Some(framed);
+        if let Some(status) = self.worker.exit.clone() {
+            self.bye().await;
+            return worker_exit(status).map(Flow::Exit);
+        }
+        Ok(Flow::Go)
+    }
+
+    /// The controller connection broke: give up at once without a grace period, else start
+    /// (or, right after a reattach, continue) reconnecting.
+    fn connection_lost(&mut self, why: String) -> Result<(), AgentError> {
+        self.conn = None;
+        if self.cfg.reconnect_grace_ms == 0 {
+            return Err(AgentError::ControllerClosed);
+        }
+        let delay = self.backoff.next_delay();
+        match self.away.as_mut() {
+            // A connection that broke right after a reattach: keep the first deadline.
+            Some(a) => a.next_try = Instant::now() + delay,
+            None => {
+                self.say(&format!(
+                    "lost the controller ({why}); the worker trains on, reconnecting for up to \
+                     {} ms",
+                    self.cfg.reconnect_grace_ms
+                ));
+                let now = Instant::now();
+                self.away = Some(Away {
+                    why,
+                    deadline: now + Duration::from_millis(self.cfg.reconnect_grace_ms),
+                    next_try: now + delay,
+                    paused: false,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The agent ([`crate::control::controller`]): registers, heartbeats, starts its worker process on
+/// the controller's `Job` command and relays, one JSON line each, the controller's commands to
+/// the worker's stdin and the worker's stdout lines to the controller. When the controller goes
+/// away it keeps the worker and reconnects (see the [module docs](self)). Ends with `Ok` when
+/// the worker exited cleanly (after `Stop`) or the controller shut the job down, and with an
+/// error when the worker failed, the controller rejected the node or did not come back within
+/// `reconnect_grace_ms`. The worker dies with the agent (its stdin closes), so killing an agent
+/// kills its node.
+pub async fn run_agent(
+    cfg: &AgentConfig,
+    launch: &WorkerLaunch,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<AgentExit, AgentError> {
+    let agent = Agent::register(cfg).await?;
+    let mut state = AgentLoop::new(cfg, launch, agent);
+    loop {
+        let wake = state.next_wake(&mut shutdown).await;
+        match state.handle(wake).await? {
+            Flow::Go => {}
+            Flow::Broken(why) => state.connection_lost(why)?,
+            Flow::Exit(exit) => return Ok(exit),
         }
     }
 }

@@ -45,7 +45,7 @@ use super::state::{self, StateError};
 use crate::checkpoint;
 use crate::comm::MeshSecret;
 use crate::metrics::{RecoveryRecord, StepRecord};
-use crate::model::MoeConfig;
+use crate::model::{ExpertMode, MoeConfig};
 use crate::worker::Checksums;
 use crate::worker::{
     CheckpointSpec, Command, JobSpec, Reconfigure, StateSource, WorkerEvent, WorkerLine,
@@ -765,6 +765,13 @@ impl Controller {
             alive_every_ms: (self.params.rules.heartbeat_timeout_ms / 4).clamp(10, 250),
             checkpoint: self.params.checkpoint.clone(),
             out: self.params.out.clone(),
+            // The control rules know the experts are sharded (a lost member restores): the
+            // workers store them so.
+            expert_mode: if self.params.rules.sharded_experts {
+                ExpertMode::Fsep
+            } else {
+                ExpertMode::Replicated
+            },
         }
     }
 

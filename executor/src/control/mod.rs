@@ -29,7 +29,7 @@ pub mod state;
 pub use agent::{Agent, AgentConfig, AgentError, AgentExit, Backoff, WorkerLaunch, run_agent};
 pub use controller::{Controller, JobParams, Notice, Output};
 pub use proto::{PROTOCOL_VERSION, Reject, ToAgent, ToController};
-pub use server::{JobError, JobHandle, ServerConfig, run_controller, run_job};
+pub use server::{JobError, JobHandle, ServerConfig, run_job, serve_controller};
 pub use state::StateError;
 
 /// `text` made safe for one log line: control and other unprintable characters (newlines,

@@ -18,7 +18,7 @@
 //! [`proto`]): once the controller accepts it, it replaces whatever connection the node had,
 //! and the old connection's end no longer counts as the node leaving. Each heartbeat is
 //! answered with an `Ack` when the saved state includes more of the node's lines.
-//! [`run_controller`] serves a given (e.g. recovered) [`Controller`]; its clock goes on from
+//! [`serve_controller`] serves a given (e.g. recovered) [`Controller`]; its clock goes on from
 //! [`Controller::clock_start_ms`].
 
 use std::collections::HashMap;
@@ -168,13 +168,13 @@ pub async fn run_job(
     on_start: impl FnOnce(JobHandle),
 ) -> Result<Vec<Checksums>, JobError> {
     let controller = Controller::new(params)?;
-    run_controller(listener, server, controller, notices, shutdown, on_start).await
+    serve_controller(listener, server, controller, notices, shutdown, on_start).await
 }
 
 /// [`run_job`] with a controller built by the caller: one that saves its state
 /// ([`Controller::save_to`]) or one rebuilt from a saved state ([`Controller::recover`]),
 /// which takes the job back before serving ([`Controller::start`]).
-pub async fn run_controller(
+pub async fn serve_controller(
     listener: TcpListener,
     server: ServerConfig,
     controller: Controller,

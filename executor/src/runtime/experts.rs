@@ -1,7 +1,8 @@
 //! [`DistributedExperts`]: expert execution across workers (see the [module docs](super)).
 
+use super::fsep::{self, SharedShards, Traffic, bytes_to_others};
 use crate::comm::{Communicator, Rank};
-use crate::model::{DenseModel, ExpertExec, ExpertStore, ExpertWeights};
+use crate::model::{DenseModel, ExpertExec, ExpertState, ExpertStore, ExpertWeights, ShardStore};
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor, Var};
 use lazarus_planner::dispatch::{DispatchPlan, RecvBlock, plan};
 use std::collections::BTreeMap;
@@ -31,6 +32,10 @@ struct Inner {
     /// Tokens routed to `(layer, expert)` over all workers since the last reset.
     routed: BTreeMap<(usize, usize), u64>,
     log: Vec<LayerLog>,
+    /// FSEP: this rank's shards; `weights` then holds the experts materialised this step.
+    shards: Option<SharedShards>,
+    /// Bytes sent to other ranks since the last reset.
+    traffic: Traffic,
 }
 
 impl Inner {
@@ -146,6 +151,43 @@ fn lock(m: &Mutex<Inner>) -> Result<MutexGuard<'_, Inner>> {
         .map_err(|_| candle_core::Error::Msg("distributed experts: lock poisoned".into()))
 }
 
+fn lock_shards(m: &Mutex<ShardStore>) -> Result<MutexGuard<'_, ShardStore>> {
+    m.lock()
+        .map_err(|_| candle_core::Error::Msg("shard store: lock poisoned".into()))
+}
+
+/// Checks that a layout is `[layers][experts][world]` and computes every expert somewhere.
+fn check_layout(
+    replicas: &[Vec<Vec<u32>>],
+    layers: usize,
+    experts: usize,
+    world: usize,
+) -> Result<()> {
+    if replicas.len() != layers {
+        candle_core::bail!(
+            "layout covers {} layers, the model has {layers}",
+            replicas.len()
+        );
+    }
+    for (l, layer) in replicas.iter().enumerate() {
+        if layer.len() != experts {
+            candle_core::bail!(
+                "layout of layer {l} has {} experts, expected {experts}",
+                layer.len()
+            );
+        }
+        for (e, row) in layer.iter().enumerate() {
+            if row.len() != world {
+                candle_core::bail!("layout[{l}][{e}] has {} ranks, world {world}", row.len());
+            }
+            if row.iter().all(|&n| n == 0) {
+                candle_core::bail!("layout computes expert {e} of layer {l} nowhere");
+            }
+        }
+    }
+    Ok(())
+}
+
 impl CustomOp1 for ExchangeOp {
     fn name(&self) -> &'static str {
         "moe-exchange"
@@ -167,6 +209,7 @@ impl CustomOp1 for ExchangeOp {
             .to_vec1::<f32>()?;
         let mut inner = lock(&self.shared)?;
         let send = to_send(&g, &c.order, &c.plan.send_counts[c.rank], c.d);
+        inner.traffic.token_bytes += bytes_to_others(&send, c.rank);
         let recv_g = inner.comm.all_to_all_v(send).map_err(wrap)?.concat();
         if recv_g.len() != c.recv_x.len() {
             candle_core::bail!("backward exchange: received {} values", recv_g.len());
@@ -201,6 +244,7 @@ impl CustomOp1 for ExchangeOp {
             inner.grads.insert((c.layer, e), acc);
         }
         let back = split_rows(&dx_recv, &c.plan.recv_counts[c.rank], c.d);
+        inner.traffic.token_bytes += bytes_to_others(&back, c.rank);
         let back = inner.comm.all_to_all_v(back).map_err(wrap)?;
         drop(inner);
         let dx = from_send(&back, &c.order, c.d)?;
@@ -277,11 +321,117 @@ impl DistributedExperts {
                 grads: BTreeMap::new(),
                 routed: BTreeMap::new(),
                 log: Vec::new(),
+                shards: None,
+                traffic: Traffic::default(),
             })),
             replicas,
             rank,
             world,
         })
+    }
+
+    /// FSEP execution: this rank keeps only `shards` (shard `rank` of every expert) and
+    /// materialises the experts that `replicas` (the layout, `[layer][expert][rank] > 0`: the
+    /// same table the dispatch plan reads in replicated mode) assigns to it before each
+    /// layer's forward; see the [runtime docs](super).
+    pub fn new_sharded(
+        comm: Box<dyn Communicator>,
+        shards: SharedShards,
+        replicas: Vec<Vec<Vec<u32>>>,
+    ) -> Result<Self> {
+        let (rank, world) = (comm.rank(), comm.world());
+        {
+            let sh = shards
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("shard store: lock poisoned".into()))?;
+            if (sh.rank(), sh.world()) != (rank, world) {
+                candle_core::bail!(
+                    "shards of rank {} of {} on a mesh rank {rank} of {world}",
+                    sh.rank(),
+                    sh.world()
+                );
+            }
+            check_layout(&replicas, sh.n_layers(), sh.experts(), world)?;
+        }
+        Ok(Self {
+            shared: Arc::new(Mutex::new(Inner {
+                comm,
+                weights: BTreeMap::new(),
+                grads: BTreeMap::new(),
+                routed: BTreeMap::new(),
+                log: Vec::new(),
+                shards: Some(shards),
+                traffic: Traffic::default(),
+            })),
+            replicas,
+            rank,
+            world,
+        })
+    }
+
+    /// Whether experts are sharded (FSEP) rather than replicated.
+    pub fn is_sharded(&self) -> Result<bool> {
+        Ok(lock(&self.shared)?.shards.is_some())
+    }
+
+    /// FSEP: the shard store (None when replicated).
+    pub fn shard_store(&self) -> Result<Option<SharedShards>> {
+        Ok(lock(&self.shared)?.shards.clone())
+    }
+
+    /// FSEP re-layout: from the next step on, the experts are materialised and tokens
+    /// dispatched by `replicas`. Only the index table changes; no state moves. Call it at a
+    /// step boundary, with the same table on every rank.
+    pub fn set_layout(&mut self, replicas: Vec<Vec<Vec<u32>>>) -> Result<()> {
+        let inner = lock(&self.shared)?;
+        let Some(sh) = &inner.shards else {
+            candle_core::bail!("a re-layout without migration needs FSEP (sharded experts)");
+        };
+        let (layers, experts) = {
+            let sh = lock_shards(sh)?;
+            (sh.n_layers(), sh.experts())
+        };
+        check_layout(&replicas, layers, experts, self.world)?;
+        drop(inner);
+        self.replicas = replicas;
+        Ok(())
+    }
+
+    /// Bytes this rank sent to other ranks since [`Self::begin_step`].
+    pub fn traffic(&self) -> Result<Traffic> {
+        Ok(lock(&self.shared)?.traffic)
+    }
+
+    /// FSEP: one AdamW update of this rank's shard of every expert in `grads` (from
+    /// [`Self::reduce_expert_grads`]), each gradient multiplied by `factor`.
+    pub fn step_shards(
+        &mut self,
+        grads: BTreeMap<(usize, usize), (Tensor, Tensor)>,
+        factor: f64,
+    ) -> Result<()> {
+        let Some(sh) = self.shard_store()? else {
+            candle_core::bail!("step_shards without sharded experts");
+        };
+        let mut sh = lock_shards(&sh)?;
+        for ((l, e), (g1, g2)) in grads {
+            sh.step_shard(l, e, &g1, &g2, factor)?;
+        }
+        Ok(())
+    }
+
+    /// FSEP: whole expert states for the `(layer, expert)` pairs `writers` gives this rank
+    /// (a collective: every rank calls it with the same `writers`), e.g. to write checkpoint
+    /// parts.
+    pub fn gather_experts(
+        &mut self,
+        writers: &BTreeMap<(usize, usize), Rank>,
+    ) -> Result<Vec<ExpertState>> {
+        let mut inner = lock(&self.shared)?;
+        let Some(sh) = inner.shards.clone() else {
+            candle_core::bail!("gather_experts without sharded experts");
+        };
+        let sh = lock_shards(&sh)?;
+        fsep::gather_experts(inner.comm.as_mut(), &sh, writers)
     }
 
     pub fn rank(&self) -> Rank {
@@ -302,6 +452,10 @@ impl DistributedExperts {
         inner.grads.clear();
         inner.routed.clear();
         inner.log.clear();
+        inner.traffic = Traffic::default();
+        if inner.shards.is_some() {
+            inner.weights.clear();
+        }
         Ok(())
     }
 
@@ -325,8 +479,28 @@ impl DistributedExperts {
     /// `(layer, expert)` order; a replica that computed nothing contributes zeros). Experts to
     /// which no worker routed a token this step are skipped (and absent from the result), as
     /// in the single-worker trainer.
+    ///
+    /// FSEP: the reduce-scatter instead — this rank's shard of every expert with routed
+    /// tokens, summed over the ranks that computed it, split at the `w1 | w2` boundary (1-D;
+    /// see `fsep::reduce_scatter`); the materialised weights are freed.
     pub fn reduce_expert_grads(&mut self) -> Result<BTreeMap<(usize, usize), (Tensor, Tensor)>> {
         let mut inner = lock(&self.shared)?;
+        if let Some(sh) = inner.shards.clone() {
+            let sh = lock_shards(&sh)?;
+            let keys: Vec<(usize, usize)> = inner
+                .routed
+                .iter()
+                .filter(|(_, n)| **n > 0)
+                .map(|(k, _)| *k)
+                .collect();
+            let local = std::mem::take(&mut inner.grads);
+            let (out, bytes) =
+                fsep::reduce_scatter(inner.comm.as_mut(), &sh, &self.replicas, &keys, &local)?;
+            inner.traffic.expert_grad_bytes += bytes;
+            // The materialised experts were kept for backward; backward is done.
+            inner.weights.clear();
+            return Ok(out);
+        }
         let mut out = BTreeMap::new();
         let keys: Vec<(usize, usize)> = inner.weights.keys().copied().collect();
         for (l, e) in keys {
@@ -345,6 +519,13 @@ impl DistributedExperts {
             let n1 = buf.len();
             buf.extend(g2.flatten_all()?.to_vec1::<f32>()?);
             inner.comm.all_reduce_sum(&group, &mut buf).map_err(wrap)?;
+            // The root receives from and sends back to each other member; the others send once.
+            let copies = if group[0] == self.rank {
+                group.len() - 1
+            } else {
+                1
+            };
+            inner.traffic.expert_grad_bytes += (4 * buf.len() * copies) as u64;
             let dev = w.w1.device();
             let r1 = Tensor::from_slice(&buf[..n1], w.w1.shape(), dev)?;
             let r2 = Tensor::from_slice(&buf[n1..], w.w2.shape(), dev)?;
@@ -450,8 +631,17 @@ impl ExpertExec for DistributedExperts {
             }
         }
         let p = plan(&t, reps).map_err(wrap)?;
+        if let Some(sh) = inner.shards.clone() {
+            let sh = lock_shards(&sh)?;
+            let (ws, bytes) = fsep::materialise(inner.comm.as_mut(), &sh, layer, reps)?;
+            inner.traffic.expert_param_bytes += bytes;
+            for (e, w) in ws {
+                inner.weights.insert((layer, e), w);
+            }
+        }
         let order = p.send_order(me, &token_experts).map_err(wrap)?;
         let send = to_send(&x_data, &order, &p.send_counts[me], d);
+        inner.traffic.token_bytes += bytes_to_others(&send, me);
         let recv_x = inner.comm.all_to_all_v(send).map_err(wrap)?.concat();
         if recv_x.len() as u64 != p.recv_tokens(me) * d as u64 {
             candle_core::bail!("forward exchange: received {} values", recv_x.len());
@@ -469,6 +659,7 @@ impl ExpertExec for DistributedExperts {
             scatter(&mut y_recv, blocks, d, &y.flatten_all()?.to_vec1::<f32>()?);
         }
         let back = split_rows(&y_recv, &p.recv_counts[me], d);
+        inner.traffic.token_bytes += bytes_to_others(&back, me);
         let back = inner.comm.all_to_all_v(back).map_err(wrap)?;
         let y_local = from_send(&back, &order, d)?;
         for (e, row) in t.iter().enumerate() {

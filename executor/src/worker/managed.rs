@@ -28,7 +28,7 @@ use super::migrate::reconfigure;
 use super::protocol::{
     Checksums, Command, JobSpec, Reconfigure, StateSource, StepLine, WorkerEvent,
 };
-use super::state::{Snapshot, State, train_step, write_checkpoint};
+use super::state::{Snapshot, State, checkpoint_writers, train_step, write_checkpoint};
 use crate::model::Corpus;
 use crate::runtime::DistributedExperts;
 
@@ -115,7 +115,7 @@ where
         .filter(|d| d.node == job.node_id)
         .map(|d| Duration::from_millis(d.ms));
     let mut w = Worker {
-        st: State::fresh(&job.config)?,
+        st: State::fresh(&job.config)?.with_mode(job.expert_mode),
         peer_timeout_ms: job.timeout_ms,
         job,
         step_times: StepTimes::new(window),
@@ -188,6 +188,10 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
     }
 
     fn held(&self) -> Vec<(usize, usize)> {
+        if self.st.shards.is_some() {
+            // FSEP: the experts the layout has this rank compute (it holds a shard of all).
+            return super::held_replicas(&self.replicas, self.rank);
+        }
         self.st.store.replicas()
     }
 
@@ -223,7 +227,7 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         self.epoch = cmd.epoch;
         if cmd.source == StateSource::Fresh && (self.step != 0 || !self.st.store.is_empty()) {
             // A start that did not complete everywhere is redone from scratch.
-            self.st = State::fresh(&self.job.config)?;
+            self.st = State::fresh(&self.job.config)?.with_mode(self.job.expert_mode);
             self.step = cmd.resume_step;
             self.snapshot = None;
         }
@@ -234,6 +238,9 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
                 bail!("no snapshot of step {} to roll back to", cmd.resume_step);
             };
             snap.restore(&mut self.st.opt, &mut self.st.store)?;
+            if let Some(sh) = &self.st.shards {
+                snap.restore_shards(sh)?;
+            }
             self.step = s;
         }
         let joining = matches!(&cmd.source,
@@ -251,7 +258,7 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         );
         let timeout_ms = self.step_limit_ms();
         match reconfigure(cmd, &mut self.st, &self.listener, timeout_ms, self.abort) {
-            Ok((dist, bytes_in)) => {
+            Ok((mut dist, bytes_in)) => {
                 self.peer_timeout_ms = timeout_ms;
                 self.last_step_end = None;
                 self.rank = cmd.rank;
@@ -259,7 +266,7 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
                 // A fresh start checkpoints its initial state, so that losing every replica
                 // of an expert before the first periodic checkpoint is still recoverable.
                 if cmd.source == StateSource::Fresh {
-                    self.checkpoint_if_due()?;
+                    self.checkpoint_if_due(&mut dist)?;
                 }
                 let ev = WorkerEvent::Migrated {
                     epoch: cmd.epoch,
@@ -279,7 +286,11 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
     /// Writes this worker's checkpoint parts if one is due after `self.step` steps. A part that
     /// cannot be written (full or read-only directory, non-finite state) fails the checkpoint,
     /// not this worker: it is reported and training goes on (the next one is a fresh try).
-    fn checkpoint_if_due(&mut self) -> Result<()> {
+    ///
+    /// FSEP: the writers first gather their experts from every rank's shards (a collective
+    /// every member runs at the same step; a failed gather fails this checkpoint, and the
+    /// aborted mesh the next step).
+    fn checkpoint_if_due(&mut self, dist: &mut DistributedExperts) -> Result<()> {
         let Some(spec) = self.job.checkpoint.clone().filter(|c| c.every_steps > 0) else {
             return Ok(());
         };
@@ -287,7 +298,22 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
             return Ok(());
         }
         let (epoch, step) = (self.epoch, self.step);
-        let ev = match write_checkpoint(&spec, step, &self.st, &self.replicas, self.rank) {
+        let gathered = if self.st.shards.is_some() {
+            match dist.gather_experts(&checkpoint_writers(&self.replicas)) {
+                Ok(states) => states
+                    .into_iter()
+                    .map(|s| ((s.layer, s.expert), s))
+                    .collect(),
+                Err(e) => {
+                    let error = error_text(&anyhow::Error::from(e).context("gathering shards"));
+                    return self.event(&WorkerEvent::CheckpointFailed { epoch, step, error });
+                }
+            }
+        } else {
+            std::collections::BTreeMap::new()
+        };
+        let ev = match write_checkpoint(&spec, step, &self.st, &self.replicas, self.rank, &gathered)
+        {
             Ok(parts) => WorkerEvent::Checkpointed { epoch, step, parts },
             Err(e) => WorkerEvent::CheckpointFailed {
                 epoch,
@@ -388,7 +414,7 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         self.step_times.push(step_ms);
         self.last_step_end = Some(now);
         self.step += 1;
-        self.checkpoint_if_due()?;
+        self.checkpoint_if_due(&mut dist)?;
         if pause {
             self.pause_pending = false;
             let (epoch, step, held) = (self.epoch, self.step, self.held());

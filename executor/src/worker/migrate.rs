@@ -9,6 +9,7 @@
 
 use std::collections::BTreeSet;
 use std::net::TcpListener;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result, anyhow, ensure};
 
@@ -18,6 +19,7 @@ use super::protocol::{Reconfigure, StateSource};
 use super::state::State;
 use crate::checkpoint;
 use crate::comm::{Communicator, TcpCommunicator};
+use crate::model::{ExpertMode, ShardStore};
 use crate::runtime::DistributedExperts;
 
 /// `bytes` as little-endian 32-bit words for the `f32` channel: the length first, then the
@@ -66,6 +68,9 @@ pub(super) fn reconfigure(
 ) -> Result<(DistributedExperts, u64)> {
     let me = cmd.rank;
     ensure!(me < cmd.peers.len(), "new rank {me} outside the peer list");
+    if st.mode == ExpertMode::Fsep {
+        return reconfigure_sharded(cmd, st, listener, timeout_ms, abort);
+    }
     let mine: BTreeSet<(usize, usize)> = held_replicas(&cmd.replicas, me).into_iter().collect();
     match &cmd.source {
         StateSource::Fresh => {
@@ -94,19 +99,7 @@ pub(super) fn reconfigure(
         }
         StateSource::Peers { .. } => {}
     }
-    let listener = listener.try_clone().context("cloning the data listener")?;
-    let flag = abort.arm(cmd.epoch);
-    let mut comm = TcpCommunicator::connect_abortable(
-        me,
-        &cmd.peers,
-        listener,
-        cmd.epoch,
-        &cmd.secret,
-        timeout_ms,
-        flag,
-    )
-    .with_context(|| format!("rank {me}: forming the mesh of epoch {}", cmd.epoch))?;
-    abort.set_handle(comm.abort_handle()?);
+    let mut comm = connect(cmd, listener, timeout_ms, abort)?;
     let mut sends = Vec::new();
     let mut recv_from = Vec::new();
     let mut incoming: Vec<Option<(usize, usize)>> = Vec::new();
@@ -184,6 +177,144 @@ pub(super) fn reconfigure(
     }
     let dist = DistributedExperts::new(Box::new(comm), &st.store, cmd.replicas.clone())?;
     Ok((dist, bytes_in))
+}
+
+/// The epoch's mesh, abortable from the command reader.
+fn connect(
+    cmd: &Reconfigure,
+    listener: &TcpListener,
+    timeout_ms: u64,
+    abort: &AbortSlot,
+) -> Result<TcpCommunicator> {
+    let me = cmd.rank;
+    let listener = listener.try_clone().context("cloning the data listener")?;
+    let flag = abort.arm(cmd.epoch);
+    let comm = TcpCommunicator::connect_abortable(
+        me,
+        &cmd.peers,
+        listener,
+        cmd.epoch,
+        &cmd.secret,
+        timeout_ms,
+        flag,
+    )
+    .with_context(|| format!("rank {me}: forming the mesh of epoch {}", cmd.epoch))?;
+    abort.set_handle(comm.abort_handle()?);
+    Ok(comm)
+}
+
+/// [`reconfigure`] in FSEP mode: this rank's shards of every expert come from the seed (a
+/// fresh start) or from the whole experts of a checkpoint; a reconfiguration over the same
+/// membership and ranks (a re-layout) keeps them and ignores the plan's transfers: only the
+/// layout table changes. Shards are cut for one membership, so any other reconfiguration
+/// from peers is refused (the controller restores a checkpoint instead:
+/// `JobConfig::sharded_experts`).
+fn reconfigure_sharded(
+    cmd: &Reconfigure,
+    st: &mut State,
+    listener: &TcpListener,
+    timeout_ms: u64,
+    abort: &AbortSlot,
+) -> Result<(DistributedExperts, u64)> {
+    let (me, world) = (cmd.rank, cmd.peers.len());
+    match &cmd.source {
+        StateSource::Fresh => {
+            let sh = ShardStore::fresh(&st.cfg, &st.dev, me, world)?;
+            st.shards = Some(Arc::new(Mutex::new(sh)));
+        }
+        StateSource::Checkpoint { root, step } => {
+            let loaded = checkpoint::load_latest(root, &st.cfg)
+                .map_err(|e| anyhow!("loading the checkpoint: {e}"))?;
+            ensure!(
+                loaded.manifest.step == *step,
+                "the newest valid checkpoint under {} is at step {}, the controller chose step {step}",
+                root.display(),
+                loaded.manifest.step
+            );
+            st.opt
+                .import(&loaded.dense().map_err(|e| anyhow!("{e}"))?)
+                .context("restoring the dense state")?;
+            let mut states = Vec::new();
+            for l in 0..st.cfg.n_layers {
+                for e in 0..st.cfg.experts {
+                    states.push(loaded.expert(l, e).map_err(|e| anyhow!("{e}"))?);
+                }
+            }
+            let sh = ShardStore::from_states(&st.cfg, &st.dev, me, world, &states)?;
+            st.shards = Some(Arc::new(Mutex::new(sh)));
+        }
+        StateSource::Peers { dense_to, .. } => {
+            let same_world = st
+                .shards
+                .as_ref()
+                .is_some_and(|sh| sh.lock().is_ok_and(|sh| sh.world() == world));
+            ensure!(
+                same_world && dense_to.is_empty(),
+                "FSEP: shards are cut for one membership; rank {me} of {world} from peers needs a checkpoint restore"
+            );
+        }
+    }
+    let shards = st
+        .shards
+        .clone()
+        .context("no shards after the reconfiguration")?;
+    let mut comm = connect(cmd, listener, timeout_ms, abort)?;
+    let mut bytes_in = 0u64;
+    if matches!(cmd.source, StateSource::Peers { .. }) {
+        bytes_in = renumber_shards(&mut comm, st, &shards)?;
+    }
+    comm.barrier()
+        .with_context(|| format!("rank {me}: barrier after the re-layout"))?;
+    let dist = DistributedExperts::new_sharded(Box::new(comm), shards, cmd.replicas.clone())?;
+    Ok((dist, bytes_in))
+}
+
+/// A re-layout over the same members may renumber them: shard index `w` must live on the
+/// rank `w` of the new mesh, so each rank sends its shards to the rank numbered as its shards
+/// are (nothing moves when no rank changed number). Returns the bytes received.
+fn renumber_shards(
+    comm: &mut TcpCommunicator,
+    st: &State,
+    shards: &crate::runtime::SharedShards,
+) -> Result<u64> {
+    let me = comm.rank();
+    let mut sh = shards
+        .lock()
+        .map_err(|_| anyhow!("shard store: lock poisoned"))?;
+    let held = sh.rank();
+    let all = comm
+        .all_gather_u64(&[held as u64])
+        .context("exchanging shard numbers")?;
+    let from = all.iter().position(|v| v.first() == Some(&(me as u64)));
+    let from = from.with_context(|| format!("no rank holds shard {me}"))?;
+    if from == me {
+        return Ok(0);
+    }
+    let states = sh.export_all()?;
+    let mut words = Vec::new();
+    for s in &states {
+        words.extend(s.to_words());
+    }
+    let got = comm
+        .send_recv(vec![(held, words)], &[from])
+        .context("moving shards to their renumbered ranks")?;
+    let words = got.into_iter().next().map(|(_, w)| w).unwrap_or_default();
+    let n = crate::model::shard_range(sh.expert_len(), sh.world(), me).len();
+    let per = 2 + 3 * n;
+    ensure!(
+        words.len() == per * states.len(),
+        "rank {from} sent {} shard words, expected {}",
+        words.len(),
+        per * states.len()
+    );
+    let mut mine = Vec::with_capacity(states.len());
+    for (chunk, s) in words.chunks(per).zip(&states) {
+        mine.push(crate::model::ShardState::from_words(
+            s.layer, s.expert, n, chunk,
+        )?);
+    }
+    *sh = ShardStore::from_shards(&st.cfg, &st.dev, me, sh.world(), &mine)?;
+    Ok(4 * words.len() as u64)
 }
 
 #[cfg(test)]

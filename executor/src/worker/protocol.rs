@@ -11,7 +11,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::checkpoint;
 use crate::comm::MeshSecret;
-use crate::model::{DenseModel, ExpertStore, Fnv64, MoeConfig};
+use crate::model::{DenseModel, ExpertMode, ExpertStore, Fnv64, MoeConfig};
 use lazarus_planner::deadline::StepDeadline;
 
 /// One training step as a worker reports it (one JSON line on stdout).
@@ -166,6 +166,9 @@ pub struct JobSpec {
     pub checkpoint: Option<CheckpointSpec>,
     /// Directory for the checksum file `rank<node_id>.json` written at [`Command::Stop`].
     pub out: Option<PathBuf>,
+    /// Whole expert replicas, or FSEP shards (one per rank of every expert).
+    #[serde(default)]
+    pub expert_mode: ExpertMode,
 }
 
 fn default_alive_every_ms() -> u64 {

@@ -8,10 +8,10 @@ use candle_core::{Device, Tensor};
 use super::protocol::CheckpointSpec;
 use crate::checkpoint;
 use crate::model::{
-    AdamW, DenseModel, ExpertState, ExpertStore, MoeConfig, OptimState, RoutingStats, apply_update,
-    grad_scale, sq_norm,
+    AdamW, DenseModel, ExpertMode, ExpertState, ExpertStore, MoeConfig, OptimState, RoutingStats,
+    ShardState, ShardStore, apply_update, grad_scale, sq_norm,
 };
-use crate::runtime::DistributedExperts;
+use crate::runtime::{DistributedExperts, SharedShards};
 
 /// A worker's training state.
 pub(super) struct State {
@@ -19,7 +19,12 @@ pub(super) struct State {
     pub dev: Device,
     pub model: DenseModel,
     pub opt: AdamW,
+    /// Replicated mode: the held replicas (empty in FSEP mode).
     pub store: ExpertStore,
+    pub mode: ExpertMode,
+    /// FSEP mode: shard `rank` of every expert, once a reconfiguration made them (they stay
+    /// across a re-layout over the same membership).
+    pub shards: Option<SharedShards>,
 }
 
 impl State {
@@ -35,7 +40,15 @@ impl State {
             model,
             opt,
             store,
+            mode: ExpertMode::Replicated,
+            shards: None,
         })
+    }
+
+    /// The same state for a job whose experts are stored as `mode` says.
+    pub fn with_mode(mut self, mode: ExpertMode) -> Self {
+        self.mode = mode;
+        self
     }
 }
 
@@ -43,6 +56,8 @@ impl State {
 pub struct Snapshot {
     dense: OptimState,
     experts: Vec<ExpertState>,
+    /// FSEP: this rank's shards (empty when replicated).
+    shards: Vec<ShardState>,
 }
 
 impl Snapshot {
@@ -54,7 +69,29 @@ impl Snapshot {
                 .into_iter()
                 .map(|(l, e)| store.export(l, e))
                 .collect::<candle_core::Result<_>>()?,
+            shards: Vec::new(),
         })
+    }
+
+    /// [`Self::take`] plus this rank's FSEP shards.
+    pub fn take_sharded(opt: &AdamW, store: &ExpertStore, shards: &ShardStore) -> Result<Self> {
+        let mut s = Self::take(opt, store)?;
+        s.shards = shards.export_all()?;
+        Ok(s)
+    }
+
+    /// Puts the FSEP shards of the snapshot back (nothing when it has none).
+    pub fn restore_shards(&self, shards: &SharedShards) -> Result<()> {
+        if self.shards.is_empty() {
+            return Ok(());
+        }
+        let mut sh = shards
+            .lock()
+            .map_err(|_| anyhow!("shard store: lock poisoned"))?;
+        for s in &self.shards {
+            sh.import(s)?;
+        }
+        Ok(())
     }
 
     pub fn restore(&self, opt: &mut AdamW, store: &mut ExpertStore) -> Result<()> {
@@ -129,9 +166,23 @@ pub fn train_step(
     })??;
     let nonfinite = votes[1] > 0.0;
     let factor = grad_scale(experts.world(), &votes[2..], model.config().grad_clip_norm);
-    let snapshot = Snapshot::take(dense_opt, store)?;
+    let snapshot = match experts.shard_store()? {
+        Some(sh) => {
+            let sh = sh
+                .lock()
+                .map_err(|_| anyhow!("shard store: lock poisoned"))?;
+            Snapshot::take_sharded(dense_opt, store, &sh)?
+        }
+        None => Snapshot::take(dense_opt, store)?,
+    };
     if !nonfinite {
-        apply_update(dense_opt, store, &dense, expert_grads, factor)?;
+        if experts.is_sharded()? {
+            // FSEP: the dense update here, each expert's on the shards of its owners.
+            apply_update(dense_opt, store, &dense, BTreeMap::new(), factor)?;
+            experts.step_shards(expert_grads, factor)?;
+        } else {
+            apply_update(dense_opt, store, &dense, expert_grads, factor)?;
+        }
     }
     Ok(TrainedStep {
         loss,
@@ -149,6 +200,10 @@ pub fn train_step(
 /// of it; all holders have the same reduced gradient) and zeros elsewhere. Summed over the
 /// ranks, every slot holds one exact value, so every member computes the same norm and the
 /// same [`grad_scale`] factor. Empty when clipping is off (the norm is not needed).
+///
+/// FSEP: every rank holds one shard of each summed expert gradient, so every rank writes the
+/// squared norm of its shards into the expert's slot and the sum over ranks is the whole
+/// expert's (equal to the replicated value up to the order of the f32 additions).
 fn norm_parts(
     model: &DenseModel,
     experts: &DistributedExperts,
@@ -165,9 +220,10 @@ fn norm_parts(
     if rank == 0 {
         parts[0] = sq_norm(dense.iter().flatten())?;
     }
+    let sharded = experts.is_sharded()?;
     for (&(l, e), (g1, g2)) in expert_grads {
         let owner = replicas[l][e].iter().position(|&n| n > 0);
-        if owner == Some(rank) {
+        if sharded || owner == Some(rank) {
             parts[1 + l * n_experts + e] = sq_norm([g1, g2])?;
         }
     }
@@ -188,12 +244,16 @@ pub fn all_finite(t: &Tensor) -> Result<bool> {
 /// Writes this worker's parts of the checkpoint after `step` completed steps. A state holding a
 /// NaN or an infinity is refused before anything is written: a checkpoint exists to be
 /// restored, and restoring it would only bring the divergence back.
+///
+/// FSEP: `gathered` holds the whole experts this rank writes, assembled from every rank's
+/// shards (`DistributedExperts::gather_experts` with [`checkpoint_writers`]).
 pub(super) fn write_checkpoint(
     spec: &CheckpointSpec,
     step: u64,
     st: &State,
     replicas: &[Vec<Vec<u32>>],
     rank: usize,
+    gathered: &BTreeMap<(usize, usize), ExpertState>,
 ) -> Result<Vec<checkpoint::PartInfo>> {
     let mut parts = Vec::new();
     for part in checkpoint::parts_to_write(replicas, rank) {
@@ -205,7 +265,15 @@ pub(super) fn write_checkpoint(
                 checkpoint::encode_dense(&s)
             }
             checkpoint::Part::Expert { layer, expert } => {
-                let s = st.store.export(layer, expert)?;
+                let s = match (&st.shards, gathered.get(&(layer, expert))) {
+                    (None, _) => st.store.export(layer, expert)?,
+                    (Some(_), Some(s)) => s.clone(),
+                    (Some(_), None) => {
+                        return Err(anyhow!(
+                            "{name}: the shards of this expert were not gathered"
+                        ));
+                    }
+                };
                 checkpoint::check_expert_finite(&s).map_err(|e| anyhow!("{name}: {e}"))?;
                 checkpoint::encode_expert(&s)
             }
@@ -216,6 +284,20 @@ pub(super) fn write_checkpoint(
         );
     }
     Ok(parts)
+}
+
+/// Which rank writes each expert's checkpoint part under `replicas` (for the FSEP gather).
+pub(super) fn checkpoint_writers(replicas: &[Vec<Vec<u32>>]) -> BTreeMap<(usize, usize), usize> {
+    let world = replicas.first().and_then(|l| l.first()).map_or(0, Vec::len);
+    let mut out = BTreeMap::new();
+    for rank in 0..world {
+        for part in checkpoint::parts_to_write(replicas, rank) {
+            if let checkpoint::Part::Expert { layer, expert } = part {
+                out.insert((layer, expert), rank);
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -107,6 +107,7 @@
 //! checkpoint load. [`reconfigure_s`]: failure detection + communicator rebuild; migration
 //! ([`migration_s`]) is added by the caller.
 
+pub mod fsep;
 mod profile;
 #[cfg(test)]
 mod tests;
@@ -118,6 +119,7 @@ pub use profile::{
 
 use anyhow::{Result, bail};
 use lazarus_planner::dispatch;
+use rayon::prelude::*;
 
 /// Above this many ranks, [`Dispatch::Unpadded`] uses the analytic (fractional) dispatch
 /// instead of calling `dispatch::plan` (whose `O(R²)` send/receive matrices cost ~25 ms per
@@ -265,33 +267,50 @@ pub fn step_cost_sparse(
     let flops = hw.gpu_flops_effective;
     let act = model.activation_bytes_per_token() as f64;
     let (inter_bw, intra_bw) = (hw.rank_inter_bandwidth(), hw.rank_intra_bandwidth());
-    let mut traffic = Traffic::new(hw, gpus);
+    // Layers are independent: each is evaluated on its own (in parallel: a new layout at
+    // 2,048 nodes costs tens of milliseconds per step-cost evaluation), and their terms are
+    // summed below in layer order, so the result does not depend on the thread count.
+    let layer_terms: Vec<Result<(f64, f64)>> = input
+        .replicas
+        .par_iter()
+        .zip(input.loads.par_iter())
+        .enumerate()
+        .map_init(
+            || Traffic::new(hw, gpus),
+            |traffic, (layer, (replicas, loads))| {
+                let t = routed_tokens(loads, model.assignments_per_gpu())
+                    .map_err(|e| anyhow::anyhow!("MoE layer {layer}: {e}"))?;
+                traffic.clear();
+                let res = match groups {
+                    Some(g) if input.dispatch == Dispatch::Dropless => {
+                        dropless_layer(&t, replicas, g, &group_of, traffic)
+                    }
+                    Some(g) => padded_layer(&t, replicas, g, &group_of, traffic),
+                    None if gpus > ANALYTIC_DISPATCH_ABOVE_GPUS => {
+                        analytic_layer(&t, replicas, traffic)
+                    }
+                    None => planned_layer(&t, replicas, traffic),
+                };
+                res.map_err(|e| anyhow::anyhow!("MoE layer {layer}: {e}"))?;
+                let max_processed = traffic.processed.iter().copied().fold(0.0, f64::max);
+                // Ranks sharing a host's cores: the layer takes the host's total expert work
+                // over its cores (a rank that waits frees its core for the others), at least
+                // the busiest rank's.
+                let processed = match hw.host_cores {
+                    Some(cores) => max_processed.max(traffic.processed.iter().sum::<f64>() / cores),
+                    None => max_processed,
+                };
+                Ok((processed, traffic.max_link_time(inter_bw, intra_bw)))
+            },
+        )
+        .collect();
     let mut expert_compute_s = 0.0;
     let mut all_to_all_s = 0.0;
-    for (layer, (replicas, loads)) in input.replicas.iter().zip(input.loads).enumerate() {
-        let t = routed_tokens(loads, model.assignments_per_gpu())
-            .map_err(|e| anyhow::anyhow!("MoE layer {layer}: {e}"))?;
-        traffic.clear();
-        let res = match groups {
-            Some(g) if input.dispatch == Dispatch::Dropless => {
-                dropless_layer(&t, replicas, g, &group_of, &mut traffic)
-            }
-            Some(g) => padded_layer(&t, replicas, g, &group_of, &mut traffic),
-            None if gpus > ANALYTIC_DISPATCH_ABOVE_GPUS => {
-                analytic_layer(&t, replicas, &mut traffic)
-            }
-            None => planned_layer(&t, replicas, &mut traffic),
-        };
-        res.map_err(|e| anyhow::anyhow!("MoE layer {layer}: {e}"))?;
-        let max_processed = traffic.processed.iter().copied().fold(0.0, f64::max);
-        // Ranks sharing a host's cores: the layer takes the host's total expert work over its
-        // cores (a rank that waits frees its core for the others), at least the busiest rank's.
-        let processed = match hw.host_cores {
-            Some(cores) => max_processed.max(traffic.processed.iter().sum::<f64>() / cores),
-            None => max_processed,
-        };
+    // The first failing layer's error, as the sequential loop reported.
+    for terms in layer_terms {
+        let (processed, link_time) = terms?;
         expert_compute_s += processed * model.expert_train_flops_per_assignment() / flops;
-        all_to_all_s += 4.0 * act * traffic.max_link_time(inter_bw, intra_bw);
+        all_to_all_s += 4.0 * act * link_time;
     }
 
     let share = hw.compute_share(gpus);
@@ -554,20 +573,51 @@ fn padded_layer(
             *cap = (*cap).max(te.div_ceil(kg));
         }
     }
+    // Every member `r` sends `slots[p] · c` to every other member `p`. Summed per node this is
+    // O(group) instead of O(group²) (64² pairs per group and layer at 2,048 GPUs). Every term
+    // is an integer below 2⁵³ (slot counts times a token capacity), so the sums are exact in
+    // any order: the result is bit for bit the pairwise loop's (`padded_layer_pairwise` in
+    // the tests).
+    let mut node_slots: Vec<(usize, f64, f64)> = Vec::new();
     for (group, &capacity) in groups.iter().zip(&capacity) {
         let c = capacity as f64;
         let g = group.len() as f64;
-        for &r in group {
-            traffic.processed[r] += g * slots[r] * c;
-            for &p in group {
-                if p != r {
-                    traffic.send(r, p, slots[p] * c);
+        // (node, slots on it, members on it) for the group's nodes: a group spans few nodes.
+        node_slots.clear();
+        let mut total = 0.0;
+        for &p in group {
+            let n = traffic.node[p];
+            match node_slots.iter_mut().find(|e| e.0 == n) {
+                Some(e) => {
+                    e.1 += slots[p];
+                    e.2 += 1.0;
                 }
+                None => node_slots.push((n, slots[p], 1.0)),
             }
+            total += slots[p];
+        }
+        debug_assert!(
+            g * total * c < EXACT_F64_INTEGER,
+            "padded traffic exceeds exact f64 integers"
+        );
+        for &r in group {
+            let n = traffic.node[r];
+            let &(_, on_node, members) = node_slots
+                .iter()
+                .find(|e| e.0 == n)
+                .expect("every member's node was summed");
+            traffic.processed[r] += g * slots[r] * c;
+            traffic.sent_intra[r] += (on_node - slots[r]) * c;
+            traffic.sent_inter[r] += (total - on_node) * c;
+            traffic.recv_intra[r] += slots[r] * c * (members - 1.0);
+            traffic.recv_inter[r] += slots[r] * c * (g - members);
         }
     }
     Ok(())
 }
+
+/// 2⁵³: below it every integer is an `f64`, so sums of integer-valued terms are exact.
+const EXACT_F64_INTEGER: f64 = 9_007_199_254_740_992.0;
 
 /// The error of an expert with tokens but no replica in some group: the first such group, then
 /// its first such expert.

@@ -509,3 +509,120 @@ fn dropless_matches_a_literal_loop_and_undercuts_padding() {
     );
     assert!((d.total_s / p.total_s - 1.0).abs() < 1e-3, "{d:?} vs {p:?}");
 }
+
+/// The pairwise padded exchange `padded_layer` replaced: every member sends every other
+/// member of its group `slots[p] · c`.
+fn padded_layer_pairwise(
+    t: &[u64],
+    replicas: &[Vec<(u32, u32)>],
+    groups: &[Vec<usize>],
+    group_of: &[usize],
+    traffic: &mut Traffic,
+) {
+    let gpus = traffic.processed.len();
+    let mut capacity = vec![0u64; groups.len()];
+    let mut k = vec![0u64; groups.len()];
+    let mut slots = vec![0.0f64; gpus];
+    for (&te, row) in t.iter().zip(replicas) {
+        for &(r, c) in row {
+            slots[r as usize] += f64::from(c);
+        }
+        if te == 0 {
+            continue;
+        }
+        assert!(count_per_group(&mut k, row, group_of));
+        for (&kg, cap) in k.iter().zip(&mut capacity) {
+            *cap = (*cap).max(te.div_ceil(kg));
+        }
+    }
+    for (group, &capacity) in groups.iter().zip(&capacity) {
+        let c = capacity as f64;
+        let g = group.len() as f64;
+        for &r in group {
+            traffic.processed[r] += g * slots[r] * c;
+            for &p in group {
+                if p != r {
+                    traffic.send(r, p, slots[p] * c);
+                }
+            }
+        }
+    }
+}
+
+/// `padded_layer`'s per-node sums equal the pairwise exchange bit for bit, on random layouts
+/// with uneven replica counts and groups whose ranks are scattered over nodes.
+#[test]
+fn padded_layer_equals_the_pairwise_exchange_exactly() {
+    use rand::rngs::Xoshiro256PlusPlus;
+    use rand::seq::SliceRandom;
+    use rand::{RngExt, SeedableRng};
+    let hw = hardware("h200-400g").unwrap();
+    for seed in 0..40u64 {
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+        let group_size = [1, 2, 3, 8, 16][seed as usize % 5];
+        let gpus = group_size * rng.random_range(1..6usize);
+        let experts = rng.random_range(1..40usize);
+        let mut ranks: Vec<usize> = (0..gpus).collect();
+        if seed % 2 == 1 {
+            ranks.shuffle(&mut rng);
+        }
+        let groups: Vec<Vec<usize>> = ranks.chunks(group_size).map(|g| g.to_vec()).collect();
+        let mut group_of = vec![0usize; gpus];
+        for (gi, g) in groups.iter().enumerate() {
+            for &r in g {
+                group_of[r] = gi;
+            }
+        }
+        // Every expert has at least one replica in every group, some more.
+        let replicas: Vec<Vec<(u32, u32)>> = (0..experts)
+            .map(|_| {
+                let mut counts = vec![0u32; gpus];
+                for g in &groups {
+                    counts[g[rng.random_range(0..g.len())]] += 1;
+                }
+                for _ in 0..rng.random_range(0..4usize) {
+                    counts[rng.random_range(0..gpus)] += rng.random_range(1..3u32);
+                }
+                (0..gpus)
+                    .filter(|&r| counts[r] > 0)
+                    .map(|r| (r as u32, counts[r]))
+                    .collect()
+            })
+            .collect();
+        let t: Vec<u64> = (0..experts)
+            .map(|e| {
+                if e % 7 == 3 {
+                    0
+                } else {
+                    rng.random_range(1..2_000_000u64)
+                }
+            })
+            .collect();
+        let mut fast = Traffic::new(&hw, gpus);
+        padded_layer(&t, &replicas, &groups, &group_of, &mut fast).unwrap();
+        let mut slow = Traffic::new(&hw, gpus);
+        padded_layer_pairwise(&t, &replicas, &groups, &group_of, &mut slow);
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&fast.processed), bits(&slow.processed), "seed {seed}");
+        assert_eq!(
+            bits(&fast.sent_intra),
+            bits(&slow.sent_intra),
+            "seed {seed}"
+        );
+        assert_eq!(
+            bits(&fast.sent_inter),
+            bits(&slow.sent_inter),
+            "seed {seed}"
+        );
+        assert_eq!(
+            bits(&fast.recv_intra),
+            bits(&slow.recv_intra),
+            "seed {seed}"
+        );
+        assert_eq!(
+            bits(&fast.recv_inter),
+            bits(&slow.recv_inter),
+            "seed {seed}"
+        );
+    }
+}

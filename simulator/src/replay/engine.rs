@@ -33,7 +33,7 @@ use super::systems::{Ctx, Decision, Layout, Migration, NodeId, System, SystemKin
 use super::{
     EventRecord, ReplayConfig, ReplayError, RunResult, Sample, StepCache, Summary, TimeBreakdown,
 };
-use crate::cost::{self, SparseStepInput};
+use crate::cost;
 use crate::workload::Workload;
 use lazarus_planner::job::ReconfigKind;
 use lazarus_traces::{NodeOp, Trace};
@@ -825,6 +825,9 @@ impl<'a> Engine<'a> {
                 &l.replicas_per_rank,
                 l.dispatch,
                 &l.ep_groups,
+                l.fsep
+                    .as_ref()
+                    .map(|f| f.shape(self.cfg.hardware.gpus_per_node)),
             )
                 .hash(&mut h);
             h.finish()
@@ -1150,16 +1153,12 @@ impl<'a> Engine<'a> {
             Some(v) => v,
             None => {
                 let loads = self.workload.loads(self.steps);
-                let c = cost::step_cost_sparse(
+                // FSEP layouts re-materialise for these loads and pay the shard traffic.
+                let (c, _) = super::systems::fsep::layout_step_cost(
                     &self.cfg.hardware,
                     &self.cfg.model,
-                    &SparseStepInput {
-                        gpus: layout.gpus(&self.cfg.hardware),
-                        replicas: &layout.replicas_per_rank,
-                        loads: &loads,
-                        dispatch: layout.dispatch,
-                        ep_groups: layout.ep_groups.as_deref(),
-                    },
+                    layout,
+                    &loads,
                 )
                 .expect("the step cost of a valid layout");
                 let v = (ns(c.total_s).max(1), c.samples);

@@ -270,18 +270,8 @@ pub fn young_daly_steps(
     let Some(layout) = system.build().start(&ctx, &ready, &loads) else {
         return 1_000_000;
     };
-    let step_s = crate::cost::step_cost_sparse(
-        &cfg.hardware,
-        &cfg.model,
-        &crate::cost::SparseStepInput {
-            gpus: layout.gpus(&cfg.hardware),
-            replicas: &layout.replicas_per_rank,
-            loads: &loads,
-            dispatch: layout.dispatch,
-            ep_groups: layout.ep_groups.as_deref(),
-        },
-    )
-    .map_or(1.0, |c| c.total_s);
+    let step_s = systems::fsep::layout_step_cost(&cfg.hardware, &cfg.model, &layout, &loads)
+        .map_or(1.0, |(c, _)| c.total_s);
     let delta =
         crate::cost::checkpoint_save_s(&cfg.hardware, &cfg.model, layout.gpus(&cfg.hardware));
     let tau = (2.0 * delta * mtbf_s).sqrt();

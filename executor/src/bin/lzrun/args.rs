@@ -8,6 +8,7 @@ use clap::{Args, ValueEnum};
 use lazarus_executor::control::agent::DEFAULT_RECONNECT_GRACE_MS;
 use lazarus_executor::device::{self, CommKind, DeviceChoice, DeviceError, DeviceKind};
 use lazarus_executor::faults;
+use lazarus_executor::model::ExpertMode;
 use lazarus_executor::worker::{FAULT_TOLERANCE, MAX_NONFINITE_STEPS};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -278,6 +279,14 @@ pub struct JobArgs {
     /// (0: only on membership changes).
     #[arg(long, value_name = "K", default_value_t = 0)]
     pub rebalance_every: u64,
+    /// How the experts are stored. replicated: whole replicas with their optimizer state,
+    /// placed by the plan (a re-layout migrates them). fsep: every expert's weights and Adam
+    /// moments cut into one shard per worker (LAER-MoE's FSEP); each MoE layer gathers the
+    /// experts the layout assigns to a worker by an all-to-all of shards and returns the
+    /// gradients to the shard owners, so a re-layout moves no state — but any lost worker
+    /// loses a shard of every expert: the job restores the newest checkpoint.
+    #[arg(long, value_enum, default_value_t = ExpertMode::Replicated)]
+    pub expert_mode: ExpertMode,
     /// Directory for the workers' replica checksum files `node<ID>.json`.
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,

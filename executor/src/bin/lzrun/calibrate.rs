@@ -547,38 +547,59 @@ fn say(line: &str) {
     let _ = crate::report::print_line(line);
 }
 
-fn measure(
-    a: &CalibrateArgs,
-    cfg: &MoeConfig,
-    exe: &Path,
-    work: &Path,
-    t0: Instant,
-) -> Result<String> {
-    let load_before = load_average();
-    let cores = cpus() as f64;
+/// How each number of the profile was measured, by profile key.
+type Notes = BTreeMap<&'static str, String>;
+
+/// What the measuring runs gave (see [`measure_runs`]).
+struct Measured {
+    /// Step-time runs on 1..=N nodes, by node count.
+    grid: Vec<(usize, Run)>,
+    /// Mean step of one node by batch size, sorted by batch.
+    batches: Vec<(usize, f64)>,
+    /// Two in-place recoveries and two joins.
+    faults: Run,
+    /// Kills meant to force a checkpoint restore.
+    restore: Run,
+    /// Nodes of the fault run.
+    fault_nodes: usize,
+    ckpt: CheckpointTiming,
+    /// Bytes each way of the bandwidth measurements.
+    transfer_bytes: usize,
+    p2p_bw: f64,
+    a2a_bw: f64,
+    ar_bw: f64,
+}
+
+/// `lzrun local ARGS --config SPEC` in `work/name`.
+fn run_named(exe: &Path, work: &Path, name: &str, args: &[String], spec: &Path) -> Result<Run> {
+    let mut args = args.to_vec();
+    args.extend(["--config".to_string(), spec.display().to_string()]);
+    run_local(exe, &work.join(name), &args)
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+/// Runs every measurement: `lzrun local` jobs, then checkpoint I/O and the communicator's
+/// bandwidth in this process.
+fn measure_runs(a: &CalibrateArgs, cfg: &MoeConfig, exe: &Path, work: &Path) -> Result<Measured> {
     let spec = config_with_batch(work, cfg, cfg.batch)?;
-    let spec_s = spec.display().to_string();
     let steps = a.steps.to_string();
 
     // 1. Step times on 1..=N nodes, no faults, a checkpoint every 3 steps (the steps after
     // one are left out of the step time and give the checkpoint's cost).
     let mut grid: Vec<(usize, Run)> = Vec::new();
     for n in 1..=a.nodes {
-        let dir = work.join(format!("nodes{n}"));
-        let args: Vec<String> = [
+        let args = strings(&[
             "--nodes",
             &n.to_string(),
             "--steps",
             &steps,
             "--ckpt-every",
             "3",
-            "--config",
-            &spec_s,
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        let run = run_local(exe, &dir, &args)?;
+        ]);
+        let run = run_named(exe, work, &format!("nodes{n}"), &args, &spec)?;
         say(&format!(
             "calibrate: {n} node(s): {:.1} ms/step, checkpoint {:.1} ms, start {:.2} s, stop {:.2} s",
             run.mean_step_s() * 1e3,
@@ -596,20 +617,8 @@ fn measure(
             continue;
         }
         let path = config_with_batch(work, cfg, b)?;
-        let args: Vec<String> = [
-            "--nodes",
-            "1",
-            "--steps",
-            &steps,
-            "--ckpt-every",
-            "0",
-            "--config",
-            &path.display().to_string(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        let run = run_local(exe, &work.join(format!("batch{b}")), &args)?;
+        let args = strings(&["--nodes", "1", "--steps", &steps, "--ckpt-every", "0"]);
+        let run = run_named(exe, work, &format!("batch{b}"), &args, &path)?;
         say(&format!(
             "calibrate: 1 node, batch {b}: {:.1} ms/step",
             run.mean_step_s() * 1e3
@@ -622,27 +631,25 @@ fn measure(
     // 3. Faults: two in-place recoveries and two joins; then a checkpoint restore.
     let nf = a.nodes.clamp(2, 4);
     let fault_steps = 22u64.max(a.steps);
-    let args: Vec<String> = [
-        "--nodes".to_string(),
-        nf.to_string(),
-        "--steps".into(),
-        fault_steps.to_string(),
-        "--kill".into(),
-        format!("{}@4", nf - 1),
-        "--join".into(),
-        "@8".into(),
-        "--kill".into(),
-        "0@13".into(),
-        "--join".into(),
-        "@16".into(),
-        "--ckpt-every".into(),
-        "4".into(),
-        "--config".into(),
-        spec_s.clone(),
-    ]
-    .to_vec();
-    let faults = run_local(exe, &work.join("faults"), &args)?;
-    let args: Vec<String> = [
+    let last = format!("{}@4", nf - 1);
+    let args = strings(&[
+        "--nodes",
+        &nf.to_string(),
+        "--steps",
+        &fault_steps.to_string(),
+        "--kill",
+        &last,
+        "--join",
+        "@8",
+        "--kill",
+        "0@13",
+        "--join",
+        "@16",
+        "--ckpt-every",
+        "4",
+    ]);
+    let faults = run_named(exe, work, "faults", &args, &spec)?;
+    let args = strings(&[
         "--nodes",
         "4",
         "--steps",
@@ -653,13 +660,8 @@ fn measure(
         "1@6",
         "--ckpt-every",
         "4",
-        "--config",
-        &spec_s,
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let restore = run_local(exe, &work.join("restore"), &args)?;
+    ]);
+    let restore = run_named(exe, work, "restore", &args, &spec)?;
     say(&format!(
         "calibrate: fault runs: {} reconfigurations",
         (faults.reconfigs.len() + restore.reconfigs.len()).saturating_sub(2)
@@ -669,11 +671,26 @@ fn measure(
     let ckpt = checkpoint_timing(cfg, &work.join("ckpt"), nf, 5)?;
     let transfer_bytes = (cfg.expert_state_bytes() * 4).max(16 << 20);
     let (p2p_bw, a2a_bw, ar_bw) = comm_bandwidth(transfer_bytes, 5)?;
+    Ok(Measured {
+        grid,
+        batches,
+        faults,
+        restore,
+        fault_nodes: nf,
+        ckpt,
+        transfer_bytes,
+        p2p_bw,
+        a2a_bw,
+        ar_bw,
+    })
+}
 
-    // --- Fits ---
-    let mut notes: BTreeMap<&str, String> = BTreeMap::new();
+/// One rank's compute: returns (`gpu_flops_effective`, `step_overhead_s`) from the one-node
+/// runs at several batches (see the module docs).
+fn fit_compute(cfg: &MoeConfig, m: &Measured, notes: &mut Notes) -> (f64, f64) {
     let tokens = |b: usize| (b * cfg.seq_len) as f64;
-    let s1 = grid[0].1.mean_step_s();
+    let s1 = m.grid[0].1.mean_step_s();
+    let batches = &m.batches;
     let (lo, hi) = (batches[0], batches[batches.len() - 1]);
     let mut slope = if hi.0 > lo.0 {
         (hi.1 - lo.1) / (tokens(hi.0) - tokens(lo.0))
@@ -725,6 +742,13 @@ fn measure(
             tokens(cfg.batch)
         ),
     );
+    (flops, overhead)
+}
+
+/// What every further rank adds to a step: `step_per_peer_s`, fitted on the step-time runs
+/// after the shared cores and the bytes-over-bandwidth terms (see the module docs).
+fn fit_per_peer(cfg: &MoeConfig, m: &Measured, cores: f64, nodes: usize, notes: &mut Notes) -> f64 {
+    let s1 = m.grid[0].1.mean_step_s();
     let share = |n: usize| (n as f64 / cores).max(1.0);
     // The bytes-over-bandwidth terms the simulator adds on its own (approximated for uniform
     // routing): all-to-all of the assignments whose expert the rank does not hold (4 passes
@@ -739,61 +763,55 @@ fn measure(
         let held = (slots as f64 / cfg.experts as f64).min(1.0);
         let assignments = (cfg.batch * cfg.seq_len * cfg.top_k) as f64;
         let a2a = cfg.n_layers as f64 * 4.0 * assignments * (1.0 - held) * 4.0 * cfg.d_model as f64
-            / a2a_bw;
+            / m.a2a_bw;
         let ring = 2.0 * (n - 1) as f64 / n as f64;
         let dense = ring * cfg.dense_params() as f64 * 4.0;
         let experts = (cfg.n_layers * slots) as f64 * cfg.expert_params() as f64 * 4.0;
-        a2a + (dense + experts) / ar_bw.min(a2a_bw)
+        a2a + (dense + experts) / m.ar_bw.min(m.a2a_bw)
     };
     let (mut num, mut den) = (0.0, 0.0);
-    for (n, run) in grid.iter().skip(1) {
+    for (n, run) in m.grid.iter().skip(1) {
         let x = (*n - 1) as f64;
         num += (run.mean_step_s() - share(*n) * s1 - bw_terms(*n)) * x;
         den += x * x;
     }
     let per_peer = if den > 0.0 { (num / den).max(0.0) } else { 0.0 };
     let mut fit_rows = String::new();
-    for (n, run) in &grid {
+    for (n, run) in &m.grid {
         let model = share(*n) * s1 + per_peer * (*n - 1) as f64 + bw_terms(*n);
-        let m = run.mean_step_s();
+        let ms = run.mean_step_s();
         let _ = writeln!(
             fit_rows,
             "  {n} node(s): measured {:.1} ms, model {:.1} ms ({:+.1} %)",
-            m * 1e3,
+            ms * 1e3,
             model * 1e3,
-            100.0 * (model / m - 1.0)
+            100.0 * (model / ms - 1.0)
         );
     }
-    notes.insert(
-        "host_cores",
-        format!(
-            "Cores of this host (available parallelism): every node of `lzrun local` is a process\n\
-             here, so with more ranks than cores each rank's compute takes ranks / cores times longer.\n\
-             1-minute load average when the calibration started: {}.",
-            load_before.map_or("unknown".into(), |l| format!("{l:.2}"))
-        ),
-    );
     notes.insert(
         "step_per_peer_s",
         format!(
             "What every further rank adds to a step (the collectives' messages, and waiting for\n\
              peers the shared cores delay): least squares through the origin of\n\
              step(N) - max(1, N/host_cores) x step(1) - bandwidth terms against N - 1 (the\n\
-             all-to-all and all-reduce bytes over the measured bandwidths, {:.2} ms at {} nodes,\n\
-             which the simulator adds itself), `lzrun local` runs of N = 2..{}\n\
+             all-to-all and all-reduce bytes over the measured bandwidths, {:.2} ms at {nodes} nodes,\n\
+             which the simulator adds itself), `lzrun local` runs of N = 2..{nodes}\n\
              nodes (mean time between step records, steps after a checkpoint left out). The\n\
              fitted step model against the runs:\n{}",
-            bw_terms(a.nodes) * 1e3,
-            a.nodes,
-            a.nodes,
+            bw_terms(nodes) * 1e3,
             fit_rows.trim_end()
         ),
     );
+    per_peer
+}
 
-    // Start and stop of the launcher.
+/// The launcher's start and stop: returns (`job_start_s`, `job_start_per_node_s`,
+/// `job_stop_s`), a least-squares line through the start times by node count and the mean
+/// stop.
+fn fit_launcher(m: &Measured, notes: &mut Notes) -> (f64, f64, f64) {
     let (mut sx, mut sy, mut sxx, mut sxy) = (0.0, 0.0, 0.0, 0.0);
-    let k = grid.len() as f64;
-    for (n, run) in &grid {
+    let k = m.grid.len() as f64;
+    for (n, run) in &m.grid {
         let (x, y) = (*n as f64, run.start_s());
         sx += x;
         sy += y;
@@ -805,7 +823,8 @@ fn measure(
         start_per_node = 0.0;
     }
     let start_base = (sy - start_per_node * sx) / k;
-    let start_list = grid
+    let start_list = m
+        .grid
         .iter()
         .map(|(n, r)| format!("{n}: {:.2}", r.start_s()))
         .collect::<Vec<_>>()
@@ -823,26 +842,21 @@ fn measure(
         "job_start_per_node_s",
         "Slope of that line (see job_start_s).".into(),
     );
-    let stop = mean(grid.iter().map(|(_, r)| r.stop_s()));
+    let stop = mean(m.grid.iter().map(|(_, r)| r.stop_s()));
     notes.insert(
         "job_stop_s",
         format!(
             "`lzrun local` from the last step record to its exit (stop, checksums compared,\n\
              processes reaped, metrics written): mean over the {} step-time runs.",
-            grid.len()
+            m.grid.len()
         ),
     );
+    (start_base, start_per_node, stop)
+}
 
-    // Failures.
-    let kills: Vec<&RecoveryRecord> = faults
-        .reconfigs_of(KIND_IN_PLACE)
-        .chain(restore.reconfigs_of(KIND_IN_PLACE))
-        .chain(restore.reconfigs_of(KIND_CHECKPOINT))
-        .collect();
-    ensure!(
-        !kills.is_empty(),
-        "the fault runs recorded no recovery: cannot measure failure detection"
-    );
+/// Failure detection in steps of the membership that failed: returns
+/// (`failure_detection_steps`, `failure_detection_steps_later`).
+fn fit_detection(m: &Measured, notes: &mut Notes) -> Result<(f64, f64)> {
     // Detection in steps of the membership that failed (its mean step in that run).
     let step_of = |run: &Run, nodes: usize| -> f64 {
         mean(
@@ -856,7 +870,7 @@ fn measure(
     // Each recovery, the run's first failure or a later one: `lzrun local` sees a job's first
     // failure 2-4 steps after the kill and later ones within about one, whichever rank the
     // killed node held (results/sim-vs-real/README.md), so the two are measured apart.
-    let samples: Vec<Detection> = [&faults, &restore]
+    let samples: Vec<Detection> = [&m.faults, &m.restore]
         .into_iter()
         .flat_map(|run| {
             run.reconfigs
@@ -928,6 +942,13 @@ fn measure(
             }
         ),
     );
+    Ok((detect_steps, detect_steps_later))
+}
+
+/// The controller's replan and the mesh rebuild: returns (`replan_s`,
+/// `communicator_rebuild_s`).
+fn fit_reconfiguration(m: &Measured, notes: &mut Notes) -> (f64, f64) {
+    let (faults, restore) = (&m.faults, &m.restore);
     let all: Vec<&RecoveryRecord> = faults
         .reconfigs
         .iter()
@@ -951,7 +972,7 @@ fn measure(
     let rebuild = mean(
         meshes
             .iter()
-            .map(|r| (r.migrate_ms / 1e3 - r.bytes as f64 / p2p_bw).max(0.0)),
+            .map(|r| (r.migrate_ms / 1e3 - r.bytes as f64 / m.p2p_bw).max(0.0)),
     );
     notes.insert(
         "communicator_rebuild_s",
@@ -968,7 +989,15 @@ fn measure(
                 .join("; ")
         ),
     );
-    let excesses: Vec<(usize, f64)> = grid
+    (replan, rebuild)
+}
+
+/// Checkpoint write and restore: returns (`checkpoint_bandwidth_bytes_per_s`,
+/// `process_restart_s`).
+fn fit_checkpoint(m: &Measured, rebuild: f64, notes: &mut Notes) -> (f64, f64) {
+    let ckpt = &m.ckpt;
+    let excesses: Vec<(usize, f64)> = m
+        .grid
         .iter()
         .filter_map(|(n, r)| r.checkpoint_excess_s().map(|x| (*n, x)))
         .collect();
@@ -991,7 +1020,7 @@ fn measure(
              step's first collective); the mean excess per node count: {} ms.\n\
              Used: {how}, {:.1} ms. Cross-check: a checkpoint of this model written through\n\
              checkpoint::write_part (temporary file, fsync, rename), median of 5: rank 0's parts\n\
-             of a {nf}-node plan (dense state and the experts it is the lowest holder of, {}\n\
+             of a {}-node plan (dense state and the experts it is the lowest holder of, {}\n\
              bytes) {:.1} ms, all parts by one writer {:.1} ms.",
             ckpt.bytes,
             excesses
@@ -1000,13 +1029,14 @@ fn measure(
                 .collect::<Vec<_>>()
                 .join(", "),
             ckpt_s * 1e3,
+            m.fault_nodes,
             ckpt.rank0_bytes,
             ckpt.save_rank0_s * 1e3,
             ckpt.save_all_s * 1e3,
         ),
     );
     let load_sim = ckpt.bytes as f64 / ckpt_bw;
-    let restores: Vec<&RecoveryRecord> = restore.reconfigs_of(KIND_CHECKPOINT).collect();
+    let restores: Vec<&RecoveryRecord> = m.restore.reconfigs_of(KIND_CHECKPOINT).collect();
     let (restart, restart_note) = if restores.is_empty() {
         (
             rebuild + (ckpt.load_s - load_sim).max(0.0),
@@ -1019,25 +1049,30 @@ fn measure(
             ),
         )
     } else {
-        let m = mean(restores.iter().map(|r| r.migrate_ms / 1e3));
+        let mig = mean(restores.iter().map(|r| r.migrate_ms / 1e3));
         (
-            (m - load_sim).max(0.0),
+            (mig - load_sim).max(0.0),
             format!(
                 "`lzrun` restores in place (no process restarts): the survivors form a mesh and read\n\
                  the checkpoint. Mean `migrate_ms` of the {} restore(s) of the restore run ({:.0} ms)\n\
                  minus the checkpoint read the simulator charges at checkpoint_bandwidth_bytes_per_s\n\
                  ({:.1} ms); a read through checkpoint::load_latest measured {:.1} ms.",
                 restores.len(),
-                m * 1e3,
+                mig * 1e3,
                 load_sim * 1e3,
                 ckpt.load_s * 1e3
             ),
         )
     };
     notes.insert("process_restart_s", restart_note);
-    let boots = join_boot_times(&faults);
+    (ckpt_bw, restart)
+}
+
+/// A joining node's boot (`node_boot_s`); without a join, the launcher's start of one node.
+fn fit_boot(m: &Measured, start_of_one_s: f64, notes: &mut Notes) -> f64 {
+    let boots = join_boot_times(&m.faults);
     let boot = if boots.is_empty() {
-        start_base + start_per_node
+        start_of_one_s
     } else {
         mean(boots.iter().copied())
     };
@@ -1061,6 +1096,21 @@ fn measure(
             )
         },
     );
+    boot.max(0.0)
+}
+
+/// The notes of the bandwidths and of the numbers that are facts of `lzrun local`, not fits.
+fn note_fixed(m: &Measured, load_before: Option<f64>, notes: &mut Notes) {
+    let transfer_bytes = m.transfer_bytes;
+    notes.insert(
+        "host_cores",
+        format!(
+            "Cores of this host (available parallelism): every node of `lzrun local` is a process\n\
+             here, so with more ranks than cores each rank's compute takes ranks / cores times longer.\n\
+             1-minute load average when the calibration started: {}.",
+            load_before.map_or("unknown".into(), |l| format!("{l:.2}"))
+        ),
+    );
     notes.insert(
         "state_transfer_bandwidth_bytes_per_s",
         format!(
@@ -1076,42 +1126,68 @@ fn measure(
              intra-node bandwidth. The cost model charges the replica groups' gradient all-reduces\n\
              to it too; all_reduce_sum of the same buffer over the two ranks measured {:.3e} B/s\n\
              (ring model).",
-            ar_bw
+            m.ar_bw
         ),
     );
-    notes.insert(
-        "intra_node_bandwidth_bytes_per_s",
-        "As inter_node_bandwidth_bytes_per_s (unused with one rank per node).".into(),
-    );
-    notes.insert(
-        "network_efficiency",
-        "The bandwidths above are achieved rates already.".into(),
-    );
-    notes.insert(
-        "gpus_per_node",
-        "One worker process (one rank) per `lzrun` node.".into(),
-    );
-    notes.insert(
-        "nic_shared_by_nodes",
-        "Nodes do not share a network link in the model (loopback).".into(),
-    );
-    notes.insert(
-        "gpu_memory_bytes",
-        "Not measured and not used by the cost model: the host's memory (MemTotal).".into(),
-    );
-    notes.insert(
-        "name",
-        "Profile name (the model of lzrun local on this host).".into(),
-    );
+    let fixed = [
+        (
+            "intra_node_bandwidth_bytes_per_s",
+            "As inter_node_bandwidth_bytes_per_s (unused with one rank per node).",
+        ),
+        (
+            "network_efficiency",
+            "The bandwidths above are achieved rates already.",
+        ),
+        (
+            "gpus_per_node",
+            "One worker process (one rank) per `lzrun` node.",
+        ),
+        (
+            "nic_shared_by_nodes",
+            "Nodes do not share a network link in the model (loopback).",
+        ),
+        (
+            "gpu_memory_bytes",
+            "Not measured and not used by the cost model: the host's memory (MemTotal).",
+        ),
+        (
+            "name",
+            "Profile name (the model of lzrun local on this host).",
+        ),
+    ];
+    for (key, note) in fixed {
+        notes.insert(key, note.into());
+    }
+}
 
+/// Measures everything and returns the profile as commented TOML.
+fn measure(
+    a: &CalibrateArgs,
+    cfg: &MoeConfig,
+    exe: &Path,
+    work: &Path,
+    t0: Instant,
+) -> Result<String> {
+    let load_before = load_average();
+    let cores = cpus() as f64;
+    let m = measure_runs(a, cfg, exe, work)?;
+    let mut notes = Notes::new();
+    let (flops, overhead) = fit_compute(cfg, &m, &mut notes);
+    let per_peer = fit_per_peer(cfg, &m, cores, a.nodes, &mut notes);
+    let (start_base, start_per_node, stop) = fit_launcher(&m, &mut notes);
+    let (detect_steps, detect_steps_later) = fit_detection(&m, &mut notes)?;
+    let (replan, rebuild) = fit_reconfiguration(&m, &mut notes);
+    let (ckpt_bw, restart) = fit_checkpoint(&m, rebuild, &mut notes);
+    let boot = fit_boot(&m, start_base + start_per_node, &mut notes);
+    note_fixed(&m, load_before, &mut notes);
     let profile = Profile {
         name: "lzrun-local".into(),
         gpus_per_node: 1,
         nic_shared_by_nodes: 1,
         gpu_flops_effective: flops,
         gpu_memory_bytes: mem_total_bytes().unwrap_or(1 << 30),
-        intra_node_bandwidth_bytes_per_s: a2a_bw,
-        inter_node_bandwidth_bytes_per_s: a2a_bw,
+        intra_node_bandwidth_bytes_per_s: m.a2a_bw,
+        inter_node_bandwidth_bytes_per_s: m.a2a_bw,
         network_efficiency: 1.0,
         checkpoint_bandwidth_bytes_per_s: ckpt_bw,
         failure_detection_timeout_s: 0.0,
@@ -1119,12 +1195,12 @@ fn measure(
         failure_detection_steps_later: detect_steps_later,
         communicator_rebuild_s: rebuild,
         process_restart_s: restart,
-        node_boot_s: boot.max(0.0),
+        node_boot_s: boot,
         host_cores: cores,
         step_overhead_s: overhead,
         step_per_peer_s: per_peer,
         replan_s: replan,
-        state_transfer_bandwidth_bytes_per_s: p2p_bw,
+        state_transfer_bandwidth_bytes_per_s: m.p2p_bw,
         job_start_s: start_base.max(0.0),
         job_start_per_node_s: start_per_node,
         job_stop_s: stop.max(0.0),

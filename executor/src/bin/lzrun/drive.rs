@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow};
-use lazarus_executor::control::{Controller, JobHandle, Notice, ServerConfig, run_controller};
+use lazarus_executor::control::{Controller, JobHandle, Notice, ServerConfig, serve_controller};
 use lazarus_executor::metrics::StepRecord;
 use lazarus_executor::worker::Checksums;
 use tokio::sync::{mpsc as tmpsc, watch};
@@ -82,7 +82,7 @@ impl Incarnation {
         .context("listening")?;
         let (tx, notices) = tmpsc::unbounded_channel();
         let (handle_tx, handle_rx) = tokio::sync::oneshot::channel();
-        let task = tokio::spawn(run_controller(
+        let task = tokio::spawn(serve_controller(
             listener,
             server_cfg,
             controller,
@@ -146,10 +146,157 @@ pub fn stop_signals() -> Result<impl std::future::Future<Output = &'static str>>
     })
 }
 
+/// What the drive loop does next.
+enum Next {
+    Go,
+    /// Replace the controller (why, for the log).
+    Restart(String),
+    /// The job is over, with this outcome.
+    End(Result<()>),
+}
+
+/// What `drive` remembers across controller incarnations.
+#[derive(Default)]
+struct Supervision {
+    /// Steps already passed to the hooks (a restarted controller reports some again).
+    seen: BTreeSet<u64>,
+    /// Controllers replaced after a panic.
+    crashes: usize,
+    /// The last controller kill: when, after which step; cleared at the first step counted after.
+    killed: Option<(Instant, u64)>,
+}
+
+impl Supervision {
+    /// Reports a notice of the controller and calls the hooks it concerns.
+    fn on_notice(
+        &mut self,
+        notice: Notice,
+        job: &JobHandle,
+        report: &mut Report,
+        hooks: &mut impl Hooks,
+    ) -> Next {
+        match notice {
+            Notice::Step(r) => {
+                let first = self.seen.insert(r.step);
+                if let Some((t, after)) = self.killed.filter(|(_, s)| r.step > *s) {
+                    self.killed = None;
+                    report.say(&format!(
+                        "lzrun local: the restarted controller counted step {} {} ms after the \
+                         kill (after step {after}; the workers trained on meanwhile)",
+                        r.step,
+                        t.elapsed().as_millis()
+                    ));
+                }
+                let rec = r.clone();
+                report.step(r);
+                if first && let Err(e) = hooks.on_step(&rec, job) {
+                    return Next::End(Err(e));
+                }
+                if hooks.take_controller_kill() {
+                    self.killed = Some((Instant::now(), rec.step));
+                    return Next::Restart(format!("killed after step {}", rec.step));
+                }
+                Next::Go
+            }
+            Notice::Reconfigured(r) => {
+                report.reconfigured(r);
+                Next::Go
+            }
+            Notice::Log(l) => {
+                report.say(&format!("[controller] {l}"));
+                Next::Go
+            }
+            Notice::WaitingForNodes {
+                live,
+                needed,
+                reason,
+            } => {
+                report.say(&format!(
+                    "[controller] waiting for nodes ({live} live): {reason}"
+                ));
+                match hooks.on_waiting(job, live, needed) {
+                    Ok(()) => Next::Go,
+                    Err(e) => Next::End(Err(e)),
+                }
+            }
+            Notice::Fenced { name, reason } => {
+                report.say(&format!("[controller] node {name} fenced: {reason}"));
+                hooks.on_fenced(&name);
+                Next::Go
+            }
+            Notice::Finished(r) => Next::End(r.map_err(|e| anyhow!(e))),
+        }
+    }
+
+    /// The controller's notices ended without `Finished`: a panic is replaced (with a
+    /// failover, a few times at most); anything else ends the job.
+    async fn on_controller_end(&mut self, inc: &mut Incarnation, failover: bool) -> Next {
+        match inc.task.take().expect("awaited once").await {
+            Err(e) if e.is_panic() && failover && self.crashes < MAX_CRASH_RESTARTS => {
+                self.crashes += 1;
+                Next::Restart(format!("crashed ({e})"))
+            }
+            Ok(Err(e)) => Next::End(Err(anyhow!("{e}"))),
+            Err(e) => Next::End(Err(anyhow!("the job server crashed: {e}"))),
+            Ok(Ok(_)) => Next::End(Err(anyhow!("the job server stopped unexpectedly"))),
+        }
+    }
+}
+
+/// Where `drive` serves its controllers.
+struct Serving<'a> {
+    listener: &'a std::net::TcpListener,
+    server_cfg: ServerConfig,
+    stop_rx: watch::Receiver<bool>,
+}
+
+impl Serving<'_> {
+    async fn start(&self, controller: Controller) -> Result<Incarnation> {
+        Incarnation::start(
+            self.listener,
+            self.server_cfg,
+            controller,
+            self.stop_rx.clone(),
+        )
+        .await
+    }
+
+    /// Replaces the controller of `inc` (as a SIGKILL would: no goodbye, no last save; its
+    /// sockets close) by one rebuilt from its saved state, after the failover's down time when
+    /// it was killed. A stop signal meanwhile ends the job.
+    async fn restart(
+        &self,
+        why: &str,
+        f: &Failover,
+        killed: bool,
+        inc: &mut Incarnation,
+        report: &mut Report,
+        stop: &mut (impl std::future::Future<Output = &'static str> + Unpin),
+    ) -> Result<Next> {
+        if let Some(task) = inc.task.take() {
+            task.abort();
+            let _ = task.await;
+        }
+        let down = if killed { f.down } else { Duration::ZERO };
+        report.say(&format!(
+            "lzrun local: controller {why}; restarting it from {} in {} ms",
+            f.state_dir.display(),
+            down.as_millis()
+        ));
+        tokio::select! {
+            _ = tokio::time::sleep(down) => {}
+            name = stop => return Ok(Next::End(Err(Interrupted(name).into()))),
+        }
+        let controller = Controller::recover(&f.state_dir, &f.token)
+            .map_err(|e| anyhow!("restarting the controller: {e}"))?;
+        *inc = self.start(controller).await?;
+        Ok(Next::Go)
+    }
+}
+
 /// Runs the job server and handles its notices until the job is over (or a stop signal:
 /// [`stop_signals`], then the error is [`Interrupted`]), calling `hooks` on the way. With
 /// `failover`, a controller that dies is replaced from its saved state (see the module docs).
-#[allow(clippy::too_many_arguments)]
 pub async fn drive(
     listener: std::net::TcpListener,
     server_cfg: ServerConfig,
@@ -164,115 +311,39 @@ pub async fn drive(
     }
     tokio::pin!(stop);
     let (stop_tx, stop_rx) = watch::channel(false);
-    let mut inc = Incarnation::start(&listener, server_cfg, controller, stop_rx.clone()).await?;
-    let mut outcome: Result<()> = Err(anyhow!("the job server stopped unexpectedly"));
-    let mut seen = BTreeSet::new();
-    let mut crashes = 0;
-    // The last controller kill: when, after which step; cleared at the first step counted after.
-    let mut killed: Option<(Instant, u64)> = None;
-    loop {
-        let mut restart: Option<String> = None;
-        tokio::select! {
+    let serving = Serving {
+        listener: &listener,
+        server_cfg,
+        stop_rx,
+    };
+    let mut inc = serving.start(controller).await?;
+    let mut sup = Supervision::default();
+    let outcome = loop {
+        let next = tokio::select! {
             n = inc.notices.recv() => match n {
-                Some(Notice::Step(r)) => {
-                    let first = seen.insert(r.step);
-                    if let Some((t, after)) = killed.filter(|(_, s)| r.step > *s) {
-                        killed = None;
-                        report.say(&format!(
-                            "lzrun local: the restarted controller counted step {} {} ms after \
-                             the kill (after step {after}; the workers trained on meanwhile)",
-                            r.step,
-                            t.elapsed().as_millis()
-                        ));
-                    }
-                    let rec = r.clone();
-                    report.step(r);
-                    if first && let Err(e) = hooks.on_step(&rec, &inc.handle) {
-                        outcome = Err(e);
-                        break;
-                    }
-                    if hooks.take_controller_kill() {
-                        restart = Some(format!("killed after step {}", rec.step));
-                        killed = Some((Instant::now(), rec.step));
-                    }
-                }
-                Some(Notice::Reconfigured(r)) => report.reconfigured(r),
-                Some(Notice::Log(l)) => report.say(&format!("[controller] {l}")),
-                Some(Notice::WaitingForNodes {
-                    live,
-                    needed,
-                    reason,
-                }) => {
-                    report.say(&format!("[controller] waiting for nodes ({live} live): {reason}"));
-                    if let Err(e) = hooks.on_waiting(&inc.handle, live, needed) {
-                        outcome = Err(e);
-                        break;
-                    }
-                }
-                Some(Notice::Fenced { name, reason }) => {
-                    report.say(&format!("[controller] node {name} fenced: {reason}"));
-                    hooks.on_fenced(&name);
-                }
-                Some(Notice::Finished(r)) => {
-                    outcome = r.map_err(|e| anyhow!(e));
-                    break;
-                }
-                // The controller ended without finishing the job.
-                None => match inc.task.take().expect("awaited once").await {
-                    Err(e) if e.is_panic() && failover.is_some() && crashes < MAX_CRASH_RESTARTS => {
-                        crashes += 1;
-                        restart = Some(format!("crashed ({e})"));
-                    }
-                    Ok(Err(e)) => {
-                        outcome = Err(anyhow!("{e}"));
-                        break;
-                    }
-                    Err(e) => {
-                        outcome = Err(anyhow!("the job server crashed: {e}"));
-                        break;
-                    }
-                    Ok(Ok(_)) => break,
-                },
+                Some(n) => sup.on_notice(n, &inc.handle, report, hooks),
+                None => sup.on_controller_end(&mut inc, failover.is_some()).await,
             },
-            name = &mut stop => {
-                outcome = Err(Interrupted(name).into());
-                break;
+            name = &mut stop => Next::End(Err(Interrupted(name).into())),
+        };
+        let next = match (next, failover.as_ref()) {
+            (Next::Restart(why), Some(f)) => {
+                let killed = sup.killed.is_some();
+                serving
+                    .restart(&why, f, killed, &mut inc, report, &mut stop)
+                    .await?
             }
-        }
-        if let (Some(why), Some(f)) = (restart, failover.as_ref()) {
-            // As a SIGKILL would: no goodbye, no last save; its sockets close.
-            if let Some(task) = inc.task.take() {
-                task.abort();
-                let _ = task.await;
-            }
-            let down = if killed.is_some() {
-                f.down
-            } else {
-                Duration::ZERO
-            };
-            report.say(&format!(
-                "lzrun local: controller {why}; restarting it from {} in {} ms",
-                f.state_dir.display(),
-                down.as_millis()
-            ));
-            tokio::select! {
-                _ = tokio::time::sleep(down) => {}
-                name = &mut stop => {
-                    outcome = Err(Interrupted(name).into());
-                    break;
-                }
-            }
-            let controller = Controller::recover(&f.state_dir, &f.token)
-                .map_err(|e| anyhow!("restarting the controller: {e}"))?;
-            inc = Incarnation::start(&listener, server_cfg, controller, stop_rx.clone()).await?;
+            (next, _) => next,
+        };
+        if let Next::End(outcome) = next {
+            break outcome;
         }
         // Nobody reads the log any more (`| head`), or it cannot be written: stop the job as
         // on Ctrl-C rather than train on unseen.
         if let Some(e) = stdout_failure() {
-            outcome = Err(e.into());
-            break;
+            break Err(e.into());
         }
-    }
+    };
     let _ = stop_tx.send(true);
     if let Some(task) = inc.task.take() {
         match task.await {

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, anyhow, ensure};
 use lazarus_executor::checkpoint::{self, RootLock};
 use lazarus_executor::control::{Controller, JobParams, ServerConfig};
+use lazarus_executor::model::ExpertMode;
 use lazarus_executor::worker::CheckpointSpec;
 use lazarus_planner::ModelSpec;
 use lazarus_planner::deadline::StepDeadline;
@@ -163,9 +164,8 @@ fn state_dir(
     Ok((Some(dir), temp, lock))
 }
 
-/// Checks the job options and resolves them for a job that starts on `nodes` nodes; with
-/// `temp_state` the job state is saved even without `--state-dir` (in a temporary directory).
-pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -> Result<Job> {
+/// The flags' own bounds (the rules' consistency is checked by `JobConfig::validate`).
+fn check_job_args(a: &JobArgs, nodes: usize) -> Result<()> {
     ensure!(
         a.heartbeat_timeout_ms >= 1,
         "--heartbeat-timeout-ms must be at least 1"
@@ -188,6 +188,13 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
         a.max_nonfinite_steps >= 1,
         "--max-nonfinite-steps must be at least 1"
     );
+    Ok(())
+}
+
+/// Checks the job options and resolves them for a job that starts on `nodes` nodes; with
+/// `temp_state` the job state is saved even without `--state-dir` (in a temporary directory).
+pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -> Result<Job> {
+    check_job_args(a, nodes)?;
     let config = load_config(&a.model.config, a.model.seed)?;
     let slots = a
         .slots
@@ -255,6 +262,7 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
     rules.max_nonfinite_steps = a.max_nonfinite_steps;
     rules.max_checkpoint_failures = a.max_ckpt_failures;
     rules.bytes_per_expert = config.expert_state_bytes() as u64;
+    rules.sharded_experts = a.expert_mode == ExpertMode::Fsep;
     rules
         .validate()
         .map_err(|e| anyhow!("invalid job configuration: {e}"))?;

@@ -275,8 +275,8 @@ impl Hooks for Faults {
                  (add a --join, or give each node more --slots)"
             );
         };
-        // The next step's joins, and later ones until enough nodes are coming: the job may
-        // not ask again when one node becomes ready and more are needed.
+        // The next step's joins, and later ones until enough nodes are coming (the job asks
+        // again when the live count changes, and nodes already coming are not started twice).
         let first_step = events[first].after_step;
         let due: Vec<(usize, u64)> = unfired
             .into_iter()

@@ -67,6 +67,7 @@ pub fn layout(
         ),
         holdings,
         plan: None,
+        fsep: None,
     }
 }
 

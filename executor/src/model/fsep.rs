@@ -1,0 +1,501 @@
+//! Fully sharded expert storage (FSEP, LAER-MoE §1.2): every rank keeps shard `rank` of
+//! *every* expert — a contiguous slice of the expert's flattened parameters `[w1; w2]` — with
+//! the AdamW moments of that slice. No rank holds a whole expert between steps; the runtime
+//! materialises the experts the layout assigns to a rank with an all-to-all of shards
+//! ([`crate::runtime::DistributedExperts::new_sharded`]) and returns each gradient shard to its
+//! owner, so the optimizer runs on local shards only.
+//!
+//! Shard `w` of `N` covers `[w·P/N, (w+1)·P/N)` of the `P = 2·d_model·d_ff` values, so shard
+//! sizes differ by at most one value. AdamW is element-wise, so updating the shards of an
+//! expert with the slices of its summed gradient gives the same values, bit for bit, as
+//! updating the whole expert with the whole gradient (given the same clipping factor).
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use candle_core::{Device, Result, Tensor, Var};
+use serde::{Deserialize, Serialize};
+
+use super::config::MoeConfig;
+use super::experts::{ExpertState, ExpertStore};
+use super::optim::{AdamW, OptimState, ParamState, ParamsAdamW, flat, scale_grad};
+
+/// How a job stores its experts.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum ExpertMode {
+    /// Whole replicas with their own optimizer state, placed by the plan; a re-layout moves
+    /// replicas (migration).
+    #[default]
+    Replicated,
+    /// Every expert cut into one shard per rank; the layout only says which experts a rank
+    /// materialises, so a re-layout moves no state.
+    Fsep,
+}
+
+impl ExpertMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Replicated => "replicated",
+            Self::Fsep => "fsep",
+        }
+    }
+}
+
+/// The values `[start, end)` of shard `w` of `world` of a flat parameter vector of `len`.
+pub fn shard_range(len: usize, world: usize, w: usize) -> Range<usize> {
+    let world = world.max(1);
+    (w * len / world)..((w + 1) * len / world)
+}
+
+/// One shard of one expert with its optimizer state (what a checkpoint gather carries).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShardState {
+    pub layer: usize,
+    pub expert: usize,
+    pub value: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    /// AdamW updates applied to the expert.
+    pub step: u64,
+}
+
+impl ShardState {
+    /// `value, m, v, step` as f32 words (the step as two raw 32-bit halves), for the
+    /// communicator's f32 channel.
+    pub fn to_words(&self) -> Vec<f32> {
+        let mut out = Vec::with_capacity(2 + 3 * self.value.len());
+        out.push(f32::from_bits(self.step as u32));
+        out.push(f32::from_bits((self.step >> 32) as u32));
+        out.extend_from_slice(&self.value);
+        out.extend_from_slice(&self.m);
+        out.extend_from_slice(&self.v);
+        out
+    }
+
+    /// Inverse of [`Self::to_words`] for a shard of `len` values.
+    pub fn from_words(layer: usize, expert: usize, len: usize, words: &[f32]) -> Result<Self> {
+        if words.len() != 2 + 3 * len {
+            candle_core::bail!(
+                "shard ({layer}, {expert}): {} words for {len} values",
+                words.len()
+            );
+        }
+        let step = u64::from(words[0].to_bits()) | (u64::from(words[1].to_bits()) << 32);
+        let body = &words[2..];
+        Ok(Self {
+            layer,
+            expert,
+            value: body[..len].to_vec(),
+            m: body[len..2 * len].to_vec(),
+            v: body[2 * len..].to_vec(),
+            step,
+        })
+    }
+}
+
+/// `[w1; w2]` of `a` and `b` (flattened, row-major).
+fn join(a: &[f32], b: &[f32]) -> Vec<f32> {
+    let mut p = Vec::with_capacity(a.len() + b.len());
+    p.extend_from_slice(a);
+    p.extend_from_slice(b);
+    p
+}
+
+/// Shard `w` of `world` of a whole expert state.
+pub fn cut(state: &ExpertState, world: usize, w: usize) -> ShardState {
+    let r = shard_range(state.w1.len() + state.w2.len(), world, w);
+    let part = |a: &[f32], b: &[f32]| join(a, b)[r.clone()].to_vec();
+    ShardState {
+        layer: state.layer,
+        expert: state.expert,
+        value: part(&state.w1, &state.w2),
+        m: part(&state.m1, &state.m2),
+        v: part(&state.v1, &state.v2),
+        step: state.step,
+    }
+}
+
+/// The whole expert from its shards, `shards[w]` = shard `w` (all of one expert, one step).
+pub fn assemble(d_model: usize, d_ff: usize, shards: &[ShardState]) -> Result<ExpertState> {
+    let Some(first) = shards.first() else {
+        candle_core::bail!("assembling an expert from no shards");
+    };
+    let (layer, expert, step) = (first.layer, first.expert, first.step);
+    let n = d_model * d_ff;
+    let world = shards.len();
+    let (mut p, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new());
+    for (w, s) in shards.iter().enumerate() {
+        if (s.layer, s.expert, s.step) != (layer, expert, step) {
+            candle_core::bail!(
+                "shard {w} is of expert ({}, {}) at step {}, expected ({layer}, {expert}) at {step}",
+                s.layer,
+                s.expert,
+                s.step
+            );
+        }
+        let want = shard_range(2 * n, world, w).len();
+        if s.value.len() != want || s.m.len() != want || s.v.len() != want {
+            candle_core::bail!("shard {w} of ({layer}, {expert}) is not {want} values");
+        }
+        p.extend_from_slice(&s.value);
+        m.extend_from_slice(&s.m);
+        v.extend_from_slice(&s.v);
+    }
+    Ok(ExpertState {
+        layer,
+        expert,
+        d_model,
+        d_ff,
+        w1: p[..n].to_vec(),
+        w2: p[n..].to_vec(),
+        m1: m[..n].to_vec(),
+        v1: v[..n].to_vec(),
+        m2: m[n..].to_vec(),
+        v2: v[n..].to_vec(),
+        step,
+    })
+}
+
+#[derive(Debug)]
+struct Shard {
+    var: Var,
+    opt: AdamW,
+}
+
+/// Shard `rank` of every expert of every layer, with AdamW state (see the [module docs](self)).
+#[derive(Debug)]
+pub struct ShardStore {
+    rank: usize,
+    world: usize,
+    d_model: usize,
+    d_ff: usize,
+    n_layers: usize,
+    experts: usize,
+    device: Device,
+    params: ParamsAdamW,
+    shards: BTreeMap<(usize, usize), Shard>,
+}
+
+impl ShardStore {
+    /// Shard `rank` of `world` of the freshly initialised model (the same values as the
+    /// replicas of [`ExpertStore::all`]).
+    pub fn fresh(cfg: &MoeConfig, device: &Device, rank: usize, world: usize) -> Result<Self> {
+        let all = ExpertStore::all(cfg, device)?;
+        let states = all
+            .replicas()
+            .into_iter()
+            .map(|(l, e)| all.export(l, e))
+            .collect::<Result<Vec<_>>>()?;
+        Self::from_states(cfg, device, rank, world, &states)
+    }
+
+    /// Shard `rank` of `world` of every expert in `states`, which must hold each
+    /// `(layer, expert)` of the model (e.g. a checkpoint's).
+    pub fn from_states(
+        cfg: &MoeConfig,
+        device: &Device,
+        rank: usize,
+        world: usize,
+        states: &[ExpertState],
+    ) -> Result<Self> {
+        let mut s = Self::empty(cfg, device, rank, world)?;
+        for st in states {
+            if (st.d_model, st.d_ff) != (s.d_model, s.d_ff) {
+                candle_core::bail!(
+                    "expert state is {}x{}, this model is {}x{}",
+                    st.d_model,
+                    st.d_ff,
+                    s.d_model,
+                    s.d_ff
+                );
+            }
+            s.import(&cut(st, world, rank))?;
+        }
+        s.check_complete()?;
+        Ok(s)
+    }
+
+    /// A store of rank `rank` of `world` from shard states cut for that rank (e.g. the shards
+    /// another rank held before the ranks were renumbered); every expert must be present.
+    pub fn from_shards(
+        cfg: &MoeConfig,
+        device: &Device,
+        rank: usize,
+        world: usize,
+        shards: &[ShardState],
+    ) -> Result<Self> {
+        let mut s = Self::empty(cfg, device, rank, world)?;
+        for sh in shards {
+            s.import(sh)?;
+        }
+        s.check_complete()?;
+        Ok(s)
+    }
+
+    fn empty(cfg: &MoeConfig, device: &Device, rank: usize, world: usize) -> Result<Self> {
+        if world == 0 || rank >= world {
+            candle_core::bail!("shard store of rank {rank} in a world of {world}");
+        }
+        Ok(Self {
+            rank,
+            world,
+            d_model: cfg.d_model,
+            d_ff: cfg.d_ff,
+            n_layers: cfg.n_layers,
+            experts: cfg.experts,
+            device: device.clone(),
+            params: cfg.adam_params(),
+            shards: BTreeMap::new(),
+        })
+    }
+
+    fn check_complete(&self) -> Result<()> {
+        for l in 0..self.n_layers {
+            for e in 0..self.experts {
+                if !self.shards.contains_key(&(l, e)) {
+                    candle_core::bail!("no state for expert {e} of layer {l}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    pub fn n_layers(&self) -> usize {
+        self.n_layers
+    }
+
+    pub fn experts(&self) -> usize {
+        self.experts
+    }
+
+    pub fn d_model(&self) -> usize {
+        self.d_model
+    }
+
+    pub fn d_ff(&self) -> usize {
+        self.d_ff
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Values of one whole expert, `2·d_model·d_ff`.
+    pub fn expert_len(&self) -> usize {
+        2 * self.d_model * self.d_ff
+    }
+
+    /// The values of the flattened expert that shard `w` covers.
+    pub fn range(&self, w: usize) -> Range<usize> {
+        shard_range(self.expert_len(), self.world, w)
+    }
+
+    /// f32 values held by this rank (weights and both moments), for the memory report.
+    pub fn held_values(&self) -> usize {
+        3 * self
+            .shards
+            .values()
+            .map(|s| s.var.elem_count())
+            .sum::<usize>()
+    }
+
+    fn shard(&self, layer: usize, expert: usize) -> Result<&Shard> {
+        match self.shards.get(&(layer, expert)) {
+            Some(s) => Ok(s),
+            None => candle_core::bail!("no shard of expert ({layer}, {expert})"),
+        }
+    }
+
+    /// This rank's weight values of one expert.
+    pub fn values(&self, layer: usize, expert: usize) -> Result<Vec<f32>> {
+        flat(self.shard(layer, expert)?.var.as_tensor())
+    }
+
+    /// Weights, moments and step of this rank's shard of one expert.
+    pub fn export(&self, layer: usize, expert: usize) -> Result<ShardState> {
+        let st = self.shard(layer, expert)?.opt.export()?;
+        let Some(p) = st.params.into_iter().next() else {
+            candle_core::bail!("shard optimizer without its parameter");
+        };
+        Ok(ShardState {
+            layer,
+            expert,
+            value: p.value,
+            m: p.m,
+            v: p.v,
+            step: st.step,
+        })
+    }
+
+    /// Every shard of this rank, ascending `(layer, expert)` (a step's snapshot).
+    pub fn export_all(&self) -> Result<Vec<ShardState>> {
+        self.shards
+            .keys()
+            .map(|&(l, e)| self.export(l, e))
+            .collect()
+    }
+
+    /// Installs a shard state (creating or overwriting this rank's shard of that expert).
+    pub fn import(&mut self, s: &ShardState) -> Result<()> {
+        let n = self.range(self.rank).len();
+        if s.layer >= self.n_layers || s.expert >= self.experts {
+            candle_core::bail!("shard of ({}, {}) out of range", s.layer, s.expert);
+        }
+        if s.value.len() != n || s.m.len() != n || s.v.len() != n {
+            candle_core::bail!(
+                "shard of ({}, {}) has {} values, rank {} of {} holds {n}",
+                s.layer,
+                s.expert,
+                s.value.len(),
+                self.rank,
+                self.world
+            );
+        }
+        let key = (s.layer, s.expert);
+        if !self.shards.contains_key(&key) {
+            let var = Var::zeros(n, candle_core::DType::F32, &self.device)?;
+            let opt = AdamW::new(vec![("shard".into(), var.clone())], self.params.clone())?;
+            self.shards.insert(key, Shard { var, opt });
+        }
+        let sh = self.shards.get_mut(&key).expect("inserted above");
+        sh.opt.import(&OptimState {
+            step: s.step,
+            params: vec![ParamState {
+                name: "shard".into(),
+                shape: vec![n],
+                value: s.value.clone(),
+                m: s.m.clone(),
+                v: s.v.clone(),
+            }],
+        })
+    }
+
+    /// One AdamW update of this rank's shard of one expert from the shard of its summed
+    /// gradient, split at the `w1 | w2` boundary (either part may be empty), multiplied by
+    /// `factor` first (as [`super::apply_update`] does for whole replicas).
+    pub fn step_shard(
+        &mut self,
+        layer: usize,
+        expert: usize,
+        g1: &Tensor,
+        g2: &Tensor,
+        factor: f64,
+    ) -> Result<()> {
+        let mut g = flat(g1)?;
+        g.extend(flat(g2)?);
+        let Some(sh) = self.shards.get_mut(&(layer, expert)) else {
+            candle_core::bail!("no shard of expert ({layer}, {expert})");
+        };
+        if g.len() != sh.var.elem_count() {
+            candle_core::bail!(
+                "gradient shard of ({layer}, {expert}) has {} values, the shard {}",
+                g.len(),
+                sh.var.elem_count()
+            );
+        }
+        let g = Tensor::from_vec(g, sh.var.elem_count(), &self.device)?;
+        sh.opt.step_with(&[Some(scale_grad(&g, factor)?)])
+    }
+
+    pub fn set_lr(&mut self, lr: f64) {
+        self.params.lr = lr;
+        for s in self.shards.values_mut() {
+            s.opt.set_lr(lr);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> MoeConfig {
+        MoeConfig {
+            d_model: 8,
+            d_ff: 12,
+            n_layers: 2,
+            experts: 3,
+            ..MoeConfig::tiny()
+        }
+    }
+
+    #[test]
+    fn ranges_tile_the_expert() {
+        for len in [0usize, 1, 7, 192] {
+            for world in 1..=5 {
+                let mut next = 0;
+                for w in 0..world {
+                    let r = shard_range(len, world, w);
+                    assert_eq!(r.start, next);
+                    assert!(r.len() <= len.div_ceil(world));
+                    next = r.end;
+                }
+                assert_eq!(next, len);
+            }
+        }
+    }
+
+    #[test]
+    fn cut_and_assemble_round_trip_through_words() -> Result<()> {
+        let c = cfg();
+        let all = ExpertStore::all(&c, &Device::Cpu)?;
+        let st = all.export(1, 2)?;
+        for world in [1, 3, 4] {
+            let shards: Vec<ShardState> = (0..world)
+                .map(|w| {
+                    let s = cut(&st, world, w);
+                    ShardState::from_words(1, 2, s.value.len(), &s.to_words()).unwrap()
+                })
+                .collect();
+            assert_eq!(assemble(c.d_model, c.d_ff, &shards)?, st);
+        }
+        Ok(())
+    }
+
+    /// AdamW on the shards gives the values of AdamW on the whole expert, bit for bit.
+    #[test]
+    fn sharded_adam_equals_whole_expert_adam() -> Result<()> {
+        let c = cfg();
+        let dev = Device::Cpu;
+        let mut whole = ExpertStore::all(&c, &dev)?;
+        let world = 3;
+        let mut stores: Vec<ShardStore> = (0..world)
+            .map(|w| ShardStore::fresh(&c, &dev, w, world))
+            .collect::<Result<_>>()?;
+        let n = c.d_model * c.d_ff;
+        for step in 0..3u32 {
+            let g: Vec<f32> = (0..2 * n)
+                .map(|i| ((i as f32 + 1.0) * 0.37 + step as f32).sin() * 1e-2)
+                .collect();
+            let g1 = Tensor::from_slice(&g[..n], (c.d_model, c.d_ff), &dev)?;
+            let g2 = Tensor::from_slice(&g[n..], (c.d_ff, c.d_model), &dev)?;
+            whole.step_replica(0, 1, &scale_grad(&g1, 0.5)?, &scale_grad(&g2, 0.5)?)?;
+            for (w, s) in stores.iter_mut().enumerate() {
+                let r = s.range(w);
+                let a = &g[r.start.min(n)..r.end.min(n)];
+                let b = &g[r.start.max(n)..r.end.max(n)];
+                let a = Tensor::from_slice(a, a.len(), &dev)?;
+                let b = Tensor::from_slice(b, b.len(), &dev)?;
+                s.step_shard(0, 1, &a, &b, 0.5)?;
+            }
+        }
+        let shards: Vec<ShardState> = stores
+            .iter()
+            .map(|s| s.export(0, 1))
+            .collect::<Result<_>>()?;
+        assert_eq!(assemble(c.d_model, c.d_ff, &shards)?, whole.export(0, 1)?);
+        assert_eq!(stores[0].export(0, 0)?.step, 0);
+        Ok(())
+    }
+}

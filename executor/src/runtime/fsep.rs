@@ -1,0 +1,222 @@
+//! The collectives of FSEP mode (see the [runtime docs](super)): materialising a layer's
+//! experts from their shards, returning gradient shards to their owners summed over the
+//! replicas, and gathering whole experts for a checkpoint. Each is one `all_to_all_v`.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use candle_core::{Result, Tensor, Var};
+use serde::{Deserialize, Serialize};
+
+use crate::comm::{Communicator, Rank};
+use crate::model::{ExpertState, ExpertWeights, ShardState, ShardStore, assemble};
+
+/// A rank's shards, shared by the worker's state (they outlive an epoch's mesh: a re-layout
+/// at a step boundary keeps them) and the epoch's [`super::DistributedExperts`].
+pub type SharedShards = Arc<Mutex<ShardStore>>;
+
+/// Expert gradients (or gradient shards) `(dL/dw1, dL/dw2)` by `(layer, expert)`.
+pub(super) type ExpertGrads = BTreeMap<(usize, usize), (Tensor, Tensor)>;
+
+pub(super) fn wrap<E: std::error::Error + Send + Sync + 'static>(e: E) -> candle_core::Error {
+    candle_core::Error::wrap(e)
+}
+
+/// Bytes this rank sent to other ranks, by purpose (what stays on the rank is not counted).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Traffic {
+    /// Routed activations and their gradients (forward and backward token exchanges).
+    pub token_bytes: u64,
+    /// Expert weights: FSEP's shard all-to-all before each layer (zero when replicated).
+    pub expert_param_bytes: u64,
+    /// Expert gradients: the all-reduce over replicas, or FSEP's reduce-scatter to owners.
+    pub expert_grad_bytes: u64,
+}
+
+impl Traffic {
+    pub fn total(&self) -> u64 {
+        self.token_bytes + self.expert_param_bytes + self.expert_grad_bytes
+    }
+}
+
+/// f32 bytes of `send` that leave rank `me`.
+pub(super) fn bytes_to_others(send: &[Vec<f32>], me: Rank) -> u64 {
+    send.iter()
+        .enumerate()
+        .filter(|(r, _)| *r != me)
+        .map(|(_, v)| 4 * v.len() as u64)
+        .sum()
+}
+
+/// Builds the experts of `layer` that `reps_l[expert][rank]` assigns to this rank from the
+/// shards of every rank: each rank sends its shard of every expert a peer computes to that
+/// peer (ascending expert order), and each rank concatenates shards `0..N` of its experts.
+/// The weights are fresh `Var`s, so backward through them yields their gradients. Returns the
+/// materialised experts and the bytes sent to other ranks.
+pub(super) fn materialise(
+    comm: &mut dyn Communicator,
+    shards: &ShardStore,
+    layer: usize,
+    reps_l: &[Vec<u32>],
+) -> Result<(BTreeMap<usize, ExpertWeights>, u64)> {
+    let (me, world) = (comm.rank(), comm.world());
+    let mut send = vec![Vec::new(); world];
+    for (e, row) in reps_l.iter().enumerate() {
+        let mut mine = None;
+        for (r, buf) in send.iter_mut().enumerate() {
+            if row[r] > 0 {
+                let v = match &mine {
+                    Some(v) => v,
+                    None => mine.insert(shards.values(layer, e)?),
+                };
+                buf.extend_from_slice(v);
+            }
+        }
+    }
+    let bytes = bytes_to_others(&send, me);
+    let recv = comm.all_to_all_v(send).map_err(wrap)?;
+    let (d, f) = (shards.d_model(), shards.d_ff());
+    let mut pos = vec![0usize; world];
+    let mut out = BTreeMap::new();
+    for (e, row) in reps_l.iter().enumerate() {
+        if row[me] == 0 {
+            continue;
+        }
+        let mut p = Vec::with_capacity(shards.expert_len());
+        for (w, buf) in recv.iter().enumerate() {
+            let n = shards.range(w).len();
+            let Some(part) = buf.get(pos[w]..pos[w] + n) else {
+                candle_core::bail!("layer {layer}: rank {w} sent too few shard values");
+            };
+            p.extend_from_slice(part);
+            pos[w] += n;
+        }
+        let dev = shards.device();
+        let w1 = Var::from_tensor(&Tensor::from_slice(&p[..d * f], (d, f), dev)?)?;
+        let w2 = Var::from_tensor(&Tensor::from_slice(&p[d * f..], (f, d), dev)?)?;
+        out.insert(
+            e,
+            ExpertWeights {
+                w1: w1.as_tensor().clone(),
+                w2: w2.as_tensor().clone(),
+            },
+        );
+    }
+    if pos.iter().zip(&recv).any(|(p, b)| *p != b.len()) {
+        candle_core::bail!("layer {layer}: unexpected shard values arrived");
+    }
+    Ok((out, bytes))
+}
+
+/// The reverse of [`materialise`] for gradients: for every `(layer, expert)` in `keys`
+/// (ascending), every rank the layout assigns the expert to sends shard `w` of its local
+/// gradient (zeros if it computed nothing) to rank `w`; each rank sums what it received in
+/// ascending rank order — the left fold of [`Communicator::all_reduce_sum`], so the result is
+/// bit-identical to the slice of the replicated all-reduce. Returns this rank's shard of every
+/// summed gradient, split at the `w1 | w2` boundary (1-D, either part may be empty), and the
+/// bytes sent to other ranks.
+pub(super) fn reduce_scatter(
+    comm: &mut dyn Communicator,
+    shards: &ShardStore,
+    replicas: &[Vec<Vec<u32>>],
+    keys: &[(usize, usize)],
+    local: &ExpertGrads,
+) -> Result<(ExpertGrads, u64)> {
+    let (me, world) = (comm.rank(), comm.world());
+    let len = shards.expert_len();
+    let mut send = vec![Vec::new(); world];
+    for &(l, e) in keys {
+        if replicas[l][e][me] == 0 {
+            continue;
+        }
+        let g = match local.get(&(l, e)) {
+            Some((g1, g2)) => {
+                let mut g = g1.flatten_all()?.to_vec1::<f32>()?;
+                g.extend(g2.flatten_all()?.to_vec1::<f32>()?);
+                g
+            }
+            None => vec![0f32; len],
+        };
+        if g.len() != len {
+            candle_core::bail!(
+                "gradient of ({l}, {e}) has {} values, expected {len}",
+                g.len()
+            );
+        }
+        for (w, buf) in send.iter_mut().enumerate() {
+            buf.extend_from_slice(&g[shards.range(w)]);
+        }
+    }
+    let bytes = bytes_to_others(&send, me);
+    let recv = comm.all_to_all_v(send).map_err(wrap)?;
+    let mine = shards.range(me);
+    let n = mine.len();
+    let split = (len / 2).clamp(mine.start, mine.end) - mine.start;
+    let mut pos = vec![0usize; world];
+    let mut out = BTreeMap::new();
+    for &(l, e) in keys {
+        let mut acc: Option<Vec<f32>> = None;
+        for (h, buf) in recv.iter().enumerate() {
+            if replicas[l][e][h] == 0 {
+                continue;
+            }
+            let Some(part) = buf.get(pos[h]..pos[h] + n) else {
+                candle_core::bail!("gradient of ({l}, {e}): rank {h} sent too few values");
+            };
+            pos[h] += n;
+            match &mut acc {
+                None => acc = Some(part.to_vec()),
+                Some(a) => a.iter_mut().zip(part).for_each(|(x, y)| *x += *y),
+            }
+        }
+        let Some(g) = acc else {
+            candle_core::bail!("expert ({l}, {e}) has tokens but no rank computes it");
+        };
+        let dev = shards.device();
+        let g1 = Tensor::from_slice(&g[..split], split, dev)?;
+        let g2 = Tensor::from_slice(&g[split..], n - split, dev)?;
+        out.insert((l, e), (g1, g2));
+    }
+    if pos.iter().zip(&recv).any(|(p, b)| *p != b.len()) {
+        candle_core::bail!("unexpected gradient values arrived");
+    }
+    Ok((out, bytes))
+}
+
+/// Whole expert states (weights, moments, step) for the `(layer, expert)` pairs `writers`
+/// gives this rank, assembled from every rank's shard (one all-to-all; every rank must call
+/// it with the same `writers`). Ascending `(layer, expert)`.
+pub fn gather_experts(
+    comm: &mut dyn Communicator,
+    shards: &ShardStore,
+    writers: &BTreeMap<(usize, usize), Rank>,
+) -> Result<Vec<ExpertState>> {
+    let (me, world) = (comm.rank(), comm.world());
+    let mut send = vec![Vec::new(); world];
+    for (&(l, e), &to) in writers {
+        if to >= world {
+            candle_core::bail!("writer rank {to} of ({l}, {e}) outside world {world}");
+        }
+        send[to].extend(shards.export(l, e)?.to_words());
+    }
+    let recv = comm.all_to_all_v(send).map_err(wrap)?;
+    let mut pos = vec![0usize; world];
+    let mut out = Vec::new();
+    for (&(l, e), &to) in writers {
+        if to != me {
+            continue;
+        }
+        let mut parts = Vec::with_capacity(world);
+        for (w, buf) in recv.iter().enumerate() {
+            let n = shards.range(w).len();
+            let words = 2 + 3 * n;
+            let Some(chunk) = buf.get(pos[w]..pos[w] + words) else {
+                candle_core::bail!("({l}, {e}): rank {w} sent too few shard words");
+            };
+            pos[w] += words;
+            parts.push(ShardState::from_words(l, e, n, chunk)?);
+        }
+        out.push(assemble(shards.d_model(), shards.d_ff(), &parts)?);
+    }
+    Ok(out)
+}

@@ -1,0 +1,349 @@
+//! FSEP ≡ replicated: W workers (threads over a loopback `LocalGroup`) train with the same
+//! seed, data and layout, once with whole expert replicas and once with every expert cut into
+//! one shard per rank (materialised per layer by an all-to-all of shards, gradients returned to
+//! the shard owners). Losses and expert weights must agree over many steps, and a re-layout in
+//! FSEP (only the index table changes) must match a replicated re-layout that migrates states.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use candle_core::{Device, Result, Tensor};
+use lazarus_executor::comm::{Communicator, LocalGroup, TcpCommunicator};
+use lazarus_executor::model::{
+    Corpus, DenseModel, ExpertState, ExpertStore, MoeConfig, OptimState, ShardStore,
+};
+use lazarus_executor::runtime::{DistributedExperts, Traffic};
+use lazarus_executor::worker::train_step;
+
+const T_MS: u64 = 30_000;
+const HARNESS: Duration = Duration::from_secs(400);
+const WORLD: usize = 4;
+
+fn cfg() -> MoeConfig {
+    MoeConfig {
+        vocab: 256,
+        d_model: 16,
+        n_layers: 2,
+        n_heads: 2,
+        d_ff: 32,
+        experts: 4,
+        top_k: 2,
+        seq_len: 8,
+        batch: 3,
+        lb_loss_coef: 0.01,
+        lr: 1e-2,
+        adam_beta2: 0.999,
+        grad_clip_norm: 1.0,
+        seed: 5,
+    }
+}
+
+/// `[layer][expert][rank]` from `[layer][expert] = holders`.
+fn table(holders: &[[&[usize]; 4]; 2]) -> Vec<Vec<Vec<u32>>> {
+    holders
+        .iter()
+        .map(|layer| {
+            layer
+                .iter()
+                .map(|hs| (0..WORLD).map(|r| u32::from(hs.contains(&r))).collect())
+                .collect()
+        })
+        .collect()
+}
+
+/// Skewed: a hot expert on three ranks in each layer, others on one or two.
+fn layout_a() -> Vec<Vec<Vec<u32>>> {
+    table(&[
+        [&[0, 1, 2], &[3], &[0, 3], &[1]],
+        [&[2], &[0, 1], &[3], &[0, 1, 3]],
+    ])
+}
+
+/// Another skew (the hot experts moved): what a re-layout switches to.
+fn layout_b() -> Vec<Vec<Vec<u32>>> {
+    table(&[
+        [&[1], &[0, 2, 3], &[0], &[1, 2, 3]],
+        [&[0, 1, 2, 3], &[2], &[0, 1], &[3]],
+    ])
+}
+
+fn held(reps: &[Vec<Vec<u32>>], rank: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    for (l, layer) in reps.iter().enumerate() {
+        for (e, row) in layer.iter().enumerate() {
+            if row[rank] > 0 {
+                out.push((l, e));
+            }
+        }
+    }
+    out
+}
+
+fn shard(c: &MoeConfig, step: u64, rank: usize) -> Result<Tensor> {
+    Corpus::embedded().batch(
+        c.seed,
+        step,
+        rank as u64,
+        c.batch,
+        c.seq_len + 1,
+        &Device::Cpu,
+    )
+}
+
+/// `(‖a − b‖, ‖b‖)`.
+fn diff(a: &[f32], b: &[f32]) -> (f64, f64) {
+    assert_eq!(a.len(), b.len());
+    let d = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| f64::from(x - y).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    let n = b.iter().map(|y| f64::from(*y).powi(2)).sum::<f64>().sqrt();
+    (d, n)
+}
+
+fn assert_close(a: &[f32], b: &[f32], what: &str) {
+    let (d, n) = diff(a, b);
+    assert!(d <= 1e-4 * n + 1e-9, "{what}: |a-b| = {d:e}, |b| = {n:e}");
+}
+
+/// What one rank of a run returns.
+struct Run {
+    /// This rank's loss per step.
+    losses: Vec<f32>,
+    /// Whole expert states: a replicated rank's held replicas; FSEP: rank 0 gathers all.
+    experts: Vec<ExpertState>,
+    dense: OptimState,
+    /// Bytes sent per step.
+    traffic: Vec<Traffic>,
+}
+
+/// The dense state and every expert's state a replicated re-layout starts from.
+type Migrated = (OptimState, BTreeMap<(usize, usize), ExpertState>);
+
+/// Trains `steps` steps from `start` on `comm`: replicated with `layout` (the dense state
+/// and the held replicas imported from `from` when given: a migration), or FSEP with
+/// `layout` until `switch = (step, layout)` and the new layout after.
+#[derive(Clone)]
+struct Job {
+    fsep: bool,
+    layout: Vec<Vec<Vec<u32>>>,
+    switch: Option<(u64, Vec<Vec<Vec<u32>>>)>,
+    start: u64,
+    steps: u64,
+    from: Option<Arc<Migrated>>,
+}
+
+fn run(comm: TcpCommunicator, job: &Job) -> Run {
+    let c = cfg();
+    let dev = Device::Cpu;
+    let rank = comm.rank();
+    let model = DenseModel::new(&c, &dev).unwrap();
+    let mut opt = model.optimizer().unwrap();
+    let mut store;
+    let mut dist;
+    if job.fsep {
+        store = ExpertStore::empty(&c, &dev);
+        let sh = ShardStore::fresh(&c, &dev, rank, WORLD).unwrap();
+        // Shard w holds about 1/W of every expert.
+        assert_eq!(
+            sh.held_values(),
+            3 * c.n_layers * c.experts * sh.range(rank).len()
+        );
+        let sh = Arc::new(Mutex::new(sh));
+        dist = DistributedExperts::new_sharded(Box::new(comm), sh, job.layout.clone()).unwrap();
+    } else {
+        store = ExpertStore::with_replicas(&c, &dev, held(&job.layout, rank)).unwrap();
+        if let Some(from) = &job.from {
+            opt.import(&from.0).unwrap();
+            for k in held(&job.layout, rank) {
+                store.import(&from.1[&k]).unwrap();
+            }
+        }
+        dist = DistributedExperts::new(Box::new(comm), &store, job.layout.clone()).unwrap();
+    }
+    let mut losses = Vec::new();
+    let mut traffic = Vec::new();
+    for step in job.start..job.start + job.steps {
+        if let Some((at, next)) = &job.switch
+            && *at == step
+        {
+            let sh = dist.shard_store().unwrap().unwrap();
+            let before = sh.lock().unwrap().export_all().unwrap();
+            dist.set_layout(next.clone()).unwrap();
+            // The re-layout moved no state.
+            assert!(sh.lock().unwrap().export_all().unwrap() == before);
+        }
+        let tokens = shard(&c, step, rank).unwrap();
+        let done = train_step(&model, &mut opt, &mut store, &mut dist, &tokens, false).unwrap();
+        assert!(!done.nonfinite && done.loss.is_finite());
+        losses.push(done.loss);
+        traffic.push(dist.traffic().unwrap());
+    }
+    let experts = if job.fsep {
+        let all: BTreeMap<(usize, usize), usize> = (0..c.n_layers)
+            .flat_map(|l| (0..c.experts).map(move |e| ((l, e), 0)))
+            .collect();
+        dist.gather_experts(&all).unwrap()
+    } else {
+        store
+            .replicas()
+            .into_iter()
+            .map(|(l, e)| store.export(l, e).unwrap())
+            .collect()
+    };
+    Run {
+        losses,
+        experts,
+        dense: opt.export().unwrap(),
+        traffic,
+    }
+}
+
+fn launch(job: Job) -> Vec<Run> {
+    let comms = LocalGroup::new(WORLD, T_MS).expect("loopback mesh");
+    common::run_ranks(comms, HARNESS, move |comm| run(comm, &job))
+}
+
+/// Every replica of an expert in a replicated run, checked identical, by `(layer, expert)`.
+fn replicas_of(runs: &[Run]) -> BTreeMap<(usize, usize), ExpertState> {
+    let mut out: BTreeMap<(usize, usize), ExpertState> = BTreeMap::new();
+    for r in runs {
+        for s in &r.experts {
+            if let Some(prev) = out.insert((s.layer, s.expert), s.clone()) {
+                assert_eq!(prev, *s, "replicas of ({}, {}) differ", s.layer, s.expert);
+            }
+        }
+    }
+    out
+}
+
+/// Losses of every rank at every step, and every expert's weights, moments and step.
+fn assert_same(fsep: &[Run], repl: &[Run], experts: &BTreeMap<(usize, usize), ExpertState>) {
+    let c = cfg();
+    for (rank, (f, r)) in fsep.iter().zip(repl).enumerate() {
+        assert_eq!(f.losses.len(), r.losses.len());
+        for (step, (a, b)) in f.losses.iter().zip(&r.losses).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs(),
+                "rank {rank} step {step}: fsep loss {a} vs replicated {b}"
+            );
+        }
+        for (i, (a, b)) in f.dense.params.iter().zip(&r.dense.params).enumerate() {
+            assert_close(&a.value, &b.value, &format!("rank {rank} dense {i}"));
+        }
+    }
+    let gathered = &fsep[0].experts;
+    assert_eq!(gathered.len(), c.n_layers * c.experts);
+    let mut worst = 0f64;
+    for s in gathered {
+        let want = &experts[&(s.layer, s.expert)];
+        assert_eq!(s.step, want.step, "({}, {}) Adam step", s.layer, s.expert);
+        for (what, a, b) in [
+            ("w1", &s.w1, &want.w1),
+            ("w2", &s.w2, &want.w2),
+            ("m1", &s.m1, &want.m1),
+            ("v2", &s.v2, &want.v2),
+        ] {
+            assert_close(a, b, &format!("({}, {}) {what}", s.layer, s.expert));
+            let (d, n) = diff(a, b);
+            worst = worst.max(d / n.max(1e-30));
+        }
+    }
+    eprintln!("fsep vs replicated: worst relative expert-state difference {worst:e}");
+}
+
+fn mean_bytes(runs: &[Run], pick: fn(&Traffic) -> u64) -> f64 {
+    let all: Vec<u64> = runs
+        .iter()
+        .flat_map(|r| r.traffic.iter().map(pick))
+        .collect();
+    all.iter().sum::<u64>() as f64 / runs[0].traffic.len() as f64
+}
+
+#[test]
+fn fsep_matches_replicated_over_twenty_steps_on_a_skewed_layout() {
+    let steps = 20;
+    let job = Job {
+        fsep: false,
+        layout: layout_a(),
+        switch: None,
+        start: 0,
+        steps,
+        from: None,
+    };
+    let repl = launch(job.clone());
+    let fsep = launch(Job { fsep: true, ..job });
+    let experts = replicas_of(&repl);
+    assert_eq!(experts.len(), cfg().n_layers * cfg().experts);
+    // The experts trained (away from their initial values).
+    assert!(experts.values().all(|s| s.step > 0));
+    assert_same(&fsep, &repl, &experts);
+    // What moved per step over all ranks: FSEP pays a shard all-to-all per layer, tokens
+    // route identically.
+    for (name, runs) in [("replicated", &repl), ("fsep", &fsep)] {
+        eprintln!(
+            "{name}: bytes/step over {WORLD} ranks: tokens {:.0}, expert params {:.0}, expert grads {:.0}",
+            mean_bytes(runs, |t| t.token_bytes),
+            mean_bytes(runs, |t| t.expert_param_bytes),
+            mean_bytes(runs, |t| t.expert_grad_bytes),
+        );
+    }
+    assert_eq!(
+        mean_bytes(&repl, |t| t.token_bytes),
+        mean_bytes(&fsep, |t| t.token_bytes)
+    );
+    assert_eq!(mean_bytes(&repl, |t| t.expert_param_bytes), 0.0);
+    assert!(mean_bytes(&fsep, |t| t.expert_param_bytes) > 0.0);
+}
+
+/// A re-layout in FSEP changes only the index table (checked inside [`run`]: the shards are
+/// bit-identical across it); the steps after it match a replicated run that migrates every
+/// newly held replica (weights, moments, step) at the same step boundary.
+#[test]
+fn fsep_relayout_moves_nothing_and_matches_replicated_with_migration() {
+    let (first, then) = (8, 8);
+    let fsep = launch(Job {
+        fsep: true,
+        layout: layout_a(),
+        switch: Some((first, layout_b())),
+        start: 0,
+        steps: first + then,
+        from: None,
+    });
+    let before = launch(Job {
+        fsep: false,
+        layout: layout_a(),
+        switch: None,
+        start: 0,
+        steps: first,
+        from: None,
+    });
+    // Migration: every rank gets its new replicas from a holder of the old layout.
+    let states = replicas_of(&before);
+    let dense = before[0].dense.clone();
+    let after = launch(Job {
+        fsep: false,
+        layout: layout_b(),
+        switch: None,
+        start: first,
+        steps: then,
+        from: Some(Arc::new((dense, states))),
+    });
+    let repl: Vec<Run> = before
+        .into_iter()
+        .zip(after)
+        .map(|(b, a)| Run {
+            losses: b.losses.into_iter().chain(a.losses).collect(),
+            experts: a.experts,
+            dense: a.dense,
+            traffic: a.traffic,
+        })
+        .collect();
+    let experts = replicas_of(&repl);
+    assert_same(&fsep, &repl, &experts);
+}
