@@ -22,6 +22,11 @@
 //!
 //! candle's CPU matmul uses `RAYON_NUM_THREADS` threads (default: physical cores); set it to
 //! pin the thread count.
+//!
+//! On a GPU (a build with `--features cuda`): `MOE_BENCH_DEVICE=cuda` runs the same layer in
+//! f32 on CUDA device 0 and adds the `gpt_s_layer` shape (GPT-S's 4096 tokens per step);
+//! `MOE_BENCH_SHAPES=a,b` keeps only the named shapes. `kernels/check-gpu.sh` compares it with
+//! the PyTorch twin on the same GPU (`MOE_DEVICE=cuda`).
 
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Result, Tensor, Var};
@@ -40,6 +45,16 @@ struct Shape {
     top_k: usize,
     tokens: usize,
 }
+
+/// The GPT-S MoE layer with a whole step's tokens (seq 1024 × batch 4); GPU runs only.
+const GPU_SHAPES: [Shape; 1] = [Shape {
+    name: "gpt_s_layer",
+    d_model: 768,
+    d_ff: 3072,
+    experts: 8,
+    top_k: 1,
+    tokens: 4096,
+}];
 
 const SHAPES: [Shape; 3] = [
     // MoeConfig::tiny(): batch 8 × seq 32.
@@ -120,8 +135,8 @@ struct Check {
 }
 
 impl Layer {
-    fn new(shape: Shape) -> Result<Self> {
-        let device = Device::Cpu;
+    fn new(shape: Shape, device: &Device) -> Result<Self> {
+        let device = device.clone();
         let (d, f, e) = (shape.d_model, shape.d_ff, shape.experts);
         let cfg = MoeConfig {
             d_model: d,
@@ -225,12 +240,13 @@ fn env_usize(name: &str, default: usize) -> usize {
 /// JSON mode: per shape, `MOE_BENCH_WARMUP` (3) untimed runs, then timed runs until
 /// `MOE_BENCH_RUNS` (30) runs or `MOE_BENCH_SECONDS` (4) seconds, at least 5; prints the median.
 fn json_mode() -> Result<()> {
+    let (device, shapes) = bench_device()?;
     let warmup = env_usize("MOE_BENCH_WARMUP", 3);
     let max_runs = env_usize("MOE_BENCH_RUNS", 30).max(1);
     let budget = Duration::from_secs_f64(env_usize("MOE_BENCH_SECONDS", 4) as f64);
     let threads = candle_core::utils::get_num_threads();
-    for shape in SHAPES {
-        let layer = Layer::new(shape)?;
+    for shape in shapes {
+        let layer = Layer::new(shape, &device)?;
         let check = layer.check()?;
         for _ in 0..warmup {
             black_box(layer.step()?);
@@ -250,6 +266,8 @@ fn json_mode() -> Result<()> {
         };
         let line = serde_json::json!({
             "framework": "candle",
+            "device": if device.is_cuda() { "cuda" } else { "cpu" },
+            "dtype": "f32",
             "config": shape.name,
             "d_model": shape.d_model,
             "d_ff": shape.d_ff,
@@ -273,14 +291,36 @@ fn json_mode() -> Result<()> {
     Ok(())
 }
 
+/// `MOE_BENCH_DEVICE` (cpu | cuda) and the shapes to run (`MOE_BENCH_SHAPES` filters).
+fn bench_device() -> Result<(Device, Vec<Shape>)> {
+    use lazarus_executor::device::{CommKind, DeviceChoice, DeviceKind};
+    let kind = match std::env::var("MOE_BENCH_DEVICE") {
+        Ok(v) => DeviceKind::parse(&v).map_err(candle_core::Error::wrap)?,
+        Err(_) => DeviceKind::Cpu,
+    };
+    let device = DeviceChoice::resolve(kind, Some(CommKind::Tcp), 1)
+        .and_then(|c| c.open())
+        .map_err(candle_core::Error::wrap)?;
+    let mut shapes = SHAPES.to_vec();
+    if device.is_cuda() {
+        shapes.extend(GPU_SHAPES);
+    }
+    if let Ok(only) = std::env::var("MOE_BENCH_SHAPES") {
+        let only: Vec<&str> = only.split(',').map(str::trim).collect();
+        shapes.retain(|s| only.contains(&s.name));
+    }
+    Ok((device, shapes))
+}
+
 fn criterion_mode() -> Result<()> {
     let mut c = Criterion::default()
         .sample_size(10)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(3))
         .configure_from_args();
-    for shape in SHAPES {
-        let layer = Layer::new(shape)?;
+    let (device, shapes) = bench_device()?;
+    for shape in shapes {
+        let layer = Layer::new(shape, &device)?;
         layer.step()?;
         let mut group = c.benchmark_group(format!("moe_layer/{}", shape.name));
         group

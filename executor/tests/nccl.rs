@@ -27,15 +27,9 @@ fn without_cuda_everything_fails_cleanly() {
     let Err(e) = nccl_available() else {
         return; // a CUDA machine: nothing to check here
     };
-    assert!(
-        matches!(
-            e,
-            NcclError::DriverLibraryMissing
-                | NcclError::NcclLibraryMissing
-                | NcclError::NoDevice(_)
-        ),
-        "{e:?}"
-    );
+    // The CUDA build links the libraries; without a GPU (CI: the driver is a link stub) the
+    // driver reports no device.
+    assert!(matches!(e, NcclError::NoDevice(_)), "{e:?}");
     assert!(NcclUniqueId::new().is_err());
     let id = NcclUniqueId([0; NcclUniqueId::LEN]);
     let e = NcclCommunicator::new(0, 2, 0, &id, 50).expect_err("no CUDA");

@@ -16,6 +16,9 @@ f32), so loss, routing counts and gradient norms can be compared with candle's.
 
 Timing: 3 warm-up runs, then timed runs until 30 runs or 4 s (at least 5); prints one JSON
 line per configuration with the median. Threads: MOE_THREADS (default 2).
+
+GPU (kernels/check-gpu.sh): MOE_DEVICE=cuda runs on CUDA device 0 and adds the gpt_s_layer
+shape (GPT-S's 4096 tokens per step); MOE_DTYPE=bf16 casts inputs and weights to bfloat16.
 """
 
 import json
@@ -34,6 +37,9 @@ SHAPES = [
     ("medium", 256, 1024, 8, 2, 1024),
     ("gpt_s_expert", 768, 3072, 8, 1, 512),
 ]
+GPU_SHAPES = [("gpt_s_layer", 768, 3072, 8, 1, 4096)]
+DEVICE = os.environ.get("MOE_DEVICE", "cpu")
+DTYPE = {"f32": torch.float32, "bf16": torch.bfloat16}[os.environ.get("MOE_DTYPE", "f32")]
 LB_LOSS_COEF = 0.01  # MoeConfig::tiny().lb_loss_coef
 SALT_X, SALT_ROUTER = 1, 2
 
@@ -61,7 +67,9 @@ def det_uniform(salt, n, std):
 
 def make_layer(d, f, ne, n):
     std_out = 0.02 / math.sqrt(2.0 * 1)  # one layer, as in the Rust bench
-    t = lambda a, shape: torch.from_numpy(a.reshape(shape)).requires_grad_(True)  # noqa: E731
+    t = lambda a, shape: (  # noqa: E731
+        torch.from_numpy(a.reshape(shape)).to(DEVICE, DTYPE).requires_grad_(True)
+    )
     x = t(det_uniform(SALT_X, n * d, 1.0), (n, d))
     router = t(det_uniform(SALT_ROUTER, d * ne, 0.02), (d, ne))
     w1 = [t(det_uniform(salt_w1(e), d * f, 0.02), (d, f)) for e in range(ne)]
@@ -93,7 +101,7 @@ def moe(h, router, w1, w2, k):
         ti = si // k
         y = F.gelu(h.index_select(0, ti) @ w1[e], approximate="tanh") @ w2[e]
         out = out.index_add(0, ti, y * gates.index_select(0, si).unsqueeze(1))
-    frac = counts.to(torch.float32) / float(n * k)
+    frac = counts.to(probs.dtype) / float(n * k)
     lb = (probs.mean(dim=0) * frac).sum() * ne
     return out, lb, counts_host
 
@@ -119,7 +127,8 @@ def main():
     max_runs = max(1, int(os.environ.get("MOE_BENCH_RUNS", "30")))
     budget = float(os.environ.get("MOE_BENCH_SECONDS", "4"))
     only = set(sys.argv[1:])
-    for name, d, f, ne, k, n in SHAPES:
+    shapes = SHAPES + (GPU_SHAPES if DEVICE == "cuda" else [])
+    for name, d, f, ne, k, n in shapes:
         if only and name not in only:
             continue
         layer = make_layer(d, f, ne, n)
@@ -144,6 +153,8 @@ def main():
         median = float(np.median(times))
         line = {
             "framework": "torch",
+            "device": DEVICE,
+            "dtype": os.environ.get("MOE_DTYPE", "f32"),
             "torch": torch.__version__,
             "config": name,
             "d_model": d,

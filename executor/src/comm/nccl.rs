@@ -10,13 +10,13 @@
 //!
 //! ## Libraries
 //!
-//! cudarc loads `libcuda` and `libnccl` at run time (`dynamic-loading`), so the crate builds
-//! without CUDA installed. cudarc *panics* when a library is missing, so every entry point first
-//! calls [`nccl_available`], which checks both libraries (`is_culib_present`) and that at least
-//! one device is visible, and returns a clear [`NcclError`] instead. Note that cudarc looks for
-//! `libnccl.so` (also `libnccl.so.1`, `.so.12`, ...) but not `libnccl.so.2`, the NCCL soname that
-//! pip's `nvidia-nccl-cu12` ships alone: install `libnccl-dev`, or put a `libnccl.so` symlink to
-//! `libnccl.so.2` in a directory on `LD_LIBRARY_PATH`.
+//! The `cuda` feature builds candle with CUDA, which links cudarc against the CUDA libraries
+//! (`dynamic-linking`: `libcuda.so.1`, `libnccl.so.2`, cuBLAS, ... are `NEEDED` entries of the
+//! binary, found through `LD_LIBRARY_PATH` at start-up; see `kernels/README.md`). So the libraries
+//! are always present once the process runs; what can be missing is a driver that works or a
+//! device. [`nccl_available`] asks the driver for the device count (`cuInit`, `cuDeviceGetCount`)
+//! and returns [`NcclError::NoDevice`] when it fails — as it does on CI machines, where the
+//! driver is the link stub of `kernels/setup-cuda.sh` and every call returns an error.
 //!
 //! ## Rendezvous
 //!
@@ -127,16 +127,6 @@ const RENDEZVOUS_GRACE: Duration = Duration::from_millis(100);
 /// Why the NCCL backend is unavailable or could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum NcclError {
-    /// The CUDA driver library could not be loaded.
-    #[error("libcuda.so not found (cudarc dynamic loading): is the NVIDIA driver installed?")]
-    DriverLibraryMissing,
-    /// The NCCL library could not be loaded.
-    #[error(
-        "libnccl.so not found (cudarc dynamic loading): is NCCL installed? cudarc loads \
-         `libnccl.so`, not `libnccl.so.2`: install libnccl-dev or put a libnccl.so symlink on \
-         LD_LIBRARY_PATH"
-    )]
-    NcclLibraryMissing,
     /// The driver loaded but reports no usable device.
     #[error("no usable CUDA device (check CUDA_VISIBLE_DEVICES): {0}")]
     NoDevice(String),
@@ -174,10 +164,7 @@ impl From<NcclError> for CommError {
         use std::io::{Error, ErrorKind};
         match e {
             NcclError::Comm(e) => e,
-            e @ (NcclError::DriverLibraryMissing
-            | NcclError::NcclLibraryMissing
-            | NcclError::NoDevice(_)
-            | NcclError::BadDevice { .. }) => {
+            e @ (NcclError::NoDevice(_) | NcclError::BadDevice { .. }) => {
                 CommError::Io(Error::new(ErrorKind::NotFound, e.to_string()))
             }
             e @ (NcclError::Cuda { .. } | NcclError::Nccl { .. }) => {
@@ -211,22 +198,13 @@ fn nccl_failed(op: &'static str) -> impl Fn(RawNcclError) -> CommError {
 }
 
 /// Checks that the CUDA driver and NCCL libraries can be loaded and that at least one CUDA device
-/// is visible. Never panics (cudarc would panic on the first call into a missing library).
+/// is visible. Never panics: a driver that fails (or the CI link stub) gives [`NcclError::NoDevice`].
 pub fn nccl_available() -> Result<(), NcclError> {
     device_count().map(|_| ())
 }
 
 /// [`nccl_available`], returning the number of visible devices.
 fn device_count() -> Result<usize, NcclError> {
-    // SAFETY: `is_culib_present` only tries to load each candidate library (libloading) and
-    // unloads it again; cudarc marks it unsafe because loading runs the library's initializers.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err(NcclError::DriverLibraryMissing);
-    }
-    // SAFETY: as above.
-    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
-        return Err(NcclError::NcclLibraryMissing);
-    }
     let n = CudaContext::device_count().map_err(|e| NcclError::NoDevice(format!("{e:?}")))?;
     match usize::try_from(n) {
         Ok(n) if n > 0 => Ok(n),
@@ -1348,39 +1326,31 @@ impl Drop for NcclCommunicator {
 mod tests {
     use super::*;
 
-    /// Whether both libraries load here (they do not on CPU-only CI machines).
-    fn libraries_present() -> bool {
-        // SAFETY: see `device_count`.
-        unsafe { cudarc::driver::sys::is_culib_present() && cudarc::nccl::sys::is_culib_present() }
+    /// Whether a CUDA device is usable here (never on CPU-only CI machines, whose driver is the
+    /// link stub).
+    fn device_present() -> bool {
+        nccl_available().is_ok()
     }
 
     #[test]
     fn availability_fails_cleanly_without_cuda() {
-        let r = nccl_available();
-        // SAFETY: see `device_count`.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
-            let e = r.expect_err("no libcuda here");
-            assert!(matches!(e, NcclError::DriverLibraryMissing), "{e:?}");
-            assert_eq!(
-                e.to_string(),
-                "libcuda.so not found (cudarc dynamic loading): is the NVIDIA driver installed?"
-            );
-            let c = CommError::from(e);
-            assert!(
-                matches!(&c, CommError::Io(io) if io.kind() == std::io::ErrorKind::NotFound),
-                "{c:?}"
-            );
-            assert!(c.to_string().contains("libcuda.so not found"), "{c}");
-        } else if !libraries_present() {
-            let e = r.expect_err("no libnccl here");
-            assert!(matches!(e, NcclError::NcclLibraryMissing), "{e:?}");
-            assert!(e.to_string().starts_with("libnccl.so not found"), "{e}");
+        if device_present() {
+            return;
         }
+        let e = nccl_available().expect_err("no device here");
+        assert!(matches!(e, NcclError::NoDevice(_)), "{e:?}");
+        assert!(e.to_string().starts_with("no usable CUDA device"), "{e}");
+        let c = CommError::from(e);
+        assert!(
+            matches!(&c, CommError::Io(io) if io.kind() == std::io::ErrorKind::NotFound),
+            "{c:?}"
+        );
+        assert!(c.to_string().contains("no usable CUDA device"), "{c}");
     }
 
     #[test]
     fn unique_id_and_communicator_fail_cleanly_without_cuda() {
-        if libraries_present() {
+        if device_present() {
             // A GPU machine: rank 1 of 2 with nobody else must fail within the timeout.
             let Ok(id) = NcclUniqueId::new() else { return };
             let t = Instant::now();
@@ -1392,13 +1362,58 @@ mod tests {
         assert!(NcclUniqueId::new().is_err());
         let id = NcclUniqueId([0; NcclUniqueId::LEN]);
         let e = NcclCommunicator::new(0, 1, 0, &id, 100).expect_err("no CUDA here");
-        assert!(
-            matches!(
-                e,
-                NcclError::DriverLibraryMissing | NcclError::NcclLibraryMissing
-            ),
-            "{e:?}"
-        );
+        assert!(matches!(e, NcclError::NoDevice(_)), "{e:?}");
+    }
+
+    /// `LZ_REQUIRE_GPU=1` (set by `kernels/check-gpu.sh`): a missing device fails the GPU
+    /// smoke tests instead of skipping them.
+    fn gpu_or_skip() -> Option<usize> {
+        match device_count() {
+            Ok(n) => Some(n),
+            Err(e) => {
+                assert!(
+                    std::env::var_os("LZ_REQUIRE_GPU").is_none(),
+                    "LZ_REQUIRE_GPU is set but {e}"
+                );
+                None
+            }
+        }
+    }
+
+    /// One rank per visible GPU (at most 2), each on its own thread: all-reduce, all-gather,
+    /// all-to-all and barrier give the TCP backend's results.
+    #[test]
+    fn gpu_smoke_collectives() {
+        let Some(n) = gpu_or_skip() else { return };
+        let world = n.min(2);
+        let id = NcclUniqueId::new().expect("ncclGetUniqueId");
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                thread::spawn(move || {
+                    let mut c = NcclCommunicator::new(rank, world, rank, &id, 30_000)
+                        .expect("communicator");
+                    let group: Vec<Rank> = (0..world).collect();
+                    let mut buf = vec![rank as f32 + 1.0, 2.0, -3.5];
+                    c.all_reduce_sum(&group, &mut buf).expect("all-reduce");
+                    let n = world as f32;
+                    assert_eq!(buf, vec![n * (n + 1.0) / 2.0, 2.0 * n, -3.5 * n]);
+                    let got = c.all_gather_u64(&[rank as u64, 7]).expect("all-gather");
+                    let want: Vec<Vec<u64>> = (0..world as u64).map(|r| vec![r, 7]).collect();
+                    assert_eq!(got, want);
+                    let send: Vec<Vec<f32>> = (0..world)
+                        .map(|dst| vec![(rank * 10 + dst) as f32; dst + 1])
+                        .collect();
+                    let recv = c.all_to_all_v(send).expect("all-to-all");
+                    for (src, v) in recv.iter().enumerate() {
+                        assert_eq!(v, &vec![(src * 10 + rank) as f32; rank + 1]);
+                    }
+                    c.barrier().expect("barrier");
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().expect("rank thread");
+        }
     }
 
     #[test]

@@ -325,6 +325,8 @@ pub struct WorkerLaunch {
     pub exe: std::path::PathBuf,
     /// Data-plane address the worker listens on (port 0: any free port).
     pub listen: std::net::SocketAddr,
+    /// Extra environment of the worker process (e.g. its CUDA device ordinal).
+    pub env: Vec<(String, String)>,
 }
 
 /// The agent's worker process and its pipes.
@@ -344,6 +346,7 @@ impl Worker {
         use tokio::io::{AsyncBufReadExt, BufReader};
         let mut c = tokio::process::Command::new(&launch.exe)
             .args(["worker", "--managed"])
+            .envs(launch.env.iter().map(|(k, v)| (k, v)))
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::inherit())

@@ -47,7 +47,7 @@ pub(crate) fn start(opts: &WorkerOptions) -> Result<Started> {
     let cfg = &opts.config;
     cfg.validate().context("model config")?;
     let replicas = plan_replicas(cfg, world)?;
-    let dev = Device::Cpu;
+    let dev = crate::device::worker_device()?;
     let model = DenseModel::new(cfg, &dev).context("building the dense model")?;
     let opt = model.optimizer()?;
     let store = ExpertStore::with_replicas(cfg, &dev, held_replicas(&replicas, rank))

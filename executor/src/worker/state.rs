@@ -30,7 +30,7 @@ pub(super) struct State {
 impl State {
     /// The model as initialised from the config's seed (every worker the same values).
     pub fn fresh(cfg: &MoeConfig) -> Result<Self> {
-        let dev = Device::Cpu;
+        let dev = crate::device::worker_device()?;
         let model = DenseModel::new(cfg, &dev).context("building the dense model")?;
         let opt = model.optimizer()?;
         let store = ExpertStore::empty(cfg, &dev);

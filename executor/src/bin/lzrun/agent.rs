@@ -1,7 +1,11 @@
-//! `lzrun agent`: one node's agent (registers, heartbeats, runs the node's worker).
+//! `lzrun agent`: one node's agent (registers, heartbeats, runs the node's worker). With
+//! `--gpus-per-node G` the process runs G agents, one worker per GPU each (device ordinals
+//! 0..G, names `<name>/gpu<i>`, data ports `port + i`): killing the process (a node failure)
+//! takes all G, and the controller must expect G agents per node (`--nodes N·G`).
 
 use anyhow::{Context, Result, anyhow};
 use lazarus_executor::control::{AgentConfig, WorkerLaunch, run_agent};
+use lazarus_executor::device::{ENV_DEVICE_ORDINAL, set_process_choice};
 use tokio::sync::watch;
 
 use crate::args::AgentArgs;
@@ -9,21 +13,49 @@ use crate::drive::{runtime, stop_signals};
 
 /// Registers with the controller and runs this node until the job ends (or Ctrl-C).
 pub fn agent(a: AgentArgs) -> Result<()> {
+    let choice = a.device.choice()?;
+    choice.preflight()?;
+    set_process_choice(choice);
+    let gpus = choice.gpus_per_node;
     let name = a
         .name
         .clone()
         .unwrap_or_else(|| format!("agent-{}", std::process::id()));
-    let mut cfg = AgentConfig::new(&a.controller, &a.token, &name, 1);
-    cfg.heartbeat_every_ms = a.heartbeat_ms;
-    cfg.register_timeout_ms = a.register_timeout_ms;
-    cfg.reconnect_grace_ms = a.reconnect_grace_ms;
-    if let Some(v) = a.protocol_version {
-        cfg.protocol_version = v;
+    let exe = std::env::current_exe().context("locating the lzrun executable")?;
+    let mut agents = Vec::with_capacity(gpus);
+    for i in 0..gpus {
+        let (name, listen) = if gpus == 1 {
+            (name.clone(), a.data_addr)
+        } else {
+            let mut listen = a.data_addr;
+            if listen.port() != 0 {
+                let port = u16::try_from(usize::from(listen.port()) + i).map_err(|_| {
+                    anyhow!("--data-addr {}: port + {i} exceeds 65535", a.data_addr)
+                })?;
+                listen.set_port(port);
+            }
+            (format!("{name}/gpu{i}"), listen)
+        };
+        let mut cfg = AgentConfig::new(&a.controller, &a.token, &name, 1);
+        cfg.heartbeat_every_ms = a.heartbeat_ms;
+        cfg.register_timeout_ms = a.register_timeout_ms;
+        cfg.reconnect_grace_ms = a.reconnect_grace_ms;
+        if let Some(v) = a.protocol_version {
+            cfg.protocol_version = v;
+        }
+        let mut env: Vec<(String, String)> = choice
+            .env()
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect();
+        env.push((ENV_DEVICE_ORDINAL.to_owned(), i.to_string()));
+        let launch = WorkerLaunch {
+            exe: exe.clone(),
+            listen,
+            env,
+        };
+        agents.push((name, cfg, launch));
     }
-    let launch = WorkerLaunch {
-        exe: std::env::current_exe().context("locating the lzrun executable")?,
-        listen: a.data_addr,
-    };
     let rt = runtime()?;
     let stop = {
         let _guard = rt.enter();
@@ -37,9 +69,19 @@ pub fn agent(a: AgentArgs) -> Result<()> {
             stop.await;
             let _ = stop_tx.send(true);
         });
-        run_agent(&cfg, &launch, stop_rx)
+        let runs = agents.into_iter().map(|(name, cfg, launch)| {
+            let stop_rx = stop_rx.clone();
+            async move {
+                run_agent(&cfg, &launch, stop_rx)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| anyhow!("agent {name}: {e}"))
+            }
+        });
+        // Every agent of the node runs to its end; the first error is the node's.
+        futures_util::future::join_all(runs)
             .await
-            .map(|_| ())
-            .map_err(|e| anyhow!("agent {name}: {e}"))
+            .into_iter()
+            .collect::<Result<()>>()
     })
 }

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 use lazarus_executor::control::agent::DEFAULT_RECONNECT_GRACE_MS;
+use lazarus_executor::device::{self, CommKind, DeviceChoice, DeviceError, DeviceKind};
 use lazarus_executor::faults;
 use lazarus_executor::model::ExpertMode;
 use lazarus_executor::worker::{FAULT_TOLERANCE, MAX_NONFINITE_STEPS};
@@ -92,6 +93,8 @@ pub struct LocalArgs {
     #[arg(long, value_name = "N", default_value_t = 2, requires = "storm")]
     pub storm_min_live: usize,
     #[command(flatten)]
+    pub device: DeviceArgs,
+    #[command(flatten)]
     pub job: JobArgs,
 }
 
@@ -149,6 +152,8 @@ pub struct AgentArgs {
     /// stop the worker and exit 2. 0: give up at once.
     #[arg(long, value_name = "MS", default_value_t = DEFAULT_RECONNECT_GRACE_MS)]
     pub reconnect_grace_ms: u64,
+    #[command(flatten)]
+    pub device: DeviceArgs,
 }
 
 #[derive(Debug, Args)]
@@ -176,6 +181,42 @@ pub struct WorkerArgs {
     /// Rendezvous and per-collective timeout in milliseconds.
     #[arg(long, default_value_t = 60_000)]
     pub timeout_ms: u64,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+}
+
+/// Where workers compute and how they talk (`lzrun local` and `lzrun agent` hand these to the
+/// processes they start through the same environment variables).
+#[derive(Debug, Args)]
+pub struct DeviceArgs {
+    /// Where workers compute: cpu, or cuda (a build with `--features cuda`, a driver and a GPU;
+    /// otherwise one line and exit status 2).
+    #[arg(long, value_name = "cpu|cuda", env = device::ENV_DEVICE, default_value = "cpu",
+          value_parser = parse_device)]
+    pub device: DeviceKind,
+    /// The workers' data plane: tcp, or nccl (default: nccl with --device cuda, else tcp).
+    /// Several workers sharing one GPU need tcp (NCCL cannot put two ranks on one GPU).
+    #[arg(long, value_name = "tcp|nccl", env = device::ENV_COMM, value_parser = parse_comm)]
+    pub comm: Option<CommKind>,
+    /// GPUs per node: an agent runs one worker per GPU (device ordinals 0..G), and a node
+    /// failure takes all G.
+    #[arg(long, value_name = "G", env = device::ENV_GPUS_PER_NODE, default_value_t = 1)]
+    pub gpus_per_node: usize,
+}
+
+impl DeviceArgs {
+    /// The resolved choice (the defaults applied), not yet checked against this machine.
+    pub fn choice(&self) -> Result<DeviceChoice, DeviceError> {
+        DeviceChoice::resolve(self.device, self.comm, self.gpus_per_node)
+    }
+}
+
+fn parse_device(s: &str) -> Result<DeviceKind, String> {
+    DeviceKind::parse(s).map_err(|e| e.to_string())
+}
+
+fn parse_comm(s: &str) -> Result<CommKind, String> {
+    CommKind::parse(s).map_err(|e| e.to_string())
 }
 
 /// What to train and for how long (shared by jobs and stand-alone workers).

@@ -25,6 +25,16 @@ const STORM_NODES: usize = 6;
 
 /// Starts the controller and the initial nodes, injects the scheduled faults, prints the report.
 pub fn local(a: LocalArgs) -> Result<()> {
+    // Before anything starts: `--device cuda` without CUDA support, a driver or a GPU is one
+    // line and exit status 2.
+    let choice = a.device.choice()?;
+    choice.preflight()?;
+    ensure!(
+        choice.gpus_per_node == 1,
+        "--gpus-per-node {}: lzrun local runs one worker per node; for several GPUs per node \
+         start `lzrun controller --nodes N*G` and `lzrun agent --gpus-per-node G` on each node",
+        choice.gpus_per_node
+    );
     let schedule = fault_schedule(&a)?;
     ensure!(
         schedule.initial_nodes <= 64,
@@ -65,6 +75,9 @@ pub fn local(a: LocalArgs) -> Result<()> {
     }
     let exe = std::env::current_exe().context("locating the lzrun executable")?;
     let mut nodes = Nodes::new(exe, addr, token);
+    for (k, v) in choice.env() {
+        nodes.set_env(k, v);
+    }
     let disk_full = schedule
         .events
         .iter()

@@ -37,6 +37,9 @@ fn step_delay_from_env() -> Result<Option<StepDelay>> {
 
 /// Trains as a managed worker (commands on stdin) or as one rank of a fixed cluster.
 pub fn worker(a: WorkerArgs) -> Result<()> {
+    let choice = a.device.choice()?.with_ordinal_from_env()?;
+    choice.preflight()?;
+    lazarus_executor::device::set_process_choice(choice);
     if a.managed {
         let delay = step_delay_from_env()?;
         let (tx, rx) = mpsc::channel::<WorkerCommand>();
