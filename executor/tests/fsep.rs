@@ -23,22 +23,7 @@ const HARNESS: Duration = Duration::from_secs(400);
 const WORLD: usize = 4;
 
 fn cfg() -> MoeConfig {
-    MoeConfig {
-        vocab: 256,
-        d_model: 16,
-        n_layers: 2,
-        n_heads: 2,
-        d_ff: 32,
-        experts: 4,
-        top_k: 2,
-        seq_len: 8,
-        batch: 3,
-        lb_loss_coef: 0.01,
-        lr: 1e-2,
-        adam_beta2: 0.999,
-        grad_clip_norm: 1.0,
-        seed: 5,
-    }
+    common::small_config(5)
 }
 
 /// `[layer][expert][rank]` from `[layer][expert] = holders`.

@@ -20,22 +20,7 @@ const T_MS: u64 = 20_000;
 const HARNESS: Duration = Duration::from_secs(240);
 
 fn cfg() -> MoeConfig {
-    MoeConfig {
-        vocab: 256,
-        d_model: 16,
-        n_layers: 2,
-        n_heads: 2,
-        d_ff: 32,
-        experts: 4,
-        top_k: 2,
-        seq_len: 8,
-        batch: 3,
-        lb_loss_coef: 0.01,
-        lr: 1e-2,
-        adam_beta2: 0.999,
-        grad_clip_norm: 1.0,
-        seed: 11,
-    }
+    common::small_config(11)
 }
 
 /// `[layer][expert][rank]`: each expert on one or two workers, differing per layer.

@@ -81,17 +81,7 @@ pub(super) fn reconfigure(
             }
         }
         StateSource::Checkpoint { root, step } => {
-            let loaded = checkpoint::load_latest(root, &st.cfg)
-                .map_err(|e| anyhow!("loading the checkpoint: {e}"))?;
-            ensure!(
-                loaded.manifest.step == *step,
-                "the newest valid checkpoint under {} is at step {}, the controller chose step {step}",
-                root.display(),
-                loaded.manifest.step
-            );
-            st.opt
-                .import(&loaded.dense().map_err(|e| anyhow!("{e}"))?)
-                .context("restoring the dense state")?;
+            let loaded = restore_dense(st, root, *step)?;
             for &(l, e) in &mine {
                 let s = loaded.expert(l, e).map_err(|e| anyhow!("{e}"))?;
                 st.store.import(&s)?;
@@ -203,6 +193,24 @@ fn connect(
     Ok(comm)
 }
 
+/// Reads the newest valid checkpoint under `root`, checks that it is the one the controller
+/// chose (`step`) and restores the dense state from it; the experts are the caller's (whole
+/// replicas or shards).
+fn restore_dense(st: &mut State, root: &std::path::Path, step: u64) -> Result<checkpoint::Loaded> {
+    let loaded = checkpoint::load_latest(root, &st.cfg)
+        .map_err(|e| anyhow!("loading the checkpoint: {e}"))?;
+    ensure!(
+        loaded.manifest.step == step,
+        "the newest valid checkpoint under {} is at step {}, the controller chose step {step}",
+        root.display(),
+        loaded.manifest.step
+    );
+    st.opt
+        .import(&loaded.dense().map_err(|e| anyhow!("{e}"))?)
+        .context("restoring the dense state")?;
+    Ok(loaded)
+}
+
 /// [`reconfigure`] in FSEP mode: this rank's shards of every expert come from the seed (a
 /// fresh start) or from the whole experts of a checkpoint; a reconfiguration over the same
 /// membership and ranks (a re-layout) keeps them and ignores the plan's transfers: only the
@@ -223,17 +231,7 @@ fn reconfigure_sharded(
             st.shards = Some(Arc::new(Mutex::new(sh)));
         }
         StateSource::Checkpoint { root, step } => {
-            let loaded = checkpoint::load_latest(root, &st.cfg)
-                .map_err(|e| anyhow!("loading the checkpoint: {e}"))?;
-            ensure!(
-                loaded.manifest.step == *step,
-                "the newest valid checkpoint under {} is at step {}, the controller chose step {step}",
-                root.display(),
-                loaded.manifest.step
-            );
-            st.opt
-                .import(&loaded.dense().map_err(|e| anyhow!("{e}"))?)
-                .context("restoring the dense state")?;
+            let loaded = restore_dense(st, root, *step)?;
             let mut states = Vec::new();
             for l in 0..st.cfg.n_layers {
                 for e in 0..st.cfg.experts {

@@ -5,6 +5,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use lazarus_executor::comm::TcpCommunicator;
+use lazarus_executor::model::MoeConfig;
 
 /// Runs `f(comm)` for every rank on its own thread and returns the results in rank order.
 /// Panics (fails the test) if a rank panics or not every rank finishes within `limit`.
@@ -35,4 +36,26 @@ where
         }
     }
     out.into_iter().map(Option::unwrap).collect()
+}
+
+/// A model small enough for several ranks on threads: 2 MoE layers of 4 experts, top-2, the
+/// clipped recipe.
+#[allow(dead_code)] // not every test crate that shares this module builds a model
+pub fn small_config(seed: u64) -> MoeConfig {
+    MoeConfig {
+        vocab: 256,
+        d_model: 16,
+        n_layers: 2,
+        n_heads: 2,
+        d_ff: 32,
+        experts: 4,
+        top_k: 2,
+        seq_len: 8,
+        batch: 3,
+        lb_loss_coef: 0.01,
+        lr: 1e-2,
+        adam_beta2: 0.999,
+        grad_clip_norm: 1.0,
+        seed,
+    }
 }
