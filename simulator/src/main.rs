@@ -45,7 +45,8 @@ enum Command {
     /// Predict a recorded `lzrun local` run with a calibrated profile: measured vs predicted.
     ///
     /// Reads RUN_DIR (`lzrun local --metrics-out RUN_DIR`), replays the same fault schedule
-    /// through the lazarus system (the job state machine lzrun drives) with the hardware
+    /// through the lazarus system (the job state machine lzrun drives; an `--expert-mode fsep`
+    /// run through laer, or lazarus-fsep with `--shard-copies` 2 or more) with the hardware
     /// profile `lzrun calibrate` measured, and prints measured and predicted wall time, steps,
     /// samples, recoveries, fallbacks (checkpoint restores), joins, rebalances and the time
     /// breakdown (compute, checkpoint, reconfigure, restore, lost, idle) with relative errors.

@@ -1,6 +1,7 @@
 //! `lzsim predict`: replays a real `lzrun local --metrics-out RUN_DIR` run through the
-//! simulator's `lazarus` system (the job state machine `lzrun`'s controller drives) with a
-//! calibrated hardware profile (`lzrun calibrate`), and compares what was measured with what
+//! simulator's `lazarus` system (the job state machine `lzrun`'s controller drives; for a
+//! `--expert-mode fsep` run, `laer` with one copy of every shard and `lazarus-fsep` with more)
+//! with a calibrated hardware profile (`lzrun calibrate`), and compares what was measured with what
 //! the simulator predicts.
 //!
 //! # What is read
@@ -171,6 +172,39 @@ pub struct RunConfig {
     pub rebalance_every_steps: u64,
     pub faults: Faults,
     pub timeline: Timeline,
+    /// The job machine's configuration; only how the experts are stored is read (absent in
+    /// runs of versions before FSEP: replicated).
+    #[serde(default)]
+    pub rules: RunRules,
+}
+
+/// The fields of `run.json`'s `rules` (`lazarus_planner::job::JobConfig`) that `predict` uses.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct RunRules {
+    /// `lzrun --expert-mode fsep`: experts fully sharded over the members.
+    #[serde(default)]
+    pub sharded_experts: bool,
+    /// Copies of every shard (`--shard-copies`; absent: 1).
+    #[serde(default)]
+    pub shard_copies: Option<usize>,
+}
+
+impl RunConfig {
+    /// The simulator system that runs like this run: `lazarus` for replicated experts; for
+    /// sharded ones `laer` with one copy per shard (any loss restores) and `lazarus-fsep`
+    /// with more (in-place repair).
+    pub fn system(&self) -> SystemKind {
+        match (self.rules.sharded_experts, self.shard_copies()) {
+            (false, _) => SystemKind::Lazarus,
+            (true, 1) => SystemKind::Laer,
+            (true, _) => SystemKind::LazarusFsep,
+        }
+    }
+
+    /// Copies of every shard of a sharded run (1 when not given).
+    pub fn shard_copies(&self) -> usize {
+        self.rules.shard_copies.unwrap_or(1).max(1)
+    }
 }
 
 /// `summary.json` (the fields `predict` uses).
@@ -319,7 +353,12 @@ impl RunDir {
             b = m.batch,
             es = self.config.expert_state_bytes,
             slots = self.config.slots_per_node,
-            f = self.config.fault_tolerance,
+            // lazarus-fsep takes its shard copies from the profile's f.
+            f = if self.config.rules.sharded_experts {
+                self.config.shard_copies()
+            } else {
+                self.config.fault_tolerance
+            },
         );
         cost::model_from_toml(&text, "the model of run.json")
     }
@@ -615,7 +654,7 @@ pub fn predict(run: &RunDir, hw: &HardwareProfile) -> anyhow::Result<Prediction>
         end_after_steps: Some(c.steps),
         pause_lag_steps: 1,
     };
-    let result = replay::run(&cfg, SystemKind::Lazarus, &trace, &workload, true, None)?;
+    let result = replay::run(&cfg, c.system(), &trace, &workload, true, None)?;
     let s = &result.summary;
     let start_s = hw.job_start_s(c.nodes);
     let stop_s = hw.job_stop_s.unwrap_or(0.0);

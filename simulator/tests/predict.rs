@@ -291,3 +291,49 @@ fn storm_faults_are_predicted_as_lost_nodes_or_named_as_not_modelled() {
     }
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+/// An `--expert-mode fsep` run is replayed by the FSEP systems: with one copy of every shard
+/// (`laer`) the kill restores the checkpoint, with two (`lazarus-fsep`) it is repaired in
+/// place — the same kill that the replicated run (`lazarus`) recovers in place.
+#[test]
+fn sharded_runs_are_predicted_by_the_fsep_systems() {
+    use lazarus_simulator::replay::systems::SystemKind;
+    let tmp = std::env::temp_dir().join(format!("lzsim-predict-fsep-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let src = fixtures().join(RUNS[0].0);
+    let hw = profile();
+    let sharded = |name: &str, copies: Option<usize>| {
+        let d = tmp.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        for f in std::fs::read_dir(&src).unwrap() {
+            let f = f.unwrap();
+            std::fs::copy(f.path(), d.join(f.file_name())).unwrap();
+        }
+        let mut run: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(d.join("run.json")).unwrap()).unwrap();
+        run["rules"]["sharded_experts"] = serde_json::json!(true);
+        if let Some(c) = copies {
+            run["rules"]["shard_copies"] = serde_json::json!(c);
+        }
+        std::fs::write(d.join("run.json"), serde_json::to_vec(&run).unwrap()).unwrap();
+        RunDir::load(&d).unwrap()
+    };
+    let replicated = RunDir::load(&src).unwrap();
+    assert_eq!(replicated.config.system(), SystemKind::Lazarus);
+    let one = sharded("one-copy", None);
+    assert_eq!(one.config.system(), SystemKind::Laer);
+    let two = sharded("two-copies", Some(2));
+    assert_eq!(two.config.system(), SystemKind::LazarusFsep);
+    let p1 = predict::predict(&one, &hw).unwrap().predicted;
+    let p2 = predict::predict(&two, &hw).unwrap().predicted;
+    assert_eq!((p1.recoveries, p1.fallbacks), (0, 1), "laer: {p1:?}");
+    assert_eq!(
+        (p2.recoveries, p2.fallbacks),
+        (1, 0),
+        "lazarus-fsep: {p2:?}"
+    );
+    for p in [&p1, &p2] {
+        assert_eq!(p.steps, 16);
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+}
