@@ -102,6 +102,37 @@ fn all_to_all_v_delivers_variable_sizes_including_empty() {
     }
 }
 
+/// The byte counter counts exactly the elements sent to other ranks: not the message to
+/// oneself, not the framing, u64 words at 8 bytes.
+#[test]
+fn payload_bytes_sent_counts_what_left_for_other_ranks() {
+    let world = 4;
+    let results = run_ranks(group(world, T_MS), move |mut c| {
+        let me = c.rank();
+        assert_eq!(c.payload_bytes_sent(), 0);
+        let mut want = 0u64;
+        for round in 0..3 {
+            let send: Vec<Vec<f32>> = (0..world).map(|dst| payload(me, dst, round)).collect();
+            want += send
+                .iter()
+                .enumerate()
+                .filter(|&(dst, _)| dst != me)
+                .map(|(_, m)| 4 * m.len() as u64)
+                .sum::<u64>();
+            c.all_to_all_v(send).expect("all_to_all_v");
+            assert_eq!(c.payload_bytes_sent(), want, "rank {me} round {round}");
+        }
+        c.all_gather_u64(&vec![7; me + 1]).expect("all_gather");
+        want += 8 * (me as u64 + 1) * (world as u64 - 1);
+        assert_eq!(
+            c.payload_bytes_sent(),
+            want,
+            "rank {me} after the all-gather"
+        );
+    });
+    assert_eq!(results.len(), world);
+}
+
 #[test]
 fn all_gather_u64_collects_every_rank() {
     for world in 1..=5 {

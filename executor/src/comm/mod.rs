@@ -217,6 +217,12 @@ pub trait Communicator: Send {
     /// on: a managed worker follows its step deadline with it
     /// ([`lazarus_planner::deadline`]).
     fn set_timeout_ms(&mut self, timeout_ms: u64) -> Result<(), CommError>;
+
+    /// Bytes of elements (f32, u64) this rank has sent to other ranks by successful operations
+    /// since the communicator was made — what a step or a migration put on the network, for the
+    /// run's per-step traffic. Messages to oneself (local moves) and the backend's framing are
+    /// not counted (NCCL's length rounds are: they are elements too).
+    fn payload_bytes_sent(&self) -> u64;
 }
 
 /// Checks an all-reduce group: ranks below `world`, sorted and distinct, containing `rank`.

@@ -569,6 +569,8 @@ pub struct NcclCommunicator {
     stream: Arc<CudaStream>,
     /// `None` once aborted.
     comm: Option<SendComm>,
+    /// [`Communicator::payload_bytes_sent`].
+    payload_bytes_sent: u64,
 }
 
 impl NcclCommunicator {
@@ -613,6 +615,7 @@ impl NcclCommunicator {
             timeout_ms,
             stream,
             comm: Some(comm),
+            payload_bytes_sent: 0,
         })
     }
 
@@ -693,7 +696,14 @@ impl NcclCommunicator {
                 vec![Vec::new(); floats.recvs.len()],
             ));
         }
-        self.guarded(|me, keep: &mut Option<(Staged<u64>, Staged<f32>)>| {
+        let sent_bytes = |l: &Layout, size: usize| -> u64 {
+            l.posted_sends()
+                .filter(|(dst, _)| *dst != self.rank)
+                .map(|(_, r)| (r.len() * size) as u64)
+                .sum()
+        };
+        let sent = sent_bytes(&lw, 8) + sent_bytes(&lf, 4);
+        let received = self.guarded(|me, keep: &mut Option<(Staged<u64>, Staged<f32>)>| {
             let comm = me.comm()?;
             let stream = &me.stream;
             stream.context().bind_to_thread().map_err(cuda_failed(op))?;
@@ -715,7 +725,9 @@ impl NcclCommunicator {
                 });
             }
             Ok((sw.download(stream, &lw, op)?, sf.download(stream, &lf, op)?))
-        })
+        })?;
+        self.payload_bytes_sent += sent;
+        Ok(received)
     }
 
     /// A round of 64-bit words only.
@@ -1312,6 +1324,9 @@ impl Communicator for NcclCommunicator {
     fn set_timeout_ms(&mut self, timeout_ms: u64) -> Result<(), CommError> {
         NcclCommunicator::set_timeout_ms(self, timeout_ms);
         Ok(())
+    }
+    fn payload_bytes_sent(&self) -> u64 {
+        self.payload_bytes_sent
     }
 }
 

@@ -101,6 +101,8 @@ pub struct TcpCommunicator {
     send_seq: Vec<u64>,
     recv_seq: Vec<u64>,
     aborted: Arc<AtomicBool>,
+    /// [`Communicator::payload_bytes_sent`].
+    payload_bytes_sent: u64,
 }
 
 /// Aborts a [`TcpCommunicator`] from another thread, e.g. the worker's control-plane task when
@@ -576,6 +578,7 @@ impl TcpCommunicator {
             timeout_ms,
             links,
             send_seq: vec![0; world],
+            payload_bytes_sent: 0,
             recv_seq: vec![0; world],
             aborted: abort,
         })
@@ -704,7 +707,14 @@ impl TcpCommunicator {
             }
         }
         match first_err {
-            None => Ok(received),
+            None => {
+                self.payload_bytes_sent += io
+                    .iter()
+                    .flat_map(|e| &e.out)
+                    .map(|m| (m.len() * T::SIZE) as u64)
+                    .sum::<u64>();
+                Ok(received)
+            }
             Some(e) => Err(self.fail(e)),
         }
     }
@@ -907,6 +917,10 @@ impl Communicator for TcpCommunicator {
         for s in self.links.iter().flatten() {
             let _ = s.shutdown(Shutdown::Both);
         }
+    }
+
+    fn payload_bytes_sent(&self) -> u64 {
+        self.payload_bytes_sent
     }
 
     fn set_timeout_ms(&mut self, timeout_ms: u64) -> Result<(), CommError> {
