@@ -107,10 +107,8 @@ fn layer_replicas(
             flat.push((e, base + gpu, count));
         }
     }
-    let mut rows: Vec<Vec<(u32, u32)>> = per_expert
-        .iter()
-        .map(|&n| Vec::with_capacity(n))
-        .collect();
+    let mut rows: Vec<Vec<(u32, u32)>> =
+        per_expert.iter().map(|&n| Vec::with_capacity(n)).collect();
     for (e, rank, count) in flat {
         rows[e as usize].push((rank, count));
     }
@@ -575,8 +573,8 @@ mod tests {
             let grid: Vec<Vec<u32>> = (0..1 + next(30))
                 .map(|_| distinct[next(distinct.len() as u64)].clone())
                 .collect();
-            let cluster = lazarus_planner::ClusterSpec::new(grid.len(), slots)
-                .with_gpus_per_node(g);
+            let cluster =
+                lazarus_planner::ClusterSpec::new(grid.len(), slots).with_gpus_per_node(g);
             let gpu_of: Vec<u32> = (0..slots).map(|s| cluster.gpu_of_slot(s) as u32).collect();
             assert_eq!(
                 layer_replicas(&grid, g, &gpu_of, experts),
