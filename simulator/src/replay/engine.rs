@@ -97,6 +97,34 @@ impl Hasher for FastHasher {
     }
 }
 
+/// Fingerprint of a layout's sparse replicas: one word per `(rank, count)` pair where the
+/// derived `Hash` wrote two (each a dependent multiply), layers hashed in parallel and combined
+/// in layer order, so the value does not depend on the thread count. Row and layer lengths are
+/// hashed too, so pairs cannot shift between rows unnoticed.
+fn replicas_fingerprint(replicas: &crate::cost::SparseReplicas) -> u64 {
+    use rayon::prelude::*;
+    let layers: Vec<u64> = replicas
+        .par_iter()
+        .map(|layer| {
+            let mut h = FastHasher::default();
+            h.write_usize(layer.len());
+            for row in layer {
+                h.write_usize(row.len());
+                for &(rank, count) in row {
+                    h.write_u64(u64::from(rank) | (u64::from(count) << 32));
+                }
+            }
+            h.finish()
+        })
+        .collect();
+    let mut h = FastHasher::default();
+    h.write_usize(layers.len());
+    for x in layers {
+        h.write_u64(x);
+    }
+    h.finish()
+}
+
 fn ns(s: f64) -> u64 {
     (s * NS_PER_S).round().max(0.0) as u64
 }
@@ -822,7 +850,7 @@ impl<'a> Engine<'a> {
             let mut h = FastHasher::default();
             (
                 l.gpus(&self.cfg.hardware),
-                &l.replicas_per_rank,
+                replicas_fingerprint(&l.replicas_per_rank),
                 l.dispatch,
                 &l.ep_groups,
                 l.fsep

@@ -58,41 +58,61 @@ fn layout_of(ctx: &Ctx, mut plan: ModelPlan) -> Layout {
 /// dense matrices (tested equal).
 fn sparse_replicas_of(plan: &ModelPlan) -> crate::cost::SparseReplicas {
     let g = plan.cluster.gpus_per_node.max(1);
-    let gpu_of: Vec<usize> = (0..plan.cluster.slots_per_node)
-        .map(|s| plan.cluster.gpu_of_slot(s))
+    let gpu_of: Vec<u32> = (0..plan.cluster.slots_per_node)
+        .map(|s| plan.cluster.gpu_of_slot(s) as u32)
         .collect();
     // Layers are independent (and in parallel: 2,048 nodes × 32 slots per layer).
     plan.layers
         .par_iter()
-        .map(|layer| {
-            // Sized first: growing 256 rows by pushes reallocated each about ten times.
-            let mut runs = vec![0usize; plan.model.experts];
-            for (node, slots) in layer.grid().iter().enumerate() {
-                let mut last: Option<(usize, u32)> = None;
-                for (slot, &e) in slots.iter().enumerate() {
-                    let at = (node * g + gpu_of[slot], e);
-                    if last != Some(at) {
-                        runs[e as usize] += 1;
-                    }
-                    last = Some(at);
-                }
-            }
-            let mut rows: Vec<Vec<(u32, u32)>> =
-                runs.iter().map(|&n| Vec::with_capacity(n)).collect();
-            for (node, slots) in layer.grid().iter().enumerate() {
-                for (slot, &e) in slots.iter().enumerate() {
-                    // Ranks grow with the slot inside a node and with the node.
-                    let rank = (node * g + gpu_of[slot]) as u32;
-                    let row = &mut rows[e as usize];
-                    match row.last_mut() {
-                        Some(last) if last.0 == rank => last.1 += 1,
-                        _ => row.push((rank, 1)),
-                    }
-                }
-            }
-            rows
-        })
+        .map(|layer| layer_replicas(layer.grid(), g, &gpu_of, plan.model.experts))
         .collect()
+}
+
+/// One layer's `[expert] = (rank, count)` rows, ranks ascending. A node whose slots equal the
+/// previous node's (MRO block nodes: about 250 distinct rows per layer at 2,048 nodes) reuses
+/// its runs at its own ranks, so most nodes cost one slice comparison.
+fn layer_replicas(
+    grid: &[Vec<u32>],
+    g: usize,
+    gpu_of: &[u32],
+    experts: usize,
+) -> Vec<Vec<(u32, u32)>> {
+    // `(expert, rank, count)` in node order, then GPU order: ranks ascend in every row.
+    let mut flat: Vec<(u32, u32, u32)> = Vec::with_capacity(grid.len() * g);
+    // The last node's runs `(expert, gpu, count)`.
+    let mut runs: Vec<(u32, u32, u32)> = Vec::new();
+    let mut prev: Option<&[u32]> = None;
+    let mut per_expert = vec![0usize; experts];
+    for (node, slots) in grid.iter().enumerate() {
+        if prev != Some(slots.as_slice()) {
+            runs.clear();
+            for (slot, &e) in slots.iter().enumerate() {
+                let gpu = gpu_of[slot];
+                // Equal experts on one GPU merge even when not adjacent: one entry per rank.
+                match runs
+                    .iter_mut()
+                    .rev()
+                    .take_while(|r| r.1 == gpu)
+                    .find(|r| r.0 == e)
+                {
+                    Some(r) => r.2 += 1,
+                    None => runs.push((e, gpu, 1)),
+                }
+            }
+            prev = Some(slots);
+        }
+        let base = (node * g) as u32;
+        for &(e, gpu, count) in &runs {
+            per_expert[e as usize] += 1;
+            flat.push((e, base + gpu, count));
+        }
+    }
+    let mut rows: Vec<Vec<(u32, u32)>> =
+        per_expert.iter().map(|&n| Vec::with_capacity(n)).collect();
+    for (e, rank, count) in flat {
+        rows[e as usize].push((rank, count));
+    }
+    rows
 }
 
 /// What the engine does next, decided by the machine.
@@ -511,6 +531,58 @@ impl System for Lazarus {
 mod tests {
     use super::*;
     use crate::cost;
+
+    /// The previous construction (slot by slot, merging into the row's last entry): the
+    /// reference for [`layer_replicas`].
+    fn layer_replicas_reference(
+        grid: &[Vec<u32>],
+        g: usize,
+        gpu_of: &[u32],
+        experts: usize,
+    ) -> Vec<Vec<(u32, u32)>> {
+        let mut rows: Vec<Vec<(u32, u32)>> = vec![Vec::new(); experts];
+        for (node, slots) in grid.iter().enumerate() {
+            for (slot, &e) in slots.iter().enumerate() {
+                let rank = (node * g) as u32 + gpu_of[slot];
+                let row = &mut rows[e as usize];
+                match row.last_mut() {
+                    Some(last) if last.0 == rank => last.1 += 1,
+                    _ => row.push((rank, 1)),
+                }
+            }
+        }
+        rows
+    }
+
+    /// Random grids (300 seeded cases) with repeated node rows (the reuse), unsorted slots and
+    /// an expert twice on one GPU with another between (the merge).
+    #[test]
+    fn layer_replicas_equal_the_slot_by_slot_reference() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % n) as usize
+        };
+        for _ in 0..300 {
+            let (slots, experts, g) = (1 + next(12), 1 + next(6), 1 + next(4));
+            let distinct: Vec<Vec<u32>> = (0..1 + next(5))
+                .map(|_| (0..slots).map(|_| next(experts as u64) as u32).collect())
+                .collect();
+            let grid: Vec<Vec<u32>> = (0..1 + next(30))
+                .map(|_| distinct[next(distinct.len() as u64)].clone())
+                .collect();
+            let cluster =
+                lazarus_planner::ClusterSpec::new(grid.len(), slots).with_gpus_per_node(g);
+            let gpu_of: Vec<u32> = (0..slots).map(|s| cluster.gpu_of_slot(s) as u32).collect();
+            assert_eq!(
+                layer_replicas(&grid, g, &gpu_of, experts),
+                layer_replicas_reference(&grid, g, &gpu_of, experts),
+                "grid {grid:?}, {g} GPUs per node"
+            );
+        }
+    }
 
     #[test]
     fn sparse_replicas_equal_the_dense_ones() {
