@@ -23,7 +23,7 @@
 //! The placement is kept by node id (ranks are renumbered by every plan). The one a
 //! reconfiguration issues is *committed* only once every member finished it: until then the
 //! machine cannot tell which copies exist, so a membership change in between restores the
-//! checkpoint; the same members retrying (a failed step, a rebalance) get the same placement
+//! checkpoint when that placement differs from the committed one; the same members retrying (a failed step, a rebalance) get the same placement
 //! and the same transfers again (a copy that already arrived is overwritten with equal bits).
 //!
 //! [`Reconfiguration::shard_holders`]: super::Reconfiguration::shard_holders
@@ -134,7 +134,12 @@ impl JobMachine {
         let candidates = self.candidate_ids();
         let why = if candidates.iter().any(|id| !old.contains(id)) {
             Some("a newcomer holds no shard".to_owned())
-        } else if self.shards.next.is_some() {
+        } else if self
+            .shards
+            .next
+            .as_ref()
+            .is_some_and(|n| *n != self.shards.holders)
+        {
             Some("the last shard placement was not completed on every member".to_owned())
         } else if candidates.iter().any(|id| !self.nodes[id].has_state) {
             Some("a member has no state".to_owned())
