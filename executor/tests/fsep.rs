@@ -389,13 +389,21 @@ fn two_copies_of_every_shard_stay_identical_and_match_replicated() {
     assert_same(&two, &one, &replicas_of_gathered(&one));
     for (w, h) in holders.iter().enumerate() {
         let copy = |r: usize| -> Vec<ShardState> {
-            two[r].shards.iter().filter(|s| s.shard == w).cloned().collect()
+            two[r]
+                .shards
+                .iter()
+                .filter(|s| s.shard == w)
+                .cloned()
+                .collect()
         };
         let first = copy(h[0]);
         assert_eq!(first.len(), cfg().n_layers * cfg().experts, "shard {w}");
         assert!(first.iter().all(|s| s.step > 0), "shard {w} trained");
         for &r in &h[1..] {
-            assert!(copy(r) == first, "the copies of shard {w} on ranks {h:?} differ");
+            assert!(
+                copy(r) == first,
+                "the copies of shard {w} on ranks {h:?} differ"
+            );
         }
     }
     // Gradients go to both copies: twice the one-copy reduce-scatter's bytes to others, at most.

@@ -2414,8 +2414,7 @@ fn a_kill_of_every_copy_of_a_shard_restores_the_checkpoint() {
     // Both losses seen together: shards lost. One seen first: its repair (from node 3) fails
     // when node 3 is found gone, and an unfinished repair restores too.
     assert!(
-        o.stderr.contains("lost every copy")
-            || o.stderr.contains("not completed on every member"),
+        o.stderr.contains("lost every copy") || o.stderr.contains("not completed on every member"),
         "{}",
         o.show()
     );
@@ -2425,7 +2424,15 @@ fn a_kill_of_every_copy_of_a_shard_restores_the_checkpoint() {
 
 #[test]
 fn shard_copies_must_fit_the_nodes_and_need_fsep() {
-    let o = lzrun(&["local", "--expert-mode", "fsep", "--nodes", "3", "--shard-copies", "4"]);
+    let o = lzrun(&[
+        "local",
+        "--expert-mode",
+        "fsep",
+        "--nodes",
+        "3",
+        "--shard-copies",
+        "4",
+    ]);
     assert_error(&o, "--shard-copies must be between 1 and the 3 node(s)");
     let o = lzrun(&["local", "--expert-mode", "fsep", "--shard-copies", "0"]);
     assert_error(&o, "--shard-copies");

@@ -33,6 +33,9 @@
 //!   [`Action::FindCheckpoint`] → [`Event::CheckpointFound`]). A start or a restore that did not
 //!   complete on every member is done again as a whole (a half-restored member mixes two
 //!   lineages).
+//! * **Sharded experts** ([`JobConfig::sharded_experts`]): a change of membership restores,
+//!   unless every shard kept one of its [`JobConfig::shard_copies`] copies: then the lost
+//!   copies are rebuilt in place (the `sharded` submodule).
 //! * **Resume step.** The smallest step any member with the job's state reported; members one
 //!   step ahead roll back. A restore resumes at the checkpoint's step.
 //! * **Who has the dense state.** Only a node that completed a reconfiguration
@@ -1753,7 +1756,8 @@ impl JobMachine {
             || !lost.is_empty()
             || resharded
         {
-            let what = if resharded && lost.is_empty() {
+            // Sharded: the replica tables say which experts a member computed, not what it holds.
+            let what = if resharded {
                 "the membership of the sharded experts changed".to_owned()
             } else {
                 format!("{} lost every replica", describe_lost(&lost))

@@ -1475,7 +1475,9 @@ fn with_two_shard_copies_losing_every_copy_of_a_shard_restores_the_checkpoint() 
     let a = j.idle(1, IdleReason::Failed("peer".into()), 7);
     assert!(a.contains(&Action::FindCheckpoint), "{a:?}");
     assert!(
-        logs(&a).iter().any(|l| l.contains("[2, 3] lost every copy")),
+        logs(&a)
+            .iter()
+            .any(|l| l.contains("[2, 3] lost every copy")),
         "{:?}",
         logs(&a)
     );

@@ -228,7 +228,9 @@ pub fn gather_experts(
             let src = shards.primary(w);
             let n = shards.range(w).len();
             let words = 2 + 3 * n;
-            let Some(chunk) = recv.get(src).and_then(|b| b.get(pos[src]..pos[src] + words))
+            let Some(chunk) = recv
+                .get(src)
+                .and_then(|b| b.get(pos[src]..pos[src] + words))
             else {
                 candle_core::bail!("({l}, {e}): rank {src} sent too few shard words");
             };

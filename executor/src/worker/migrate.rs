@@ -325,7 +325,10 @@ fn copy_shards(
     let got = comm
         .send_recv(sends, &recv_from)
         .with_context(|| format!("rank {me}: copying shards"))?;
-    ensure!(got.len() == incoming.len(), "shard copies: wrong message count");
+    ensure!(
+        got.len() == incoming.len(),
+        "shard copies: wrong message count"
+    );
     let mut bytes_in = 0u64;
     for (w, (src, words)) in incoming.into_iter().zip(got) {
         let n = sh.range(w).len();

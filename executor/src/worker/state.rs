@@ -167,7 +167,13 @@ pub fn train_step(
     // The last collective: a barrier that also carries the pause and non-finite votes and the
     // parts of the global gradient norm.
     let mut v = vec![f32::from(u8::from(pause)), f32::from(u8::from(!finite))];
-    v.extend(norm_parts(model, experts, &dense, &expert_grads, &shard_grads)?);
+    v.extend(norm_parts(
+        model,
+        experts,
+        &dense,
+        &expert_grads,
+        &shard_grads,
+    )?);
     let votes = experts.with_comm(|c| {
         let all: Vec<usize> = (0..c.world()).collect();
         c.all_reduce_sum(&all, &mut v).map(|()| v)

@@ -99,7 +99,10 @@ impl JobMachine {
         let by_rank = holders
             .iter()
             .map(|h| {
-                let mut ranks = h.iter().map(|&id| rank_of(id)).collect::<Option<Vec<_>>>()?;
+                let mut ranks = h
+                    .iter()
+                    .map(|&id| rank_of(id))
+                    .collect::<Option<Vec<_>>>()?;
                 ranks.sort_unstable();
                 Some(ranks)
             })
