@@ -3,6 +3,8 @@
 //! one shard per rank (materialised per layer by an all-to-all of shards, gradients returned to
 //! the shard owners). Losses and expert weights must agree over many steps, and a re-layout in
 //! FSEP (only the index table changes) must match a replicated re-layout that migrates states.
+//! Resilient FSEP (`f = 2` copies of every shard, placed by the planner) must match too, and
+//! keep the copies of every shard bit-identical.
 
 mod common;
 
@@ -13,7 +15,7 @@ use std::time::Duration;
 use candle_core::{Device, Result, Tensor};
 use lazarus_executor::comm::{Communicator, LocalGroup, TcpCommunicator};
 use lazarus_executor::model::{
-    Corpus, DenseModel, ExpertState, ExpertStore, MoeConfig, OptimState, ShardStore,
+    Corpus, DenseModel, ExpertState, ExpertStore, MoeConfig, OptimState, ShardState, ShardStore,
 };
 use lazarus_executor::runtime::{DistributedExperts, Traffic};
 use lazarus_executor::worker::train_step;
@@ -105,6 +107,8 @@ struct Run {
     dense: OptimState,
     /// Bytes sent per step.
     traffic: Vec<Traffic>,
+    /// FSEP: this rank's shard copies at the end.
+    shards: Vec<ShardState>,
 }
 
 /// The dense state and every expert's state a replicated re-layout starts from.
@@ -121,6 +125,8 @@ struct Job {
     start: u64,
     steps: u64,
     from: Option<Arc<Migrated>>,
+    /// FSEP: `[shard]` = holding ranks (None: shard `w` on rank `w`).
+    holders: Option<Vec<Vec<usize>>>,
 }
 
 fn run(comm: TcpCommunicator, job: &Job) -> Run {
@@ -133,12 +139,13 @@ fn run(comm: TcpCommunicator, job: &Job) -> Run {
     let mut dist;
     if job.fsep {
         store = ExpertStore::empty(&c, &dev);
-        let sh = ShardStore::fresh(&c, &dev, rank, WORLD).unwrap();
-        // Shard w holds about 1/W of every expert.
-        assert_eq!(
-            sh.held_values(),
-            3 * c.n_layers * c.experts * sh.range(rank).len()
-        );
+        let sh = match &job.holders {
+            Some(h) => ShardStore::fresh_placed(&c, &dev, rank, h.clone()).unwrap(),
+            None => ShardStore::fresh(&c, &dev, rank, WORLD).unwrap(),
+        };
+        // Each copy of a shard holds about 1/S of every expert.
+        let held: usize = sh.held_shards().iter().map(|&w| sh.range(w).len()).sum();
+        assert_eq!(sh.held_values(), 3 * c.n_layers * c.experts * held);
         let sh = Arc::new(Mutex::new(sh));
         dist = DistributedExperts::new_sharded(Box::new(comm), sh, job.layout.clone()).unwrap();
     } else {
@@ -181,11 +188,16 @@ fn run(comm: TcpCommunicator, job: &Job) -> Run {
             .map(|(l, e)| store.export(l, e).unwrap())
             .collect()
     };
+    let shards = match dist.shard_store().unwrap() {
+        Some(sh) => sh.lock().unwrap().export_all().unwrap(),
+        None => Vec::new(),
+    };
     Run {
         losses,
         experts,
         dense: opt.export().unwrap(),
         traffic,
+        shards,
     }
 }
 
@@ -260,6 +272,7 @@ fn fsep_matches_replicated_over_twenty_steps_on_a_skewed_layout() {
         start: 0,
         steps,
         from: None,
+        holders: None,
     };
     let repl = launch(job.clone());
     let fsep = launch(Job { fsep: true, ..job });
@@ -299,6 +312,7 @@ fn fsep_relayout_moves_nothing_and_matches_replicated_with_migration() {
         start: 0,
         steps: first + then,
         from: None,
+        holders: None,
     });
     let before = launch(Job {
         fsep: false,
@@ -307,6 +321,7 @@ fn fsep_relayout_moves_nothing_and_matches_replicated_with_migration() {
         start: 0,
         steps: first,
         from: None,
+        holders: None,
     });
     // Migration: every rank gets its new replicas from a holder of the old layout.
     let states = replicas_of(&before);
@@ -318,6 +333,7 @@ fn fsep_relayout_moves_nothing_and_matches_replicated_with_migration() {
         start: first,
         steps: then,
         from: Some(Arc::new((dense, states))),
+        holders: None,
     });
     let repl: Vec<Run> = before
         .into_iter()
@@ -327,8 +343,84 @@ fn fsep_relayout_moves_nothing_and_matches_replicated_with_migration() {
             experts: a.experts,
             dense: a.dense,
             traffic: a.traffic,
+            shards: a.shards,
         })
         .collect();
     let experts = replicas_of(&repl);
     assert_same(&fsep, &repl, &experts);
+}
+
+/// Resilient FSEP: 4 shards with `f = 2` copies each, placed by the planner on the 4 ranks
+/// (MRO blocks: shards {0, 1} on ranks {0, 1}, {2, 3} on {2, 3}). After 20 steps both copies
+/// of every shard are equal bit for bit (every holder applied the same update to the same
+/// state), and losses and expert weights match the replicated run and the one-copy FSEP run.
+#[test]
+fn two_copies_of_every_shard_stay_identical_and_match_replicated() {
+    use lazarus_planner::fsep::{FsepSpec, place};
+    let placement = place(&FsepSpec::balanced(WORLD, WORLD, 2)).unwrap();
+    let holders: Vec<Vec<usize>> = placement
+        .all_holders()
+        .iter()
+        .map(|h| h.iter().map(|&n| n as usize).collect())
+        .collect();
+    assert_eq!(holders, [[0, 1], [0, 1], [2, 3], [2, 3]]);
+    let job = Job {
+        fsep: false,
+        layout: layout_a(),
+        switch: None,
+        start: 0,
+        steps: 20,
+        from: None,
+        holders: None,
+    };
+    let repl = launch(job.clone());
+    let one = launch(Job {
+        fsep: true,
+        ..job.clone()
+    });
+    let two = launch(Job {
+        fsep: true,
+        holders: Some(holders.clone()),
+        ..job
+    });
+    let experts = replicas_of(&repl);
+    assert!(experts.values().all(|s| s.step > 0));
+    assert_same(&two, &repl, &experts);
+    assert_same(&two, &one, &replicas_of_gathered(&one));
+    for (w, h) in holders.iter().enumerate() {
+        let copy = |r: usize| -> Vec<ShardState> {
+            two[r]
+                .shards
+                .iter()
+                .filter(|s| s.shard == w)
+                .cloned()
+                .collect()
+        };
+        let first = copy(h[0]);
+        assert_eq!(first.len(), cfg().n_layers * cfg().experts, "shard {w}");
+        assert!(first.iter().all(|s| s.step > 0), "shard {w} trained");
+        for &r in &h[1..] {
+            assert!(
+                copy(r) == first,
+                "the copies of shard {w} on ranks {h:?} differ"
+            );
+        }
+    }
+    // Gradients go to both copies: twice the one-copy reduce-scatter's bytes to others, at most.
+    let grads = |runs: &[Run]| mean_bytes(runs, |t| t.expert_grad_bytes);
+    eprintln!(
+        "expert grad bytes/step over {WORLD} ranks: f=1 {:.0}, f=2 {:.0}",
+        grads(&one),
+        grads(&two)
+    );
+    assert!(grads(&two) > grads(&one) && grads(&two) <= 2.0 * grads(&one));
+}
+
+/// The experts rank 0 of an FSEP run gathered, by `(layer, expert)`.
+fn replicas_of_gathered(runs: &[Run]) -> BTreeMap<(usize, usize), ExpertState> {
+    runs[0]
+        .experts
+        .iter()
+        .map(|s| ((s.layer, s.expert), s.clone()))
+        .collect()
 }

@@ -33,6 +33,9 @@
 //!   [`Action::FindCheckpoint`] → [`Event::CheckpointFound`]). A start or a restore that did not
 //!   complete on every member is done again as a whole (a half-restored member mixes two
 //!   lineages).
+//! * **Sharded experts** ([`JobConfig::sharded_experts`]): a change of membership restores,
+//!   unless every shard kept one of its [`JobConfig::shard_copies`] copies: then the lost
+//!   copies are rebuilt in place (the `sharded` submodule).
 //! * **Resume step.** The smallest step any member with the job's state reported; members one
 //!   step ahead roll back. A restore resumes at the checkpoint's step.
 //! * **Who has the dense state.** Only a node that completed a reconfiguration
@@ -84,6 +87,9 @@
 //!   consistent, or goes through the failure rules above otherwise.
 
 pub mod reconcile;
+mod sharded;
+
+pub use sharded::RankShardTransfer;
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -148,8 +154,18 @@ pub struct JobConfig {
     /// expert, cut for exactly that membership) instead of replicated: any change of
     /// membership — a lost member loses its shard of every expert, a newcomer has none —
     /// restores the checkpoint; a rebalance over the same members moves no state.
+    /// With `shard_copies` ≥ 2, see [`JobConfig::shard_copies`].
     #[serde(default)]
     pub sharded_experts: bool,
+    /// Sharded experts: copies of every shard, on distinct members (`f`, placed by
+    /// [`crate::fsep::place`]); with 2 or more a lost member is repaired in place while every
+    /// shard keeps a copy (see the `sharded` submodule). 1: the behaviour above.
+    #[serde(default = "default_shard_copies")]
+    pub shard_copies: usize,
+}
+
+fn default_shard_copies() -> usize {
+    1
 }
 
 impl JobConfig {
@@ -177,6 +193,7 @@ impl JobConfig {
             mapping: MappingMethod::Optimal,
             bytes_per_expert: 0,
             sharded_experts: false,
+            shard_copies: default_shard_copies(),
         }
     }
 
@@ -196,6 +213,7 @@ impl JobConfig {
             ("member_timeout_ms", self.member_timeout_ms),
             ("initial_nodes", self.initial_nodes as u64),
             ("max_nonfinite_steps", self.max_nonfinite_steps),
+            ("shard_copies", self.shard_copies as u64),
         ] {
             if v == 0 {
                 return Err(JobConfigError::Zero(name));
@@ -437,6 +455,12 @@ pub struct Reconfiguration {
     /// The largest bytes one member sends / receives (planner estimate).
     pub max_sent_bytes: u64,
     pub max_recv_bytes: u64,
+    /// Sharded experts: `[shard]` = the ranks holding a copy, ascending (empty otherwise).
+    #[serde(default)]
+    pub shard_holders: Vec<Vec<usize>>,
+    /// Sharded experts: shard copies to rebuild before training (an in-place repair).
+    #[serde(default)]
+    pub shard_transfers: Vec<RankShardTransfer>,
 }
 
 impl Reconfiguration {
@@ -683,6 +707,9 @@ pub struct JobMachine {
     step_times: StepTimes,
     /// Members logged as slow, with the start of the wait they were logged for (once each).
     slow_noted: BTreeMap<NodeId, u64>,
+    /// Sharded experts: where the shard copies are.
+    #[serde(default)]
+    shards: sharded::Shards,
 }
 
 impl JobMachine {
@@ -720,6 +747,7 @@ impl JobMachine {
             recovery: None,
             step_times: StepTimes::new(window_steps),
             slow_noted: BTreeMap::new(),
+            shards: sharded::Shards::default(),
         })
     }
 
@@ -1586,6 +1614,7 @@ impl JobMachine {
             return;
         }
         let p = self.pending.take().expect("checked");
+        self.shards.commit();
         self.lineage_complete = true;
         self.started = true;
         let rec = ReconfigRecord {
@@ -1718,13 +1747,17 @@ impl JobMachine {
             .collect();
         let none_with_state = !has_state.contains(&true);
         let resharded = self.started && self.membership_changes(&candidates);
+        if resharded && self.lineage_complete && self.repair_shards(now_ms, out) {
+            return;
+        }
         if !self.started
             || !self.lineage_complete
             || none_with_state
             || !lost.is_empty()
             || resharded
         {
-            let what = if resharded && lost.is_empty() {
+            // Sharded: the replica tables say which experts a member computed, not what it holds.
+            let what = if resharded {
                 "the membership of the sharded experts changed".to_owned()
             } else {
                 format!("{} lost every replica", describe_lost(&lost))
@@ -1901,6 +1934,11 @@ impl JobMachine {
                     .collect()
             })
             .unwrap_or_default();
+        let fresh = !matches!(source, StateSource::Peers { .. });
+        let Some((shard_holders, shard_transfers)) = self.shard_layout(&plan.node_map, fresh)
+        else {
+            return self.fail("no shard placement fits the members".into(), out);
+        };
         self.epoch += 1;
         self.plan_version = plan.version;
         self.members = plan.node_map.clone();
@@ -1935,7 +1973,7 @@ impl JobMachine {
             at_step: resume_step,
             resume_step,
             nodes_before: cause.nodes_before,
-            transfers: transfers.len(),
+            transfers: transfers.len() + shard_transfers.len(),
             waiting: self.members.iter().copied().collect(),
             bytes: 0,
             stepped: false,
@@ -1950,6 +1988,8 @@ impl JobMachine {
             migration_bytes: migration.map_or(0, |m| m.bytes),
             max_sent_bytes: migration.map_or(0, |m| m.max_sent_bytes),
             max_recv_bytes: migration.map_or(0, |m| m.max_recv_bytes),
+            shard_holders,
+            shard_transfers,
         };
         self.plan = Some(plan);
         self.enter(Phase::Reconfiguring, now_ms);

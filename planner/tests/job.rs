@@ -1402,6 +1402,93 @@ fn with_sharded_experts_and_no_checkpoints_a_lost_member_ends_the_job() {
     assert!(err.contains("sharded"), "{err}");
 }
 
+/// Resilient FSEP, `f = 2` on 4 nodes: MRO puts shards {0, 1} on nodes {0, 1} and {2, 3} on
+/// {2, 3}. Losing node 2 keeps a copy of every shard, so the survivors rebuild the two missing
+/// copies from node 3 in place (no checkpoint); losing node 3 next is repaired in place again.
+#[test]
+fn with_two_shard_copies_a_lost_member_is_repaired_in_place() {
+    let mut cfg = config(4, 20);
+    cfg.checkpoint_every_steps = 5;
+    cfg.sharded_experts = true;
+    cfg.shard_copies = 2;
+    let (mut j, r0) = started(cfg, &[0, 1, 2, 3], 7);
+    assert_eq!(r0.shard_holders, [[0, 1], [0, 1], [2, 3], [2, 3]]);
+    assert!(r0.shard_transfers.is_empty());
+    j.at(10).ev(Event::Lost {
+        node: 2,
+        reason: "killed".into(),
+    });
+    for n in [0, 1] {
+        j.idle(n, IdleReason::Failed("peer".into()), 7);
+    }
+    let a = j.idle(3, IdleReason::Failed("peer".into()), 7);
+    assert!(!a.contains(&Action::FindCheckpoint), "{a:?}");
+    let r = reconfig(&a).expect("an in-place repair");
+    assert_eq!((r.kind, r.resume_step), (ReconfigKind::InPlace, 7));
+    assert!(matches!(r.source, StateSource::Peers { .. }), "{r:?}");
+    assert_eq!(r.members().len(), 3);
+    let rank = |node: NodeId| r.members().iter().position(|&m| m == node).unwrap();
+    // One transfer per lost copy, each from the only survivor holding the shard.
+    let mut moved: Vec<usize> = r.shard_transfers.iter().map(|t| t.shard).collect();
+    moved.sort_unstable();
+    assert_eq!(moved, [2, 3]);
+    for t in &r.shard_transfers {
+        assert_eq!(t.src_rank, rank(3), "{t:?}");
+        assert_ne!(t.dst_rank, rank(3), "{t:?}");
+        assert!(r.shard_holders[t.shard].contains(&t.dst_rank), "{r:?}");
+    }
+    for h in &r.shard_holders {
+        assert_eq!(h.len(), 2, "{:?}", r.shard_holders);
+        assert!(h.iter().all(|&x| x < 3));
+    }
+    j.migrated_all(&r);
+    j.step_all(7);
+    // The second loss: node 3 held shards 2 and 3, each now has a copy elsewhere.
+    j.at(20).ev(Event::Lost {
+        node: 3,
+        reason: "killed".into(),
+    });
+    j.idle(0, IdleReason::Failed("peer".into()), 8);
+    let a = j.idle(1, IdleReason::Failed("peer".into()), 8);
+    let r = reconfig(&a).expect("a second in-place repair");
+    assert_eq!((r.kind, r.members()), (ReconfigKind::InPlace, &[0, 1][..]));
+    assert_eq!(r.shard_holders, [[0, 1], [0, 1], [0, 1], [0, 1]]);
+    assert_eq!(r.shard_transfers.len(), 2, "{r:?}");
+}
+
+/// Resilient FSEP: losing both holders of shards 2 and 3 at once loses them; the survivors
+/// restore the checkpoint, with a fresh placement of `S` = 2 shards over them.
+#[test]
+fn with_two_shard_copies_losing_every_copy_of_a_shard_restores_the_checkpoint() {
+    let mut cfg = config(4, 20);
+    cfg.checkpoint_every_steps = 5;
+    cfg.sharded_experts = true;
+    cfg.shard_copies = 2;
+    let (mut j, _) = started(cfg, &[0, 1, 2, 3], 7);
+    for node in [2, 3] {
+        j.at(10).ev(Event::Lost {
+            node,
+            reason: "killed".into(),
+        });
+    }
+    j.idle(0, IdleReason::Failed("peer".into()), 7);
+    let a = j.idle(1, IdleReason::Failed("peer".into()), 7);
+    assert!(a.contains(&Action::FindCheckpoint), "{a:?}");
+    assert!(
+        logs(&a)
+            .iter()
+            .any(|l| l.contains("[2, 3] lost every copy")),
+        "{:?}",
+        logs(&a)
+    );
+    let r = reconfig(&j.ev(Event::CheckpointFound { step: 5 })).unwrap();
+    assert_eq!(r.kind, ReconfigKind::Restore);
+    assert_eq!(r.source, StateSource::Checkpoint { step: 5 });
+    assert_eq!(r.members(), &[0, 1]);
+    assert_eq!(r.shard_holders, [[0, 1], [0, 1]]);
+    assert!(r.shard_transfers.is_empty());
+}
+
 /// FSEP: a rebalance over the same members stays in place (only the layout changes).
 #[test]
 fn with_sharded_experts_a_rebalance_stays_in_place() {

@@ -765,8 +765,8 @@ impl Controller {
             alive_every_ms: (self.params.rules.heartbeat_timeout_ms / 4).clamp(10, 250),
             checkpoint: self.params.checkpoint.clone(),
             out: self.params.out.clone(),
-            // The control rules know the experts are sharded (a lost member restores): the
-            // workers store them so.
+            // The control rules know the experts are sharded (a lost member is repaired from
+            // the shard copies or restores): the workers store them so.
             expert_mode: if self.params.rules.sharded_experts {
                 ExpertMode::Fsep
             } else {
@@ -826,6 +826,12 @@ impl Controller {
             transfers,
             source,
             resume_step: r.resume_step,
+            shard_holders: r.shard_holders.clone(),
+            shard_transfers: r
+                .shard_transfers
+                .iter()
+                .map(|t| (t.shard, t.src_rank, t.dst_rank))
+                .collect(),
         };
         for (rank, &node) in members.iter().enumerate() {
             cmd.rank = rank;

@@ -1,14 +1,18 @@
-//! Fully sharded expert storage (FSEP, LAER-MoE §1.2): every rank keeps shard `rank` of
-//! *every* expert — a contiguous slice of the expert's flattened parameters `[w1; w2]` — with
-//! the AdamW moments of that slice. No rank holds a whole expert between steps; the runtime
-//! materialises the experts the layout assigns to a rank with an all-to-all of shards
-//! ([`crate::runtime::DistributedExperts::new_sharded`]) and returns each gradient shard to its
-//! owner, so the optimizer runs on local shards only.
+//! Fully sharded expert storage (FSEP, LAER-MoE §1.2): every expert's flattened parameters
+//! `[w1; w2]` and their AdamW moments are cut into `S` shards, and each shard index of
+//! *every* expert is kept on the ranks a placement names (`holders[w]`, [`ShardStore`]).
+//! LAER's layout is one copy per rank (`S` = ranks, shard `w` on rank `w`:
+//! [`ShardStore::fresh`]); resilient FSEP keeps `f` copies of each shard on distinct ranks
+//! (placed by `lazarus_planner::fsep::place`), so a lost rank loses no shard. No rank holds a
+//! whole expert between steps; the runtime materialises the experts the layout assigns to a
+//! rank with an all-to-all of shards ([`crate::runtime::DistributedExperts::new_sharded`]) and
+//! returns each gradient shard to every holder, so the optimizer runs on local shards only.
 //!
-//! Shard `w` of `N` covers `[w·P/N, (w+1)·P/N)` of the `P = 2·d_model·d_ff` values, so shard
+//! Shard `w` of `S` covers `[w·P/S, (w+1)·P/S)` of the `P = 2·d_model·d_ff` values, so shard
 //! sizes differ by at most one value. AdamW is element-wise, so updating the shards of an
 //! expert with the slices of its summed gradient gives the same values, bit for bit, as
-//! updating the whole expert with the whole gradient (given the same clipping factor).
+//! updating the whole expert with the whole gradient (given the same clipping factor); and
+//! the copies of a shard, updated with the same summed slice, stay bit-identical.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -53,6 +57,8 @@ pub fn shard_range(len: usize, world: usize, w: usize) -> Range<usize> {
 /// One shard of one expert with its optimizer state (what a checkpoint gather carries).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ShardState {
+    /// The shard index `w`.
+    pub shard: usize,
     pub layer: usize,
     pub expert: usize,
     pub value: Vec<f32>,
@@ -75,8 +81,14 @@ impl ShardState {
         out
     }
 
-    /// Inverse of [`Self::to_words`] for a shard of `len` values.
-    pub fn from_words(layer: usize, expert: usize, len: usize, words: &[f32]) -> Result<Self> {
+    /// Inverse of [`Self::to_words`] for shard `shard` of `len` values.
+    pub fn from_words(
+        shard: usize,
+        layer: usize,
+        expert: usize,
+        len: usize,
+        words: &[f32],
+    ) -> Result<Self> {
         if words.len() != 2 + 3 * len {
             candle_core::bail!(
                 "shard ({layer}, {expert}): {} words for {len} values",
@@ -86,6 +98,7 @@ impl ShardState {
         let step = u64::from(words[0].to_bits()) | (u64::from(words[1].to_bits()) << 32);
         let body = &words[2..];
         Ok(Self {
+            shard,
             layer,
             expert,
             value: body[..len].to_vec(),
@@ -109,6 +122,7 @@ pub fn cut(state: &ExpertState, world: usize, w: usize) -> ShardState {
     let r = shard_range(state.w1.len() + state.w2.len(), world, w);
     let part = |a: &[f32], b: &[f32]| join(a, b)[r.clone()].to_vec();
     ShardState {
+        shard: w,
         layer: state.layer,
         expert: state.expert,
         value: part(&state.w1, &state.w2),
@@ -128,6 +142,9 @@ pub fn assemble(d_model: usize, d_ff: usize, shards: &[ShardState]) -> Result<Ex
     let world = shards.len();
     let (mut p, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new());
     for (w, s) in shards.iter().enumerate() {
+        if s.shard != w {
+            candle_core::bail!("shard {} of ({layer}, {expert}) in place {w}", s.shard);
+        }
         if (s.layer, s.expert, s.step) != (layer, expert, step) {
             candle_core::bail!(
                 "shard {w} is of expert ({}, {}) at step {}, expected ({layer}, {expert}) at {step}",
@@ -165,35 +182,53 @@ struct Shard {
     opt: AdamW,
 }
 
-/// Shard `rank` of every expert of every layer, with AdamW state (see the [module docs](self)).
+/// `S` shards, shard `w` on rank `w` alone (LAER's FSEP layout).
+pub fn one_per_rank(shards: usize) -> Vec<Vec<usize>> {
+    (0..shards).map(|w| vec![w]).collect()
+}
+
+/// This rank's copies of the shards the placement gives it, of every expert of every layer,
+/// with AdamW state, and the placement itself (`holders[w]` = the ranks holding shard `w`,
+/// ascending; see the [module docs](self)).
 #[derive(Debug)]
 pub struct ShardStore {
     rank: usize,
-    world: usize,
+    holders: Vec<Vec<usize>>,
     d_model: usize,
     d_ff: usize,
     n_layers: usize,
     experts: usize,
     device: Device,
     params: ParamsAdamW,
-    shards: BTreeMap<(usize, usize), Shard>,
+    /// By `(shard, layer, expert)`.
+    shards: BTreeMap<(usize, usize, usize), Shard>,
 }
 
 impl ShardStore {
     /// Shard `rank` of `world` of the freshly initialised model (the same values as the
-    /// replicas of [`ExpertStore::all`]).
+    /// replicas of [`ExpertStore::all`]), one shard per rank.
     pub fn fresh(cfg: &MoeConfig, device: &Device, rank: usize, world: usize) -> Result<Self> {
+        Self::fresh_placed(cfg, device, rank, one_per_rank(world))
+    }
+
+    /// The shards `holders` gives `rank`, of the freshly initialised model.
+    pub fn fresh_placed(
+        cfg: &MoeConfig,
+        device: &Device,
+        rank: usize,
+        holders: Vec<Vec<usize>>,
+    ) -> Result<Self> {
         let all = ExpertStore::all(cfg, device)?;
         let states = all
             .replicas()
             .into_iter()
             .map(|(l, e)| all.export(l, e))
             .collect::<Result<Vec<_>>>()?;
-        Self::from_states(cfg, device, rank, world, &states)
+        Self::from_states_placed(cfg, device, rank, holders, &states)
     }
 
     /// Shard `rank` of `world` of every expert in `states`, which must hold each
-    /// `(layer, expert)` of the model (e.g. a checkpoint's).
+    /// `(layer, expert)` of the model (e.g. a checkpoint's), one shard per rank.
     pub fn from_states(
         cfg: &MoeConfig,
         device: &Device,
@@ -201,7 +236,18 @@ impl ShardStore {
         world: usize,
         states: &[ExpertState],
     ) -> Result<Self> {
-        let mut s = Self::empty(cfg, device, rank, world)?;
+        Self::from_states_placed(cfg, device, rank, one_per_rank(world), states)
+    }
+
+    /// The shards `holders` gives `rank` of every expert in `states`.
+    pub fn from_states_placed(
+        cfg: &MoeConfig,
+        device: &Device,
+        rank: usize,
+        holders: Vec<Vec<usize>>,
+        states: &[ExpertState],
+    ) -> Result<Self> {
+        let mut s = Self::empty(cfg, device, rank, holders)?;
         for st in states {
             if (st.d_model, st.d_ff) != (s.d_model, s.d_ff) {
                 candle_core::bail!(
@@ -212,14 +258,17 @@ impl ShardStore {
                     s.d_ff
                 );
             }
-            s.import(&cut(st, world, rank))?;
+            for w in s.held_shards() {
+                s.import(&cut(st, s.count(), w))?;
+            }
         }
         s.check_complete()?;
         Ok(s)
     }
 
-    /// A store of rank `rank` of `world` from shard states cut for that rank (e.g. the shards
-    /// another rank held before the ranks were renumbered); every expert must be present.
+    /// A store of rank `rank` of `world`, one shard per rank, from shard states cut for that
+    /// rank (e.g. the shards another rank held before the ranks were renumbered); every expert
+    /// must be present.
     pub fn from_shards(
         cfg: &MoeConfig,
         device: &Device,
@@ -227,7 +276,7 @@ impl ShardStore {
         world: usize,
         shards: &[ShardState],
     ) -> Result<Self> {
-        let mut s = Self::empty(cfg, device, rank, world)?;
+        let mut s = Self::empty(cfg, device, rank, one_per_rank(world))?;
         for sh in shards {
             s.import(sh)?;
         }
@@ -235,13 +284,16 @@ impl ShardStore {
         Ok(s)
     }
 
-    fn empty(cfg: &MoeConfig, device: &Device, rank: usize, world: usize) -> Result<Self> {
-        if world == 0 || rank >= world {
-            candle_core::bail!("shard store of rank {rank} in a world of {world}");
-        }
+    fn empty(
+        cfg: &MoeConfig,
+        device: &Device,
+        rank: usize,
+        holders: Vec<Vec<usize>>,
+    ) -> Result<Self> {
+        check_holders(&holders)?;
         Ok(Self {
             rank,
-            world,
+            holders,
             d_model: cfg.d_model,
             d_ff: cfg.d_ff,
             n_layers: cfg.n_layers,
@@ -253,22 +305,71 @@ impl ShardStore {
     }
 
     fn check_complete(&self) -> Result<()> {
-        for l in 0..self.n_layers {
-            for e in 0..self.experts {
-                if !self.shards.contains_key(&(l, e)) {
-                    candle_core::bail!("no state for expert {e} of layer {l}");
+        for w in self.held_shards() {
+            for l in 0..self.n_layers {
+                for e in 0..self.experts {
+                    if !self.shards.contains_key(&(w, l, e)) {
+                        candle_core::bail!(
+                            "rank {}: no shard {w} of expert {e} of layer {l}",
+                            self.rank
+                        );
+                    }
                 }
             }
         }
         Ok(())
     }
 
+    /// A new placement and rank (a reconfiguration, once the shard copies it rebuilds were
+    /// imported): drops the copies the placement no longer gives this rank and checks that
+    /// every copy it gives is here. The shard count must stay.
+    pub fn set_placement(&mut self, rank: usize, holders: Vec<Vec<usize>>) -> Result<()> {
+        check_holders(&holders)?;
+        if holders.len() != self.holders.len() {
+            candle_core::bail!(
+                "a placement of {} shards for a store of {}",
+                holders.len(),
+                self.holders.len()
+            );
+        }
+        // Checked before anything changes: a refused placement leaves the store as it was.
+        let before = std::mem::replace(&mut self.holders, holders);
+        let old_rank = std::mem::replace(&mut self.rank, rank);
+        if let Err(e) = self.check_complete() {
+            self.holders = before;
+            self.rank = old_rank;
+            return Err(e);
+        }
+        let keep: Vec<usize> = self.held_shards();
+        self.shards.retain(|&(w, _, _), _| keep.contains(&w));
+        Ok(())
+    }
+
+    /// This rank (in the mesh the placement refers to).
     pub fn rank(&self) -> usize {
         self.rank
     }
 
-    pub fn world(&self) -> usize {
-        self.world
+    /// The shard count `S`.
+    pub fn count(&self) -> usize {
+        self.holders.len()
+    }
+
+    /// `[shard]` = the ranks holding it, ascending.
+    pub fn holders(&self) -> &[Vec<usize>] {
+        &self.holders
+    }
+
+    /// The rank that serves shard `w` in the all-to-alls: its lowest holder.
+    pub fn primary(&self, w: usize) -> usize {
+        self.holders[w][0]
+    }
+
+    /// The shards this rank holds a copy of, ascending.
+    pub fn held_shards(&self) -> Vec<usize> {
+        (0..self.holders.len())
+            .filter(|&w| self.holders[w].contains(&self.rank))
+            .collect()
     }
 
     pub fn n_layers(&self) -> usize {
@@ -298,7 +399,7 @@ impl ShardStore {
 
     /// The values of the flattened expert that shard `w` covers.
     pub fn range(&self, w: usize) -> Range<usize> {
-        shard_range(self.expert_len(), self.world, w)
+        shard_range(self.expert_len(), self.count(), w)
     }
 
     /// f32 values held by this rank (weights and both moments), for the memory report.
@@ -310,25 +411,29 @@ impl ShardStore {
             .sum::<usize>()
     }
 
-    fn shard(&self, layer: usize, expert: usize) -> Result<&Shard> {
-        match self.shards.get(&(layer, expert)) {
+    fn shard(&self, w: usize, layer: usize, expert: usize) -> Result<&Shard> {
+        match self.shards.get(&(w, layer, expert)) {
             Some(s) => Ok(s),
-            None => candle_core::bail!("no shard of expert ({layer}, {expert})"),
+            None => candle_core::bail!(
+                "rank {}: no shard {w} of expert ({layer}, {expert})",
+                self.rank
+            ),
         }
     }
 
-    /// This rank's weight values of one expert.
-    pub fn values(&self, layer: usize, expert: usize) -> Result<Vec<f32>> {
-        flat(self.shard(layer, expert)?.var.as_tensor())
+    /// This rank's weight values of shard `w` of one expert.
+    pub fn values(&self, w: usize, layer: usize, expert: usize) -> Result<Vec<f32>> {
+        flat(self.shard(w, layer, expert)?.var.as_tensor())
     }
 
-    /// Weights, moments and step of this rank's shard of one expert.
-    pub fn export(&self, layer: usize, expert: usize) -> Result<ShardState> {
-        let st = self.shard(layer, expert)?.opt.export()?;
+    /// Weights, moments and step of this rank's copy of shard `w` of one expert.
+    pub fn export(&self, w: usize, layer: usize, expert: usize) -> Result<ShardState> {
+        let st = self.shard(w, layer, expert)?.opt.export()?;
         let Some(p) = st.params.into_iter().next() else {
             candle_core::bail!("shard optimizer without its parameter");
         };
         Ok(ShardState {
+            shard: w,
             layer,
             expert,
             value: p.value,
@@ -338,31 +443,45 @@ impl ShardStore {
         })
     }
 
-    /// Every shard of this rank, ascending `(layer, expert)` (a step's snapshot).
+    /// Every shard copy of this rank, ascending `(shard, layer, expert)` (a step's snapshot).
     pub fn export_all(&self) -> Result<Vec<ShardState>> {
         self.shards
             .keys()
-            .map(|&(l, e)| self.export(l, e))
+            .map(|&(w, l, e)| self.export(w, l, e))
             .collect()
     }
 
-    /// Installs a shard state (creating or overwriting this rank's shard of that expert).
+    /// Shard `w` of every expert, ascending `(layer, expert)` (a copy to send).
+    pub fn export_shard(&self, w: usize) -> Result<Vec<ShardState>> {
+        self.shards
+            .range((w, 0, 0)..(w + 1, 0, 0))
+            .map(|(&(w, l, e), _)| self.export(w, l, e))
+            .collect()
+    }
+
+    /// Installs a shard state (creating or overwriting this rank's copy of that shard).
     pub fn import(&mut self, s: &ShardState) -> Result<()> {
-        let n = self.range(self.rank).len();
-        if s.layer >= self.n_layers || s.expert >= self.experts {
-            candle_core::bail!("shard of ({}, {}) out of range", s.layer, s.expert);
+        if s.shard >= self.count() || s.layer >= self.n_layers || s.expert >= self.experts {
+            candle_core::bail!(
+                "shard {} of ({}, {}) out of range",
+                s.shard,
+                s.layer,
+                s.expert
+            );
         }
+        let n = self.range(s.shard).len();
         if s.value.len() != n || s.m.len() != n || s.v.len() != n {
             candle_core::bail!(
-                "shard of ({}, {}) has {} values, rank {} of {} holds {n}",
+                "shard {} of ({}, {}) has {} values, shard {} of {} has {n}",
+                s.shard,
                 s.layer,
                 s.expert,
                 s.value.len(),
-                self.rank,
-                self.world
+                s.shard,
+                self.count()
             );
         }
-        let key = (s.layer, s.expert);
+        let key = (s.shard, s.layer, s.expert);
         if !self.shards.contains_key(&key) {
             let var = Var::zeros(n, candle_core::DType::F32, &self.device)?;
             let opt = AdamW::new(vec![("shard".into(), var.clone())], self.params.clone())?;
@@ -381,30 +500,28 @@ impl ShardStore {
         })
     }
 
-    /// One AdamW update of this rank's shard of one expert from the shard of its summed
-    /// gradient, split at the `w1 | w2` boundary (either part may be empty), multiplied by
-    /// `factor` first (as [`super::apply_update`] does for whole replicas).
+    /// One AdamW update of this rank's copy of shard `w` of one expert from that shard of
+    /// the expert's summed gradient (flat), multiplied by `factor` first (as
+    /// [`super::apply_update`] does for whole replicas).
     pub fn step_shard(
         &mut self,
+        w: usize,
         layer: usize,
         expert: usize,
-        g1: &Tensor,
-        g2: &Tensor,
+        g: &Tensor,
         factor: f64,
     ) -> Result<()> {
-        let mut g = flat(g1)?;
-        g.extend(flat(g2)?);
-        let Some(sh) = self.shards.get_mut(&(layer, expert)) else {
-            candle_core::bail!("no shard of expert ({layer}, {expert})");
+        let Some(sh) = self.shards.get_mut(&(w, layer, expert)) else {
+            candle_core::bail!("no shard {w} of expert ({layer}, {expert})");
         };
-        if g.len() != sh.var.elem_count() {
+        if g.elem_count() != sh.var.elem_count() {
             candle_core::bail!(
-                "gradient shard of ({layer}, {expert}) has {} values, the shard {}",
-                g.len(),
+                "gradient shard {w} of ({layer}, {expert}) has {} values, the shard {}",
+                g.elem_count(),
                 sh.var.elem_count()
             );
         }
-        let g = Tensor::from_vec(g, sh.var.elem_count(), &self.device)?;
+        let g = g.flatten_all()?;
         sh.opt.step_with(&[Some(scale_grad(&g, factor)?)])
     }
 
@@ -414,6 +531,22 @@ impl ShardStore {
             s.opt.set_lr(lr);
         }
     }
+}
+
+/// Every shard has a holder, and no rank twice.
+fn check_holders(holders: &[Vec<usize>]) -> Result<()> {
+    if holders.is_empty() {
+        candle_core::bail!("a shard placement of no shards");
+    }
+    for (w, h) in holders.iter().enumerate() {
+        let mut sorted = h.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if h.is_empty() || sorted != *h {
+            candle_core::bail!("shard {w}: holders {h:?} are not distinct ascending ranks");
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -455,7 +588,7 @@ mod tests {
             let shards: Vec<ShardState> = (0..world)
                 .map(|w| {
                     let s = cut(&st, world, w);
-                    ShardState::from_words(1, 2, s.value.len(), &s.to_words()).unwrap()
+                    ShardState::from_words(w, 1, 2, s.value.len(), &s.to_words()).unwrap()
                 })
                 .collect();
             assert_eq!(assemble(c.d_model, c.d_ff, &shards)?, st);
@@ -483,19 +616,43 @@ mod tests {
             whole.step_replica(0, 1, &scale_grad(&g1, 0.5)?, &scale_grad(&g2, 0.5)?)?;
             for (w, s) in stores.iter_mut().enumerate() {
                 let r = s.range(w);
-                let a = &g[r.start.min(n)..r.end.min(n)];
-                let b = &g[r.start.max(n)..r.end.max(n)];
-                let a = Tensor::from_slice(a, a.len(), &dev)?;
-                let b = Tensor::from_slice(b, b.len(), &dev)?;
-                s.step_shard(0, 1, &a, &b, 0.5)?;
+                let part = Tensor::from_slice(&g[r.clone()], r.len(), &dev)?;
+                s.step_shard(w, 0, 1, &part, 0.5)?;
             }
         }
         let shards: Vec<ShardState> = stores
             .iter()
-            .map(|s| s.export(0, 1))
+            .enumerate()
+            .map(|(w, s)| s.export(w, 0, 1))
             .collect::<Result<_>>()?;
         assert_eq!(assemble(c.d_model, c.d_ff, &shards)?, whole.export(0, 1)?);
-        assert_eq!(stores[0].export(0, 0)?.step, 0);
+        assert_eq!(stores[0].export(0, 0, 0)?.step, 0);
+        Ok(())
+    }
+
+    /// Two copies of each of 2 shards over 3 ranks: each rank holds what the placement says,
+    /// the copies start equal, and a new placement drops what it no longer gives.
+    #[test]
+    fn placed_copies_are_equal_and_follow_the_placement() -> Result<()> {
+        let c = cfg();
+        let dev = Device::Cpu;
+        let holders = vec![vec![0, 1], vec![1, 2]];
+        let stores: Vec<ShardStore> = (0..3)
+            .map(|r| ShardStore::fresh_placed(&c, &dev, r, holders.clone()))
+            .collect::<Result<_>>()?;
+        assert_eq!(stores[1].held_shards(), [0, 1]);
+        assert_eq!(stores[2].held_shards(), [1]);
+        assert_eq!(stores[0].export_all()?, stores[1].export_shard(0)?);
+        assert_eq!(stores[1].export_shard(1)?, stores[2].export_all()?);
+        let mut s = ShardStore::fresh_placed(&c, &dev, 1, holders)?;
+        // Rank 1 becomes rank 0 and keeps only shard 1.
+        s.set_placement(0, vec![vec![1], vec![0]])?;
+        assert_eq!(s.held_shards(), [1]);
+        assert_eq!(s.export_all()?, stores[2].export_all()?);
+        // A placement that gives it a shard it lacks is refused, and changes nothing.
+        assert!(s.set_placement(0, vec![vec![0], vec![0]]).is_err());
+        assert_eq!(s.held_shards(), [1]);
+        assert!(s.set_placement(0, vec![vec![1, 1], vec![0]]).is_err());
         Ok(())
     }
 }

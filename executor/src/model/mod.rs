@@ -8,7 +8,8 @@
 //!   (weights + moments + step) and [`ExpertStore::checksum`] proves two copies identical.
 //! * [`ExpertExec`] — how routed tokens reach the experts: [`LocalExperts`] computes with the
 //!   local store; the distributed runtime plugs in its all-to-all.
-//! * [`ShardStore`] — FSEP: shard `rank` of every expert with its AdamW state ([`ExpertMode`]).
+//! * [`ShardStore`] — FSEP: this rank's shard copies of every expert with their AdamW state
+//!   ([`ExpertMode`]).
 //! * [`Trainer`] — the single-worker reference loop on the byte-level [`Corpus`].
 //!
 //! Routing: `softmax(x·W_r)` over the experts (the differentiable `ops::softmax`), top-k on the
@@ -30,7 +31,7 @@ pub use config::{ConfigError, MoeConfig};
 pub use data::{ByteTokenizer, Corpus, EMBEDDED_CORPUS};
 pub use dense::{DenseModel, MoeOutput, RoutingStats, moe_layer};
 pub use experts::{ExpertExec, ExpertState, ExpertStore, ExpertWeights, LocalExperts};
-pub use fsep::{ExpertMode, ShardState, ShardStore, assemble, cut, shard_range};
+pub use fsep::{ExpertMode, ShardState, ShardStore, assemble, cut, one_per_rank, shard_range};
 pub use init::Fnv64;
 pub use optim::{AdamW, OptimState, ParamState, ParamsAdamW, grad_scale, scale_grad, sq_norm};
 pub use train::{StepReport, Trainer, apply_update, grad_norm_parts};

@@ -1,6 +1,6 @@
 //! [`DistributedExperts`]: expert execution across workers (see the [module docs](super)).
 
-use super::fsep::{self, SharedShards, Traffic, bytes_to_others};
+use super::fsep::{self, ShardGrads, SharedShards, Traffic, bytes_to_others};
 use crate::comm::{Communicator, Rank};
 use crate::model::{DenseModel, ExpertExec, ExpertState, ExpertStore, ExpertWeights, ShardStore};
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor, Var};
@@ -330,10 +330,11 @@ impl DistributedExperts {
         })
     }
 
-    /// FSEP execution: this rank keeps only `shards` (shard `rank` of every expert) and
-    /// materialises the experts that `replicas` (the layout, `[layer][expert][rank] > 0`: the
-    /// same table the dispatch plan reads in replicated mode) assigns to it before each
-    /// layer's forward; see the [runtime docs](super).
+    /// FSEP execution: this rank keeps only `shards` (its copies of the shards their
+    /// placement gives it, of every expert) and materialises the experts that `replicas` (the
+    /// layout, `[layer][expert][rank] > 0`: the same table the dispatch plan reads in
+    /// replicated mode) assigns to it before each layer's forward; see the
+    /// [runtime docs](super).
     pub fn new_sharded(
         comm: Box<dyn Communicator>,
         shards: SharedShards,
@@ -344,11 +345,12 @@ impl DistributedExperts {
             let sh = shards
                 .lock()
                 .map_err(|_| candle_core::Error::Msg("shard store: lock poisoned".into()))?;
-            if (sh.rank(), sh.world()) != (rank, world) {
+            let outside = sh.holders().iter().flatten().any(|&r| r >= world);
+            if sh.rank() != rank || outside {
                 candle_core::bail!(
-                    "shards of rank {} of {} on a mesh rank {rank} of {world}",
+                    "shards of rank {} placed on {:?} on a mesh rank {rank} of {world}",
                     sh.rank(),
-                    sh.world()
+                    sh.holders()
                 );
             }
             check_layout(&replicas, sh.n_layers(), sh.experts(), world)?;
@@ -402,19 +404,15 @@ impl DistributedExperts {
         Ok(lock(&self.shared)?.traffic)
     }
 
-    /// FSEP: one AdamW update of this rank's shard of every expert in `grads` (from
-    /// [`Self::reduce_expert_grads`]), each gradient multiplied by `factor`.
-    pub fn step_shards(
-        &mut self,
-        grads: BTreeMap<(usize, usize), (Tensor, Tensor)>,
-        factor: f64,
-    ) -> Result<()> {
+    /// FSEP: one AdamW update of this rank's copy of every shard in `grads` (from
+    /// [`Self::reduce_shard_grads`]), each gradient multiplied by `factor`.
+    pub fn step_shards(&mut self, grads: ShardGrads, factor: f64) -> Result<()> {
         let Some(sh) = self.shard_store()? else {
             candle_core::bail!("step_shards without sharded experts");
         };
         let mut sh = lock_shards(&sh)?;
-        for ((l, e), (g1, g2)) in grads {
-            sh.step_shard(l, e, &g1, &g2, factor)?;
+        for ((l, e, w), g) in grads {
+            sh.step_shard(w, l, e, &g, factor)?;
         }
         Ok(())
     }
@@ -475,31 +473,38 @@ impl DistributedExperts {
         Ok(f(inner.comm.as_mut()))
     }
 
+    /// FSEP: the reduce-scatter — this rank's copy of every shard of every expert with
+    /// routed tokens, summed over the ranks that computed it (1-D, by `(layer, expert,
+    /// shard)`; see `fsep::reduce_scatter`); the materialised weights are freed.
+    pub fn reduce_shard_grads(&mut self) -> Result<ShardGrads> {
+        let mut inner = lock(&self.shared)?;
+        let Some(sh) = inner.shards.clone() else {
+            candle_core::bail!("reduce_shard_grads without sharded experts");
+        };
+        let sh = lock_shards(&sh)?;
+        let keys: Vec<(usize, usize)> = inner
+            .routed
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(k, _)| *k)
+            .collect();
+        let local = std::mem::take(&mut inner.grads);
+        let (out, bytes) =
+            fsep::reduce_scatter(inner.comm.as_mut(), &sh, &self.replicas, &keys, &local)?;
+        inner.traffic.expert_grad_bytes += bytes;
+        // The materialised experts were kept for backward; backward is done.
+        inner.weights.clear();
+        Ok(out)
+    }
+
     /// Sums every held expert's gradients over the ranks holding a replica of it (ascending
     /// `(layer, expert)` order; a replica that computed nothing contributes zeros). Experts to
     /// which no worker routed a token this step are skipped (and absent from the result), as
-    /// in the single-worker trainer.
-    ///
-    /// FSEP: the reduce-scatter instead — this rank's shard of every expert with routed
-    /// tokens, summed over the ranks that computed it, split at the `w1 | w2` boundary (1-D;
-    /// see `fsep::reduce_scatter`); the materialised weights are freed.
+    /// in the single-worker trainer. FSEP: [`Self::reduce_shard_grads`] instead.
     pub fn reduce_expert_grads(&mut self) -> Result<BTreeMap<(usize, usize), (Tensor, Tensor)>> {
         let mut inner = lock(&self.shared)?;
-        if let Some(sh) = inner.shards.clone() {
-            let sh = lock_shards(&sh)?;
-            let keys: Vec<(usize, usize)> = inner
-                .routed
-                .iter()
-                .filter(|(_, n)| **n > 0)
-                .map(|(k, _)| *k)
-                .collect();
-            let local = std::mem::take(&mut inner.grads);
-            let (out, bytes) =
-                fsep::reduce_scatter(inner.comm.as_mut(), &sh, &self.replicas, &keys, &local)?;
-            inner.traffic.expert_grad_bytes += bytes;
-            // The materialised experts were kept for backward; backward is done.
-            inner.weights.clear();
-            return Ok(out);
+        if inner.shards.is_some() {
+            candle_core::bail!("FSEP reduces gradient shards: use reduce_shard_grads");
         }
         let mut out = BTreeMap::new();
         let keys: Vec<(usize, usize)> = inner.weights.keys().copied().collect();

@@ -15,8 +15,11 @@ use crate::model::{ExpertState, ExpertWeights, ShardState, ShardStore, assemble}
 /// at a step boundary keeps them) and the epoch's [`super::DistributedExperts`].
 pub type SharedShards = Arc<Mutex<ShardStore>>;
 
-/// Expert gradients (or gradient shards) `(dL/dw1, dL/dw2)` by `(layer, expert)`.
+/// Expert gradients `(dL/dw1, dL/dw2)` by `(layer, expert)`.
 pub(super) type ExpertGrads = BTreeMap<(usize, usize), (Tensor, Tensor)>;
+
+/// FSEP: summed gradient shards (1-D) by `(layer, expert, shard)`.
+pub type ShardGrads = BTreeMap<(usize, usize, usize), Tensor>;
 
 pub(super) fn wrap<E: std::error::Error + Send + Sync + 'static>(e: E) -> candle_core::Error {
     candle_core::Error::wrap(e)
@@ -49,10 +52,11 @@ pub(super) fn bytes_to_others(send: &[Vec<f32>], me: Rank) -> u64 {
 }
 
 /// Builds the experts of `layer` that `reps_l[expert][rank]` assigns to this rank from the
-/// shards of every rank: each rank sends its shard of every expert a peer computes to that
-/// peer (ascending expert order), and each rank concatenates shards `0..N` of its experts.
-/// The weights are fresh `Var`s, so backward through them yields their gradients. Returns the
-/// materialised experts and the bytes sent to other ranks.
+/// shards: the primary holder of each shard ([`ShardStore::primary`]) sends its copy of that
+/// shard of every expert a peer computes to that peer (ascending expert, then shard), and each
+/// rank concatenates shards `0..S` of its experts. The weights are fresh `Var`s, so backward
+/// through them yields their gradients. Returns the materialised experts and the bytes sent
+/// to other ranks.
 pub(super) fn materialise(
     comm: &mut dyn Communicator,
     shards: &ShardStore,
@@ -60,16 +64,21 @@ pub(super) fn materialise(
     reps_l: &[Vec<u32>],
 ) -> Result<(BTreeMap<usize, ExpertWeights>, u64)> {
     let (me, world) = (comm.rank(), comm.world());
+    let served: Vec<usize> = (0..shards.count())
+        .filter(|&w| shards.primary(w) == me)
+        .collect();
     let mut send = vec![Vec::new(); world];
     for (e, row) in reps_l.iter().enumerate() {
-        let mut mine = None;
+        if row.iter().all(|&n| n == 0) || served.is_empty() {
+            continue;
+        }
+        let mine = served
+            .iter()
+            .map(|&w| shards.values(w, layer, e))
+            .collect::<Result<Vec<_>>>()?;
         for (r, buf) in send.iter_mut().enumerate() {
-            if row[r] > 0 {
-                let v = match &mine {
-                    Some(v) => v,
-                    None => mine.insert(shards.values(layer, e)?),
-                };
-                buf.extend_from_slice(v);
+            if row.get(r).copied().unwrap_or(0) > 0 {
+                mine.iter().for_each(|v| buf.extend_from_slice(v));
             }
         }
     }
@@ -83,13 +92,14 @@ pub(super) fn materialise(
             continue;
         }
         let mut p = Vec::with_capacity(shards.expert_len());
-        for (w, buf) in recv.iter().enumerate() {
+        for w in 0..shards.count() {
+            let src = shards.primary(w);
             let n = shards.range(w).len();
-            let Some(part) = buf.get(pos[w]..pos[w] + n) else {
-                candle_core::bail!("layer {layer}: rank {w} sent too few shard values");
+            let Some(part) = recv.get(src).and_then(|b| b.get(pos[src]..pos[src] + n)) else {
+                candle_core::bail!("layer {layer}: rank {src} sent too few shard values");
             };
             p.extend_from_slice(part);
-            pos[w] += n;
+            pos[src] += n;
         }
         let dev = shards.device();
         let w1 = Var::from_tensor(&Tensor::from_slice(&p[..d * f], (d, f), dev)?)?;
@@ -110,18 +120,20 @@ pub(super) fn materialise(
 
 /// The reverse of [`materialise`] for gradients: for every `(layer, expert)` in `keys`
 /// (ascending), every rank the layout assigns the expert to sends shard `w` of its local
-/// gradient (zeros if it computed nothing) to rank `w`; each rank sums what it received in
-/// ascending rank order — the left fold of [`Communicator::all_reduce_sum`], so the result is
-/// bit-identical to the slice of the replicated all-reduce. Returns this rank's shard of every
-/// summed gradient, split at the `w1 | w2` boundary (1-D, either part may be empty), and the
-/// bytes sent to other ranks.
+/// gradient (zeros if it computed nothing) to **every holder** of shard `w`; each holder sums
+/// what it received in ascending rank order — the left fold of
+/// [`Communicator::all_reduce_sum`], so the result is bit-identical to the slice of the
+/// replicated all-reduce, and identical on every copy of the shard (which is what keeps the
+/// copies equal: each applies the same AdamW update to the same state). With `f` copies the
+/// gradient bytes are `f` times LAER's. Returns this rank's copy of every summed gradient
+/// shard by `(layer, expert, shard)` (1-D), and the bytes sent to other ranks.
 pub(super) fn reduce_scatter(
     comm: &mut dyn Communicator,
     shards: &ShardStore,
     replicas: &[Vec<Vec<u32>>],
     keys: &[(usize, usize)],
     local: &ExpertGrads,
-) -> Result<(ExpertGrads, u64)> {
+) -> Result<(ShardGrads, u64)> {
     let (me, world) = (comm.rank(), comm.world());
     let len = shards.expert_len();
     let mut send = vec![Vec::new(); world];
@@ -143,39 +155,39 @@ pub(super) fn reduce_scatter(
                 g.len()
             );
         }
-        for (w, buf) in send.iter_mut().enumerate() {
-            buf.extend_from_slice(&g[shards.range(w)]);
+        for (w, holders) in shards.holders().iter().enumerate() {
+            for &h in holders {
+                send[h].extend_from_slice(&g[shards.range(w)]);
+            }
         }
     }
     let bytes = bytes_to_others(&send, me);
     let recv = comm.all_to_all_v(send).map_err(wrap)?;
-    let mine = shards.range(me);
-    let n = mine.len();
-    let split = (len / 2).clamp(mine.start, mine.end) - mine.start;
+    let held = shards.held_shards();
     let mut pos = vec![0usize; world];
     let mut out = BTreeMap::new();
     for &(l, e) in keys {
-        let mut acc: Option<Vec<f32>> = None;
-        for (h, buf) in recv.iter().enumerate() {
-            if replicas[l][e][h] == 0 {
-                continue;
+        for &w in &held {
+            let n = shards.range(w).len();
+            let mut acc: Option<Vec<f32>> = None;
+            for (h, buf) in recv.iter().enumerate() {
+                if replicas[l][e][h] == 0 {
+                    continue;
+                }
+                let Some(part) = buf.get(pos[h]..pos[h] + n) else {
+                    candle_core::bail!("gradient of ({l}, {e}): rank {h} sent too few values");
+                };
+                pos[h] += n;
+                match &mut acc {
+                    None => acc = Some(part.to_vec()),
+                    Some(a) => a.iter_mut().zip(part).for_each(|(x, y)| *x += *y),
+                }
             }
-            let Some(part) = buf.get(pos[h]..pos[h] + n) else {
-                candle_core::bail!("gradient of ({l}, {e}): rank {h} sent too few values");
+            let Some(g) = acc else {
+                candle_core::bail!("expert ({l}, {e}) has tokens but no rank computes it");
             };
-            pos[h] += n;
-            match &mut acc {
-                None => acc = Some(part.to_vec()),
-                Some(a) => a.iter_mut().zip(part).for_each(|(x, y)| *x += *y),
-            }
+            out.insert((l, e, w), Tensor::from_vec(g, n, shards.device())?);
         }
-        let Some(g) = acc else {
-            candle_core::bail!("expert ({l}, {e}) has tokens but no rank computes it");
-        };
-        let dev = shards.device();
-        let g1 = Tensor::from_slice(&g[..split], split, dev)?;
-        let g2 = Tensor::from_slice(&g[split..], n - split, dev)?;
-        out.insert((l, e), (g1, g2));
     }
     if pos.iter().zip(&recv).any(|(p, b)| *p != b.len()) {
         candle_core::bail!("unexpected gradient values arrived");
@@ -184,20 +196,25 @@ pub(super) fn reduce_scatter(
 }
 
 /// Whole expert states (weights, moments, step) for the `(layer, expert)` pairs `writers`
-/// gives this rank, assembled from every rank's shard (one all-to-all; every rank must call
-/// it with the same `writers`). Ascending `(layer, expert)`.
+/// gives this rank, assembled from the primary copy of every shard (one all-to-all; every
+/// rank must call it with the same `writers`). Ascending `(layer, expert)`.
 pub fn gather_experts(
     comm: &mut dyn Communicator,
     shards: &ShardStore,
     writers: &BTreeMap<(usize, usize), Rank>,
 ) -> Result<Vec<ExpertState>> {
     let (me, world) = (comm.rank(), comm.world());
+    let served: Vec<usize> = (0..shards.count())
+        .filter(|&w| shards.primary(w) == me)
+        .collect();
     let mut send = vec![Vec::new(); world];
     for (&(l, e), &to) in writers {
         if to >= world {
             candle_core::bail!("writer rank {to} of ({l}, {e}) outside world {world}");
         }
-        send[to].extend(shards.export(l, e)?.to_words());
+        for &w in &served {
+            send[to].extend(shards.export(w, l, e)?.to_words());
+        }
     }
     let recv = comm.all_to_all_v(send).map_err(wrap)?;
     let mut pos = vec![0usize; world];
@@ -206,15 +223,19 @@ pub fn gather_experts(
         if to != me {
             continue;
         }
-        let mut parts = Vec::with_capacity(world);
-        for (w, buf) in recv.iter().enumerate() {
+        let mut parts = Vec::with_capacity(shards.count());
+        for w in 0..shards.count() {
+            let src = shards.primary(w);
             let n = shards.range(w).len();
             let words = 2 + 3 * n;
-            let Some(chunk) = buf.get(pos[w]..pos[w] + words) else {
-                candle_core::bail!("({l}, {e}): rank {w} sent too few shard words");
+            let Some(chunk) = recv
+                .get(src)
+                .and_then(|b| b.get(pos[src]..pos[src] + words))
+            else {
+                candle_core::bail!("({l}, {e}): rank {src} sent too few shard words");
             };
-            pos[w] += words;
-            parts.push(ShardState::from_words(l, e, n, chunk)?);
+            pos[src] += words;
+            parts.push(ShardState::from_words(w, l, e, n, chunk)?);
         }
         out.push(assemble(shards.d_model(), shards.d_ff(), &parts)?);
     }

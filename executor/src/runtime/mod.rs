@@ -42,21 +42,26 @@
 //!
 //! ## FSEP mode ([`DistributedExperts::new_sharded`])
 //!
-//! Storage follows LAER-MoE's FSEP: rank `w` keeps shard `w` of every expert's flattened
-//! parameters and AdamW moments ([`crate::model::ShardStore`]). The layout table
+//! Storage follows LAER-MoE's FSEP: every expert's flattened parameters and AdamW moments are
+//! cut into `S` shards, and each rank keeps the shards a placement gives it
+//! ([`crate::model::ShardStore`]): LAER's shard `w` on rank `w`, or resilient FSEP's `f`
+//! copies of every shard on distinct ranks. The layout table
 //! `[layer][expert][rank]` is the same one the replicated mode holds replicas by, and the
 //! dispatch plan reads it the same way, so tokens route identically in both modes. Per MoE
 //! layer, in the forward, one `all_to_all_v` of shards materialises the experts the layout
-//! assigns to this rank (as fresh `Var`s); they are **kept for backward** rather than gathered
+//! assigns to this rank (as fresh `Var`s; each shard is served by its *primary*, its lowest
+//! holder); they are **kept for backward** rather than gathered
 //! again: the backward exchange needs each computed expert once more, and keeping them costs
 //! the memory of the replicated mode's weights (`Σ_layers C_l · P_e` for `C_l` experts
 //! computed in layer `l` and `P_e = 8·d·ff` bytes per expert) until the gradients are
 //! reduced, against a second shard all-to-all per layer. After backward the reverse
 //! all-to-all (a reduce-scatter) sends shard `w` of each computed expert's local gradient to
-//! rank `w`, which sums the replicas' contributions in ascending rank order (the left fold of
-//! the replicated all-reduce, so the summed shard is bit-identical to the slice of the
-//! replicated sum); the materialised weights are dropped and AdamW updates the local shards
-//! only. A re-layout ([`DistributedExperts::set_layout`]) changes the table and nothing else.
+//! every holder of shard `w`, which sums the replicas' contributions in ascending rank order
+//! (the left fold of the replicated all-reduce, so the summed shard is bit-identical to the
+//! slice of the replicated sum, and the same on every copy); the materialised weights are
+//! dropped and AdamW updates the local shards only, every copy the same way, so copies stay
+//! bit-identical. A re-layout ([`DistributedExperts::set_layout`]) changes the table and
+//! nothing else.
 //!
 //! Host staging: activations travel as f32 through host memory; on a non-CPU device the op runs
 //! on a host copy of the inputs (moved with differentiable `to_device`).
@@ -65,4 +70,4 @@ mod experts;
 mod fsep;
 
 pub use experts::{DistributedExperts, LayerLog};
-pub use fsep::{SharedShards, Traffic, gather_experts};
+pub use fsep::{ShardGrads, SharedShards, Traffic, gather_experts};

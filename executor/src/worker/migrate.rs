@@ -19,7 +19,7 @@ use super::protocol::{Reconfigure, StateSource};
 use super::state::State;
 use crate::checkpoint;
 use crate::comm::{Communicator, TcpCommunicator};
-use crate::model::{ExpertMode, ShardStore};
+use crate::model::{ExpertMode, ShardState, ShardStore, one_per_rank};
 use crate::runtime::DistributedExperts;
 
 /// `bytes` as little-endian 32-bit words for the `f32` channel: the length first, then the
@@ -211,12 +211,15 @@ fn restore_dense(st: &mut State, root: &std::path::Path, step: u64) -> Result<ch
     Ok(loaded)
 }
 
-/// [`reconfigure`] in FSEP mode: this rank's shards of every expert come from the seed (a
-/// fresh start) or from the whole experts of a checkpoint; a reconfiguration over the same
-/// membership and ranks (a re-layout) keeps them and ignores the plan's transfers: only the
-/// layout table changes. Shards are cut for one membership, so any other reconfiguration
-/// from peers is refused (the controller restores a checkpoint instead:
-/// `JobConfig::sharded_experts`).
+/// [`reconfigure`] in FSEP mode: this rank's shard copies — those `cmd.shard_holders` gives
+/// it, or shard `rank` of one per rank when the command names no placement — come from the
+/// seed (a fresh start) or from the whole experts of a checkpoint. From peers (a re-layout,
+/// or an in-place repair after a lost member), the shards stay: the copies
+/// `cmd.shard_transfers` names are sent (every `(layer, expert)` slice of the shard, with its
+/// moments and step) from a surviving holder, then each rank keeps exactly what the new
+/// placement gives it. Without a placement, shards are cut for one membership (shard `w` on
+/// rank `w`): a re-layout only renumbers them, and any other reconfiguration from peers is
+/// refused (the controller restores a checkpoint instead: `JobConfig::sharded_experts`).
 fn reconfigure_sharded(
     cmd: &Reconfigure,
     st: &mut State,
@@ -225,9 +228,19 @@ fn reconfigure_sharded(
     abort: &AbortSlot,
 ) -> Result<(DistributedExperts, u64)> {
     let (me, world) = (cmd.rank, cmd.peers.len());
+    let placed = !cmd.shard_holders.is_empty();
+    let holders = if placed {
+        cmd.shard_holders.clone()
+    } else {
+        one_per_rank(world)
+    };
+    ensure!(
+        holders.iter().flatten().all(|&r| r < world),
+        "FSEP: a shard placement {holders:?} outside the {world} ranks"
+    );
     match &cmd.source {
         StateSource::Fresh => {
-            let sh = ShardStore::fresh(&st.cfg, &st.dev, me, world)?;
+            let sh = ShardStore::fresh_placed(&st.cfg, &st.dev, me, holders.clone())?;
             st.shards = Some(Arc::new(Mutex::new(sh)));
         }
         StateSource::Checkpoint { root, step } => {
@@ -238,17 +251,19 @@ fn reconfigure_sharded(
                     states.push(loaded.expert(l, e).map_err(|e| anyhow!("{e}"))?);
                 }
             }
-            let sh = ShardStore::from_states(&st.cfg, &st.dev, me, world, &states)?;
+            let sh =
+                ShardStore::from_states_placed(&st.cfg, &st.dev, me, holders.clone(), &states)?;
             st.shards = Some(Arc::new(Mutex::new(sh)));
         }
         StateSource::Peers { dense_to, .. } => {
-            let same_world = st
+            let same_count = st
                 .shards
                 .as_ref()
-                .is_some_and(|sh| sh.lock().is_ok_and(|sh| sh.world() == world));
+                .is_some_and(|sh| sh.lock().is_ok_and(|sh| sh.count() == holders.len()));
             ensure!(
-                same_world && dense_to.is_empty(),
-                "FSEP: shards are cut for one membership; rank {me} of {world} from peers needs a checkpoint restore"
+                same_count && dense_to.is_empty(),
+                "FSEP: rank {me} of {world} from peers needs its copies of {} shards (a newcomer or another cut needs a checkpoint restore)",
+                holders.len()
             );
         }
     }
@@ -258,13 +273,79 @@ fn reconfigure_sharded(
         .context("no shards after the reconfiguration")?;
     let mut comm = connect(cmd, listener, timeout_ms, abort)?;
     let mut bytes_in = 0u64;
-    if matches!(cmd.source, StateSource::Peers { .. }) {
+    let from_peers = matches!(cmd.source, StateSource::Peers { .. });
+    if from_peers && placed {
+        bytes_in = copy_shards(&mut comm, &cmd.shard_transfers, &shards)?;
+    } else if from_peers {
         bytes_in = renumber_shards(&mut comm, st, &shards)?;
     }
     comm.barrier()
-        .with_context(|| format!("rank {me}: barrier after the re-layout"))?;
+        .with_context(|| format!("rank {me}: barrier after the shard transfers"))?;
+    if from_peers && placed {
+        // Every copy arrived everywhere (the barrier): drop what the placement moved away.
+        shards
+            .lock()
+            .map_err(|_| anyhow!("shard store: lock poisoned"))?
+            .set_placement(me, holders)?;
+    }
     let dist = DistributedExperts::new_sharded(Box::new(comm), shards, cmd.replicas.clone())?;
     Ok((dist, bytes_in))
+}
+
+/// Sends and receives the shard copies of an in-place repair, `(shard, src, dst)` each, and
+/// imports those that arrive. Returns the bytes received.
+fn copy_shards(
+    comm: &mut TcpCommunicator,
+    transfers: &[(usize, usize, usize)],
+    shards: &crate::runtime::SharedShards,
+) -> Result<u64> {
+    let me = comm.rank();
+    let mut sh = shards
+        .lock()
+        .map_err(|_| anyhow!("shard store: lock poisoned"))?;
+    let per_shard = sh.n_layers() * sh.experts();
+    let mut sends = Vec::new();
+    let mut recv_from = Vec::new();
+    let mut incoming = Vec::new();
+    for &(w, src, dst) in transfers {
+        ensure!(w < sh.count(), "a transfer of shard {w} of {}", sh.count());
+        if src == me {
+            let states = sh.export_shard(w)?;
+            ensure!(
+                states.len() == per_shard,
+                "rank {me} holds no copy of shard {w} to send"
+            );
+            sends.push((dst, states.iter().flat_map(|s| s.to_words()).collect()));
+        }
+        if dst == me {
+            recv_from.push(src);
+            incoming.push(w);
+        }
+    }
+    let got = comm
+        .send_recv(sends, &recv_from)
+        .with_context(|| format!("rank {me}: copying shards"))?;
+    ensure!(
+        got.len() == incoming.len(),
+        "shard copies: wrong message count"
+    );
+    let mut bytes_in = 0u64;
+    for (w, (src, words)) in incoming.into_iter().zip(got) {
+        let n = sh.range(w).len();
+        let per = 2 + 3 * n;
+        ensure!(
+            words.len() == per * per_shard,
+            "rank {src} sent {} words of shard {w}, expected {}",
+            words.len(),
+            per * per_shard
+        );
+        for (i, chunk) in words.chunks(per).enumerate() {
+            let (l, e) = (i / sh.experts(), i % sh.experts());
+            sh.import(&ShardState::from_words(w, l, e, n, chunk)?)?;
+        }
+        bytes_in += 4 * words.len() as u64;
+    }
+    Ok(bytes_in)
 }
 
 /// A re-layout over the same members may renumber them: shard index `w` must live on the
@@ -297,7 +378,7 @@ fn renumber_shards(
         .send_recv(vec![(held, words)], &[from])
         .context("moving shards to their renumbered ranks")?;
     let words = got.into_iter().next().map(|(_, w)| w).unwrap_or_default();
-    let n = crate::model::shard_range(sh.expert_len(), sh.world(), me).len();
+    let n = crate::model::shard_range(sh.expert_len(), sh.count(), me).len();
     let per = 2 + 3 * n;
     ensure!(
         words.len() == per * states.len(),
@@ -307,11 +388,9 @@ fn renumber_shards(
     );
     let mut mine = Vec::with_capacity(states.len());
     for (chunk, s) in words.chunks(per).zip(&states) {
-        mine.push(crate::model::ShardState::from_words(
-            s.layer, s.expert, n, chunk,
-        )?);
+        mine.push(ShardState::from_words(me, s.layer, s.expert, n, chunk)?);
     }
-    *sh = ShardStore::from_shards(&st.cfg, &st.dev, me, sh.world(), &mine)?;
+    *sh = ShardStore::from_shards(&st.cfg, &st.dev, me, sh.count(), &mine)?;
     Ok(4 * words.len() as u64)
 }
 

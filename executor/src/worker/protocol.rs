@@ -212,6 +212,13 @@ pub struct Reconfigure {
     pub source: StateSource,
     /// The step to train next.
     pub resume_step: u64,
+    /// FSEP: `[shard]` = the ranks holding a copy of that shard of every expert (empty: one
+    /// shard per rank, shard `w` on rank `w`).
+    #[serde(default)]
+    pub shard_holders: Vec<Vec<usize>>,
+    /// FSEP: `(shard, src rank, dst rank)` shard copies to rebuild first (an in-place repair).
+    #[serde(default)]
+    pub shard_transfers: Vec<(usize, usize, usize)>,
 }
 
 /// A controller command (one JSON line on the worker's stdin).

@@ -11,7 +11,7 @@ use crate::model::{
     AdamW, DenseModel, ExpertMode, ExpertState, ExpertStore, MoeConfig, OptimState, RoutingStats,
     ShardState, ShardStore, apply_update, grad_scale, sq_norm,
 };
-use crate::runtime::{DistributedExperts, SharedShards};
+use crate::runtime::{DistributedExperts, ShardGrads, SharedShards};
 
 /// A worker's training state.
 pub(super) struct State {
@@ -22,8 +22,8 @@ pub(super) struct State {
     /// Replicated mode: the held replicas (empty in FSEP mode).
     pub store: ExpertStore,
     pub mode: ExpertMode,
-    /// FSEP mode: shard `rank` of every expert, once a reconfiguration made them (they stay
-    /// across a re-layout over the same membership).
+    /// FSEP mode: this rank's shard copies of every expert, once a reconfiguration made them
+    /// (they stay across a re-layout, and across an in-place repair that adds copies).
     pub shards: Option<SharedShards>,
 }
 
@@ -56,7 +56,7 @@ impl State {
 pub struct Snapshot {
     dense: OptimState,
     experts: Vec<ExpertState>,
-    /// FSEP: this rank's shards (empty when replicated).
+    /// FSEP: this rank's shard copies (empty when replicated).
     shards: Vec<ShardState>,
 }
 
@@ -147,7 +147,12 @@ pub fn train_step(
     let loss = model.loss(tokens, experts, &mut stats)?;
     let grads = loss.backward()?;
     let dense = experts.all_reduce_dense(model, &grads)?;
-    let expert_grads = experts.reduce_expert_grads()?;
+    let sharded = experts.is_sharded()?;
+    let (expert_grads, shard_grads) = if sharded {
+        (BTreeMap::new(), experts.reduce_shard_grads()?)
+    } else {
+        (experts.reduce_expert_grads()?, BTreeMap::new())
+    };
     let loss = loss.to_scalar::<f32>()?;
     let mut finite = loss.is_finite();
     for g in dense.iter().flatten() {
@@ -156,10 +161,19 @@ pub fn train_step(
     for (g1, g2) in expert_grads.values() {
         finite = finite && all_finite(g1)? && all_finite(g2)?;
     }
+    for g in shard_grads.values() {
+        finite = finite && all_finite(g)?;
+    }
     // The last collective: a barrier that also carries the pause and non-finite votes and the
     // parts of the global gradient norm.
     let mut v = vec![f32::from(u8::from(pause)), f32::from(u8::from(!finite))];
-    v.extend(norm_parts(model, experts, &dense, &expert_grads)?);
+    v.extend(norm_parts(
+        model,
+        experts,
+        &dense,
+        &expert_grads,
+        &shard_grads,
+    )?);
     let votes = experts.with_comm(|c| {
         let all: Vec<usize> = (0..c.world()).collect();
         c.all_reduce_sum(&all, &mut v).map(|()| v)
@@ -176,10 +190,10 @@ pub fn train_step(
         None => Snapshot::take(dense_opt, store)?,
     };
     if !nonfinite {
-        if experts.is_sharded()? {
-            // FSEP: the dense update here, each expert's on the shards of its owners.
+        if sharded {
+            // FSEP: the dense update here, each expert's on the copies of its shards.
             apply_update(dense_opt, store, &dense, BTreeMap::new(), factor)?;
-            experts.step_shards(expert_grads, factor)?;
+            experts.step_shards(shard_grads, factor)?;
         } else {
             apply_update(dense_opt, store, &dense, expert_grads, factor)?;
         }
@@ -201,14 +215,16 @@ pub fn train_step(
 /// ranks, every slot holds one exact value, so every member computes the same norm and the
 /// same [`grad_scale`] factor. Empty when clipping is off (the norm is not needed).
 ///
-/// FSEP: every rank holds one shard of each summed expert gradient, so every rank writes the
-/// squared norm of its shards into the expert's slot and the sum over ranks is the whole
-/// expert's (equal to the replicated value up to the order of the f32 additions).
+/// FSEP: the shards of each summed expert gradient are spread over the ranks, so the primary
+/// holder of each shard (one per shard, whatever the copies) adds the squared norm of its
+/// copy into the expert's slot and the sum over ranks is the whole expert's (equal to the
+/// replicated value up to the order of the f32 additions).
 fn norm_parts(
     model: &DenseModel,
     experts: &DistributedExperts,
     dense: &[Option<Tensor>],
     expert_grads: &BTreeMap<(usize, usize), (Tensor, Tensor)>,
+    shard_grads: &ShardGrads,
 ) -> Result<Vec<f32>> {
     if model.config().grad_clip_norm <= 0.0 {
         return Ok(Vec::new());
@@ -220,11 +236,20 @@ fn norm_parts(
     if rank == 0 {
         parts[0] = sq_norm(dense.iter().flatten())?;
     }
-    let sharded = experts.is_sharded()?;
     for (&(l, e), (g1, g2)) in expert_grads {
         let owner = replicas[l][e].iter().position(|&n| n > 0);
-        if sharded || owner == Some(rank) {
+        if owner == Some(rank) {
             parts[1 + l * n_experts + e] = sq_norm([g1, g2])?;
+        }
+    }
+    if let Some(sh) = experts.shard_store()? {
+        let sh = sh
+            .lock()
+            .map_err(|_| anyhow!("shard store: lock poisoned"))?;
+        for (&(l, e, w), g) in shard_grads {
+            if sh.primary(w) == rank {
+                parts[1 + l * n_experts + e] += sq_norm([g])?;
+            }
         }
     }
     Ok(parts)

@@ -284,9 +284,17 @@ pub struct JobArgs {
     /// moments cut into one shard per worker (LAER-MoE's FSEP); each MoE layer gathers the
     /// experts the layout assigns to a worker by an all-to-all of shards and returns the
     /// gradients to the shard owners, so a re-layout moves no state — but any lost worker
-    /// loses a shard of every expert: the job restores the newest checkpoint.
+    /// loses a shard of every expert: the job restores the newest checkpoint (unless
+    /// --shard-copies is 2 or more).
     #[arg(long, value_enum, default_value_t = ExpertMode::Replicated)]
     pub expert_mode: ExpertMode,
+    /// With --expert-mode fsep: keep F copies of every shard on distinct workers (resilient
+    /// FSEP), placed by the planner to make losing every copy of a shard least likely. A lost
+    /// worker is then repaired in place — the survivors copy the lost shard copies from the
+    /// remaining ones and training goes on, no checkpoint restore — unless some shard lost
+    /// all its copies. 1: one shard per worker (LAER-MoE). At most the number of nodes.
+    #[arg(long, value_name = "F", default_value_t = 1)]
+    pub shard_copies: usize,
     /// Directory for the workers' replica checksum files `node<ID>.json`.
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,

@@ -185,6 +185,17 @@ fn check_job_args(a: &JobArgs, nodes: usize) -> Result<()> {
     );
     ensure!(a.ckpt_keep >= 1, "--ckpt-keep must be at least 1");
     ensure!(
+        (1..=nodes).contains(&a.shard_copies),
+        "--shard-copies must be between 1 and the {nodes} node(s) (got {}): copies of a shard \
+         sit on distinct nodes",
+        a.shard_copies
+    );
+    ensure!(
+        a.shard_copies == 1 || a.expert_mode == ExpertMode::Fsep,
+        "--shard-copies {} needs --expert-mode fsep (replicated experts have --fault-tolerance)",
+        a.shard_copies
+    );
+    ensure!(
         a.max_nonfinite_steps >= 1,
         "--max-nonfinite-steps must be at least 1"
     );
@@ -263,6 +274,7 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
     rules.max_checkpoint_failures = a.max_ckpt_failures;
     rules.bytes_per_expert = config.expert_state_bytes() as u64;
     rules.sharded_experts = a.expert_mode == ExpertMode::Fsep;
+    rules.shard_copies = a.shard_copies;
     rules
         .validate()
         .map_err(|e| anyhow!("invalid job configuration: {e}"))?;
