@@ -84,6 +84,7 @@
 //!   consistent, or goes through the failure rules above otherwise.
 
 pub mod reconcile;
+pub mod relayout;
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -150,6 +151,10 @@ pub struct JobConfig {
     /// restores the checkpoint; a rebalance over the same members moves no state.
     #[serde(default)]
     pub sharded_experts: bool,
+    /// The policy of the periodic rebalance ([`relayout`]): Lazarus's replan (the default) or
+    /// LAER's re-layout from the per-rank traffic.
+    #[serde(default)]
+    pub relayout: relayout::Relayout,
 }
 
 impl JobConfig {
@@ -177,6 +182,7 @@ impl JobConfig {
             mapping: MappingMethod::Optimal,
             bytes_per_expert: 0,
             sharded_experts: false,
+            relayout: relayout::Relayout::Lazarus,
         }
     }
 
@@ -247,6 +253,12 @@ pub struct StepReport {
     /// skipped the update (the decision is collective, so replicas stay identical).
     #[serde(default)]
     pub nonfinite: bool,
+    /// Milliseconds this member spent computing its experts (forward and backward).
+    #[serde(default)]
+    pub expert_ms: f64,
+    /// Token rows this member computed through its experts (forward).
+    #[serde(default)]
+    pub expert_tokens: u64,
 }
 
 fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
@@ -477,6 +489,11 @@ pub struct StepRecord {
     pub step_ms: f64,
     pub members: usize,
     pub live_nodes: usize,
+    /// Per member in rank order: [`StepReport::expert_ms`] and [`StepReport::expert_tokens`].
+    #[serde(default)]
+    pub expert_ms: Vec<f64>,
+    #[serde(default)]
+    pub expert_tokens: Vec<u64>,
 }
 
 /// A completed reconfiguration, with its phases (the replan time is the driver's to measure).
@@ -662,6 +679,9 @@ pub struct JobMachine {
     /// Counted steps in a row whose update was skipped (non-finite loss or gradient).
     nonfinite_run: u64,
     history: LoadHistory,
+    /// Per-rank traffic and the pending LAER re-layout ([`relayout`]).
+    #[serde(default)]
+    relayout: relayout::RelayoutState,
     /// The current lineage was set up completely (Fresh/restore done on every member).
     lineage_complete: bool,
     /// Some reconfiguration completed on every member (the job has started).
@@ -711,6 +731,7 @@ impl JobMachine {
             failed_checkpoints: BTreeSet::new(),
             nonfinite_run: 0,
             history,
+            relayout: relayout::RelayoutState::default(),
             lineage_complete: false,
             started: false,
             join_waiting_since: None,
@@ -1333,7 +1354,13 @@ impl JobMachine {
                 step_ms: by_node.values().map(|r| r.step_ms).fold(0.0, f64::max),
                 members: self.members.len(),
                 live_nodes: self.nodes.len(),
+                expert_ms: self.members.iter().filter_map(|m| by_node.get(m)).map(|r| r.expert_ms).collect(),
+                expert_tokens: self.members.iter().filter_map(|m| by_node.get(m)).map(|r| r.expert_tokens).collect(),
             };
+            if matches!(self.cfg.relayout, relayout::Relayout::Laer(_)) {
+                let (agg, experts) = (self.cfg.aggregation, self.cfg.model.experts);
+                self.relayout.observe(agg, experts, &self.members, &by_node);
+            }
             self.count_steps(step, step, &routing, now_ms, out);
             out.push(Action::Record(record));
             if nonfinite {
@@ -1408,8 +1435,63 @@ impl JobMachine {
         let every = self.cfg.rebalance_every_steps;
         let crossed = every > 0 && (first..=last).any(|s| (s + 1).is_multiple_of(every));
         if crossed && self.next_step + 1 < self.cfg.total_steps && self.phase == Phase::Training {
+            if let relayout::Relayout::Laer(laer) = self.cfg.relayout
+                && !self.laer_changes_layout(&laer, first + 1..=last + 1, out)
+            {
+                return;
+            }
             self.note_cause(ReconfigKind::Rebalance, now_ms);
             self.pause_members(now_ms, out);
+        }
+    }
+
+    /// LAER at a rebalance point (see [`relayout`]): whether it decided a new layout (then
+    /// pending until the members pause).
+    fn laer_changes_layout(
+        &mut self,
+        laer: &relayout::LaerRelayout,
+        steps: std::ops::RangeInclusive<u64>,
+        out: &mut Vec<Action>,
+    ) -> bool {
+        let Some(plan) = &self.plan else {
+            return false;
+        };
+        let every = self.cfg.rebalance_every_steps;
+        let sharded = self.cfg.sharded_experts;
+        let step = self.next_step;
+        match self
+            .relayout
+            .decide(laer, every, sharded, plan, &self.members, steps)
+        {
+            relayout::Decision::NotDue => false,
+            relayout::Decision::Balanced { load_ratio } => {
+                out.push(Action::Log(format!(
+                    "re-layout (laer) at step {step}: load ratio {load_ratio:.3} within the threshold, layout kept"
+                )));
+                false
+            }
+            relayout::Decision::Unchanged { load_ratio } => {
+                out.push(Action::Log(format!(
+                    "re-layout (laer) at step {step}: load ratio {load_ratio:.3}, no change pays, layout kept"
+                )));
+                false
+            }
+            relayout::Decision::Refused(why) => {
+                out.push(Action::Log(format!(
+                    "re-layout (laer) at step {step} refused: {why}"
+                )));
+                false
+            }
+            relayout::Decision::Changed {
+                load_ratio_before,
+                load_ratio_after,
+                slots_changed,
+            } => {
+                out.push(Action::Log(format!(
+                    "re-layout (laer) at step {step}: load ratio {load_ratio_before:.3} -> {load_ratio_after:.3}, {slots_changed} slots change"
+                )));
+                true
+            }
         }
     }
 
@@ -1784,14 +1866,26 @@ impl JobMachine {
             bytes_per_expert: self.cfg.bytes_per_expert,
         };
         let physical = self.take_holdings(candidates);
-        let made = replan(
+        let rebalance = self.cause.is_some_and(|c| c.kind == ReconfigKind::Rebalance);
+        let laer = self.relayout.take(
+            rebalance,
+            candidates,
             &physical,
-            self.cfg.slots_per_node,
-            &self.cfg.model,
-            &self.history.loads(),
-            &options,
-            self.plan_version,
+            self.cfg.model.experts,
+            self.cfg.bytes_per_expert,
+            self.cfg.sharded_experts,
         );
+        let made = match laer {
+            Some(pm) => Ok(pm),
+            None => replan(
+                &physical,
+                self.cfg.slots_per_node,
+                &self.cfg.model,
+                &self.history.loads(),
+                &options,
+                self.plan_version,
+            ),
+        };
         let (plan, migration) = match made {
             Ok(pm) => pm,
             Err(e) => {
