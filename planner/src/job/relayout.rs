@@ -524,4 +524,82 @@ mod tests {
         assert!(check_invariants(&before, &fewer, 2).is_err());
         assert!(check_invariants(&before, &before, 2).is_ok());
     }
+
+    /// Drives a [`super::super::JobMachine`] of 4 members (3 slots, FSEP) through 4 steps in
+    /// which every member routes `routing`; returns every action.
+    fn machine_run(routing: Vec<u64>) -> (super::super::JobMachine, Vec<super::super::Action>) {
+        use super::super::{Action, Event, JobConfig, JobMachine};
+        let model = crate::ModelSpec {
+            experts: 4,
+            layers: 1,
+            f: 2,
+        };
+        let mut cfg = JobConfig::new(model, 3, 20);
+        cfg.initial_nodes = 4;
+        cfg.rebalance_every_steps = 4;
+        cfg.sharded_experts = true;
+        cfg.relayout = Relayout::Laer(LaerRelayout::new(256.0, 100_000));
+        let mut m = JobMachine::new(cfg).unwrap();
+        let mut out = Vec::new();
+        for n in 0..4 {
+            m.handle(0, Event::Joined { node: n, name: format!("n{n}") }, &mut out);
+            m.handle(0, Event::Ready { node: n }, &mut out);
+        }
+        let epoch = m.epoch();
+        for n in 0..4 {
+            m.handle(1, Event::Migrated { node: n, epoch, bytes_in: 0 }, &mut out);
+        }
+        for step in 0..4 {
+            for n in 0..4 {
+                let report = StepReport {
+                    routing: vec![routing.clone()],
+                    ..StepReport::default()
+                };
+                m.handle(2 + step, Event::Stepped { node: n, epoch, step, report }, &mut out);
+            }
+        }
+        assert!(out.iter().any(|a| matches!(a, Action::Record(r) if r.step == 3)));
+        (m, out)
+    }
+
+    #[test]
+    fn the_machine_relayouts_fsep_in_place_under_skew() {
+        use super::super::{Action, Event, IdleReason, ReconfigKind};
+        let (mut m, out) = machine_run(vec![100, 10, 5, 5]);
+        let paused = out.iter().filter(|a| matches!(a, Action::Pause { .. })).count();
+        assert_eq!(paused, 4, "{out:?}");
+        let before = m.plan().unwrap().clone();
+        let epoch = m.epoch();
+        let mut out = Vec::new();
+        for n in 0..4u32 {
+            let q = before.node_map.iter().position(|&x| x == n).unwrap();
+            let held = vec![before.layers[0].grid()[q].clone()];
+            let why = IdleReason::Paused;
+            m.handle(10, Event::Idle { node: n, epoch, why, step: 4, held }, &mut out);
+        }
+        let r = out
+            .iter()
+            .find_map(|a| match a {
+                Action::Reconfigure(r) => Some(r.clone()),
+                _ => None,
+            })
+            .expect("a reconfiguration");
+        assert_eq!(r.kind, ReconfigKind::Rebalance);
+        assert_eq!(r.plan.node_map, before.node_map, "ranks unchanged");
+        assert_ne!(r.plan.layers[0], before.layers[0], "the layout changed");
+        assert!(r.transfers.is_empty() && r.migration_bytes == 0, "{r:?}");
+        assert_eq!(r.resume_step, 4);
+        check_invariants(&before.layers[0], &r.plan.layers[0], 2).unwrap();
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn the_machine_keeps_training_on_balanced_traffic() {
+        use super::super::Action;
+        let (_, out) = machine_run(vec![30, 30, 30, 30]);
+        assert!(!out.iter().any(|a| matches!(a, Action::Pause { .. })), "{out:?}");
+        assert!(out.iter().any(
+            |a| matches!(a, Action::Log(l) if l.contains("within the threshold"))
+        ));
+    }
 }
