@@ -73,31 +73,34 @@ fn spread(rows: &[&StepRecord], f: impl Fn(&StepRecord) -> (f64, f64)) -> f64 {
 fn skewed_run(name: &str, mode: &str) -> (Summary, Vec<StepRecord>, String, PathBuf) {
     let dir = scratch(name);
     let metrics = dir.join("metrics");
-    let (code, stdout, stderr) = lzrun(&dir, &[
-        "local",
-        "--nodes",
-        "4",
-        "--slots",
-        "3",
-        "--steps",
-        "14",
-        "--expert-mode",
-        mode,
-        "--router-skew",
-        "3",
-        "--relayout",
-        "laer",
-        "--relayout-every",
-        "4",
-        "--relayout-warmup",
-        "2",
-        "--format",
-        "json",
-        "--out",
-        dir.to_str().unwrap(),
-        "--metrics-out",
-        metrics.to_str().unwrap(),
-    ]);
+    let (code, stdout, stderr) = lzrun(
+        &dir,
+        &[
+            "local",
+            "--nodes",
+            "4",
+            "--slots",
+            "3",
+            "--steps",
+            "14",
+            "--expert-mode",
+            mode,
+            "--router-skew",
+            "3",
+            "--relayout",
+            "laer",
+            "--relayout-every",
+            "4",
+            "--relayout-warmup",
+            "2",
+            "--format",
+            "json",
+            "--out",
+            dir.to_str().unwrap(),
+            "--metrics-out",
+            metrics.to_str().unwrap(),
+        ],
+    );
     let show = format!("stdout:\n{stdout}\nstderr:\n{stderr}");
     assert_eq!(code, Some(0), "{show}");
     let summary: Summary =
@@ -124,7 +127,8 @@ fn before_after(s: &Summary, steps: &[StepRecord], log: &str) -> (f64, f64, f64,
     let first = steps.iter().map(|r| r.plan_version).min().unwrap();
     let last = relayouts.last().unwrap().plan_version;
     assert!(last > first, "{relayouts:?}");
-    let on = |v: u64| -> Vec<&StepRecord> { steps.iter().filter(|r| r.plan_version == v).collect() };
+    let on =
+        |v: u64| -> Vec<&StepRecord> { steps.iter().filter(|r| r.plan_version == v).collect() };
     let (before, after) = (on(first), on(last));
     assert!(
         before.len() >= 3 && after.len() >= 3,
@@ -152,7 +156,11 @@ fn laer_relayouts_fsep_under_skew_and_evens_out_the_expert_compute() {
     assert_eq!((s.recoveries, s.fallbacks), (0, 0), "{log}");
     let (tok_before, tok_after, ms_before, ms_after) = before_after(&s, &steps, &log);
     for r in s.reconfigurations.iter().filter(|r| r.kind == "rebalance") {
-        assert_eq!((r.transfers, r.bytes), (0, 0), "FSEP re-layout moved state: {r:?}");
+        assert_eq!(
+            (r.transfers, r.bytes),
+            (0, 0),
+            "FSEP re-layout moved state: {r:?}"
+        );
         eprintln!(
             "re-layout pause: migrate {:.1} ms, resume {:.1} ms, total {:.1} ms",
             r.migrate_ms, r.resume_ms, r.total_ms

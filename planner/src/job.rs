@@ -1354,8 +1354,18 @@ impl JobMachine {
                 step_ms: by_node.values().map(|r| r.step_ms).fold(0.0, f64::max),
                 members: self.members.len(),
                 live_nodes: self.nodes.len(),
-                expert_ms: self.members.iter().filter_map(|m| by_node.get(m)).map(|r| r.expert_ms).collect(),
-                expert_tokens: self.members.iter().filter_map(|m| by_node.get(m)).map(|r| r.expert_tokens).collect(),
+                expert_ms: self
+                    .members
+                    .iter()
+                    .filter_map(|m| by_node.get(m))
+                    .map(|r| r.expert_ms)
+                    .collect(),
+                expert_tokens: self
+                    .members
+                    .iter()
+                    .filter_map(|m| by_node.get(m))
+                    .map(|r| r.expert_tokens)
+                    .collect(),
             };
             if matches!(self.cfg.relayout, relayout::Relayout::Laer(_)) {
                 let (agg, experts) = (self.cfg.aggregation, self.cfg.model.experts);
@@ -1866,7 +1876,9 @@ impl JobMachine {
             bytes_per_expert: self.cfg.bytes_per_expert,
         };
         let physical = self.take_holdings(candidates);
-        let rebalance = self.cause.is_some_and(|c| c.kind == ReconfigKind::Rebalance);
+        let rebalance = self
+            .cause
+            .is_some_and(|c| c.kind == ReconfigKind::Rebalance);
         let laer = self.relayout.take(
             rebalance,
             candidates,

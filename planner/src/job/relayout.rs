@@ -159,7 +159,9 @@ impl RelayoutState {
         let Some(row) = loads.get(layer) else {
             return Vec::new();
         };
-        row.chunks(self.experts.max(1)).map(<[u64]>::to_vec).collect()
+        row.chunks(self.experts.max(1))
+            .map(<[u64]>::to_vec)
+            .collect()
     }
 
     /// At counted step `step` (steps `< step` are done): runs the re-layout if the schedule says
@@ -476,9 +478,15 @@ mod tests {
         let mut c = cfg();
         c.warmup_steps = 10;
         let mut st = observed(&skewed(), 5);
-        assert_eq!(st.decide(&c, 5, true, &p, &MEMBERS, 5..=5), Decision::NotDue);
+        assert_eq!(
+            st.decide(&c, 5, true, &p, &MEMBERS, 5..=5),
+            Decision::NotDue
+        );
         // Past the warm-up but not a multiple of the period.
-        assert_eq!(st.decide(&c, 5, true, &p, &MEMBERS, 11..=11), Decision::NotDue);
+        assert_eq!(
+            st.decide(&c, 5, true, &p, &MEMBERS, 11..=11),
+            Decision::NotDue
+        );
         assert!(matches!(
             st.decide(&c, 5, true, &p, &MEMBERS, 15..=15),
             Decision::Changed { .. }
@@ -542,12 +550,27 @@ mod tests {
         let mut m = JobMachine::new(cfg).unwrap();
         let mut out = Vec::new();
         for n in 0..4 {
-            m.handle(0, Event::Joined { node: n, name: format!("n{n}") }, &mut out);
+            m.handle(
+                0,
+                Event::Joined {
+                    node: n,
+                    name: format!("n{n}"),
+                },
+                &mut out,
+            );
             m.handle(0, Event::Ready { node: n }, &mut out);
         }
         let epoch = m.epoch();
         for n in 0..4 {
-            m.handle(1, Event::Migrated { node: n, epoch, bytes_in: 0 }, &mut out);
+            m.handle(
+                1,
+                Event::Migrated {
+                    node: n,
+                    epoch,
+                    bytes_in: 0,
+                },
+                &mut out,
+            );
         }
         for step in 0..4 {
             for n in 0..4 {
@@ -555,10 +578,22 @@ mod tests {
                     routing: vec![routing.clone()],
                     ..StepReport::default()
                 };
-                m.handle(2 + step, Event::Stepped { node: n, epoch, step, report }, &mut out);
+                m.handle(
+                    2 + step,
+                    Event::Stepped {
+                        node: n,
+                        epoch,
+                        step,
+                        report,
+                    },
+                    &mut out,
+                );
             }
         }
-        assert!(out.iter().any(|a| matches!(a, Action::Record(r) if r.step == 3)));
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, Action::Record(r) if r.step == 3))
+        );
         (m, out)
     }
 
@@ -566,7 +601,10 @@ mod tests {
     fn the_machine_relayouts_fsep_in_place_under_skew() {
         use super::super::{Action, Event, IdleReason, ReconfigKind};
         let (mut m, out) = machine_run(vec![100, 10, 5, 5]);
-        let paused = out.iter().filter(|a| matches!(a, Action::Pause { .. })).count();
+        let paused = out
+            .iter()
+            .filter(|a| matches!(a, Action::Pause { .. }))
+            .count();
         assert_eq!(paused, 4, "{out:?}");
         let before = m.plan().unwrap().clone();
         let epoch = m.epoch();
@@ -575,7 +613,17 @@ mod tests {
             let q = before.node_map.iter().position(|&x| x == n).unwrap();
             let held = vec![before.layers[0].grid()[q].clone()];
             let why = IdleReason::Paused;
-            m.handle(10, Event::Idle { node: n, epoch, why, step: 4, held }, &mut out);
+            m.handle(
+                10,
+                Event::Idle {
+                    node: n,
+                    epoch,
+                    why,
+                    step: 4,
+                    held,
+                },
+                &mut out,
+            );
         }
         let r = out
             .iter()
@@ -597,9 +645,13 @@ mod tests {
     fn the_machine_keeps_training_on_balanced_traffic() {
         use super::super::Action;
         let (_, out) = machine_run(vec![30, 30, 30, 30]);
-        assert!(!out.iter().any(|a| matches!(a, Action::Pause { .. })), "{out:?}");
-        assert!(out.iter().any(
-            |a| matches!(a, Action::Log(l) if l.contains("within the threshold"))
-        ));
+        assert!(
+            !out.iter().any(|a| matches!(a, Action::Pause { .. })),
+            "{out:?}"
+        );
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, Action::Log(l) if l.contains("within the threshold")))
+        );
     }
 }

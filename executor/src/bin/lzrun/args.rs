@@ -284,7 +284,12 @@ pub struct JobArgs {
     pub resume: Option<PathBuf>,
     /// Replan from the routing statistics every K steps and migrate through the same path
     /// (0: only on membership changes). With --relayout laer: the re-layout period.
-    #[arg(long, visible_alias = "relayout-every", value_name = "K", default_value_t = 0)]
+    #[arg(
+        long,
+        visible_alias = "relayout-every",
+        value_name = "K",
+        default_value_t = 0
+    )]
     pub rebalance_every: u64,
     /// The policy of the periodic rebalance (--rebalance-every). lazarus: Eq. 1 + MRO from
     /// scratch on the summed routing history. laer: LAER-style incremental re-layout from each
