@@ -42,7 +42,10 @@
 //!   boundary `scale_out_wait_ms` after the first such node became ready (members are paused at
 //!   an agreed step), so a burst of arrivals costs one reconfiguration.
 //! * **Rebalance** every `rebalance_every_steps` counted steps (the paper: 200), from the
-//!   routing history, unless the job is about to end.
+//!   routing history, unless the job is about to end. With [`relayout::Relayout::Laer`] the
+//!   members are paused only when LAER changed the layout (from the per-rank traffic, after the
+//!   warm-up, above the imbalance threshold); the new plan keeps the ranks, so sharded experts
+//!   move nothing (if the membership changed meanwhile, Lazarus's replan is used instead).
 //! * **Stuck members.** A member that does not answer within `member_timeout_ms` (does not go
 //!   idle when asked, does not finish a reconfiguration, makes no step progress, a worker that
 //!   never becomes ready) is declared failed and [`Action::Fence`]d: the driver stops talking
@@ -1466,43 +1469,14 @@ impl JobMachine {
         let Some(plan) = &self.plan else {
             return false;
         };
-        let every = self.cfg.rebalance_every_steps;
-        let sharded = self.cfg.sharded_experts;
-        let step = self.next_step;
-        match self
+        let (every, sharded) = (self.cfg.rebalance_every_steps, self.cfg.sharded_experts);
+        let d = self
             .relayout
-            .decide(laer, every, sharded, plan, &self.members, steps)
-        {
-            relayout::Decision::NotDue => false,
-            relayout::Decision::Balanced { load_ratio } => {
-                out.push(Action::Log(format!(
-                    "re-layout (laer) at step {step}: load ratio {load_ratio:.3} within the threshold, layout kept"
-                )));
-                false
-            }
-            relayout::Decision::Unchanged { load_ratio } => {
-                out.push(Action::Log(format!(
-                    "re-layout (laer) at step {step}: load ratio {load_ratio:.3}, no change pays, layout kept"
-                )));
-                false
-            }
-            relayout::Decision::Refused(why) => {
-                out.push(Action::Log(format!(
-                    "re-layout (laer) at step {step} refused: {why}"
-                )));
-                false
-            }
-            relayout::Decision::Changed {
-                load_ratio_before,
-                load_ratio_after,
-                slots_changed,
-            } => {
-                out.push(Action::Log(format!(
-                    "re-layout (laer) at step {step}: load ratio {load_ratio_before:.3} -> {load_ratio_after:.3}, {slots_changed} slots change"
-                )));
-                true
-            }
+            .decide(laer, every, sharded, plan, &self.members, steps);
+        if let Some(line) = d.describe(self.next_step) {
+            out.push(Action::Log(line));
         }
+        matches!(d, relayout::Decision::Changed { .. })
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -99,6 +99,30 @@ pub enum Decision {
     Refused(String),
 }
 
+impl Decision {
+    /// The log line of a decision taken at counted step `step` (none when it was not due).
+    pub fn describe(&self, step: u64) -> Option<String> {
+        let what = match self {
+            Self::NotDue => return None,
+            Self::Balanced { load_ratio } => {
+                format!("load ratio {load_ratio:.3} within the threshold, layout kept")
+            }
+            Self::Unchanged { load_ratio } => {
+                format!("load ratio {load_ratio:.3}, no change pays, layout kept")
+            }
+            Self::Changed {
+                load_ratio_before,
+                load_ratio_after,
+                slots_changed,
+            } => format!(
+                "load ratio {load_ratio_before:.3} -> {load_ratio_after:.3}, {slots_changed} slots change"
+            ),
+            Self::Refused(why) => format!("refused: {why}"),
+        };
+        Some(format!("re-layout (laer) at step {step}: {what}"))
+    }
+}
+
 /// Per-rank traffic window and the decided plan waiting for the members to pause.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct RelayoutState {
