@@ -45,7 +45,7 @@ pub const TIMESERIES_COLUMNS: [&str; 7] = [
 ];
 
 /// The columns of `steps.csv`, in order (the fields of [`StepRecord`]).
-pub const STEP_COLUMNS: [&str; 9] = [
+pub const STEP_COLUMNS: [&str; 13] = [
     "step",
     "t_s",
     "loss",
@@ -55,6 +55,10 @@ pub const STEP_COLUMNS: [&str; 9] = [
     "used_nodes",
     "plan_version",
     "step_ms",
+    "expert_ms_max",
+    "expert_ms_mean",
+    "expert_tokens_max",
+    "expert_tokens_mean",
 ];
 
 /// `timeseries.csv` state of a training row.
@@ -101,6 +105,18 @@ pub struct StepRecord {
     pub plan_version: u64,
     /// Step time in milliseconds, max over the workers.
     pub step_ms: f64,
+    /// Milliseconds a worker spent computing its experts: the largest and the mean over the
+    /// workers (their ratio is the step's compute imbalance; the wall step is the same on
+    /// every worker, as the collectives synchronise them).
+    #[serde(default)]
+    pub expert_ms_max: f64,
+    #[serde(default)]
+    pub expert_ms_mean: f64,
+    /// Token rows a worker ran through its experts: the largest and the mean over the workers.
+    #[serde(default)]
+    pub expert_tokens_max: u64,
+    #[serde(default)]
+    pub expert_tokens_mean: f64,
 }
 
 /// One reconfiguration of the running job.
@@ -541,6 +557,10 @@ mod tests {
             used_nodes: 4,
             plan_version: 1,
             step_ms: 500.0,
+            expert_ms_max: 0.0,
+            expert_ms_mean: 0.0,
+            expert_tokens_max: 0,
+            expert_tokens_mean: 0.0,
         }
     }
 
@@ -819,6 +839,10 @@ mod tests {
             used_nodes: 4,
             plan_version: 3,
             step_ms: 31.25,
+            expert_ms_max: 0.0,
+            expert_ms_mean: 0.0,
+            expert_tokens_max: 0,
+            expert_tokens_mean: 0.0,
         };
         assert_eq!(
             log_line(&r, 20, 384),

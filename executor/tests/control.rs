@@ -48,6 +48,7 @@ fn params(nodes: usize) -> JobParams {
         checkpoint_keep: 1,
         out: None,
         resume: None,
+        router_skew: 0.0,
     }
 }
 

@@ -42,6 +42,7 @@ fn params(nodes: usize, heartbeat_timeout_ms: u64) -> JobParams {
         checkpoint_keep: 1,
         out: None,
         resume: None,
+        router_skew: 0.0,
     }
 }
 

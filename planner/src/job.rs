@@ -45,7 +45,10 @@
 //!   boundary `scale_out_wait_ms` after the first such node became ready (members are paused at
 //!   an agreed step), so a burst of arrivals costs one reconfiguration.
 //! * **Rebalance** every `rebalance_every_steps` counted steps (the paper: 200), from the
-//!   routing history, unless the job is about to end.
+//!   routing history, unless the job is about to end. With [`relayout::Relayout::Laer`] the
+//!   members are paused only when LAER changed the layout (from the per-rank traffic, after the
+//!   warm-up, above the imbalance threshold); the new plan keeps the ranks, so sharded experts
+//!   move nothing (if the membership changed meanwhile, Lazarus's replan is used instead).
 //! * **Stuck members.** A member that does not answer within `member_timeout_ms` (does not go
 //!   idle when asked, does not finish a reconfiguration, makes no step progress, a worker that
 //!   never becomes ready) is declared failed and [`Action::Fence`]d: the driver stops talking
@@ -90,6 +93,7 @@ pub mod reconcile;
 mod sharded;
 
 pub use sharded::RankShardTransfer;
+pub mod relayout;
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -162,6 +166,10 @@ pub struct JobConfig {
     /// shard keeps a copy (see the `sharded` submodule). 1: the behaviour above.
     #[serde(default = "default_shard_copies")]
     pub shard_copies: usize,
+    /// The policy of the periodic rebalance ([`relayout`]): Lazarus's replan (the default) or
+    /// LAER's re-layout from the per-rank traffic.
+    #[serde(default)]
+    pub relayout: relayout::Relayout,
 }
 
 fn default_shard_copies() -> usize {
@@ -194,6 +202,7 @@ impl JobConfig {
             bytes_per_expert: 0,
             sharded_experts: false,
             shard_copies: default_shard_copies(),
+            relayout: relayout::Relayout::Lazarus,
         }
     }
 
@@ -265,6 +274,12 @@ pub struct StepReport {
     /// skipped the update (the decision is collective, so replicas stay identical).
     #[serde(default)]
     pub nonfinite: bool,
+    /// Milliseconds this member spent computing its experts (forward and backward).
+    #[serde(default)]
+    pub expert_ms: f64,
+    /// Token rows this member computed through its experts (forward).
+    #[serde(default)]
+    pub expert_tokens: u64,
 }
 
 fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
@@ -501,6 +516,11 @@ pub struct StepRecord {
     pub step_ms: f64,
     pub members: usize,
     pub live_nodes: usize,
+    /// Per member in rank order: [`StepReport::expert_ms`] and [`StepReport::expert_tokens`].
+    #[serde(default)]
+    pub expert_ms: Vec<f64>,
+    #[serde(default)]
+    pub expert_tokens: Vec<u64>,
 }
 
 /// A completed reconfiguration, with its phases (the replan time is the driver's to measure).
@@ -686,6 +706,9 @@ pub struct JobMachine {
     /// Counted steps in a row whose update was skipped (non-finite loss or gradient).
     nonfinite_run: u64,
     history: LoadHistory,
+    /// Per-rank traffic and the pending LAER re-layout ([`relayout`]).
+    #[serde(default)]
+    relayout: relayout::RelayoutState,
     /// The current lineage was set up completely (Fresh/restore done on every member).
     lineage_complete: bool,
     /// Some reconfiguration completed on every member (the job has started).
@@ -738,6 +761,7 @@ impl JobMachine {
             failed_checkpoints: BTreeSet::new(),
             nonfinite_run: 0,
             history,
+            relayout: relayout::RelayoutState::default(),
             lineage_complete: false,
             started: false,
             join_waiting_since: None,
@@ -1361,7 +1385,23 @@ impl JobMachine {
                 step_ms: by_node.values().map(|r| r.step_ms).fold(0.0, f64::max),
                 members: self.members.len(),
                 live_nodes: self.nodes.len(),
+                expert_ms: self
+                    .members
+                    .iter()
+                    .filter_map(|m| by_node.get(m))
+                    .map(|r| r.expert_ms)
+                    .collect(),
+                expert_tokens: self
+                    .members
+                    .iter()
+                    .filter_map(|m| by_node.get(m))
+                    .map(|r| r.expert_tokens)
+                    .collect(),
             };
+            if matches!(self.cfg.relayout, relayout::Relayout::Laer(_)) {
+                let (agg, experts) = (self.cfg.aggregation, self.cfg.model.experts);
+                self.relayout.observe(agg, experts, &self.members, &by_node);
+            }
             self.count_steps(step, step, &routing, now_ms, out);
             out.push(Action::Record(record));
             if nonfinite {
@@ -1436,9 +1476,35 @@ impl JobMachine {
         let every = self.cfg.rebalance_every_steps;
         let crossed = every > 0 && (first..=last).any(|s| (s + 1).is_multiple_of(every));
         if crossed && self.next_step + 1 < self.cfg.total_steps && self.phase == Phase::Training {
+            if let relayout::Relayout::Laer(laer) = self.cfg.relayout
+                && !self.laer_changes_layout(&laer, first + 1..=last + 1, out)
+            {
+                return;
+            }
             self.note_cause(ReconfigKind::Rebalance, now_ms);
             self.pause_members(now_ms, out);
         }
+    }
+
+    /// LAER at a rebalance point (see [`relayout`]): whether it decided a new layout (then
+    /// pending until the members pause).
+    fn laer_changes_layout(
+        &mut self,
+        laer: &relayout::LaerRelayout,
+        steps: std::ops::RangeInclusive<u64>,
+        out: &mut Vec<Action>,
+    ) -> bool {
+        let Some(plan) = &self.plan else {
+            return false;
+        };
+        let (every, sharded) = (self.cfg.rebalance_every_steps, self.cfg.sharded_experts);
+        let d = self
+            .relayout
+            .decide(laer, every, sharded, plan, &self.members, steps);
+        if let Some(line) = d.describe(self.next_step) {
+            out.push(Action::Log(line));
+        }
+        matches!(d, relayout::Decision::Changed { .. })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1817,14 +1883,28 @@ impl JobMachine {
             bytes_per_expert: self.cfg.bytes_per_expert,
         };
         let physical = self.take_holdings(candidates);
-        let made = replan(
+        let rebalance = self
+            .cause
+            .is_some_and(|c| c.kind == ReconfigKind::Rebalance);
+        let laer = self.relayout.take(
+            rebalance,
+            candidates,
             &physical,
-            self.cfg.slots_per_node,
-            &self.cfg.model,
-            &self.history.loads(),
-            &options,
-            self.plan_version,
+            self.cfg.model.experts,
+            self.cfg.bytes_per_expert,
+            self.cfg.sharded_experts,
         );
+        let made = match laer {
+            Some(pm) => Ok(pm),
+            None => replan(
+                &physical,
+                self.cfg.slots_per_node,
+                &self.cfg.model,
+                &self.history.loads(),
+                &options,
+                self.plan_version,
+            ),
+        };
         let (plan, migration) = match made {
             Ok(pm) => pm,
             Err(e) => {

@@ -86,6 +86,7 @@ impl Job {
                     step_ms: 1.0,
                     routing: Vec::new(),
                     nonfinite: false,
+                    ..StepReport::default()
                 },
             }));
         }

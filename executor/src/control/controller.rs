@@ -72,6 +72,9 @@ pub struct JobParams {
     pub out: Option<PathBuf>,
     /// Start from the newest valid checkpoint under this root instead of a fresh model.
     pub resume: Option<PathBuf>,
+    /// Zipf router bias of the workers (forced routing skew; 0: none).
+    #[serde(default)]
+    pub router_skew: f64,
 }
 
 /// What the controller tells whoever runs the job.
@@ -549,6 +552,8 @@ impl Controller {
                     step_ms: s.ms,
                     routing: s.routing,
                     nonfinite: s.nonfinite,
+                    expert_ms: s.expert_ms,
+                    expert_tokens: s.expert_tokens,
                 },
             },
             WorkerLine::Event(ev) => match self.worker_event(node, ev) {
@@ -722,6 +727,10 @@ impl Controller {
                     used_nodes: r.members,
                     plan_version: r.plan_version,
                     step_ms: r.step_ms,
+                    expert_ms_max: r.expert_ms.iter().copied().fold(0.0, f64::max),
+                    expert_ms_mean: mean(r.expert_ms.iter().copied()),
+                    expert_tokens_max: r.expert_tokens.iter().copied().max().unwrap_or(0),
+                    expert_tokens_mean: mean(r.expert_tokens.iter().map(|&t| t as f64)),
                 };
                 Self::notice(out, Notice::Step(rec));
             }
@@ -772,6 +781,7 @@ impl Controller {
             } else {
                 ExpertMode::Replicated
             },
+            router_skew: self.params.router_skew,
         }
     }
 
@@ -916,6 +926,12 @@ impl Controller {
 }
 
 /// `[layer]` → expert ids from a worker's `(layer, expert)` list.
+/// The mean of `xs` (0 for none).
+fn mean(xs: impl Iterator<Item = f64>) -> f64 {
+    let (sum, n) = xs.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+    if n == 0 { 0.0 } else { sum / n as f64 }
+}
+
 fn holdings_of(held: &[(usize, usize)], layers: usize) -> Vec<Vec<u32>> {
     let mut out = vec![Vec::new(); layers];
     for &(l, e) in held {

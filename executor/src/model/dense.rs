@@ -72,6 +72,8 @@ pub struct DenseModel {
     lnf_w: Tensor,
     lnf_b: Tensor,
     forced: Option<Vec<Vec<u32>>>,
+    /// Zipf exponent of the router's choice bias ([`DenseModel::set_router_skew`]); 0: none.
+    router_skew: f64,
 }
 
 impl std::fmt::Debug for DenseModel {
@@ -164,6 +166,7 @@ impl DenseModel {
             lnf_w,
             lnf_b,
             forced: None,
+            router_skew: 0.0,
         })
     }
 
@@ -203,6 +206,14 @@ impl DenseModel {
     /// come from the router). Lengths and expert ids are checked at the next forward.
     pub fn set_forced_routing(&mut self, routing: Option<Vec<Vec<u32>>>) {
         self.forced = routing;
+    }
+
+    /// Forced routing skew (a Zipf router bias): the top-k *choice* ranks expert `e` by its
+    /// router probability times `(e + 1)^-skew`, so low expert ids are hot whatever the router
+    /// learns; the gates are still the router's own probabilities. For load-balancing
+    /// experiments; 0 (the default) is the plain router.
+    pub fn set_router_skew(&mut self, skew: f64) {
+        self.router_skew = skew;
     }
 
     pub fn forced_routing(&self) -> Option<&[Vec<u32>]> {
@@ -330,6 +341,11 @@ impl DenseModel {
                 self.cfg.top_k,
                 self.cfg.experts,
             )?),
+            None if self.router_skew > 0.0 => Some(skewed_choice(
+                &h.matmul(&blk.router_w)?,
+                self.cfg.top_k,
+                self.router_skew,
+            )?),
             None => None,
         };
         let m = moe_layer(layer, h, &blk.router_w, self.cfg.top_k, forced, experts)?;
@@ -454,6 +470,18 @@ pub(crate) fn top_k(probs: &[Vec<f32>], k: usize) -> Vec<u32> {
         out.extend_from_slice(&order[..k]);
     }
     out
+}
+
+/// Top-`k` of the router logits `[n, E]` after a Zipf bias `−skew·ln(e + 1)` (softmax is
+/// monotonic, so biasing the logits ranks like scaling the probabilities).
+fn skewed_choice(logits: &Tensor, k: usize, skew: f64) -> Result<Vec<u32>> {
+    let mut rows = logits.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
+    for row in &mut rows {
+        for (e, x) in row.iter_mut().enumerate() {
+            *x -= (skew * ((e + 1) as f64).ln()) as f32;
+        }
+    }
+    Ok(top_k(&rows, k))
 }
 
 /// Validated forced choices of one layer.

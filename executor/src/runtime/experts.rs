@@ -36,6 +36,12 @@ struct Inner {
     shards: Option<SharedShards>,
     /// Bytes sent to other ranks since the last reset.
     traffic: Traffic,
+    /// Time this rank spent computing its experts (forward and backward) since the last reset:
+    /// the per-rank load a re-layout evens out (the wall step is equal on every rank, as the
+    /// collectives synchronise them).
+    compute_ms: f64,
+    /// Token rows this rank ran through its experts in the forward since the last reset.
+    computed_rows: u64,
 }
 
 impl Inner {
@@ -215,6 +221,7 @@ impl CustomOp1 for ExchangeOp {
             candle_core::bail!("backward exchange: received {} values", recv_g.len());
         }
         let mut dx_recv = vec![0f32; recv_g.len()];
+        let t = std::time::Instant::now();
         for (&e, blocks) in &c.groups {
             let w = inner.weights(c.layer, e)?.clone();
             let dev = w.w1.device().clone();
@@ -243,6 +250,7 @@ impl CustomOp1 for ExchangeOp {
             };
             inner.grads.insert((c.layer, e), acc);
         }
+        inner.compute_ms += t.elapsed().as_secs_f64() * 1e3;
         let back = split_rows(&dx_recv, &c.plan.recv_counts[c.rank], c.d);
         inner.traffic.token_bytes += bytes_to_others(&back, c.rank);
         let back = inner.comm.all_to_all_v(back).map_err(wrap)?;
@@ -323,6 +331,8 @@ impl DistributedExperts {
                 log: Vec::new(),
                 shards: None,
                 traffic: Traffic::default(),
+                compute_ms: 0.0,
+                computed_rows: 0,
             })),
             replicas,
             rank,
@@ -364,6 +374,8 @@ impl DistributedExperts {
                 log: Vec::new(),
                 shards: Some(shards),
                 traffic: Traffic::default(),
+                compute_ms: 0.0,
+                computed_rows: 0,
             })),
             replicas,
             rank,
@@ -397,6 +409,13 @@ impl DistributedExperts {
         drop(inner);
         self.replicas = replicas;
         Ok(())
+    }
+
+    /// Milliseconds this rank spent computing its experts and the token rows it computed
+    /// (forward) since [`Self::begin_step`].
+    pub fn expert_compute(&self) -> Result<(f64, u64)> {
+        let inner = lock(&self.shared)?;
+        Ok((inner.compute_ms, inner.computed_rows))
     }
 
     /// Bytes this rank sent to other ranks since [`Self::begin_step`].
@@ -451,6 +470,8 @@ impl DistributedExperts {
         inner.routed.clear();
         inner.log.clear();
         inner.traffic = Traffic::default();
+        inner.compute_ms = 0.0;
+        inner.computed_rows = 0;
         if inner.shards.is_some() {
             inner.weights.clear();
         }
@@ -654,6 +675,7 @@ impl ExpertExec for DistributedExperts {
         let groups = by_expert(&p.recv_layout(me));
         let mut y_recv = vec![0f32; recv_x.len()];
         let mut computed = vec![0u64; ne];
+        let t0 = std::time::Instant::now();
         for (&e, blocks) in &groups {
             let w = inner.weights(layer, e)?;
             let wdev = w.w1.device().clone();
@@ -663,6 +685,8 @@ impl ExpertExec for DistributedExperts {
             computed[e] += y.dim(0)? as u64;
             scatter(&mut y_recv, blocks, d, &y.flatten_all()?.to_vec1::<f32>()?);
         }
+        inner.compute_ms += t0.elapsed().as_secs_f64() * 1e3;
+        inner.computed_rows += computed.iter().sum::<u64>();
         let back = split_rows(&y_recv, &p.recv_counts[me], d);
         inner.traffic.token_bytes += bytes_to_others(&back, me);
         let back = inner.comm.all_to_all_v(back).map_err(wrap)?;

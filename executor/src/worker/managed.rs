@@ -115,7 +115,7 @@ where
         .filter(|d| d.node == job.node_id)
         .map(|d| Duration::from_millis(d.ms));
     let mut w = Worker {
-        st: State::fresh(&job.config)?.with_mode(job.expert_mode),
+        st: fresh_state(&job)?,
         peer_timeout_ms: job.timeout_ms,
         job,
         step_times: StepTimes::new(window),
@@ -227,7 +227,7 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         self.epoch = cmd.epoch;
         if cmd.source == StateSource::Fresh && (self.step != 0 || !self.st.store.is_empty()) {
             // A start that did not complete everywhere is redone from scratch.
-            self.st = State::fresh(&self.job.config)?.with_mode(self.job.expert_mode);
+            self.st = fresh_state(&self.job)?;
             self.step = cmd.resume_step;
             self.snapshot = None;
         }
@@ -398,6 +398,10 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         };
         let pause = done.pause;
         self.snapshot = Some((self.step, done.snapshot));
+        let (expert_ms, expert_tokens) = match dist.expert_compute() {
+            Ok(c) => c,
+            Err(e) => return self.failed(&anyhow::Error::from(e)),
+        };
         let line = StepLine {
             step: self.step,
             epoch: self.epoch,
@@ -406,6 +410,8 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
             ms: ms_since(t0),
             routing: done.stats.counts,
             nonfinite: done.nonfinite,
+            expert_ms,
+            expert_tokens,
         };
         (self.emit)(&serde_json::to_string(&line)?)?;
         let now = Instant::now();
@@ -439,6 +445,13 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         self.event(&WorkerEvent::Done(sums.clone()))?;
         Ok(sums)
     }
+}
+
+/// A fresh worker state for `job`: its expert mode and router skew.
+fn fresh_state(job: &JobSpec) -> Result<State> {
+    let mut st = State::fresh(&job.config)?.with_mode(job.expert_mode);
+    st.model.set_router_skew(job.router_skew);
+    Ok(st)
 }
 
 /// An error with its causes on one line.

@@ -37,6 +37,12 @@ pub struct StepLine {
     /// of this step ([`super::train_step`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub nonfinite: bool,
+    /// Milliseconds this worker spent computing its experts (forward and backward).
+    #[serde(default)]
+    pub expert_ms: f64,
+    /// Token rows this worker ran through its experts (forward).
+    #[serde(default)]
+    pub expert_tokens: u64,
 }
 
 fn nan_if_null<'de, D: Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
@@ -169,6 +175,9 @@ pub struct JobSpec {
     /// Whole expert replicas, or FSEP shards (one per rank of every expert).
     #[serde(default)]
     pub expert_mode: ExpertMode,
+    /// Zipf router bias ([`crate::model::DenseModel::set_router_skew`]); 0: none.
+    #[serde(default)]
+    pub router_skew: f64,
 }
 
 fn default_alive_every_ms() -> u64 {
@@ -346,6 +355,8 @@ mod tests {
                 ms: 1.0,
                 routing: Vec::new(),
                 nonfinite: true,
+                expert_ms: 0.0,
+                expert_tokens: 0,
             };
             let text = serde_json::to_string(&line).unwrap();
             let Some(WorkerLine::Step(back)) = WorkerLine::parse(&text) else {

@@ -113,6 +113,7 @@ pub fn run_worker(
         )?;
         let done = train_step(&model, &mut opt, &mut store, &mut dist, &tokens, false)
             .with_context(|| format!("rank {rank}: step {step}"))?;
+        let (expert_ms, expert_tokens) = dist.expert_compute()?;
         on_step(&StepLine {
             step,
             epoch: opts.epoch,
@@ -121,6 +122,8 @@ pub fn run_worker(
             ms: t0.elapsed().as_secs_f64() * 1e3,
             routing: done.stats.counts,
             nonfinite: done.nonfinite,
+            expert_ms,
+            expert_tokens,
         })?;
         // The same rule as under a controller: every rank decided the same skips, so every
         // rank stops here together.

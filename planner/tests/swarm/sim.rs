@@ -1140,6 +1140,7 @@ impl Sim {
                 .map(|_| (0..experts).map(|_| self.rng.random_range(0..50)).collect())
                 .collect(),
             nonfinite: false,
+            ..StepReport::default()
         }
     }
 

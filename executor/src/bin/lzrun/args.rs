@@ -11,6 +11,13 @@ use lazarus_executor::faults;
 use lazarus_executor::model::ExpertMode;
 use lazarus_executor::worker::{FAULT_TOLERANCE, MAX_NONFINITE_STEPS};
 
+/// `--relayout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RelayoutArg {
+    Lazarus,
+    Laer,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Format {
     /// Log lines and a loss table.
@@ -276,9 +283,33 @@ pub struct JobArgs {
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
     /// Replan from the routing statistics every K steps and migrate through the same path
-    /// (0: only on membership changes).
-    #[arg(long, value_name = "K", default_value_t = 0)]
+    /// (0: only on membership changes). With --relayout laer: the re-layout period.
+    #[arg(
+        long,
+        visible_alias = "relayout-every",
+        value_name = "K",
+        default_value_t = 0
+    )]
     pub rebalance_every: u64,
+    /// The policy of the periodic rebalance (--rebalance-every). lazarus: Eq. 1 + MRO from
+    /// scratch on the summed routing history. laer: LAER-style incremental re-layout from each
+    /// worker's own routed tokens (the per-(rank, expert) traffic), run only after
+    /// --relayout-warmup steps and when the busiest worker computes more than
+    /// --relayout-threshold times the mean; it keeps every expert at f replicas on distinct
+    /// nodes. With --expert-mode fsep a re-layout moves no state.
+    #[arg(long, value_enum, default_value_t = RelayoutArg::Lazarus)]
+    pub relayout: RelayoutArg,
+    /// --relayout laer: no re-layout before this many steps.
+    #[arg(long, value_name = "STEPS", default_value_t = 2)]
+    pub relayout_warmup: u64,
+    /// --relayout laer: re-layout only when the max / mean tokens computed per worker over the
+    /// routing window exceeds this (hysteresis against re-layouts chasing noise).
+    #[arg(long, value_name = "RATIO", default_value_t = 1.1)]
+    pub relayout_threshold: f64,
+    /// Force skewed routing: the router's top-k choice ranks expert e by its probability times
+    /// (e+1)^-S (a Zipf router bias; the gates stay the router's). 0: the plain router.
+    #[arg(long, value_name = "S", default_value_t = 0.0)]
+    pub router_skew: f64,
     /// How the experts are stored. replicated: whole replicas with their optimizer state,
     /// placed by the plan (a re-layout migrates them). fsep: every expert's weights and Adam
     /// moments cut into one shard per worker (LAER-MoE's FSEP); each MoE layer gathers the

@@ -12,8 +12,9 @@ use lazarus_executor::worker::CheckpointSpec;
 use lazarus_planner::ModelSpec;
 use lazarus_planner::deadline::StepDeadline;
 use lazarus_planner::job::JobConfig;
+use lazarus_planner::job::relayout::{LaerRelayout, Relayout};
 
-use crate::args::JobArgs;
+use crate::args::{JobArgs, RelayoutArg};
 use crate::config::load_config;
 use crate::drive::Interrupted;
 
@@ -275,6 +276,24 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
     rules.bytes_per_expert = config.expert_state_bytes() as u64;
     rules.sharded_experts = a.expert_mode == ExpertMode::Fsep;
     rules.shard_copies = a.shard_copies;
+    ensure!(
+        a.relayout_threshold.is_finite() && a.relayout_threshold >= 1.0,
+        "--relayout-threshold must be a finite number >= 1, got {}",
+        a.relayout_threshold
+    );
+    ensure!(
+        a.router_skew.is_finite() && a.router_skew >= 0.0,
+        "--router-skew must be a finite number >= 0, got {}",
+        a.router_skew
+    );
+    if a.relayout == RelayoutArg::Laer {
+        // f32 activations of d_model values per token.
+        let bytes_per_token = 4.0 * config.d_model as f64;
+        let mut laer = LaerRelayout::new(bytes_per_token, rules.bytes_per_expert);
+        laer.warmup_steps = a.relayout_warmup;
+        laer.imbalance_threshold = a.relayout_threshold;
+        rules.relayout = Relayout::Laer(laer);
+    }
     rules
         .validate()
         .map_err(|e| anyhow!("invalid job configuration: {e}"))?;
@@ -291,6 +310,7 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
             checkpoint_keep: a.ckpt_keep,
             out: a.out.clone(),
             resume: a.resume.clone(),
+            router_skew: a.router_skew,
         },
         temp_ckpt,
         _ckpt_lock: ckpt_lock,

@@ -1,0 +1,213 @@
+//! Issue 13 item 2 end to end: `lzrun local --relayout laer` re-layouts the experts during
+//! training from the workers' real per-rank traffic. Under a forced routing skew the layout
+//! changes at a rebalance point and the per-worker expert compute evens out.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use lazarus_executor::metrics::{StepRecord, Summary};
+
+const LZRUN: &str = env!("CARGO_BIN_EXE_lzrun");
+const LIMIT: Duration = Duration::from_secs(240);
+/// One run at a time: the runs share the machine's cores with each other's workers.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("relayout-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs `lzrun args…` to the end (killed after [`LIMIT`]), its output in files under `dir`;
+/// (exit code, stdout, stderr).
+fn lzrun(dir: &Path, args: &[&str]) -> (Option<i32>, String, String) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (out_path, err_path) = (dir.join("stdout.txt"), dir.join("stderr.txt"));
+    let mut child = Command::new(LZRUN)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::fs::File::create(&err_path).unwrap())
+        .spawn()
+        .expect("start lzrun");
+    let deadline = Instant::now() + LIMIT;
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait for lzrun") {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("lzrun did not finish within {LIMIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
+    (status.code(), read(&out_path), read(&err_path))
+}
+
+fn steps_csv(dir: &Path) -> Vec<StepRecord> {
+    csv::Reader::from_path(dir.join("steps.csv"))
+        .expect("steps.csv")
+        .deserialize()
+        .collect::<Result<_, _>>()
+        .expect("steps.csv rows")
+}
+
+/// Mean over `rows` of max / mean across the workers of `f` (1: perfectly even).
+fn spread(rows: &[&StepRecord], f: impl Fn(&StepRecord) -> (f64, f64)) -> f64 {
+    let ratios: Vec<f64> = rows
+        .iter()
+        .map(|r| f(r))
+        .filter(|(_, mean)| *mean > 0.0)
+        .map(|(max, mean)| max / mean)
+        .collect();
+    assert!(!ratios.is_empty(), "no rows with expert compute");
+    ratios.iter().sum::<f64>() / ratios.len() as f64
+}
+
+/// A skewed run with LAER re-layouts; returns its summary, step records and log.
+fn skewed_run(name: &str, mode: &str) -> (Summary, Vec<StepRecord>, String, PathBuf) {
+    let dir = scratch(name);
+    let metrics = dir.join("metrics");
+    let (code, stdout, stderr) = lzrun(
+        &dir,
+        &[
+            "local",
+            "--nodes",
+            "4",
+            "--slots",
+            "3",
+            "--steps",
+            "14",
+            "--expert-mode",
+            mode,
+            "--router-skew",
+            "6",
+            "--relayout",
+            "laer",
+            "--relayout-every",
+            "4",
+            "--relayout-warmup",
+            "2",
+            "--format",
+            "json",
+            "--out",
+            dir.to_str().unwrap(),
+            "--metrics-out",
+            metrics.to_str().unwrap(),
+        ],
+    );
+    let show = format!("stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert_eq!(code, Some(0), "{show}");
+    let summary: Summary =
+        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("summary: {e}\n{show}"));
+    (summary, steps_csv(&metrics), stderr, dir)
+}
+
+/// What the skewed run shows about its re-layout: the plan version the re-layout installed, and
+/// the compute spreads (tokens, ms) on the first layout and on the re-layouted one.
+fn before_after(s: &Summary, steps: &[StepRecord], log: &str) -> (f64, f64, f64, f64) {
+    let relayouts: Vec<_> = s
+        .reconfigurations
+        .iter()
+        .filter(|r| r.kind == "rebalance")
+        .collect();
+    assert!(
+        !relayouts.is_empty(),
+        "the layout never changed under skew:\n{log}"
+    );
+    assert!(
+        log.contains("re-layout (laer) at step") && log.contains("slots change"),
+        "{log}"
+    );
+    let first = steps.iter().map(|r| r.plan_version).min().unwrap();
+    let last = relayouts.last().unwrap().plan_version;
+    assert!(last > first, "{relayouts:?}");
+    let on =
+        |v: u64| -> Vec<&StepRecord> { steps.iter().filter(|r| r.plan_version == v).collect() };
+    let (before, after) = (on(first), on(last));
+    assert!(
+        before.len() >= 3 && after.len() >= 3,
+        "steps on the first layout {}, on the last {}",
+        before.len(),
+        after.len()
+    );
+    let tokens = |r: &StepRecord| (r.expert_tokens_max as f64, r.expert_tokens_mean);
+    let ms = |r: &StepRecord| (r.expert_ms_max, r.expert_ms_mean);
+    (
+        spread(&before, tokens),
+        spread(&after, tokens),
+        spread(&before, ms),
+        spread(&after, ms),
+    )
+}
+
+/// FSEP: the re-layout moves no state (a pause at a step boundary with 0 bytes), the
+/// layout changes from the real per-rank traffic, and the per-worker expert compute spread
+/// shrinks.
+#[test]
+fn laer_relayouts_fsep_under_skew_and_evens_out_the_expert_compute() {
+    let (s, steps, log, dir) = skewed_run("fsep", "fsep");
+    assert_eq!(s.steps, 14);
+    assert_eq!((s.recoveries, s.fallbacks), (0, 0), "{log}");
+    let (tok_before, tok_after, ms_before, ms_after) = before_after(&s, &steps, &log);
+    // Once even, the later re-layout points keep the layout (the hysteresis).
+    assert!(log.contains("within the threshold, layout kept"), "{log}");
+    for r in s.reconfigurations.iter().filter(|r| r.kind == "rebalance") {
+        assert_eq!(
+            (r.transfers, r.bytes),
+            (0, 0),
+            "FSEP re-layout moved state: {r:?}"
+        );
+        eprintln!(
+            "re-layout pause: migrate {:.1} ms, resume {:.1} ms, total {:.1} ms",
+            r.migrate_ms, r.resume_ms, r.total_ms
+        );
+    }
+    eprintln!(
+        "expert compute spread (max/mean over workers): tokens {tok_before:.3} -> {tok_after:.3}, \
+         ms {ms_before:.3} -> {ms_after:.3}"
+    );
+    assert!(
+        tok_after < tok_before,
+        "token spread {tok_before:.3} -> {tok_after:.3}"
+    );
+    assert!(s.final_loss.is_finite());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Replicated experts: the same decision goes through the pause-and-migrate path (blocking;
+/// replicas a rank lacks are fetched, a second replica of an expert a rank holds is a local
+/// copy); every replica of an expert stays identical.
+#[test]
+fn laer_relayouts_replicated_experts_and_replicas_stay_identical() {
+    let (s, steps, log, dir) = skewed_run("replicated", "replicated");
+    assert_eq!(s.steps, 14);
+    assert_eq!((s.recoveries, s.fallbacks), (0, 0), "{log}");
+    let (tok_before, tok_after, _, _) = before_after(&s, &steps, &log);
+    assert!(tok_after < tok_before, "{tok_before:.3} -> {tok_after:.3}");
+    // Every replica of an expert identical on every node at the end.
+    let mut seen = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("node") && name.ends_with(".json") {
+            let sums = lazarus_executor::worker::Checksums::read(&path).unwrap();
+            for r in sums.replicas {
+                let prev = seen.insert((r.layer, r.expert), r.checksum);
+                assert!(
+                    prev.is_none_or(|c| c == r.checksum),
+                    "replicas of ({}, {}) differ",
+                    r.layer,
+                    r.expert
+                );
+            }
+        }
+    }
+    assert!(!seen.is_empty());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,681 @@
+//! Load-adaptive re-layout during training, from the members' real per-rank traffic (issue 13
+//! item 2).
+//!
+//! Every member reports the tokens *its* gate routed to each expert ([`StepReport::routing`]):
+//! stacked in rank order that is the per-(source rank, expert) traffic matrix LAER-MoE's
+//! planner works from. [`RelayoutState`] keeps it per layer over the job's [`Aggregation`]
+//! window (a [`LoadHistory`] over `ranks × experts` columns, so bounded the same way), and at
+//! every re-layout point of the [`Schedule`] (warm-up, period `rebalance_every_steps`,
+//! hysteresis on the load ratio) runs [`crate::relayout::laer`] on each layer with the members
+//! as devices (one device per node, `c` slots each). A decision that changes some layer is kept
+//! as the next plan; the machine then pauses the members and issues it through the rebalance
+//! path with the members' ranks unchanged ([`MappingMethod::Identity`]): with sharded experts
+//! (FSEP) it moves nothing, with replicated experts the replicas it adds are migrated.
+//!
+//! The load ratio the hysteresis compares is the current layout's max / mean tokens computed
+//! per rank under the window's traffic, as the dispatcher splits them
+//! ([`crate::relayout::Score::load_ratio`]): the dispatch is a deterministic function of the
+//! traffic and the layout, so this is what the members computed, summed over the window.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::{NodeId, StepReport};
+use crate::migrate::{MappingMethod, MigrationPlan, PhysicalNode, map_layers};
+use crate::place::LayerPlacement;
+use crate::relayout::laer::{LaerParams, laer};
+use crate::relayout::policy::Schedule;
+use crate::relayout::{LinkModel, Topology, score};
+use crate::{Aggregation, LoadHistory, ModelPlan};
+
+/// The policy of the periodic rebalance (`rebalance_every_steps`).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", tag = "kind")]
+pub enum Relayout {
+    /// Lazarus (§5): Eq. 1 + MRO from scratch on the summed routing history, every period.
+    #[default]
+    Lazarus,
+    /// LAER-style incremental re-layout from the per-rank traffic (see the [module docs](self)).
+    Laer(LaerRelayout),
+}
+
+/// Knobs of [`Relayout::Laer`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LaerRelayout {
+    /// The search's knobs; `f` is the plan's own (its `f_effective`), `horizon_steps` the
+    /// period, and `migration_weight` is 0 with sharded experts (a re-layout moves nothing).
+    pub params: LaerParams,
+    /// No re-layout before this many counted steps.
+    pub warmup_steps: u64,
+    /// Re-layout only when the load ratio (max / mean tokens computed per rank) exceeds this.
+    pub imbalance_threshold: f64,
+    pub link: LinkModel,
+}
+
+impl LaerRelayout {
+    /// Defaults for a job whose tokens carry `bytes_per_token` and whose expert states are
+    /// `bytes_per_expert`: warm-up 2 steps, threshold 1.1, loopback-like links.
+    pub fn new(bytes_per_token: f64, bytes_per_expert: u64) -> Self {
+        Self {
+            params: LaerParams::default(),
+            warmup_steps: 2,
+            imbalance_threshold: 1.1,
+            link: LinkModel {
+                bytes_per_token,
+                intra_node_bytes_per_s: 1e9,
+                inter_node_bytes_per_s: 1e9,
+                compute_s_per_token: 1e-6,
+                bytes_per_expert,
+            },
+        }
+    }
+
+    pub fn schedule(&self, period_steps: u64) -> Schedule {
+        Schedule {
+            warmup_steps: self.warmup_steps,
+            period_steps,
+            imbalance_threshold: self.imbalance_threshold,
+        }
+    }
+}
+
+/// The outcome of one re-layout point.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decision {
+    /// Not a re-layout point, or still warming up, or no traffic measured yet.
+    NotDue,
+    /// Balanced enough (the hysteresis): `load_ratio` is not above the threshold.
+    Balanced { load_ratio: f64 },
+    /// The search found nothing that pays.
+    Unchanged { load_ratio: f64 },
+    /// A new layout (kept as the pending plan); ratios are the worst layer's.
+    Changed {
+        load_ratio_before: f64,
+        load_ratio_after: f64,
+        slots_changed: usize,
+    },
+    /// The search failed or broke an invariant; the layout stays.
+    Refused(String),
+}
+
+impl Decision {
+    /// The log line of a decision taken at counted step `step` (none when it was not due).
+    pub fn describe(&self, step: u64) -> Option<String> {
+        let what = match self {
+            Self::NotDue => return None,
+            Self::Balanced { load_ratio } => {
+                format!("load ratio {load_ratio:.3} within the threshold, layout kept")
+            }
+            Self::Unchanged { load_ratio } => {
+                format!("load ratio {load_ratio:.3}, no change pays, layout kept")
+            }
+            Self::Changed {
+                load_ratio_before,
+                load_ratio_after,
+                slots_changed,
+            } => format!(
+                "load ratio {load_ratio_before:.3} -> {load_ratio_after:.3}, {slots_changed} slots change"
+            ),
+            Self::Refused(why) => format!("refused: {why}"),
+        };
+        Some(format!("re-layout (laer) at step {step}: {what}"))
+    }
+}
+
+/// Per-rank traffic window and the decided plan waiting for the members to pause.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct RelayoutState {
+    /// Members (rank order) the window was measured over; another membership starts afresh.
+    members: Vec<NodeId>,
+    experts: usize,
+    /// `[layer][rank·experts + expert]`.
+    window: Option<LoadHistory>,
+    pending: Option<ModelPlan>,
+}
+
+impl RelayoutState {
+    /// Adds one counted step's reports (members in rank order) to the window.
+    pub fn observe(
+        &mut self,
+        aggregation: Aggregation,
+        experts: usize,
+        members: &[NodeId],
+        reports: &BTreeMap<NodeId, StepReport>,
+    ) {
+        let layers = members
+            .iter()
+            .filter_map(|m| reports.get(m))
+            .map(|r| r.routing.len())
+            .max()
+            .unwrap_or(0);
+        if layers == 0 || experts == 0 {
+            return;
+        }
+        if self.members != members || self.experts != experts || self.window.is_none() {
+            self.members = members.to_vec();
+            self.experts = experts;
+            self.window = LoadHistory::new(aggregation, layers, members.len() * experts).ok();
+        }
+        let mut counts = vec![vec![0u64; members.len() * experts]; layers];
+        for (rank, m) in members.iter().enumerate() {
+            let Some(r) = reports.get(m) else { continue };
+            for (l, row) in r.routing.iter().enumerate().take(layers) {
+                for (e, &c) in row.iter().enumerate().take(experts) {
+                    counts[l][rank * experts + e] = c;
+                }
+            }
+        }
+        if let Some(w) = &mut self.window
+            && w.push(&counts).is_err()
+        {
+            // A member reported another shape: start the window again.
+            self.window = None;
+        }
+    }
+
+    /// The window's traffic of `layer`: `[rank][expert]`.
+    pub fn traffic(&self, layer: usize) -> Vec<Vec<u64>> {
+        let Some(w) = &self.window else {
+            return Vec::new();
+        };
+        let loads = w.loads();
+        let Some(row) = loads.get(layer) else {
+            return Vec::new();
+        };
+        row.chunks(self.experts.max(1))
+            .map(<[u64]>::to_vec)
+            .collect()
+    }
+
+    /// At counted step `step` (steps `< step` are done): runs the re-layout if the schedule says
+    /// so; a changed layout becomes the pending plan (version `plan.version + 1`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn decide(
+        &mut self,
+        laer_cfg: &LaerRelayout,
+        period_steps: u64,
+        sharded: bool,
+        plan: &ModelPlan,
+        members: &[NodeId],
+        steps: std::ops::RangeInclusive<u64>,
+    ) -> Decision {
+        self.pending = None;
+        let schedule = laer_cfg.schedule(period_steps);
+        // Without the load ratio yet: is some step of the range a re-layout point at all?
+        if !steps.clone().any(|s| schedule.due(s, f64::INFINITY))
+            || self.members != members
+            || plan.node_map != members
+            || self.window.is_none()
+        {
+            return Decision::NotDue;
+        }
+        let topo = Topology {
+            devices: members.len(),
+            devices_per_node: 1,
+            slots_per_device: plan.cluster.slots_per_node,
+        };
+        let traffic: Vec<Vec<Vec<u64>>> = (0..plan.layers.len()).map(|l| self.traffic(l)).collect();
+        let mut ratio = 0.0f64;
+        for (l, t) in traffic.iter().enumerate() {
+            match score(topo, laer_cfg.link, t, &plan.layers[l]) {
+                Ok(s) => ratio = ratio.max(s.load_ratio),
+                Err(e) => return Decision::Refused(format!("scoring layer {l}: {e}")),
+            }
+        }
+        if !steps.clone().any(|s| schedule.due(s, ratio)) {
+            return Decision::Balanced { load_ratio: ratio };
+        }
+        match self.search(laer_cfg, period_steps, sharded, plan, topo, &traffic) {
+            Ok(Some((next, after, changed))) => {
+                self.pending = Some(next);
+                Decision::Changed {
+                    load_ratio_before: ratio,
+                    load_ratio_after: after,
+                    slots_changed: changed,
+                }
+            }
+            Ok(None) => Decision::Unchanged { load_ratio: ratio },
+            Err(e) => Decision::Refused(e),
+        }
+    }
+
+    /// LAER on every layer; `Some((plan, worst load ratio after, slots changed))` if some layer
+    /// changed.
+    fn search(
+        &self,
+        laer_cfg: &LaerRelayout,
+        period_steps: u64,
+        sharded: bool,
+        plan: &ModelPlan,
+        topo: Topology,
+        traffic: &[Vec<Vec<u64>>],
+    ) -> Result<Option<(ModelPlan, f64, usize)>, String> {
+        let mut next = plan.clone();
+        let (mut after, mut changed) = (0.0f64, 0usize);
+        for (l, t) in traffic.iter().enumerate() {
+            let mut params = laer_cfg.params;
+            params.f = plan.allocations[l].f_effective;
+            params.horizon_steps = period_steps.max(1) as f64;
+            if sharded {
+                // FSEP: the layout is only the index table of the shard all-to-all.
+                params.migration_weight = 0.0;
+            }
+            let current = &plan.layers[l];
+            let out = laer(topo, laer_cfg.link, t, None, current, &params)
+                .map_err(|e| format!("layer {l}: {e}"))?;
+            check_invariants(current, &out.layout, params.f)
+                .map_err(|e| format!("layer {l}: {e}"))?;
+            changed += slots_changed(current, &out.layout);
+            let s = score(topo, laer_cfg.link, t, &out.layout).map_err(|e| e.to_string())?;
+            after = after.max(s.load_ratio);
+            next.allocations[l].replicas = out.layout.replicas();
+            next.layers[l] = out.layout;
+        }
+        next.version = plan.version + 1;
+        Ok((changed > 0).then_some((next, after, changed)))
+    }
+
+    /// The pending plan, if it was made over exactly `candidates` (in rank order) and the
+    /// reconfiguration is the rebalance it was made for; with its migration (identity ranks;
+    /// nothing moves with sharded experts). Forgets the pending plan either way.
+    pub fn take(
+        &mut self,
+        rebalance: bool,
+        candidates: &[NodeId],
+        physical: &[PhysicalNode],
+        experts: usize,
+        bytes_per_expert: u64,
+        sharded: bool,
+    ) -> Option<(ModelPlan, MigrationPlan)> {
+        let plan = self.pending.take()?;
+        if !rebalance || plan.node_map != candidates {
+            return None;
+        }
+        let migration = if sharded {
+            let n = candidates.len();
+            MigrationPlan {
+                method: MappingMethod::Identity,
+                plan_to_physical: candidates.to_vec(),
+                transfers: Vec::new(),
+                new_replicas: 0,
+                bytes: 0,
+                sent_bytes: vec![0; n],
+                recv_bytes: vec![0; n],
+                max_sent_bytes: 0,
+                max_recv_bytes: 0,
+            }
+        } else {
+            map_layers(
+                &plan.layers,
+                physical,
+                experts,
+                MappingMethod::Identity,
+                bytes_per_expert,
+            )
+            .ok()?
+        };
+        Some((plan, migration))
+    }
+
+    pub fn has_pending(&self) -> bool {
+        self.pending.is_some()
+    }
+}
+
+/// The job's invariants for a new layout of one layer: the same slots per rank, every expert at
+/// least `min(f, before)` replicas on at least `min(f, before)` distinct ranks (each rank is a
+/// node here).
+pub fn check_invariants(
+    before: &LayerPlacement,
+    after: &LayerPlacement,
+    f: usize,
+) -> Result<(), String> {
+    if before.nodes() != after.nodes() || before.experts() != after.experts() {
+        return Err("the layout's shape changed".into());
+    }
+    for (d, (a, b)) in before.grid().iter().zip(after.grid()).enumerate() {
+        if a.len() != b.len() {
+            return Err(format!("rank {d}: {} slots became {}", a.len(), b.len()));
+        }
+    }
+    let (rb, ra) = (before.replica_matrix(), after.replica_matrix());
+    for e in 0..before.experts() {
+        let count = |m: &[Vec<u32>]| m[e].iter().map(|&x| x as usize).sum::<usize>();
+        let distinct = |m: &[Vec<u32>]| m[e].iter().filter(|&&x| x > 0).count();
+        if count(&ra) < f.min(count(&rb)) || distinct(&ra) < f.min(distinct(&rb)) {
+            return Err(format!(
+                "expert {e}: {} replicas on {} ranks, at least {f} required",
+                count(&ra),
+                distinct(&ra)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Slots whose expert differs between two layouts of the same shape (as multisets per rank).
+fn slots_changed(before: &LayerPlacement, after: &LayerPlacement) -> usize {
+    before
+        .grid()
+        .iter()
+        .zip(after.grid())
+        .map(|(a, b)| {
+            let mut left = b.clone();
+            a.iter()
+                .filter(|e| match left.iter().position(|x| x == *e) {
+                    Some(i) => {
+                        left.swap_remove(i);
+                        false
+                    }
+                    None => true,
+                })
+                .count()
+        })
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Alignment, AllocPolicy, ClusterSpec, ModelSpec, PlacePolicy, plan_model};
+
+    const MEMBERS: [NodeId; 4] = [10, 11, 12, 13];
+
+    /// 4 members of 3 slots, 4 experts, `f = 2`, planned for uniform loads (3 replicas each).
+    fn plan() -> ModelPlan {
+        let model = ModelSpec {
+            experts: 4,
+            layers: 1,
+            f: 2,
+        };
+        let mut p = plan_model(
+            &ClusterSpec::new(4, 3),
+            &model,
+            &[vec![1; 4]],
+            AllocPolicy::Lazarus,
+            PlacePolicy::Mro,
+            Alignment::Aligned,
+        )
+        .unwrap();
+        p.node_map = MEMBERS.to_vec();
+        p
+    }
+
+    fn cfg() -> LaerRelayout {
+        LaerRelayout::new(256.0, 100_000)
+    }
+
+    /// `steps` counted steps in which every rank routes `per_rank[rank]` (one layer).
+    fn observed(per_rank: &[Vec<u64>], steps: usize) -> RelayoutState {
+        let mut st = RelayoutState::default();
+        let agg = Aggregation::Sum { window_steps: 8 };
+        for _ in 0..steps {
+            let reports: BTreeMap<NodeId, StepReport> = MEMBERS
+                .iter()
+                .zip(per_rank)
+                .map(|(&m, r)| {
+                    let rep = StepReport {
+                        routing: vec![r.clone()],
+                        ..StepReport::default()
+                    };
+                    (m, rep)
+                })
+                .collect();
+            st.observe(agg, 4, &MEMBERS, &reports);
+        }
+        st
+    }
+
+    fn skewed() -> Vec<Vec<u64>> {
+        vec![vec![100, 10, 5, 5]; 4]
+    }
+
+    #[test]
+    fn the_window_is_the_per_rank_traffic_summed_and_bounded() {
+        let mut per_rank = skewed();
+        per_rank[2] = vec![1, 2, 3, 4];
+        let st = observed(&per_rank, 20);
+        let t = st.traffic(0);
+        assert_eq!(t.len(), 4);
+        // A window of 8 steps, not 20.
+        assert_eq!(t[0], vec![800, 80, 40, 40]);
+        assert_eq!(t[2], vec![8, 16, 24, 32]);
+    }
+
+    #[test]
+    fn skewed_traffic_changes_the_layout_within_the_invariants() {
+        let p = plan();
+        for sharded in [false, true] {
+            let mut st = observed(&skewed(), 5);
+            let d = st.decide(&cfg(), 5, sharded, &p, &MEMBERS, 5..=5);
+            let Decision::Changed {
+                load_ratio_before,
+                load_ratio_after,
+                slots_changed,
+            } = d
+            else {
+                panic!("sharded {sharded}: {d:?}");
+            };
+            assert!(load_ratio_after < load_ratio_before, "{d:?}");
+            assert!(slots_changed > 0);
+            let physical: Vec<PhysicalNode> = MEMBERS
+                .iter()
+                .enumerate()
+                .map(|(r, &id)| PhysicalNode {
+                    id,
+                    holdings: vec![p.layers[0].grid()[r].clone()],
+                })
+                .collect();
+            let (next, migration) = st
+                .take(true, &MEMBERS, &physical, 4, 100_000, sharded)
+                .expect("the pending plan");
+            assert_eq!(next.version, p.version + 1);
+            assert_eq!(next.node_map, MEMBERS.to_vec());
+            check_invariants(&p.layers[0], &next.layers[0], 2).unwrap();
+            assert_eq!(next.allocations[0].replicas, next.layers[0].replicas());
+            // FSEP moves no state; replicated experts fetch each added replica once.
+            if sharded {
+                assert!(migration.transfers.is_empty());
+            } else {
+                assert_eq!(migration.transfers.len(), slots_changed);
+            }
+            assert!(!st.has_pending());
+        }
+    }
+
+    #[test]
+    fn balanced_traffic_keeps_the_layout() {
+        let p = plan();
+        let mut st = observed(&vec![vec![30, 30, 30, 30]; 4], 5);
+        let d = st.decide(&cfg(), 5, true, &p, &MEMBERS, 5..=5);
+        assert!(
+            matches!(d, Decision::Balanced { load_ratio } if load_ratio <= 1.1),
+            "{d:?}"
+        );
+        assert!(!st.has_pending());
+    }
+
+    #[test]
+    fn warm_up_and_period_are_respected() {
+        let p = plan();
+        let mut c = cfg();
+        c.warmup_steps = 10;
+        let mut st = observed(&skewed(), 5);
+        assert_eq!(
+            st.decide(&c, 5, true, &p, &MEMBERS, 5..=5),
+            Decision::NotDue
+        );
+        // Past the warm-up but not a multiple of the period.
+        assert_eq!(
+            st.decide(&c, 5, true, &p, &MEMBERS, 11..=11),
+            Decision::NotDue
+        );
+        assert!(matches!(
+            st.decide(&c, 5, true, &p, &MEMBERS, 15..=15),
+            Decision::Changed { .. }
+        ));
+    }
+
+    #[test]
+    fn a_pending_plan_is_dropped_for_another_membership_or_cause() {
+        let p = plan();
+        let mut st = observed(&skewed(), 5);
+        assert!(matches!(
+            st.decide(&cfg(), 5, true, &p, &MEMBERS, 5..=5),
+            Decision::Changed { .. }
+        ));
+        assert!(st.take(true, &MEMBERS[..3], &[], 4, 0, true).is_none());
+        assert!(!st.has_pending());
+        // Another membership than the window's: not due.
+        assert_eq!(
+            st.decide(&cfg(), 5, true, &p, &MEMBERS[..3], 5..=5),
+            Decision::NotDue
+        );
+        assert!(matches!(
+            st.decide(&cfg(), 5, true, &p, &MEMBERS, 5..=5),
+            Decision::Changed { .. }
+        ));
+        assert!(st.take(false, &MEMBERS, &[], 4, 0, true).is_none());
+    }
+
+    #[test]
+    fn invariants_catch_a_lost_replica_or_slot() {
+        let before = LayerPlacement::from_grid(
+            vec![vec![0, 1], vec![0, 1], vec![2, 3], vec![2, 3]],
+            4,
+            None,
+        )
+        .unwrap();
+        let fewer = LayerPlacement::from_grid(
+            vec![vec![0, 0], vec![0, 1], vec![2, 3], vec![2, 3]],
+            4,
+            None,
+        )
+        .unwrap();
+        assert!(check_invariants(&before, &fewer, 2).is_err());
+        assert!(check_invariants(&before, &before, 2).is_ok());
+    }
+
+    /// Drives a [`super::super::JobMachine`] of 4 members (3 slots, FSEP) through 4 steps in
+    /// which every member routes `routing`; returns every action.
+    fn machine_run(routing: Vec<u64>) -> (super::super::JobMachine, Vec<super::super::Action>) {
+        use super::super::{Action, Event, JobConfig, JobMachine};
+        let model = crate::ModelSpec {
+            experts: 4,
+            layers: 1,
+            f: 2,
+        };
+        let mut cfg = JobConfig::new(model, 3, 20);
+        cfg.initial_nodes = 4;
+        cfg.rebalance_every_steps = 4;
+        cfg.sharded_experts = true;
+        cfg.relayout = Relayout::Laer(LaerRelayout::new(256.0, 100_000));
+        let mut m = JobMachine::new(cfg).unwrap();
+        let mut out = Vec::new();
+        for n in 0..4 {
+            m.handle(
+                0,
+                Event::Joined {
+                    node: n,
+                    name: format!("n{n}"),
+                },
+                &mut out,
+            );
+            m.handle(0, Event::Ready { node: n }, &mut out);
+        }
+        let epoch = m.epoch();
+        for n in 0..4 {
+            m.handle(
+                1,
+                Event::Migrated {
+                    node: n,
+                    epoch,
+                    bytes_in: 0,
+                },
+                &mut out,
+            );
+        }
+        for step in 0..4 {
+            for n in 0..4 {
+                let report = StepReport {
+                    routing: vec![routing.clone()],
+                    ..StepReport::default()
+                };
+                m.handle(
+                    2 + step,
+                    Event::Stepped {
+                        node: n,
+                        epoch,
+                        step,
+                        report,
+                    },
+                    &mut out,
+                );
+            }
+        }
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, Action::Record(r) if r.step == 3))
+        );
+        (m, out)
+    }
+
+    #[test]
+    fn the_machine_relayouts_fsep_in_place_under_skew() {
+        use super::super::{Action, Event, IdleReason, ReconfigKind};
+        let (mut m, out) = machine_run(vec![100, 10, 5, 5]);
+        let paused = out
+            .iter()
+            .filter(|a| matches!(a, Action::Pause { .. }))
+            .count();
+        assert_eq!(paused, 4, "{out:?}");
+        let before = m.plan().unwrap().clone();
+        let epoch = m.epoch();
+        let mut out = Vec::new();
+        for n in 0..4u32 {
+            let q = before.node_map.iter().position(|&x| x == n).unwrap();
+            let held = vec![before.layers[0].grid()[q].clone()];
+            let why = IdleReason::Paused;
+            m.handle(
+                10,
+                Event::Idle {
+                    node: n,
+                    epoch,
+                    why,
+                    step: 4,
+                    held,
+                },
+                &mut out,
+            );
+        }
+        let r = out
+            .iter()
+            .find_map(|a| match a {
+                Action::Reconfigure(r) => Some(r.clone()),
+                _ => None,
+            })
+            .expect("a reconfiguration");
+        assert_eq!(r.kind, ReconfigKind::Rebalance);
+        assert_eq!(r.plan.node_map, before.node_map, "ranks unchanged");
+        assert_ne!(r.plan.layers[0], before.layers[0], "the layout changed");
+        assert!(r.transfers.is_empty() && r.migration_bytes == 0, "{r:?}");
+        assert_eq!(r.resume_step, 4);
+        check_invariants(&before.layers[0], &r.plan.layers[0], 2).unwrap();
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn the_machine_keeps_training_on_balanced_traffic() {
+        use super::super::Action;
+        let (_, out) = machine_run(vec![30, 30, 30, 30]);
+        assert!(
+            !out.iter().any(|a| matches!(a, Action::Pause { .. })),
+            "{out:?}"
+        );
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, Action::Log(l) if l.contains("within the threshold")))
+        );
+    }
+}
