@@ -45,7 +45,7 @@ pub const TIMESERIES_COLUMNS: [&str; 7] = [
 ];
 
 /// The columns of `steps.csv`, in order (the fields of [`StepRecord`]).
-pub const STEP_COLUMNS: [&str; 13] = [
+pub const STEP_COLUMNS: [&str; 14] = [
     "step",
     "t_s",
     "loss",
@@ -59,6 +59,7 @@ pub const STEP_COLUMNS: [&str; 13] = [
     "expert_ms_mean",
     "expert_tokens_max",
     "expert_tokens_mean",
+    "sent_bytes",
 ];
 
 /// `timeseries.csv` state of a training row.
@@ -105,7 +106,7 @@ pub struct StepRecord {
     pub plan_version: u64,
     /// Step time in milliseconds, max over the workers.
     pub step_ms: f64,
-    /// Milliseconds a worker spent computing its experts: the largest and the mean over the
+    /// CPU milliseconds a worker spent computing its experts: the largest and the mean over the
     /// workers (their ratio is the step's compute imbalance; the wall step is the same on
     /// every worker, as the collectives synchronise them).
     #[serde(default)]
@@ -117,6 +118,10 @@ pub struct StepRecord {
     pub expert_tokens_max: u64,
     #[serde(default)]
     pub expert_tokens_mean: f64,
+    /// Bytes all workers sent to each other during the step (every collective: routed
+    /// tokens, FSEP's shard gathers, gradient reductions).
+    #[serde(default)]
+    pub sent_bytes: u64,
 }
 
 /// One reconfiguration of the running job.
@@ -561,6 +566,7 @@ mod tests {
             expert_ms_mean: 0.0,
             expert_tokens_max: 0,
             expert_tokens_mean: 0.0,
+            sent_bytes: 0,
         }
     }
 
@@ -843,6 +849,7 @@ mod tests {
             expert_ms_mean: 0.0,
             expert_tokens_max: 0,
             expert_tokens_mean: 0.0,
+            sent_bytes: 0,
         };
         assert_eq!(
             log_line(&r, 20, 384),

@@ -274,12 +274,15 @@ pub struct StepReport {
     /// skipped the update (the decision is collective, so replicas stay identical).
     #[serde(default)]
     pub nonfinite: bool,
-    /// Milliseconds this member spent computing its experts (forward and backward).
+    /// CPU milliseconds this member spent computing its experts (forward and backward).
     #[serde(default)]
     pub expert_ms: f64,
     /// Token rows this member computed through its experts (forward).
     #[serde(default)]
     pub expert_tokens: u64,
+    /// Bytes this member sent to other members during the step.
+    #[serde(default)]
+    pub sent_bytes: u64,
 }
 
 fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
@@ -521,6 +524,9 @@ pub struct StepRecord {
     pub expert_ms: Vec<f64>,
     #[serde(default)]
     pub expert_tokens: Vec<u64>,
+    /// Bytes all members sent to each other during the step.
+    #[serde(default)]
+    pub sent_bytes: u64,
 }
 
 /// A completed reconfiguration, with its phases (the replan time is the driver's to measure).
@@ -1397,6 +1403,7 @@ impl JobMachine {
                     .filter_map(|m| by_node.get(m))
                     .map(|r| r.expert_tokens)
                     .collect(),
+                sent_bytes: by_node.values().map(|r| r.sent_bytes).sum(),
             };
             if matches!(self.cfg.relayout, relayout::Relayout::Laer(_)) {
                 let (agg, experts) = (self.cfg.aggregation, self.cfg.model.experts);

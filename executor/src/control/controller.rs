@@ -554,6 +554,7 @@ impl Controller {
                     nonfinite: s.nonfinite,
                     expert_ms: s.expert_ms,
                     expert_tokens: s.expert_tokens,
+                    sent_bytes: s.sent_bytes,
                 },
             },
             WorkerLine::Event(ev) => match self.worker_event(node, ev) {
@@ -731,6 +732,7 @@ impl Controller {
                     expert_ms_mean: mean(r.expert_ms.iter().copied()),
                     expert_tokens_max: r.expert_tokens.iter().copied().max().unwrap_or(0),
                     expert_tokens_mean: mean(r.expert_tokens.iter().map(|&t| t as f64)),
+                    sent_bytes: r.sent_bytes,
                 };
                 Self::notice(out, Notice::Step(rec));
             }

@@ -36,12 +36,15 @@ struct Inner {
     shards: Option<SharedShards>,
     /// Bytes sent to other ranks since the last reset.
     traffic: Traffic,
-    /// Time this rank spent computing its experts (forward and backward) since the last reset:
-    /// the per-rank load a re-layout evens out (the wall step is equal on every rank, as the
-    /// collectives synchronise them).
+    /// CPU time this rank's process spent computing its experts (forward and backward) since
+    /// the last reset: the per-rank load a re-layout evens out (the wall step is equal on every
+    /// rank, as the collectives synchronise them). CPU time, not wall time: workers sharing
+    /// cores with each other (and with anything else) would otherwise measure the scheduler.
     compute_ms: f64,
     /// Token rows this rank ran through its experts in the forward since the last reset.
     computed_rows: u64,
+    /// [`Communicator::payload_bytes_sent`] at the last reset.
+    sent_bytes_at_reset: u64,
 }
 
 impl Inner {
@@ -221,7 +224,7 @@ impl CustomOp1 for ExchangeOp {
             candle_core::bail!("backward exchange: received {} values", recv_g.len());
         }
         let mut dx_recv = vec![0f32; recv_g.len()];
-        let t = std::time::Instant::now();
+        let t = CpuClock::start();
         for (&e, blocks) in &c.groups {
             let w = inner.weights(c.layer, e)?.clone();
             let dev = w.w1.device().clone();
@@ -250,7 +253,7 @@ impl CustomOp1 for ExchangeOp {
             };
             inner.grads.insert((c.layer, e), acc);
         }
-        inner.compute_ms += t.elapsed().as_secs_f64() * 1e3;
+        inner.compute_ms += t.elapsed_ms();
         let back = split_rows(&dx_recv, &c.plan.recv_counts[c.rank], c.d);
         inner.traffic.token_bytes += bytes_to_others(&back, c.rank);
         let back = inner.comm.all_to_all_v(back).map_err(wrap)?;
@@ -333,6 +336,7 @@ impl DistributedExperts {
                 traffic: Traffic::default(),
                 compute_ms: 0.0,
                 computed_rows: 0,
+                sent_bytes_at_reset: 0,
             })),
             replicas,
             rank,
@@ -376,6 +380,7 @@ impl DistributedExperts {
                 traffic: Traffic::default(),
                 compute_ms: 0.0,
                 computed_rows: 0,
+                sent_bytes_at_reset: 0,
             })),
             replicas,
             rank,
@@ -418,7 +423,16 @@ impl DistributedExperts {
         Ok((inner.compute_ms, inner.computed_rows))
     }
 
-    /// Bytes this rank sent to other ranks since [`Self::begin_step`].
+    /// Bytes this rank put on the network since [`Self::begin_step`]: every collective of the
+    /// step (tokens, expert weights and gradients, dense gradients, counts), as its
+    /// communicator counts them ([`Communicator::payload_bytes_sent`]).
+    pub fn sent_bytes(&self) -> Result<u64> {
+        let inner = lock(&self.shared)?;
+        Ok(inner.comm.payload_bytes_sent() - inner.sent_bytes_at_reset)
+    }
+
+    /// Bytes this rank sent to other ranks since [`Self::begin_step`], by what they carried
+    /// (the expert layer's exchanges only).
     pub fn traffic(&self) -> Result<Traffic> {
         Ok(lock(&self.shared)?.traffic)
     }
@@ -472,6 +486,7 @@ impl DistributedExperts {
         inner.traffic = Traffic::default();
         inner.compute_ms = 0.0;
         inner.computed_rows = 0;
+        inner.sent_bytes_at_reset = inner.comm.payload_bytes_sent();
         if inner.shards.is_some() {
             inner.weights.clear();
         }
@@ -675,7 +690,7 @@ impl ExpertExec for DistributedExperts {
         let groups = by_expert(&p.recv_layout(me));
         let mut y_recv = vec![0f32; recv_x.len()];
         let mut computed = vec![0u64; ne];
-        let t0 = std::time::Instant::now();
+        let t0 = CpuClock::start();
         for (&e, blocks) in &groups {
             let w = inner.weights(layer, e)?;
             let wdev = w.w1.device().clone();
@@ -685,7 +700,7 @@ impl ExpertExec for DistributedExperts {
             computed[e] += y.dim(0)? as u64;
             scatter(&mut y_recv, blocks, d, &y.flatten_all()?.to_vec1::<f32>()?);
         }
-        inner.compute_ms += t0.elapsed().as_secs_f64() * 1e3;
+        inner.compute_ms += t0.elapsed_ms();
         inner.computed_rows += computed.iter().sum::<u64>();
         let back = split_rows(&y_recv, &p.recv_counts[me], d);
         inner.traffic.token_bytes += bytes_to_others(&back, me);
@@ -724,4 +739,37 @@ impl ExpertExec for DistributedExperts {
         }
         Ok(out)
     }
+}
+
+/// The CPU time of this process (every thread: the compute library may run its own), from
+/// `CLOCK_PROCESS_CPUTIME_ID`; wall time where that clock is unavailable.
+struct CpuClock {
+    cpu_ms: Option<f64>,
+    wall: std::time::Instant,
+}
+
+impl CpuClock {
+    fn start() -> Self {
+        Self {
+            cpu_ms: process_cpu_ms(),
+            wall: std::time::Instant::now(),
+        }
+    }
+
+    fn elapsed_ms(&self) -> f64 {
+        match (self.cpu_ms, process_cpu_ms()) {
+            (Some(a), Some(b)) => (b - a).max(0.0),
+            _ => self.wall.elapsed().as_secs_f64() * 1e3,
+        }
+    }
+}
+
+fn process_cpu_ms() -> Option<f64> {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; the call only writes it.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    (rc == 0).then(|| ts.tv_sec as f64 * 1e3 + ts.tv_nsec as f64 / 1e6)
 }

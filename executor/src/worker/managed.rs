@@ -398,7 +398,10 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         };
         let pause = done.pause;
         self.snapshot = Some((self.step, done.snapshot));
-        let (expert_ms, expert_tokens) = match dist.expert_compute() {
+        let ((expert_ms, expert_tokens), sent_bytes) = match dist
+            .expert_compute()
+            .and_then(|c| Ok((c, dist.sent_bytes()?)))
+        {
             Ok(c) => c,
             Err(e) => return self.failed(&anyhow::Error::from(e)),
         };
@@ -412,6 +415,7 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
             nonfinite: done.nonfinite,
             expert_ms,
             expert_tokens,
+            sent_bytes,
         };
         (self.emit)(&serde_json::to_string(&line)?)?;
         let now = Instant::now();

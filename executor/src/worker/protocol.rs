@@ -37,12 +37,15 @@ pub struct StepLine {
     /// of this step ([`super::train_step`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub nonfinite: bool,
-    /// Milliseconds this worker spent computing its experts (forward and backward).
+    /// CPU milliseconds this worker spent computing its experts (forward and backward).
     #[serde(default)]
     pub expert_ms: f64,
     /// Token rows this worker ran through its experts (forward).
     #[serde(default)]
     pub expert_tokens: u64,
+    /// Bytes this worker sent to other workers during the step (every collective).
+    #[serde(default)]
+    pub sent_bytes: u64,
 }
 
 fn nan_if_null<'de, D: Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
@@ -357,6 +360,7 @@ mod tests {
                 nonfinite: true,
                 expert_ms: 0.0,
                 expert_tokens: 0,
+                sent_bytes: 0,
             };
             let text = serde_json::to_string(&line).unwrap();
             let Some(WorkerLine::Step(back)) = WorkerLine::parse(&text) else {

@@ -114,6 +114,7 @@ pub fn run_worker(
         let done = train_step(&model, &mut opt, &mut store, &mut dist, &tokens, false)
             .with_context(|| format!("rank {rank}: step {step}"))?;
         let (expert_ms, expert_tokens) = dist.expert_compute()?;
+        let sent_bytes = dist.sent_bytes()?;
         on_step(&StepLine {
             step,
             epoch: opts.epoch,
@@ -124,6 +125,7 @@ pub fn run_worker(
             nonfinite: done.nonfinite,
             expert_ms,
             expert_tokens,
+            sent_bytes,
         })?;
         // The same rule as under a controller: every rank decided the same skips, so every
         // rank stops here together.
