@@ -17,14 +17,18 @@
 //!   gone → checkpoint restore. New nodes join in place (a communicator rebuild, no shard
 //!   moves: they compute from the next step, and later repairs may place copies on them).
 //!
-//! **Why not the job state machine.** `lazarus` is driven by [`lazarus_planner::job`], whose
-//! plans are replica plans (allocation + MRO grids + migration mapping). FSEP has no replica
-//! plan to migrate — the layout is re-planned every load change for free, and what a failure
-//! needs is the shard repair, which the machine does not know yet. Teaching the machine a
-//! sharded plan kind is the executor's half of issue 13; until then this system applies the
-//! same rules the machine applies to replica plans (in place iff nothing is lost, restore
-//! otherwise, lazy scale-out after the engine's wait), with the planner's FSEP functions
-//! making every decision.
+//! **Why not the job state machine.** `lazarus` is driven by [`lazarus_planner::job`]. The
+//! machine now knows sharded plans too (`JobConfig::sharded_experts` with `shard_copies`: a lost
+//! member is repaired in place by [`repair`] while every shard keeps a copy — what `lzrun
+//! --expert-mode fsep --shard-copies f` runs), but its step accounting is per member and per
+//! step, while these systems re-plan the layout at every load change of the replay, for free,
+//! and count steps in bulk. Until the replay drives the machine for sharded plans (left: the
+//! machine would also need the per-load-change free re-layout), this system applies the same
+//! rules (in place iff every shard keeps a copy, restore otherwise, lazy scale-out after the
+//! engine's wait) with the same planner functions ([`place`], [`repair`]) making every
+//! decision. One difference: `lzrun` still restores when a node joins a sharded job, while this
+//! system lets it join in place (no shard moves), so `lzsim predict` of an FSEP run with a join
+//! under-predicts its restores.
 
 use super::{Ctx, Decision, Layout, Migration, NodeId, System};
 use crate::cost::fsep::{FsepShape, ShardTraffic};
