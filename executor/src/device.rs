@@ -118,12 +118,6 @@ pub enum DeviceError {
     /// `--comm nccl` with `--device cpu`.
     #[error("--comm nccl needs --device cuda (NCCL moves device buffers)")]
     NcclOnCpu,
-    /// `--comm nccl` where the workers' NCCL data plane is not available.
-    #[error(
-        "--comm nccl: the workers' NCCL data plane is not wired into lzrun yet (the controller \
-         does not distribute NCCL ids); run with --comm tcp"
-    )]
-    NcclNotWired,
     /// `--gpus-per-node 0`.
     #[error("--gpus-per-node must be at least 1")]
     NoGpus,
@@ -179,14 +173,12 @@ impl DeviceChoice {
     }
 
     /// Checks that this process can run workers with this choice: the `cuda` feature is
-    /// built in and device `ordinal` opens (driver present, device visible), and the data plane
-    /// is one the workers have. Cheap enough to run before starting any process.
+    /// built in and device `ordinal` opens (driver present, device visible; `--comm nccl` needs
+    /// `--device cuda`, checked by [`Self::resolve`]). Cheap enough to run before starting any
+    /// process.
     pub fn preflight(&self) -> Result<(), DeviceError> {
         if self.device == DeviceKind::Cuda {
             check_cuda(self.ordinal)?;
-        }
-        if self.comm == CommKind::Nccl {
-            return Err(DeviceError::NcclNotWired);
         }
         Ok(())
     }

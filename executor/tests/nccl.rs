@@ -2,8 +2,16 @@
 //! only the clean-failure path can run; the success path needs GPUs (a later issue).
 #![cfg(feature = "cuda")]
 
-use lazarus_executor::comm::nccl::{NcclCommunicator, NcclError, NcclUniqueId, nccl_available};
-use lazarus_executor::comm::{CommError, Communicator};
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use lazarus_executor::comm::nccl::{
+    NcclCommunicator, NcclError, NcclUniqueId, connect_over, nccl_available,
+};
+use lazarus_executor::comm::{CommError, Communicator, LocalGroup};
 
 fn assert_backend<C: Communicator + Send + 'static>() {}
 
@@ -35,4 +43,30 @@ fn without_cuda_everything_fails_cleanly() {
     let e = NcclCommunicator::new(0, 2, 0, &id, 50).expect_err("no CUDA");
     let c: CommError = e.into();
     assert!(matches!(c, CommError::Io(_)), "{c:?}");
+}
+
+/// Forming the NCCL communicator of a membership over its TCP mesh: without CUDA rank 0 cannot
+/// make the id, and every rank fails promptly with an error saying so — nobody waits for a
+/// rendezvous that cannot happen.
+#[test]
+fn without_cuda_every_rank_of_a_mesh_fails_promptly() {
+    if nccl_available().is_ok() {
+        return; // a CUDA machine: check-gpu.sh runs the success path
+    }
+    let world = 3;
+    let mesh = LocalGroup::new(world, 5_000).expect("loopback mesh");
+    let results = common::run_ranks(mesh, Duration::from_secs(30), |mut tcp| {
+        let rank = tcp.rank();
+        let r = connect_over(&mut tcp, 0, 1_000, Arc::new(AtomicBool::new(false)));
+        (rank, r.map(|_| ()).map_err(|e| e.to_string()))
+    });
+    assert_eq!(results.len(), world);
+    for (rank, r) in results {
+        let e = r.expect_err("no CUDA");
+        if rank == 0 {
+            assert!(e.contains("device") || e.contains("CUDA"), "rank 0: {e}");
+        } else {
+            assert!(e.contains("rank 0 could not create"), "rank {rank}: {e}");
+        }
+    }
 }

@@ -4,9 +4,10 @@
 //! (collective discipline, errors are final, bounded blocking, determinism) and mirrors its
 //! algorithms; only the transport differs.
 //!
-//! **Status.** This backend is compiled and type-checked in CI (`--features cuda`), and its
-//! failure path without CUDA is tested, but it has not yet been executed on a GPU: the
-//! multi-GPU runs are a later issue.
+//! **Status.** This backend is compiled and type-checked in CI (`--features cuda`), its failure
+//! paths without CUDA are tested (one rank, and a whole mesh through [`connect_over`]), and
+//! managed workers use it with `--comm nccl` (`worker::migrate`); it has not yet been executed on
+//! a GPU here (no device was available): `kernels/check-gpu.sh` runs it on one.
 //!
 //! ## Libraries
 //!
@@ -21,8 +22,10 @@
 //! ## Rendezvous
 //!
 //! Rank 0 creates an [`NcclUniqueId`] ([`NcclUniqueId::new`], `ncclGetUniqueId`); it holds the
-//! address of rank 0's bootstrap listener. The control plane ships its 128 bytes (the type is
-//! serde-serializable) to the other ranks of the membership, and every rank, rank 0 included,
+//! address of rank 0's bootstrap listener. Its 128 bytes go to the other ranks of the membership
+//! over the TCP mesh every membership forms anyway ([`connect_over`]: the mesh carries the
+//! state migration first; the type is also serde-serializable for a control plane that ships
+//! it), and every rank, rank 0 included,
 //! calls [`NcclCommunicator::new`] with its rank, the world size, its device ordinal and that id
 //! (`ncclCommInitRank`). A new membership takes a new id and new communicators; a communicator is
 //! never repaired in place (the id plays the role of the TCP backend's epoch: a stale worker
@@ -104,6 +107,7 @@ use std::ffi::c_char;
 use std::fmt;
 use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -533,18 +537,35 @@ impl<T: Elem> Staged<T> {
     }
 }
 
-/// Polls the work enqueued on `stream` so far until it completes (`Ok(true)`) or `deadline`
-/// passes (`Ok(false)`).
-fn wait_until(stream: &CudaStream, deadline: Instant) -> Result<bool, DriverError> {
+/// How a wait for the work enqueued on a stream ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    Done,
+    /// The deadline passed first.
+    Expired,
+    /// The abort flag was raised first (another thread aborted the communicator).
+    Aborted,
+}
+
+/// Polls the work enqueued on `stream` so far until it completes, `deadline` passes or `abort`
+/// is raised.
+fn wait_until(
+    stream: &CudaStream,
+    deadline: Instant,
+    abort: Option<&AtomicBool>,
+) -> Result<Wait, DriverError> {
     let done = stream.record_event(None)?;
     let mut pause = Duration::from_micros(2);
     loop {
         if done.try_is_complete()? {
-            return Ok(true);
+            return Ok(Wait::Done);
+        }
+        if abort.is_some_and(|a| a.load(Ordering::SeqCst)) {
+            return Ok(Wait::Aborted);
         }
         let now = Instant::now();
         if now >= deadline {
-            return Ok(false);
+            return Ok(Wait::Expired);
         }
         thread::sleep(pause.min(deadline - now));
         pause = (pause * 2).min(POLL_MAX);
@@ -571,6 +592,8 @@ pub struct NcclCommunicator {
     comm: Option<SendComm>,
     /// [`Communicator::payload_bytes_sent`].
     payload_bytes_sent: u64,
+    /// Raised by another thread to abort (see [`NcclCommunicator::set_abort_flag`]).
+    abort_flag: Option<Arc<AtomicBool>>,
 }
 
 impl NcclCommunicator {
@@ -616,6 +639,7 @@ impl NcclCommunicator {
             stream,
             comm: Some(comm),
             payload_bytes_sent: 0,
+            abort_flag: None,
         })
     }
 
@@ -632,6 +656,20 @@ impl NcclCommunicator {
     /// Changes the per-round timeout (at least 1 ms).
     pub fn set_timeout_ms(&mut self, timeout_ms: u64) {
         self.timeout_ms = timeout_ms.max(1);
+    }
+
+    /// Lets another thread abort this communicator: once `flag` is raised, the round in
+    /// flight fails with [`CommError::Aborted`] within the poll interval and the communicator
+    /// aborts (`ncclCommAbort`, which makes the stuck kernels exit) — what the worker's
+    /// command reader does when the controller announces a failure while the training thread
+    /// waits in a collective (the TCP backend's `AbortHandle`). A flag already raised aborts
+    /// the next round.
+    pub fn set_abort_flag(&mut self, flag: Arc<AtomicBool>) {
+        self.abort_flag = Some(flag);
+    }
+
+    fn abort_flag(&self) -> Option<&AtomicBool> {
+        self.abort_flag.as_deref()
     }
 
     /// Whether this communicator has been aborted (explicitly or by an error).
@@ -686,6 +724,9 @@ impl NcclCommunicator {
         floats: &Part<'_, f32>,
     ) -> Result<Received, CommError> {
         self.check_live()?;
+        if self.abort_flag().is_some_and(|a| a.load(Ordering::SeqCst)) {
+            return Err(self.fail(CommError::Aborted));
+        }
         let (lw, lf) = match (words.layout(op), floats.layout(op)) {
             (Ok(lw), Ok(lf)) => (lw, lf),
             (Err(e), _) | (_, Err(e)) => return Err(self.fail(e)),
@@ -717,12 +758,16 @@ impl NcclCommunicator {
             posted?;
             ended?;
             let deadline = Instant::now() + Duration::from_millis(me.timeout_ms);
-            if !wait_until(stream, deadline).map_err(cuda_failed(op))? {
-                return Err(CommError::Timeout {
-                    peer: blame(&[&lw, &lf]).unwrap_or_else(|| lowest_other(me.rank, me.world)),
-                    op,
-                    ms: me.timeout_ms,
-                });
+            match wait_until(stream, deadline, me.abort_flag()).map_err(cuda_failed(op))? {
+                Wait::Done => {}
+                Wait::Aborted => return Err(CommError::Aborted),
+                Wait::Expired => {
+                    return Err(CommError::Timeout {
+                        peer: blame(&[&lw, &lf]).unwrap_or_else(|| lowest_other(me.rank, me.world)),
+                        op,
+                        ms: me.timeout_ms,
+                    });
+                }
             }
             Ok((sw.download(stream, &lw, op)?, sf.download(stream, &lf, op)?))
         })?;
@@ -765,6 +810,60 @@ impl NcclCommunicator {
         let got = self.round_words(op, &words)?;
         decode_singles(op, &got).map_err(|e| self.fail(e))
     }
+}
+
+/// Forms the NCCL communicator of a membership whose ranks already share `bootstrap` (the TCP
+/// mesh every membership forms: it also carries the expert-state migration). Rank 0 creates the
+/// unique id and the others receive it over `bootstrap` — no control-plane round trip, and a
+/// new membership (a new mesh) always gets a new id, so a stale worker cannot join. If rank 0
+/// cannot create the id (no NCCL, no device) it sends nothing and every rank fails with an error
+/// that says so, instead of waiting for a rendezvous that cannot happen. `abort` is the flag
+/// the worker's command reader raises ([`NcclCommunicator::set_abort_flag`]).
+pub fn connect_over(
+    bootstrap: &mut dyn Communicator,
+    device_ordinal: usize,
+    timeout_ms: u64,
+    abort: Arc<AtomicBool>,
+) -> Result<NcclCommunicator, NcclError> {
+    let (rank, world) = (bootstrap.rank(), bootstrap.world());
+    let made = if rank == 0 {
+        Some(NcclUniqueId::new())
+    } else {
+        None
+    };
+    let mine: Vec<u64> = match &made {
+        Some(Ok(id)) => id_words(id),
+        _ => Vec::new(),
+    };
+    let all = bootstrap.all_gather_u64(&mine)?;
+    if let Some(Err(e)) = made {
+        return Err(e);
+    }
+    let id = id_from_words(all.first().map_or(&[][..], Vec::as_slice)).ok_or_else(|| {
+        NcclError::Comm(CommError::Protocol(
+            "rank 0 could not create the NCCL unique id (see its log)".into(),
+        ))
+    })?;
+    let mut comm = NcclCommunicator::new(rank, world, device_ordinal, &id, timeout_ms)?;
+    comm.set_abort_flag(abort);
+    Ok(comm)
+}
+
+/// An id as 16 little-endian words (what [`Communicator::all_gather_u64`] moves).
+fn id_words(id: &NcclUniqueId) -> Vec<u64> {
+    id.as_bytes()
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+        .collect()
+}
+
+/// The inverse of [`id_words`]; `None` unless exactly 16 words.
+fn id_from_words(words: &[u64]) -> Option<NcclUniqueId> {
+    if words.len() * 8 != NcclUniqueId::LEN {
+        return None;
+    }
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    NcclUniqueId::from_slice(&bytes).ok()
 }
 
 /// The `ncclCommInitRank` and warm-up of [`NcclCommunicator::new`], on a helper thread (see the
@@ -879,7 +978,7 @@ fn warm_up_io(
     let ended = group_end().map_err(nccl_error(OP));
     posted?;
     ended?;
-    if !wait_until(stream, deadline).map_err(cuda_error(OP))? {
+    if wait_until(stream, deadline, None).map_err(cuda_error(OP))? != Wait::Done {
         return Err(CommError::Timeout {
             peer: lowest_other(rank, world),
             op: OP,
@@ -1296,12 +1395,16 @@ impl Communicator for NcclCommunicator {
             comm.all_reduce(&*one, sum, &ReduceOp::Sum)
                 .map_err(nccl_failed(OP))?;
             let deadline = Instant::now() + Duration::from_millis(me.timeout_ms);
-            if !wait_until(stream, deadline).map_err(cuda_failed(OP))? {
-                return Err(CommError::Timeout {
-                    peer: lowest_other(me.rank, me.world),
-                    op: OP,
-                    ms: me.timeout_ms,
-                });
+            match wait_until(stream, deadline, me.abort_flag()).map_err(cuda_failed(OP))? {
+                Wait::Done => {}
+                Wait::Aborted => return Err(CommError::Aborted),
+                Wait::Expired => {
+                    return Err(CommError::Timeout {
+                        peer: lowest_other(me.rank, me.world),
+                        op: OP,
+                        ms: me.timeout_ms,
+                    });
+                }
             }
             let got = stream.clone_dtoh(&*sum).map_err(cuda_failed(OP))?;
             // Exact in f32 for any realistic world size.
@@ -1340,6 +1443,16 @@ impl Drop for NcclCommunicator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unique_ids_travel_as_sixteen_words_exactly() {
+        let id = NcclUniqueId(std::array::from_fn(|i| (i as u8).wrapping_mul(151) ^ 0x5a));
+        let words = id_words(&id);
+        assert_eq!(words.len(), 16);
+        assert_eq!(id_from_words(&words), Some(id));
+        assert_eq!(id_from_words(&words[..15]), None);
+        assert_eq!(id_from_words(&[]), None);
+    }
 
     /// Whether a CUDA device is usable here (never on CPU-only CI machines, whose driver is the
     /// link stub).

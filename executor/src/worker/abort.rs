@@ -50,6 +50,13 @@ impl AbortSlot {
         flag
     }
 
+    /// The abort flag of the current epoch (raised by [`Self::abort`]): what a communicator
+    /// without an [`AbortHandle`] polls (NCCL's).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) fn flag(&self) -> Arc<AtomicBool> {
+        self.lock().flag.clone()
+    }
+
     pub(super) fn set_handle(&self, handle: AbortHandle) {
         let mut st = self.lock();
         if st.flag.load(Ordering::SeqCst) {

@@ -19,6 +19,7 @@ use super::protocol::{Reconfigure, StateSource};
 use super::state::State;
 use crate::checkpoint;
 use crate::comm::{Communicator, TcpCommunicator};
+use crate::device::CommKind;
 use crate::model::{ExpertMode, ShardState, ShardStore, one_per_rank};
 use crate::runtime::DistributedExperts;
 
@@ -165,8 +166,50 @@ pub(super) fn reconfigure(
             "the plan gives rank {me} expert {e} of layer {l}, but no state arrived for it"
         );
     }
-    let dist = DistributedExperts::new(Box::new(comm), &st.store, cmd.replicas.clone())?;
+    let comm = data_plane(comm, timeout_ms, abort)?;
+    let dist = DistributedExperts::new(comm, &st.store, cmd.replicas.clone())?;
     Ok((dist, bytes_in))
+}
+
+/// The epoch's data plane: the TCP mesh itself, or, with `--comm nccl`, an NCCL communicator
+/// formed over it — the mesh has carried the state transfers, now it carries rank 0's NCCL
+/// unique id ([`crate::comm::nccl::connect_over`]) and closes. A new epoch always forms a new
+/// mesh, hence a new NCCL communicator: a communicator is never repaired in place.
+fn data_plane(
+    tcp: TcpCommunicator,
+    timeout_ms: u64,
+    abort: &AbortSlot,
+) -> Result<Box<dyn Communicator>> {
+    let choice = crate::device::process_choice();
+    match choice.comm {
+        CommKind::Tcp => Ok(Box::new(tcp)),
+        CommKind::Nccl => nccl_plane(tcp, choice.ordinal, timeout_ms, abort),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn nccl_plane(
+    mut tcp: TcpCommunicator,
+    ordinal: usize,
+    timeout_ms: u64,
+    abort: &AbortSlot,
+) -> Result<Box<dyn Communicator>> {
+    let me = tcp.rank();
+    let comm = crate::comm::nccl::connect_over(&mut tcp, ordinal, timeout_ms, abort.flag())
+        .with_context(|| format!("rank {me}: forming the NCCL communicator on device {ordinal}"))?;
+    Ok(Box::new(comm))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn nccl_plane(
+    _tcp: TcpCommunicator,
+    _ordinal: usize,
+    _timeout_ms: u64,
+    _abort: &AbortSlot,
+) -> Result<Box<dyn Communicator>> {
+    Err(anyhow!(
+        "--comm nccl needs an lzrun built with --features cuda"
+    ))
 }
 
 /// The epoch's mesh, abortable from the command reader.
@@ -288,7 +331,8 @@ fn reconfigure_sharded(
             .map_err(|_| anyhow!("shard store: lock poisoned"))?
             .set_placement(me, holders)?;
     }
-    let dist = DistributedExperts::new_sharded(Box::new(comm), shards, cmd.replicas.clone())?;
+    let comm = data_plane(comm, timeout_ms, abort)?;
+    let dist = DistributedExperts::new_sharded(comm, shards, cmd.replicas.clone())?;
     Ok((dist, bytes_in))
 }
 
