@@ -233,6 +233,20 @@ fn bad_input_names_the_problem_and_exits_2() {
     std::fs::remove_dir_all(&tmp).unwrap();
 }
 
+/// A copy of the run directory `src` at `dst` whose `run.json` went through `edit`.
+fn edited_copy(src: &Path, dst: &Path, edit: &dyn Fn(&mut serde_json::Value)) -> PathBuf {
+    std::fs::create_dir_all(dst).unwrap();
+    for f in std::fs::read_dir(src).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), dst.join(f.file_name())).unwrap();
+    }
+    let mut run: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dst.join("run.json")).unwrap()).unwrap();
+    edit(&mut run);
+    std::fs::write(dst.join("run.json"), serde_json::to_vec(&run).unwrap()).unwrap();
+    dst.to_path_buf()
+}
+
 /// A `--storm` run's schedule: a frozen worker or agent is a lost node (predicted like the
 /// kill it replaces); a controller kill or a full disk is named as not modelled (exit 2).
 #[test]
@@ -241,17 +255,9 @@ fn storm_faults_are_predicted_as_lost_nodes_or_named_as_not_modelled() {
     let _ = std::fs::remove_dir_all(&tmp);
     let src = fixtures().join(RUNS[0].0);
     let with_events = |name: &str, edit: &dyn Fn(&mut Vec<serde_json::Value>)| {
-        let d = tmp.join(name);
-        std::fs::create_dir_all(&d).unwrap();
-        for f in std::fs::read_dir(&src).unwrap() {
-            let f = f.unwrap();
-            std::fs::copy(f.path(), d.join(f.file_name())).unwrap();
-        }
-        let mut run: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(d.join("run.json")).unwrap()).unwrap();
-        edit(run["faults"]["events"].as_array_mut().unwrap());
-        std::fs::write(d.join("run.json"), serde_json::to_vec(&run).unwrap()).unwrap();
-        d
+        edited_copy(&src, &tmp.join(name), &|run| {
+            edit(run["faults"]["events"].as_array_mut().unwrap())
+        })
     };
     let frozen = with_events("frozen", &|events| {
         for e in events.iter_mut() {
@@ -303,19 +309,12 @@ fn sharded_runs_are_predicted_by_the_fsep_systems() {
     let src = fixtures().join(RUNS[0].0);
     let hw = profile();
     let sharded = |name: &str, copies: Option<usize>| {
-        let d = tmp.join(name);
-        std::fs::create_dir_all(&d).unwrap();
-        for f in std::fs::read_dir(&src).unwrap() {
-            let f = f.unwrap();
-            std::fs::copy(f.path(), d.join(f.file_name())).unwrap();
-        }
-        let mut run: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(d.join("run.json")).unwrap()).unwrap();
-        run["rules"]["sharded_experts"] = serde_json::json!(true);
-        if let Some(c) = copies {
-            run["rules"]["shard_copies"] = serde_json::json!(c);
-        }
-        std::fs::write(d.join("run.json"), serde_json::to_vec(&run).unwrap()).unwrap();
+        let d = edited_copy(&src, &tmp.join(name), &|run| {
+            run["rules"]["sharded_experts"] = serde_json::json!(true);
+            if let Some(c) = copies {
+                run["rules"]["shard_copies"] = serde_json::json!(c);
+            }
+        });
         RunDir::load(&d).unwrap()
     };
     let replicated = RunDir::load(&src).unwrap();
