@@ -24,9 +24,11 @@ lzsim=target/$profile/lzsim
 if [ -n "${KEEP:-}" ]; then work=$KEEP; mkdir -p "$work"; else
   work=$(mktemp -d); trap 'rm -rf "$work"' EXIT; fi
 
-# Every set-up: 4 nodes, 60 steps, the same seed and the same forced skew (Zipf 1.2 router
-# bias), checkpoints every 20 steps; re-layouts every 10 steps after a 10-step warm-up.
-common="--nodes 4 --steps 60 --config $out/skew.toml --seed 7 --router-skew 1.2 --ckpt-every 20"
+# Every set-up: 4 nodes with 6 expert slots each (room for Eq. 1 to give hot experts more than
+# f = 2 replicas: 24 slots for 8 experts), 60 steps, the same seed and the same forced skew (a
+# Zipf 1.2 router bias), checkpoints every 20 steps; re-layouts every 10 steps after a 10-step
+# warm-up.
+common="--nodes 4 --slots 6 --steps 60 --config $out/skew.toml --seed 7 --router-skew 1.2 --ckpt-every 20"
 relayout="--rebalance-every 10 --relayout-warmup 10"
 setups=(
   "static|"
