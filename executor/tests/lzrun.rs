@@ -14,33 +14,15 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use lazarus_executor::faults::{Fault, chaos_schedule};
-use lazarus_executor::metrics::Summary;
 use lazarus_executor::model::MoeConfig;
 use lazarus_executor::worker::Checksums;
+
+mod process;
+use process::{Outcome, run_within};
 
 const LZRUN: &str = env!("CARGO_BIN_EXE_lzrun");
 const LIMIT: Duration = Duration::from_secs(300);
 static SERIAL: Mutex<()> = Mutex::new(());
-
-struct Outcome {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
-impl Outcome {
-    fn show(&self) -> String {
-        format!("stdout:\n{}\nstderr:\n{}", self.stdout, self.stderr)
-    }
-
-    /// The summary object of a `--format json` run.
-    fn summary(&self) -> Summary {
-        assert_eq!(self.code, Some(0), "{}", self.show());
-        serde_json::from_str(self.stdout.trim()).unwrap_or_else(|e| {
-            panic!("summary JSON: {e}\n{}", self.show());
-        })
-    }
-}
 
 /// Runs `lzrun args…` (one at a time) and kills it if it takes longer than [`LIMIT`].
 fn lzrun(args: &[&str]) -> Outcome {
@@ -50,45 +32,6 @@ fn lzrun(args: &[&str]) -> Outcome {
 
 fn run(cmd: &mut Command) -> Outcome {
     run_within(cmd, LIMIT)
-}
-
-/// [`run`], killed after `limit`.
-fn run_within(cmd: &mut Command, limit: Duration) -> Outcome {
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start lzrun");
-    let mut out = child.stdout.take().unwrap();
-    let mut err = child.stderr.take().unwrap();
-    let out_t = thread::spawn(move || {
-        let mut s = String::new();
-        let _ = out.read_to_string(&mut s);
-        s
-    });
-    let err_t = thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
-    let deadline = Instant::now() + limit;
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait for lzrun") {
-            break s;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("lzrun did not finish within {limit:?}");
-        }
-        thread::sleep(Duration::from_millis(20));
-    };
-    Outcome {
-        code: status.code(),
-        stdout: out_t.join().unwrap(),
-        stderr: err_t.join().unwrap(),
-    }
 }
 
 fn scratch(name: &str) -> PathBuf {

@@ -4,10 +4,13 @@
 //! evens out.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use lazarus_executor::metrics::{StepRecord, Summary};
+
+mod process;
+use process::run_within;
 
 const LZRUN: &str = env!("CARGO_BIN_EXE_lzrun");
 const LIMIT: Duration = Duration::from_secs(240);
@@ -22,32 +25,12 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-/// Runs `lzrun args…` to the end (killed after [`LIMIT`]), its output in files under `dir`;
-/// (exit code, stdout, stderr).
-fn lzrun(dir: &Path, args: &[&str]) -> (Option<i32>, String, String) {
+/// Runs `lzrun args…` to the end (one at a time, killed after [`LIMIT`]): (exit code, stdout,
+/// stderr).
+fn lzrun(args: &[&str]) -> (Option<i32>, String, String) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let (out_path, err_path) = (dir.join("stdout.txt"), dir.join("stderr.txt"));
-    let mut child = Command::new(LZRUN)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&out_path).unwrap())
-        .stderr(std::fs::File::create(&err_path).unwrap())
-        .spawn()
-        .expect("start lzrun");
-    let deadline = Instant::now() + LIMIT;
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait for lzrun") {
-            break s;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("lzrun did not finish within {LIMIT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
-    (status.code(), read(&out_path), read(&err_path))
+    let out = run_within(Command::new(LZRUN).args(args), LIMIT);
+    (out.code, out.stdout, out.stderr)
 }
 
 fn steps_csv(dir: &Path) -> Vec<StepRecord> {
@@ -79,36 +62,33 @@ fn skewed_run(name: &str, mode: &str) -> (Summary, Vec<StepRecord>, String, Path
     let config = dir.join("wide.toml");
     std::fs::write(&config, "base = \"tiny\"\nd_ff = 1024\n").unwrap();
     let metrics = dir.join("metrics");
-    let (code, stdout, stderr) = lzrun(
-        &dir,
-        &[
-            "local",
-            "--nodes",
-            "4",
-            "--slots",
-            "3",
-            "--steps",
-            "14",
-            "--expert-mode",
-            mode,
-            "--config",
-            config.to_str().unwrap(),
-            "--router-skew",
-            "6",
-            "--relayout",
-            "laer",
-            "--relayout-every",
-            "4",
-            "--relayout-warmup",
-            "2",
-            "--format",
-            "json",
-            "--out",
-            dir.to_str().unwrap(),
-            "--metrics-out",
-            metrics.to_str().unwrap(),
-        ],
-    );
+    let (code, stdout, stderr) = lzrun(&[
+        "local",
+        "--nodes",
+        "4",
+        "--slots",
+        "3",
+        "--steps",
+        "14",
+        "--expert-mode",
+        mode,
+        "--config",
+        config.to_str().unwrap(),
+        "--router-skew",
+        "6",
+        "--relayout",
+        "laer",
+        "--relayout-every",
+        "4",
+        "--relayout-warmup",
+        "2",
+        "--format",
+        "json",
+        "--out",
+        dir.to_str().unwrap(),
+        "--metrics-out",
+        metrics.to_str().unwrap(),
+    ]);
     let show = format!("stdout:\n{stdout}\nstderr:\n{stderr}");
     assert_eq!(code, Some(0), "{show}");
     let summary: Summary =
