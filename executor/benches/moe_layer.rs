@@ -23,15 +23,20 @@
 //! candle's CPU matmul uses `RAYON_NUM_THREADS` threads (default: physical cores); set it to
 //! pin the thread count.
 //!
-//! On a GPU (a build with `--features cuda`): `MOE_BENCH_DEVICE=cuda` runs the same layer in
-//! f32 on CUDA device 0 and adds the `gpt_s_layer` shape (GPT-S's 4096 tokens per step);
+//! `MOE_BENCH_PRECISION=bf16` runs the experts' products in bf16 with f32 masters (the model's
+//! mixed precision, `Precision::Bf16`); the default is f32.
+//!
+//! On a GPU (a build with `--features cuda`): `MOE_BENCH_DEVICE=cuda` runs the same layer on
+//! CUDA device 0 and adds the `gpt_s_layer` shape (GPT-S's 4096 tokens per step);
 //! `MOE_BENCH_SHAPES=a,b` keeps only the named shapes. `kernels/check-gpu.sh` compares it with
 //! the PyTorch twin on the same GPU (`MOE_DEVICE=cuda`).
 
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Result, Tensor, Var};
 use criterion::{Criterion, Throughput};
-use lazarus_executor::model::{ExpertState, ExpertStore, LocalExperts, MoeConfig, moe_layer};
+use lazarus_executor::model::{
+    ExpertState, ExpertStore, LocalExperts, MoeConfig, Precision, moe_layer,
+};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -135,7 +140,7 @@ struct Check {
 }
 
 impl Layer {
-    fn new(shape: Shape, device: &Device) -> Result<Self> {
+    fn new(shape: Shape, device: &Device, precision: Precision) -> Result<Self> {
         let device = device.clone();
         let (d, f, e) = (shape.d_model, shape.d_ff, shape.experts);
         let cfg = MoeConfig {
@@ -147,6 +152,7 @@ impl Layer {
             n_heads: 1,
             seq_len: shape.tokens,
             batch: 1,
+            precision,
             ..MoeConfig::tiny()
         };
         cfg.validate().map_err(candle_core::Error::wrap)?;
@@ -241,12 +247,13 @@ fn env_usize(name: &str, default: usize) -> usize {
 /// `MOE_BENCH_RUNS` (30) runs or `MOE_BENCH_SECONDS` (4) seconds, at least 5; prints the median.
 fn json_mode() -> Result<()> {
     let (device, shapes) = bench_device()?;
+    let precision = bench_precision()?;
     let warmup = env_usize("MOE_BENCH_WARMUP", 3);
     let max_runs = env_usize("MOE_BENCH_RUNS", 30).max(1);
     let budget = Duration::from_secs_f64(env_usize("MOE_BENCH_SECONDS", 4) as f64);
     let threads = candle_core::utils::get_num_threads();
     for shape in shapes {
-        let layer = Layer::new(shape, &device)?;
+        let layer = Layer::new(shape, &device, precision)?;
         let check = layer.check()?;
         for _ in 0..warmup {
             black_box(layer.step()?);
@@ -267,7 +274,7 @@ fn json_mode() -> Result<()> {
         let line = serde_json::json!({
             "framework": "candle",
             "device": if device.is_cuda() { "cuda" } else { "cpu" },
-            "dtype": "f32",
+            "dtype": precision.to_string(),
             "config": shape.name,
             "d_model": shape.d_model,
             "d_ff": shape.d_ff,
@@ -289,6 +296,17 @@ fn json_mode() -> Result<()> {
         println!("{line}");
     }
     Ok(())
+}
+
+/// `MOE_BENCH_PRECISION`: f32 (default) or bf16.
+fn bench_precision() -> Result<Precision> {
+    match std::env::var("MOE_BENCH_PRECISION") {
+        Ok(v) if v == "f32" || v == "bf16" => {
+            Precision::parse(&v).map_err(candle_core::Error::wrap)
+        }
+        Ok(v) => candle_core::bail!("MOE_BENCH_PRECISION must be f32 or bf16 (got {v:?})"),
+        Err(_) => Ok(Precision::F32),
+    }
 }
 
 /// `MOE_BENCH_DEVICE` (cpu | cuda) and the shapes to run (`MOE_BENCH_SHAPES` filters).
@@ -319,8 +337,9 @@ fn criterion_mode() -> Result<()> {
         .measurement_time(Duration::from_secs(3))
         .configure_from_args();
     let (device, shapes) = bench_device()?;
+    let precision = bench_precision()?;
     for shape in shapes {
-        let layer = Layer::new(shape, &device)?;
+        let layer = Layer::new(shape, &device, precision)?;
         layer.step()?;
         let mut group = c.benchmark_group(format!("moe_layer/{}", shape.name));
         group

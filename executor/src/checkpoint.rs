@@ -755,6 +755,12 @@ fn check_config(
     stored: &MoeConfig,
     requested: &MoeConfig,
 ) -> Result<(), CheckpointError> {
+    // The precision changes only the arithmetic, never the (f32) state: a run may resume in
+    // another one.
+    let requested = &MoeConfig {
+        precision: stored.precision,
+        ..requested.clone()
+    };
     if stored == requested || json_roundtrip(requested).is_ok_and(|r| r == *stored) {
         return Ok(());
     }

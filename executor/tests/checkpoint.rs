@@ -7,7 +7,9 @@ use lazarus_executor::checkpoint::{
     all_parts, commit, decode_dense, decode_expert, dense_part, encode_dense, encode_expert,
     expert_part, load_latest, parts_of, staging_dir, step_dir_name, write_part, writer_of,
 };
-use lazarus_executor::model::{ExpertState, ExpertStore, MoeConfig, OptimState, ParamState};
+use lazarus_executor::model::{
+    ExpertState, ExpertStore, MoeConfig, OptimState, ParamState, Precision,
+};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 use std::fs;
@@ -32,6 +34,7 @@ fn cfg() -> MoeConfig {
         adam_beta2: 0.999,
         grad_clip_norm: 0.0,
         seed: 7,
+        precision: Precision::Auto,
     }
 }
 
@@ -591,6 +594,44 @@ fn config_mismatch_is_rejected() {
             .iter()
             .all(|(_, why)| why.contains("lr: checkpoint"))
     );
+}
+
+/// The precision is arithmetic, not state: a checkpoint written by an f32 run loads for a bf16
+/// run (and a bf16 one's for f32), while any other difference still rejects it.
+#[test]
+fn another_precision_resumes_the_same_checkpoint() {
+    let root = temp_root("precision");
+    let cfg = MoeConfig {
+        precision: Precision::F32,
+        ..cfg()
+    };
+    save(&root, &cfg, 10, 3);
+    for precision in [Precision::Bf16, Precision::Auto, Precision::F32] {
+        let loaded = load_latest(
+            &root,
+            &MoeConfig {
+                precision,
+                ..cfg.clone()
+            },
+        )
+        .expect("loads");
+        assert_eq!(loaded.manifest.step, 10, "{precision}");
+        assert_eq!(loaded.manifest.config.precision, Precision::F32);
+    }
+    let err = load_latest(
+        &root,
+        &MoeConfig {
+            precision: Precision::Bf16,
+            lr: 0.1,
+            ..cfg
+        },
+    )
+    .expect_err("lr differs");
+    let CheckpointError::NoCheckpoint { rejected, .. } = &err else {
+        panic!("{err}")
+    };
+    assert!(rejected[0].1.contains("lr: checkpoint"), "{rejected:?}");
+    assert!(!rejected[0].1.contains("precision"), "{rejected:?}");
 }
 
 #[test]

@@ -21,6 +21,76 @@ pub enum ConfigError {
         value: f64,
         range: &'static str,
     },
+    #[error("precision must be auto, f32 or bf16 (got {0:?})")]
+    Precision(String),
+}
+
+/// The arithmetic of the matrix products in the forward and backward passes (mixed precision).
+///
+/// Master weights, AdamW moments, the gradients the optimizer sees, the router, layer norms,
+/// softmaxes and the loss stay f32 in every mode: `bf16` only rounds the operands and results
+/// of the products (PyTorch autocast's rule for matmuls; cuBLAS and candle's CPU path both
+/// accumulate in f32). A checkpoint holds f32 state either way, so a run may resume in another
+/// precision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// bf16 on a CUDA device, f32 on the CPU (where candle has no bf16 kernel: it widens bf16
+    /// products to f32, so bf16 there only adds conversions — use `bf16` to reproduce a GPU
+    /// run's rounding on a CPU).
+    #[default]
+    Auto,
+    F32,
+    Bf16,
+}
+
+impl Precision {
+    /// `auto`, `f32` or `bf16`.
+    pub fn parse(s: &str) -> Result<Self, ConfigError> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "f32" => Ok(Self::F32),
+            "bf16" => Ok(Self::Bf16),
+            _ => Err(ConfigError::Precision(s.to_owned())),
+        }
+    }
+
+    /// What this setting means on `device`: [`Precision::F32`] or [`Precision::Bf16`].
+    pub fn on(self, device: &candle_core::Device) -> Self {
+        match self {
+            Self::Auto if device.is_cuda() => Self::Bf16,
+            Self::Auto => Self::F32,
+            p => p,
+        }
+    }
+
+    /// `a·b` in this precision (resolved with [`Precision::on`]; `Auto` computes in f32):
+    /// in `Bf16` both operands are rounded to bf16 and the f32-accumulated product is rounded
+    /// to bf16 and returned as f32. Differentiable: the gradients reaching f32 variables are f32.
+    pub fn matmul(
+        self,
+        a: &candle_core::Tensor,
+        b: &candle_core::Tensor,
+    ) -> candle_core::Result<candle_core::Tensor> {
+        use candle_core::DType;
+        match self {
+            Self::Bf16 => a
+                .to_dtype(DType::BF16)?
+                .matmul(&b.to_dtype(DType::BF16)?)?
+                .to_dtype(DType::F32),
+            Self::Auto | Self::F32 => a.matmul(b),
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        })
+    }
 }
 
 /// Model shape plus the few training knobs the executor needs.
@@ -57,6 +127,10 @@ pub struct MoeConfig {
     #[serde(default)]
     pub grad_clip_norm: f64,
     pub seed: u64,
+    /// Mixed precision of the matrix products ([`Precision`]); a file or checkpoint manifest
+    /// without it means `auto`.
+    #[serde(default)]
+    pub precision: Precision,
 }
 
 fn default_adam_beta2() -> f64 {
@@ -86,6 +160,7 @@ impl MoeConfig {
             adam_beta2: 0.999,
             grad_clip_norm: 1.0,
             seed: 0,
+            precision: Precision::Auto,
         }
     }
 
@@ -121,6 +196,7 @@ impl MoeConfig {
             adam_beta2: 0.999,
             grad_clip_norm: 1.0,
             seed: 0,
+            precision: Precision::Auto,
         }
     }
 

@@ -9,7 +9,7 @@
 //! `candle_nn::LayerNorm` / `ops::layer_norm` path have **no backward** (gradients silently
 //! stop), so this module uses `ops::softmax` and `ops::layer_norm_slow`.
 
-use super::config::MoeConfig;
+use super::config::{MoeConfig, Precision};
 use super::experts::ExpertExec;
 use super::init::normal;
 use super::optim::AdamW;
@@ -74,6 +74,9 @@ pub struct DenseModel {
     forced: Option<Vec<Vec<u32>>>,
     /// Zipf exponent of the router's choice bias ([`DenseModel::set_router_skew`]); 0: none.
     router_skew: f64,
+    /// The products' arithmetic on this device ([`crate::model::Precision::on`]): attention,
+    /// projections and the LM head; the router, norms, softmaxes and the loss stay f32.
+    compute: Precision,
 }
 
 impl std::fmt::Debug for DenseModel {
@@ -167,6 +170,7 @@ impl DenseModel {
             lnf_b,
             forced: None,
             router_skew: 0.0,
+            compute: cfg.precision.on(device),
         })
     }
 
@@ -236,7 +240,7 @@ impl DenseModel {
         let inp = tokens.narrow(1, 0, t - 1)?;
         let tgt = tokens.narrow(1, 1, t - 1)?.flatten_all()?;
         let (h, lb) = self.hidden(&inp, experts, stats)?;
-        let logits = h.matmul(&self.wte.t()?)?;
+        let logits = self.compute.matmul(&h, &self.wte.t()?)?;
         let ce = candle_nn::loss::cross_entropy(&logits, &tgt)?;
         debug_assert_eq!(logits.dims2()?, (b * (t - 1), self.cfg.vocab));
         stats.ce_loss = ce.to_scalar::<f32>()?;
@@ -258,7 +262,9 @@ impl DenseModel {
         let (b, s) = tokens.dims2()?;
         let (h, _) = self.hidden(tokens, experts, stats)?;
         stats.ce_loss = 0.0;
-        h.matmul(&self.wte.t()?)?.reshape((b, s, self.cfg.vocab))
+        self.compute
+            .matmul(&h, &self.wte.t()?)?
+            .reshape((b, s, self.cfg.vocab))
     }
 
     /// Final hidden states `[b·s, d]` and the per-layer load-balancing losses.
@@ -310,17 +316,18 @@ impl DenseModel {
     ) -> Result<Tensor> {
         let (d, nh) = (self.cfg.d_model, self.cfg.n_heads);
         let dh = d / nh;
-        let qkv = h.matmul(&blk.qkv_w)?.broadcast_add(&blk.qkv_b)?;
+        let mm = |a: &Tensor, b: &Tensor| self.compute.matmul(a, b);
+        let qkv = mm(h, &blk.qkv_w)?.broadcast_add(&blk.qkv_b)?;
         // [b, s, 3, nh, dh] → [3, b, nh, s, dh]
         let qkv = qkv.reshape((b, s, 3, nh, dh))?.permute((2, 0, 3, 1, 4))?;
         let q = qkv.get(0)?.contiguous()?;
         let k = qkv.get(1)?.contiguous()?;
         let v = qkv.get(2)?.contiguous()?;
-        let att = (q.matmul(&k.t()?.contiguous()?)? / (dh as f64).sqrt())?;
+        let att = (mm(&q, &k.t()?.contiguous()?)? / (dh as f64).sqrt())?;
         let att = softmax(&att.broadcast_add(mask)?, D::Minus1)?;
-        let y = att.matmul(&v)?; // [b, nh, s, dh]
+        let y = mm(&att, &v)?; // [b, nh, s, dh]
         let y = y.transpose(1, 2)?.contiguous()?.reshape((b * s, d))?;
-        y.matmul(&blk.proj_w)?.broadcast_add(&blk.proj_b)
+        mm(&y, &blk.proj_w)?.broadcast_add(&blk.proj_b)
     }
 
     /// Routes `h [n, d]` to experts; returns the gate-weighted expert mix and the layer's

@@ -5,7 +5,7 @@
 //! replica carries its own AdamW so that weights *and* moments *and* step move together on
 //! migration ([`ExpertStore::export`] / [`ExpertStore::import`]).
 
-use super::config::MoeConfig;
+use super::config::{MoeConfig, Precision};
 use super::init::{Fnv64, normal};
 use super::optim::{AdamW, OptimState, ParamState, ParamsAdamW, flat};
 use candle_core::backprop::GradStore;
@@ -54,12 +54,15 @@ pub struct ExpertWeights {
     pub w1: Tensor,
     /// `[d_ff, d_model]`
     pub w2: Tensor,
+    /// The products' arithmetic (resolved for the device, [`Precision::on`]).
+    pub compute: Precision,
 }
 
 impl ExpertWeights {
     /// `gelu(x·w1)·w2` for `x [n, d]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        x.matmul(&self.w1)?.gelu()?.matmul(&self.w2)
+        let h = self.compute.matmul(x, &self.w1)?.gelu()?;
+        self.compute.matmul(&h, &self.w2)
     }
 }
 
@@ -129,6 +132,7 @@ pub struct ExpertStore {
     device: Device,
     params: ParamsAdamW,
     replicas: BTreeMap<(usize, usize), Replica>,
+    compute: Precision,
 }
 
 impl ExpertStore {
@@ -143,6 +147,7 @@ impl ExpertStore {
             device: device.clone(),
             params: cfg.adam_params(),
             replicas: BTreeMap::new(),
+            compute: cfg.precision.on(device),
         }
     }
 
@@ -233,6 +238,7 @@ impl ExpertStore {
         self.replicas.get(&(layer, expert)).map(|r| ExpertWeights {
             w1: r.w1.as_tensor().clone(),
             w2: r.w2.as_tensor().clone(),
+            compute: self.compute,
         })
     }
 

@@ -20,7 +20,7 @@ use std::ops::Range;
 use candle_core::{Device, Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
-use super::config::MoeConfig;
+use super::config::{MoeConfig, Precision};
 use super::experts::{ExpertState, ExpertStore};
 use super::optim::{AdamW, OptimState, ParamState, ParamsAdamW, flat, scale_grad};
 
@@ -202,6 +202,8 @@ pub struct ShardStore {
     params: ParamsAdamW,
     /// By `(shard, layer, expert)`.
     shards: BTreeMap<(usize, usize, usize), Shard>,
+    /// The products' arithmetic of the experts this rank materialises.
+    compute: Precision,
 }
 
 impl ShardStore {
@@ -301,6 +303,7 @@ impl ShardStore {
             device: device.clone(),
             params: cfg.adam_params(),
             shards: BTreeMap::new(),
+            compute: cfg.precision.on(device),
         })
     }
 
@@ -390,6 +393,11 @@ impl ShardStore {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// The arithmetic of the experts' products on this rank ([`Precision::on`]).
+    pub fn compute(&self) -> Precision {
+        self.compute
     }
 
     /// Values of one whole expert, `2·d_model·d_ff`.

@@ -27,7 +27,7 @@ mod init;
 mod optim;
 mod train;
 
-pub use config::{ConfigError, MoeConfig};
+pub use config::{ConfigError, MoeConfig, Precision};
 pub use data::{ByteTokenizer, Corpus, EMBEDDED_CORPUS};
 pub use dense::{DenseModel, MoeOutput, RoutingStats, moe_layer};
 pub use experts::{ExpertExec, ExpertState, ExpertStore, ExpertWeights, LocalExperts};

@@ -109,6 +109,7 @@ pub(super) fn materialise(
             ExpertWeights {
                 w1: w1.as_tensor().clone(),
                 w2: w2.as_tensor().clone(),
+                compute: shards.compute(),
             },
         );
     }

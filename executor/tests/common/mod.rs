@@ -57,5 +57,6 @@ pub fn small_config(seed: u64) -> MoeConfig {
         adam_beta2: 0.999,
         grad_clip_norm: 1.0,
         seed,
+        precision: lazarus_executor::model::Precision::Auto,
     }
 }

@@ -8,7 +8,7 @@ use clap::{Args, ValueEnum};
 use lazarus_executor::control::agent::DEFAULT_RECONNECT_GRACE_MS;
 use lazarus_executor::device::{self, CommKind, DeviceChoice, DeviceError, DeviceKind};
 use lazarus_executor::faults;
-use lazarus_executor::model::ExpertMode;
+use lazarus_executor::model::{ExpertMode, Precision};
 use lazarus_executor::worker::{FAULT_TOLERANCE, MAX_NONFINITE_STEPS};
 
 /// `--relayout`.
@@ -235,12 +235,22 @@ pub struct ModelArgs {
     /// Model configuration: tiny (fast on CPU), gpt-s, gpt-m, gpt-l (the paper's, for GPUs), or
     /// a TOML file: `base = "tiny"` plus any field of the model config to override (d_model,
     /// n_layers, n_heads, d_ff, experts, top_k, seq_len, batch, lb_loss_coef, lr, adam_beta2,
-    /// grad_clip_norm, seed, vocab).
+    /// grad_clip_norm, seed, vocab, precision).
     #[arg(long, default_value = "tiny")]
     pub config: String,
     /// Seed of the model initialisation and of the data order (overrides the config's).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Arithmetic of the matrix products (overrides the config's `precision`): auto (bf16 on
+    /// CUDA, f32 on the CPU), f32, or bf16 — bf16 operands and results with f32 accumulation;
+    /// master weights, Adam moments, router, norms, softmaxes and the loss stay f32. On the CPU
+    /// bf16 reproduces a GPU run's rounding at some cost (candle widens bf16 products there).
+    #[arg(long, value_name = "auto|f32|bf16", value_parser = parse_precision)]
+    pub precision: Option<Precision>,
+}
+
+fn parse_precision(s: &str) -> Result<Precision, String> {
+    Precision::parse(s).map_err(|e| e.to_string())
 }
 
 #[derive(Debug, Args)]

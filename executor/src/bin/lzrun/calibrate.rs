@@ -511,7 +511,7 @@ pub fn calibrate(a: CalibrateArgs) -> Result<()> {
         a.nodes
     );
     ensure!(a.steps >= 4, "--steps must be at least 4 (got {})", a.steps);
-    let cfg = load_config(&a.config, None)?;
+    let cfg = load_config(&a.config, None, None)?;
     if let Some(parent) = a.out.parent().filter(|p| !p.as_os_str().is_empty()) {
         ensure!(
             parent.is_dir(),

@@ -3,11 +3,16 @@
 use std::path::Path;
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
-use lazarus_executor::model::MoeConfig;
+use lazarus_executor::model::{MoeConfig, Precision};
 use lazarus_executor::worker::{CONFIG_NAMES, config_by_name};
 
-/// A model configuration by name, or from a TOML file (`base` + overrides).
-pub fn load_config(spec: &str, seed: Option<u64>) -> Result<MoeConfig> {
+/// A model configuration by name, or from a TOML file (`base` + overrides), with the command
+/// line's seed and precision when given.
+pub fn load_config(
+    spec: &str,
+    seed: Option<u64>,
+    precision: Option<Precision>,
+) -> Result<MoeConfig> {
     let path = Path::new(spec);
     let mut cfg = if CONFIG_NAMES.contains(&spec) {
         config_by_name(spec)?
@@ -44,6 +49,9 @@ pub fn load_config(spec: &str, seed: Option<u64>) -> Result<MoeConfig> {
     };
     if let Some(seed) = seed {
         cfg.seed = seed;
+    }
+    if let Some(p) = precision {
+        cfg.precision = p;
     }
     cfg.validate()
         .map_err(|e| anyhow!("model config {spec}: {e}"))?;

@@ -207,7 +207,7 @@ fn check_job_args(a: &JobArgs, nodes: usize) -> Result<()> {
 /// `temp_state` the job state is saved even without `--state-dir` (in a temporary directory).
 pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -> Result<Job> {
     check_job_args(a, nodes)?;
-    let config = load_config(&a.model.config, a.model.seed)?;
+    let config = load_config(&a.model.config, a.model.seed, a.model.precision)?;
     let slots = a
         .slots
         .unwrap_or_else(|| (a.fault_tolerance * config.experts).div_ceil(nodes).max(1));

@@ -84,7 +84,7 @@ pub fn worker(a: WorkerArgs) -> Result<()> {
     let opts = WorkerOptions {
         rank,
         peers: a.peers,
-        config: load_config(&a.model.config, a.model.seed)?,
+        config: load_config(&a.model.config, a.model.seed, a.model.precision)?,
         steps: a.model.steps,
         epoch: a.epoch,
         timeout_ms: a.timeout_ms,
