@@ -182,7 +182,7 @@ fn reconfig(actions: &[Action]) -> Option<Reconfiguration> {
     })
 }
 
-/// Starts 3 hosts × 2 GPUs (nodes `2h + g`, named `h{h}/gpu{g}`), trains 3 steps.
+/// Starts 3 hosts × 2 GPUs (nodes `2h + g`, named `h{h}-gpu{g}`), trains 3 steps.
 fn started() -> (Job, Reconfiguration) {
     let mut j = Job {
         m: JobMachine::new(config(10)).unwrap(),
@@ -192,7 +192,7 @@ fn started() -> (Job, Reconfiguration) {
     for node in [5, 0, 3, 1, 2, 4] {
         j.ev(Event::Joined {
             node,
-            name: format!("h{}/gpu{}", node / 2, node % 2),
+            name: format!("h{}-gpu{}", node / 2, node % 2),
             host: Some(format!("h{}", node / 2)),
         });
     }
@@ -308,4 +308,77 @@ fn nodes_without_a_host_are_planned_per_node_as_before() {
     });
     assert!(!a.iter().any(|a| matches!(a, Action::Fence { .. })));
     assert_eq!(r.members().len(), 6);
+}
+
+#[test]
+fn hosts_of_unequal_sizes_are_planned_per_node_and_say_so() {
+    let mut cfg = config(10);
+    cfg.initial_nodes = 3;
+    let mut j = Job {
+        m: JobMachine::new(cfg).unwrap(),
+        now_ms: 0,
+    };
+    // Host a has two nodes, host b one (its second GPU never registered).
+    for (node, host) in [(0, "a"), (1, "a"), (2, "b")] {
+        j.ev(Event::Joined {
+            node,
+            name: format!("{host}-gpu{node}"),
+            host: Some(host.into()),
+        });
+    }
+    let mut a = Vec::new();
+    for node in 0..3 {
+        a.extend(j.ev(Event::Ready { node }));
+    }
+    let r = reconfig(&a).expect("the first plan");
+    assert_eq!(r.members(), &[0, 1, 2]);
+    assert!(
+        a.iter()
+            .any(|a| matches!(a, Action::Log(l) if l.contains("hosts of unequal sizes [2, 1]")))
+    );
+    // A node lost still takes its host.
+    j.migrated_all(&r);
+    let a = j.ev(Event::Lost {
+        node: 1,
+        reason: "killed".into(),
+    });
+    assert!(a.contains(&Action::Fence {
+        node: 0,
+        reason: "its host a failed with node 1 (a-gpu1)".into()
+    }));
+}
+
+/// Why placement is per host: MRO over the 4 GPUs of 2 hosts (8 experts, f = 2, 4 slots per
+/// GPU) puts both replicas of every expert on the two GPUs of one host, so either host's
+/// failure loses experts; placed per host, every expert is on both hosts.
+#[test]
+fn per_gpu_placement_can_confine_an_expert_to_one_host_and_per_host_placement_does_not() {
+    let model = ModelSpec {
+        experts: 8,
+        layers: 1,
+        f: 2,
+    };
+    let loads = vec![vec![1; 8]];
+    let g = groups(2, 2);
+    let mut per_gpu = lazarus_planner::plan_model(
+        &lazarus_planner::ClusterSpec::new(4, 4),
+        &model,
+        &loads,
+        AllocPolicy::Lazarus,
+        PlacePolicy::Mro,
+        lazarus_planner::Alignment::Aligned,
+    )
+    .unwrap();
+    per_gpu.node_map = g.concat();
+    assert!(hosts_per_expert(&per_gpu, &g)[0].contains(&1));
+    let per_host = plan_hosts(
+        &g,
+        4,
+        &model,
+        &loads,
+        AllocPolicy::Lazarus,
+        PlacePolicy::Mro,
+    )
+    .unwrap();
+    assert!(hosts_per_expert(&per_host, &g)[0].iter().all(|&h| h == 2));
 }
