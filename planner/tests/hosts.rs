@@ -382,3 +382,49 @@ fn per_gpu_placement_can_confine_an_expert_to_one_host_and_per_host_placement_do
     .unwrap();
     assert!(hosts_per_expert(&per_host, &g)[0].iter().all(|&h| h == 2));
 }
+
+/// An in-place replan gives a host's runs of slots to the host's GPUs that already hold them:
+/// GPUs whose holdings were swapped get them swapped back, and nothing moves.
+#[test]
+fn a_replan_gives_each_gpu_the_run_it_already_holds() {
+    use lazarus_planner::ReplanOptions;
+    use lazarus_planner::migrate::{MappingMethod, PhysicalNode};
+    let model = ModelSpec {
+        experts: 8,
+        layers: 2,
+        f: 2,
+    };
+    let loads = vec![vec![1; 8]; 2];
+    let g = groups(2, 2);
+    let plan = plan_hosts(
+        &g,
+        4,
+        &model,
+        &loads,
+        AllocPolicy::Lazarus,
+        PlacePolicy::Mro,
+    )
+    .unwrap();
+    let contents = plan.plan_node_contents();
+    // Node 0 holds what rank 1 was given and node 1 what rank 0 was; host 1 as planned.
+    let physical: Vec<PhysicalNode> = [(0, 1), (1, 0), (2, 2), (3, 3)]
+        .into_iter()
+        .map(|(id, rank)| PhysicalNode {
+            id,
+            holdings: contents[rank].clone(),
+        })
+        .collect();
+    let options = ReplanOptions {
+        alloc: AllocPolicy::Lazarus,
+        place: PlacePolicy::Mro,
+        mapping: MappingMethod::Optimal,
+        bytes_per_expert: 1,
+    };
+    let (next, migration) =
+        lazarus_planner::job::hosts::replan_hosts(&g, &physical, 4, &model, &loads, &options, 1)
+            .unwrap();
+    assert!(migration.transfers.is_empty(), "{:?}", migration.transfers);
+    assert_eq!(next.version, 2);
+    let host = host_of_rank(&next, &g);
+    assert!(host[0] == host[1] && host[2] == host[3] && host[0] != host[2]);
+}

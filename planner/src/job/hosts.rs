@@ -15,13 +15,20 @@
 //!   is what MRO's recovery analysis counts as one node failure. The ranks of one host are
 //!   consecutive. An in-place replan maps the new plan's hosts onto the surviving hosts with
 //!   the usual minimal-migration mapping (holdings of a host: the union of its nodes'), then
-//!   splits each host's slots the same deterministic way; transfers are computed per node
-//!   (a replica that moves between two GPUs of one host is a transfer too).
+//!   splits each host's slots the same way and gives the runs to the host's nodes by the
+//!   assignment that fetches the fewest replicas (deterministic); transfers are computed per
+//!   node (a replica that moves between two GPUs of one host is a transfer too).
 //! * **Failure**: a node lost for any reason (its worker or agent died, it was fenced, it
 //!   stopped heartbeating) takes its whole host: the machine fences the host's other nodes at
 //!   once. A failure of one GPU is thus treated as its host failing — conservative (the other
 //!   GPUs may be fine) but it keeps the invariant that hosts are whole, so placement never has
 //!   to deal with a host of fewer GPUs, and it is the unit MRO was planned for.
+//!
+//! Why nodes with a host key rather than one node with `G` devices: every rule of the machine
+//! (a step counts when every rank reported it, idleness, holdings, transfers, the dense
+//! state, fencing a stuck worker) is about one worker, and the executor runs one worker per
+//! registered node; a host key per node adds one string to the machine's state and two rules,
+//! where a node of `G` workers would change every one of them.
 //!
 //! Nodes without a host (`None`), as the simulator registers them, are each a host of their
 //! own: nothing changes for them. Host placement is used when some host has several nodes
@@ -30,7 +37,7 @@
 //! in its log. LAER's re-layout and sharded experts are not host-aware: with hosts, a
 //! rebalance uses Lazarus's replan.
 
-use crate::migrate::{MappingMethod, MigrationPlan, PhysicalNode, map_layers};
+use crate::migrate::{MappingMethod, MigrationPlan, PhysicalNode, map_layers, min_cost_assignment};
 use crate::{
     Alignment, AllocPolicy, ClusterSpec, LayerPlacement, ModelPlan, ModelSpec, PlacePolicy,
     PlanError, ReplanError, ReplanOptions, plan_model, replan,
@@ -77,29 +84,62 @@ pub fn split_host_slots(slots: &[u32], gpus: usize) -> Vec<Vec<u32>> {
 }
 
 /// A host-level plan made into a node-level one: plan host `q` is the host
-/// `groups[host_of_plan[q]]`, whose nodes take its slots split by [`split_host_slots`]. The
-/// result has one plan node per node (`c` slots each, ranks host-major) and its `node_map` is
-/// the nodes in rank order.
-fn expand(
+/// `groups[host_of_plan[q]]`, whose nodes take its slots split by [`split_host_slots`]: run
+/// `k` to the host's `k`-th node, or, given what the nodes hold (`held`, an in-place replan),
+/// the runs to the host's nodes by the assignment that leaves the fewest replicas to fetch
+/// ([`min_cost_assignment`]; deterministic). The result has one plan node per node (`c` slots
+/// each, ranks host-major, a host's ranks in the order of its runs) and its `node_map` is the
+/// nodes in rank order.
+fn expand<'a>(
     host_plan: &ModelPlan,
     groups: &[Vec<NodeId>],
     host_of_plan: &[usize],
     slots_per_gpu: usize,
+    held: Option<&dyn Fn(NodeId) -> &'a [Vec<u32>]>,
 ) -> Result<ModelPlan, PlanError> {
     let gpus = groups.first().map_or(1, Vec::len);
-    let node_map: Vec<NodeId> = host_of_plan
-        .iter()
-        .flat_map(|&h| groups[h].iter().copied())
-        .collect();
-    let layers = host_plan
-        .layers
-        .iter()
-        .zip(&host_plan.allocations)
-        .map(|(layer, alloc)| {
-            let grid: Vec<Vec<u32>> = layer
-                .grid()
+    // `[plan host][layer][run]`
+    let runs: Vec<Vec<Vec<Vec<u32>>>> = (0..host_plan.cluster.nodes)
+        .map(|q| {
+            host_plan
+                .layers
                 .iter()
-                .flat_map(|slots| split_host_slots(slots, gpus))
+                .map(|layer| split_host_slots(&layer.grid()[q], gpus))
+                .collect()
+        })
+        .collect();
+    // `[plan host][run]` = the node that takes it.
+    let takers: Vec<Vec<NodeId>> = host_of_plan
+        .iter()
+        .zip(&runs)
+        .map(|(&h, runs)| {
+            let nodes = &groups[h];
+            let Some(held) = held else {
+                return nodes.clone();
+            };
+            let cost: Vec<Vec<u64>> = (0..gpus)
+                .map(|k| {
+                    nodes
+                        .iter()
+                        .map(|&n| missing(runs.iter().map(|l| &l[k][..]), held(n)))
+                        .collect()
+                })
+                .collect();
+            min_cost_assignment(&cost)
+                .into_iter()
+                .map(|m| nodes[m])
+                .collect()
+        })
+        .collect();
+    let node_map: Vec<NodeId> = takers.concat();
+    let layers = host_plan
+        .allocations
+        .iter()
+        .enumerate()
+        .map(|(l, alloc)| {
+            let grid: Vec<Vec<u32>> = runs
+                .iter()
+                .flat_map(|host| host[l].iter().cloned())
                 .collect();
             LayerPlacement::from_grid(grid, host_plan.model.experts, Some(&alloc.replicas))
         })
@@ -114,6 +154,24 @@ fn expand(
         layers,
         node_map,
     })
+}
+
+/// Replicas of `need` (`[layer]` expert ids) that `have` (`[layer]`, or empty) lacks.
+fn missing<'a>(need: impl Iterator<Item = &'a [u32]>, have: &[Vec<u32>]) -> u64 {
+    need.enumerate()
+        .map(|(l, need)| {
+            let mut have: Vec<u32> = have.get(l).cloned().unwrap_or_default();
+            need.iter()
+                .filter(|e| match have.iter().position(|h| h == *e) {
+                    Some(i) => {
+                        have.swap_remove(i);
+                        false
+                    }
+                    None => true,
+                })
+                .count() as u64
+        })
+        .sum()
 }
 
 /// A fresh plan (start or restore) over the hosts `groups` (see [`uniform`]), `slots_per_gpu`
@@ -131,7 +189,7 @@ pub fn plan_hosts(
         ClusterSpec::new(groups.len(), slots_per_gpu * gpus).with_gpus_per_node(gpus.max(1));
     let host_plan = plan_model(&cluster, model, loads, alloc, place, Alignment::Aligned)?;
     let order: Vec<usize> = (0..groups.len()).collect();
-    expand(&host_plan, groups, &order, slots_per_gpu)
+    expand(&host_plan, groups, &order, slots_per_gpu, None)
 }
 
 /// An in-place replan over the hosts `groups` (see [`uniform`]): [`replan`] over the hosts
@@ -182,7 +240,13 @@ pub fn replan_hosts(
         previous_version,
     )?;
     let host_of_plan: Vec<usize> = host_plan.node_map.iter().map(|&h| h as usize).collect();
-    let plan = expand(&host_plan, groups, &host_of_plan, slots_per_gpu)?;
+    let plan = expand(
+        &host_plan,
+        groups,
+        &host_of_plan,
+        slots_per_gpu,
+        Some(&holdings_of),
+    )?;
     // Plan node `i` is node `plan.node_map[i]`: the identity mapping gives the node-level
     // transfers (and says which expert was lost, should one be).
     let nodes: Vec<PhysicalNode> = plan
