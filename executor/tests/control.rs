@@ -58,6 +58,7 @@ fn reg(token: &str, node: &str, devices: usize, version: u16) -> Registration {
         token: token.into(),
         node: node.into(),
         devices,
+        host: String::new(),
     }
 }
 
@@ -78,6 +79,13 @@ fn registration_checks_token_version_devices_and_names() {
     assert_eq!(
         r(reg(TOKEN, "a", 0, V), 0),
         Err(Reject::NoDevices("a".into()))
+    );
+    let bad_host = Registration {
+        host: "h 0".into(),
+        ..reg(TOKEN, "a", 1, V)
+    };
+    assert!(
+        matches!(r(bad_host, 0), Err(Reject::BadName { ref name, .. }) if name.contains("host")),
     );
     let a = r(reg(TOKEN, "a", 2, V), 0).unwrap();
     assert_eq!(
@@ -109,6 +117,7 @@ fn protocol_round_trips() {
             token: TOKEN.into(),
             node: "gpu-17".into(),
             devices: 8,
+            host: String::new(),
         },
         ToController::Heartbeat {
             node_id: 3,
@@ -273,6 +282,7 @@ async fn register(addr: &str, name: &str) -> (proto::Framed, u32) {
         token: TOKEN.into(),
         node: name.into(),
         devices: 1,
+        host: String::new(),
     };
     proto::send(&mut conn, &register).await.unwrap();
     let id = match proto::recv(&mut conn).await.unwrap() {
@@ -311,6 +321,7 @@ async fn rejections_over_tcp_leave_the_controller_serving() {
         token: "guess".into(),
         node: "x".into(),
         devices: 1,
+        host: String::new(),
     };
     proto::send(&mut conn, &bad).await.unwrap();
     let reason = expect_rejected(proto::recv(&mut conn).await.unwrap());
@@ -322,6 +333,7 @@ async fn rejections_over_tcp_leave_the_controller_serving() {
         token: TOKEN.into(),
         node: "dup".into(),
         devices: 1,
+        host: String::new(),
     };
     proto::send(&mut conn, &dup).await.unwrap();
     let reason = expect_rejected(proto::recv(&mut conn).await.unwrap());
@@ -470,6 +482,7 @@ async fn huge_length_prefixes_before_registration_are_closed_at_once() {
         token: TOKEN.into(),
         node: "n".repeat(100_000),
         devices: 1,
+        host: String::new(),
     };
     let payload = proto::encode(&long_name).unwrap();
     let mut long = announcing(&addr, payload.len()).await;
@@ -531,6 +544,7 @@ async fn a_register_trickled_byte_by_byte_is_cut_off_at_the_deadline() {
         token: TOKEN.into(),
         node: "a-node-that-sends-one-byte-every-100-ms".into(),
         devices: 1,
+        host: String::new(),
     };
     let payload = proto::encode(&slow).unwrap();
     let mut frame = u32::try_from(payload.len()).unwrap().to_be_bytes().to_vec();

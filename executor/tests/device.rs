@@ -76,8 +76,8 @@ fn bad_device_flags_are_one_line_and_exit_2() {
             "--gpus-per-node must be at least 1",
         ),
         (
-            &["local", "--gpus-per-node", "2"],
-            "lzrun local runs one worker per node",
+            &["local", "--nodes", "3", "--gpus-per-node", "40"],
+            "3 nodes × --gpus-per-node 40 is more than 64 workers",
         ),
     ];
     for (args, want) in cases {

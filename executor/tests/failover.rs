@@ -60,6 +60,7 @@ fn reg(node: &str) -> Registration {
         token: TOKEN.into(),
         node: node.into(),
         devices: 1,
+        host: String::new(),
     }
 }
 
@@ -386,6 +387,7 @@ async fn agents_reattach_over_tcp_to_a_restarted_server_and_send_again_what_it_l
             token: TOKEN.into(),
             node: name.into(),
             devices: 1,
+            host: String::new(),
         };
         proto::send(&mut conn, &register).await.unwrap();
         let ToAgent::Registered { node_id } = next_message(&mut conn).await else {

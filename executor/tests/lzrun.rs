@@ -147,6 +147,56 @@ fn killing_one_of_four_nodes_recovers_in_place() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Three hosts of two CPU workers each (`--gpus-per-node 2`): replicas are placed per host,
+/// and killing host 1's agent takes both its workers (ranks 2 and 3) in one failure, which
+/// the other two hosts survive in place, with no checkpoint restore.
+#[test]
+fn killing_one_host_of_two_gpus_takes_both_ranks_and_recovers_in_place() {
+    let dir = scratch("hosts");
+    let d = dir.to_str().unwrap();
+    let o = lzrun(&[
+        "local",
+        "--nodes",
+        "3",
+        "--gpus-per-node",
+        "2",
+        "--steps",
+        "12",
+        "--kill",
+        "1@5",
+        "--ckpt-every",
+        "4",
+        "--format",
+        "json",
+        "--out",
+        d,
+    ]);
+    let s = o.summary();
+    assert_eq!(s.steps, 12);
+    assert_eq!((s.recoveries, s.fallbacks), (1, 0), "{}", o.show());
+    assert!(
+        !s.reconfigurations.iter().any(|r| r.kind == "checkpoint"),
+        "{}",
+        o.show()
+    );
+    let rec = s
+        .reconfigurations
+        .iter()
+        .find(|r| r.kind == "in-place")
+        .unwrap();
+    // Both workers of the host left in the one reconfiguration.
+    assert_eq!((rec.nodes_before, rec.nodes_after), (6, 4), "{rec:?}");
+    assert!(
+        o.stderr.contains("killed node 1 (n1, ranks 2 and 3)"),
+        "{}",
+        o.show()
+    );
+    assert!(o.stderr.contains("its host n1 failed"), "{}", o.show());
+    assert_eq!(s.final_live_nodes, 4);
+    assert_eq!(assert_consistent(&dir, &MoeConfig::tiny()).len(), 4);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Tiny on 4 nodes: 2 slots each, MRO puts experts {0, 1} of every layer on nodes 0 and 1
 /// only, so killing both loses them and the survivors restore the last checkpoint.
 #[test]

@@ -81,6 +81,11 @@
 //!   agree (one dense state, every replica of an expert identical) — else the job fails. Members
 //!   that say they finished while steps are still uncounted (their reports never arrived) fail
 //!   the job: it must not look complete.
+//! * **Hosts.** Nodes that say they share a host ([`Event::Joined`]'s `host`: one node per GPU
+//!   of the host) are placed per host — MRO over the hosts with `c·G` slots each, each host's
+//!   slots split over its `G` nodes — and fail together: a node lost takes its host, whose
+//!   other nodes are [`Action::Fence`]d at once (a GPU failure is treated as its host's). See
+//!   [`hosts`].
 //! * **Driver fail-over.** The machine is serde-serialisable: a driver saves it whole (before it
 //!   performs the actions of an event: write-ahead) and a restarted driver deserialises it and
 //!   calls [`JobMachine::recover`]. Every node then gets one heartbeat timeout to come back
@@ -89,6 +94,7 @@
 //!   dropped, and the recovery resumes training in place when every node came back
 //!   consistent, or goes through the failure rules above otherwise.
 
+pub mod hosts;
 pub mod reconcile;
 mod sharded;
 
@@ -317,6 +323,10 @@ pub enum Event {
     Joined {
         node: NodeId,
         name: String,
+        /// The physical host the node runs on, shared by the nodes (one per GPU) of one host;
+        /// `None`: the node is a host of its own (see "Hosts" in the [module docs](self)).
+        #[serde(default)]
+        host: Option<String>,
     },
     /// The node's worker can take part in a plan.
     Ready {
@@ -643,6 +653,9 @@ struct Node {
     /// Holds the job's dense state (completed a reconfiguration of the current lineage).
     has_state: bool,
     done: Option<StateChecksums>,
+    /// The host the node shares with its siblings ([`Event::Joined`]); `None`: its own.
+    #[serde(default)]
+    host: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -966,7 +979,7 @@ impl JobMachine {
             return;
         }
         match event {
-            Event::Joined { node, name } => self.joined(node, name, now_ms, out),
+            Event::Joined { node, name, host } => self.joined(node, name, host, now_ms, out),
             Event::Ready { node } => self.ready(node, now_ms, out),
             Event::Heartbeat { node } => {
                 if let Some(n) = self.nodes.get_mut(&node) {
@@ -1029,7 +1042,14 @@ impl JobMachine {
         self.recovery_progress(now_ms, out);
     }
 
-    fn joined(&mut self, node: NodeId, name: String, now_ms: u64, out: &mut Vec<Action>) {
+    fn joined(
+        &mut self,
+        node: NodeId,
+        name: String,
+        host: Option<String>,
+        now_ms: u64,
+        out: &mut Vec<Action>,
+    ) {
         if self.nodes.contains_key(&node) {
             return;
         }
@@ -1048,10 +1068,16 @@ impl JobMachine {
                 idle: None,
                 has_state: false,
                 done: None,
+                host: host.clone(),
             },
         );
         out.push(Action::StartWorker { node });
-        out.push(Action::Log(format!("node {node} ({name}) joined")));
+        match host {
+            Some(h) => out.push(Action::Log(format!(
+                "node {node} ({name}) joined on host {h}"
+            ))),
+            None => out.push(Action::Log(format!("node {node} ({name}) joined"))),
+        }
     }
 
     fn ready(&mut self, node: NodeId, now_ms: u64, out: &mut Vec<Action>) {
@@ -1125,12 +1151,45 @@ impl JobMachine {
             "node {node} ({}) is gone: {why}",
             n.name
         )));
-        if self.members.contains(&node) {
-            // Noted before the member is dropped: the record counts it among the nodes before.
+        // A host fails whole: its other nodes (GPUs) are fenced with it (see "Hosts").
+        let mut gone = vec![node];
+        if let Some(host) = &n.host {
+            let siblings: Vec<NodeId> = self
+                .nodes
+                .iter()
+                .filter(|(_, m)| m.host.as_ref() == Some(host))
+                .map(|(&id, _)| id)
+                .collect();
+            for sibling in siblings {
+                let Some(s) = self.nodes.remove(&sibling) else {
+                    continue;
+                };
+                let reason = format!("its host {host} failed with node {node} ({})", n.name);
+                if let Some(r) = self.recovery.as_mut() {
+                    r.awaiting.remove(&sibling);
+                    r.lost.push((s.name.clone(), reason.clone()));
+                }
+                self.slow_noted.remove(&sibling);
+                out.push(Action::Fence {
+                    node: sibling,
+                    reason: reason.clone(),
+                });
+                out.push(Action::Log(format!(
+                    "node {sibling} ({}) is gone: fenced: {reason}",
+                    s.name
+                )));
+                gone.push(sibling);
+            }
+        }
+        if self.members.iter().any(|m| gone.contains(m)) {
+            // Noted before the members are dropped: the record counts them among the nodes
+            // before.
             self.note_cause(ReconfigKind::InPlace, now_ms);
-            self.members.retain(|&m| m != node);
+            self.members.retain(|m| !gone.contains(m));
             if let Some(p) = self.pending.as_mut() {
-                p.waiting.remove(&node);
+                for g in &gone {
+                    p.waiting.remove(g);
+                }
             }
             self.interrupt(now_ms, out);
             // Steps every survivor reported were trained: count them (the survivors resume
@@ -1150,6 +1209,10 @@ impl JobMachine {
 
     /// Fences a node that stopped answering.
     fn fence(&mut self, node: NodeId, reason: String, now_ms: u64, out: &mut Vec<Action>) {
+        if !self.nodes.contains_key(&node) {
+            // Fenced already (with its host, say).
+            return;
+        }
         out.push(Action::Fence {
             node,
             reason: reason.clone(),
@@ -1739,6 +1802,22 @@ impl JobMachine {
         self.members.iter().copied().chain(newcomers).collect()
     }
 
+    /// `ids` grouped by host when the next plan is made per host (see [`hosts`]); `None` when
+    /// it is made per node (every node its own host, or hosts of different sizes: logged).
+    fn host_groups(&self, ids: &[NodeId], out: &mut Vec<Action>) -> Option<Vec<Vec<NodeId>>> {
+        let groups = hosts::group(ids, |id| self.nodes[&id].host.as_deref());
+        if hosts::uniform(&groups) {
+            return Some(groups);
+        }
+        if groups.len() < ids.len() {
+            let sizes: Vec<usize> = groups.iter().map(Vec::len).collect();
+            out.push(Action::Log(format!(
+                "hosts of unequal sizes {sizes:?}: planning per node, not per host"
+            )));
+        }
+        None
+    }
+
     /// What node `id` reported holding (empty for a node without the job's state).
     fn reported_holdings(&self, id: NodeId) -> &[Vec<u32>] {
         let n = &self.nodes[&id];
@@ -1889,21 +1968,32 @@ impl JobMachine {
             mapping: self.cfg.mapping,
             bytes_per_expert: self.cfg.bytes_per_expert,
         };
+        let groups = self.host_groups(candidates, out);
         let physical = self.take_holdings(candidates);
         let rebalance = self
             .cause
             .is_some_and(|c| c.kind == ReconfigKind::Rebalance);
+        // LAER's re-layout is not host-aware: with hosts, Lazarus's replan (see `hosts`).
         let laer = self.relayout.take(
-            rebalance,
+            rebalance && groups.is_none(),
             candidates,
             &physical,
             self.cfg.model.experts,
             self.cfg.bytes_per_expert,
             self.cfg.sharded_experts,
         );
-        let made = match laer {
-            Some(pm) => Ok(pm),
-            None => replan(
+        let made = match (laer, &groups) {
+            (Some(pm), _) => Ok(pm),
+            (None, Some(groups)) => hosts::replan_hosts(
+                groups,
+                &physical,
+                self.cfg.slots_per_node,
+                &self.cfg.model,
+                &self.history.loads(),
+                &options,
+                self.plan_version,
+            ),
+            (None, None) => replan(
                 &physical,
                 self.cfg.slots_per_node,
                 &self.cfg.model,
@@ -1973,20 +2063,32 @@ impl JobMachine {
             // Ranks follow node names (n2 before n10), not registration order: reproducible.
             ids.sort_by_cached_key(|id| natural_key(&self.nodes[id].name));
         }
-        let cluster = ClusterSpec::new(ids.len(), self.cfg.slots_per_node);
-        let made = plan_model(
-            &cluster,
-            &self.cfg.model,
-            &self.history.loads(),
-            self.cfg.alloc,
-            self.cfg.place,
-            Alignment::Aligned,
-        );
+        let groups = self.host_groups(&ids, out);
+        let made = match &groups {
+            Some(groups) => hosts::plan_hosts(
+                groups,
+                self.cfg.slots_per_node,
+                &self.cfg.model,
+                &self.history.loads(),
+                self.cfg.alloc,
+                self.cfg.place,
+            ),
+            None => plan_model(
+                &ClusterSpec::new(ids.len(), self.cfg.slots_per_node),
+                &self.cfg.model,
+                &self.history.loads(),
+                self.cfg.alloc,
+                self.cfg.place,
+                Alignment::Aligned,
+            ),
+        };
         let mut plan = match made {
             Ok(p) => p,
             Err(e) => return self.fail(format!("planning {} nodes failed: {e}", ids.len()), out),
         };
-        plan.node_map = ids;
+        if groups.is_none() {
+            plan.node_map = ids;
+        }
         plan.version = self.plan_version + 1;
         self.issue(kind, plan, None, source, resume_step, now_ms, out);
     }

@@ -55,6 +55,7 @@ impl Job {
         let mut a = self.ev(Event::Joined {
             node,
             name: format!("n{node}"),
+            host: None,
         });
         a.extend(self.ev(Event::Ready { node }));
         a
@@ -155,6 +156,7 @@ fn the_first_plan_waits_for_initial_nodes_and_orders_ranks_by_name() {
     let a = j.ev(Event::Joined {
         node: 7,
         name: "n10".into(),
+        host: None,
     });
     assert!(a.contains(&Action::StartWorker { node: 7 }));
     j.ev(Event::Ready { node: 7 });
@@ -162,6 +164,7 @@ fn the_first_plan_waits_for_initial_nodes_and_orders_ranks_by_name() {
     j.ev(Event::Joined {
         node: 8,
         name: "n2".into(),
+        host: None,
     });
     let a = j.ev(Event::Ready { node: 8 });
     let r = reconfig(&a).unwrap();
@@ -447,6 +450,7 @@ fn a_worker_that_never_becomes_ready_does_not_stall_the_start() {
         j2.ev(Event::Joined {
             node: n,
             name: format!("n{n}"),
+            host: None,
         });
     }
     j2.ev(Event::Ready { node: 0 });
@@ -533,6 +537,7 @@ fn waiting_for_nodes_is_announced_again_when_the_live_count_changes() {
     let a = j.ev(Event::Joined {
         node: 7,
         name: "n7".into(),
+        host: None,
     });
     assert_eq!(announced(&a), []);
     assert_eq!(announced(&j.ev(Event::Ready { node: 7 })), [(3, 4)]);
@@ -1268,10 +1273,12 @@ fn a_slow_member_whose_worker_heartbeats_is_waited_for_up_to_the_step_deadline()
     j.ev(Event::Joined {
         node: 0,
         name: "n0".into(),
+        host: None,
     });
     j.ev(Event::Joined {
         node: 1,
         name: "n1".into(),
+        host: None,
     });
     j.ev(Event::WorkerAlive { node: 0 });
     j.ev(Event::WorkerAlive { node: 1 });

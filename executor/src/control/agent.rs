@@ -66,6 +66,9 @@ pub struct AgentConfig {
     pub node: String,
     /// Accelerators (or worker processes) on this node.
     pub devices: usize,
+    /// The physical host this node shares with the other nodes (GPUs) of one agent process;
+    /// empty: a host of its own (see `ToController::Register`).
+    pub host: String,
     /// Heartbeat period; keep it well below the controller's heartbeat timeout.
     pub heartbeat_every_ms: u64,
     /// Bound on connecting and on waiting for the controller's answer to `Register`.
@@ -95,6 +98,7 @@ impl AgentConfig {
             token: token.into(),
             node: node.into(),
             devices,
+            host: String::new(),
             heartbeat_every_ms: 1_000,
             register_timeout_ms: 10_000,
             protocol_version: PROTOCOL_VERSION,
@@ -223,6 +227,7 @@ impl Agent {
             token: cfg.token.clone(),
             node: cfg.node.clone(),
             devices: cfg.devices,
+            host: cfg.host.clone(),
         };
         let (framed, answer) = first_exchange(cfg, &register).await?;
         match answer {

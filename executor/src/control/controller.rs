@@ -383,7 +383,8 @@ impl Controller {
     }
 
     /// Admits a node: protocol version, token, a well-formed name no live node uses (see
-    /// [`check_node_name`]), 1 to [`MAX_DEVICES_PER_NODE`] devices. Ids are never reused.
+    /// [`check_node_name`]), 1 to [`MAX_DEVICES_PER_NODE`] devices, a well-formed host name
+    /// or none. Ids are never reused.
     pub fn register(
         &mut self,
         reg: &Registration,
@@ -400,6 +401,12 @@ impl Controller {
                 devices: reg.devices,
             });
         }
+        if !reg.host.is_empty() {
+            check_node_name(&reg.host).map_err(|why| Reject::BadName {
+                name: format!("host \"{}\"", printable(&reg.host, 64)),
+                why,
+            })?;
+        }
         if self.names.values().any(|n| *n == reg.node) {
             return Err(Reject::DuplicateName(reg.node.clone()));
         }
@@ -411,7 +418,16 @@ impl Controller {
         self.names.insert(id, reg.node.clone());
         let name = reg.node.clone();
         self.dirty = true;
-        self.feed(now_ms, Event::Joined { node: id, name }, out);
+        let host = (!reg.host.is_empty()).then(|| reg.host.clone());
+        self.feed(
+            now_ms,
+            Event::Joined {
+                node: id,
+                name,
+                host,
+            },
+            out,
+        );
         self.settle(out);
         Ok(id)
     }

@@ -33,8 +33,8 @@ use tokio_util::codec::LengthDelimitedCodec;
 /// worker commands agents relay (an agent parses and re-encodes them). 4: `Reconfigure`
 /// carries the mesh secret. 5: worker lines carry a sequence number; `Reattach`, `Ack`,
 /// `Reattached` (controller fail-over). 6: `Reconfigure` carries the FSEP shard placement and
-/// shard transfers.
-pub const PROTOCOL_VERSION: u16 = 6;
+/// shard transfers. 7: `Register` carries the node's host.
+pub const PROTOCOL_VERSION: u16 = 7;
 
 /// Largest frame either side accepts (64 MiB). A reconfiguration for 1000 nodes × 32 layers ×
 /// 32 experts (the replica matrix, JSON) is a few MiB; the cap leaves an order of magnitude of
@@ -87,6 +87,10 @@ pub enum ToController {
         node: String,
         /// Accelerators (or worker processes) on the node; at least 1.
         devices: usize,
+        /// The physical host this node runs on, shared by the nodes (one per GPU) an agent
+        /// process runs for one host: they are placed per host and fail together (see
+        /// `lazarus_planner::job::hosts`). Empty: the node is a host of its own.
+        host: String,
     },
     /// Liveness; `step` is the last training step the node's runtime reported.
     Heartbeat { node_id: u32, step: u64 },
@@ -230,6 +234,7 @@ mod tests {
             token: "t".into(),
             node: "n".into(),
             devices: 1,
+            host: String::new(),
         };
         let bytes = encode(&msg).unwrap();
         assert_eq!(register_version(&bytes), Some(7));
@@ -280,6 +285,8 @@ pub struct Registration {
     pub token: String,
     pub node: String,
     pub devices: usize,
+    /// The node's host (`Register`'s `host`; empty in a `Reattach`).
+    pub host: String,
 }
 
 /// What an agent that comes back asked for in its `Reattach`.
@@ -325,11 +332,13 @@ pub async fn read_register(
             token,
             node,
             devices,
+            host,
         }) => FirstFrame::Register(Registration {
             version,
             token,
             node,
             devices,
+            host,
         }),
         Ok(ToController::Reattach {
             version,
@@ -345,6 +354,8 @@ pub async fn read_register(
                 token,
                 node,
                 devices,
+                // A node that comes back keeps the host it registered with (saved state).
+                host: String::new(),
             },
             node_id,
             last_seq,

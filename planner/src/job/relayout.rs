@@ -579,6 +579,7 @@ mod tests {
                 Event::Joined {
                     node: n,
                     name: format!("n{n}"),
+                    host: None,
                 },
                 &mut out,
             );

@@ -860,7 +860,11 @@ impl Sim {
             },
         );
         self.names.insert(id, name.clone());
-        self.send(Event::Joined { node: id, name });
+        self.send(Event::Joined {
+            node: id,
+            name,
+            host: None,
+        });
         self.at(self.now_ms + HEARTBEAT_MS, Item::Beat(id));
     }
 

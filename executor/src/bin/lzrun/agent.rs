@@ -1,7 +1,9 @@
 //! `lzrun agent`: one node's agent (registers, heartbeats, runs the node's worker). With
 //! `--gpus-per-node G` the process runs G agents, one worker per GPU each (device ordinals
-//! 0..G, names `<name>/gpu<i>`, data ports `port + i`): killing the process (a node failure)
-//! takes all G, and the controller must expect G agents per node (`--nodes N·G`).
+//! 0..G, names `<name>-gpu<i>`, data ports `port + i`), registered as the G GPUs of host
+//! `<name>`: the controller places expert replicas per host and fails the host whole (a
+//! worker or GPU lost fences its siblings; see `lazarus_planner::job::hosts`). Killing the
+//! process (a node failure) takes all G. The controller counts workers: `--nodes N·G`.
 
 use anyhow::{Context, Result, anyhow};
 use lazarus_executor::control::{AgentConfig, WorkerLaunch, run_agent};
@@ -17,7 +19,7 @@ pub fn agent(a: AgentArgs) -> Result<()> {
     choice.preflight()?;
     set_process_choice(choice);
     let gpus = choice.gpus_per_node;
-    let name = a
+    let host = a
         .name
         .clone()
         .unwrap_or_else(|| format!("agent-{}", std::process::id()));
@@ -25,7 +27,7 @@ pub fn agent(a: AgentArgs) -> Result<()> {
     let mut agents = Vec::with_capacity(gpus);
     for i in 0..gpus {
         let (name, listen) = if gpus == 1 {
-            (name.clone(), a.data_addr)
+            (host.clone(), a.data_addr)
         } else {
             let mut listen = a.data_addr;
             if listen.port() != 0 {
@@ -34,9 +36,12 @@ pub fn agent(a: AgentArgs) -> Result<()> {
                 })?;
                 listen.set_port(port);
             }
-            (format!("{name}/gpu{i}"), listen)
+            (format!("{host}-gpu{i}"), listen)
         };
         let mut cfg = AgentConfig::new(&a.controller, &a.token, &name, 1);
+        if gpus > 1 {
+            cfg.host = host.clone();
+        }
         cfg.heartbeat_every_ms = a.heartbeat_ms;
         cfg.register_timeout_ms = a.register_timeout_ms;
         cfg.reconnect_grace_ms = a.reconnect_grace_ms;

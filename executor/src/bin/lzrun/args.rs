@@ -121,7 +121,8 @@ pub struct ControllerArgs {
     /// state, a damaged one, or a finished job.
     #[arg(long, value_name = "DIR", conflicts_with = "state_dir")]
     pub recover: Option<PathBuf>,
-    /// Agents to wait for before the first plan.
+    /// Workers to wait for before the first plan: one per agent, or G per agent started with
+    /// `--gpus-per-node G` (N hosts of G GPUs: `--nodes N*G`).
     #[arg(long, default_value_t = 2)]
     pub nodes: usize,
     /// Shared secret agents must present (default: the LZRUN_TOKEN environment variable).
@@ -139,7 +140,8 @@ pub struct AgentArgs {
     /// Shared secret (default: the LZRUN_TOKEN environment variable).
     #[arg(long, env = "LZRUN_TOKEN", hide_env_values = true)]
     pub token: String,
-    /// Node name, unique among live nodes (default: `agent-PID`).
+    /// Node name, unique among live nodes (default: `agent-PID`). With `--gpus-per-node G` > 1
+    /// the host's name: its G workers register as NAME-gpu0 … NAME-gpu<G-1> of host NAME.
     #[arg(long)]
     pub name: Option<String>,
     /// Address this node's worker listens on for its peers (port 0: any free port).
@@ -205,8 +207,11 @@ pub struct DeviceArgs {
     /// Several workers sharing one GPU need tcp (NCCL cannot put two ranks on one GPU).
     #[arg(long, value_name = "tcp|nccl", env = device::ENV_COMM, value_parser = parse_comm)]
     pub comm: Option<CommKind>,
-    /// GPUs per node: an agent runs one worker per GPU (device ordinals 0..G), and a node
-    /// failure takes all G.
+    /// GPUs per node: an agent runs one worker per GPU (device ordinals 0..G), registered as
+    /// the G GPUs of one host. Replicas of an expert are placed on distinct hosts, and a host
+    /// fails whole: its agent killed, or any one of its workers lost (a GPU failure counts as
+    /// its host's), fences all G. `lzrun local`: each node is such a host (CPU workers with
+    /// --device cpu).
     #[arg(long, value_name = "G", env = device::ENV_GPUS_PER_NODE, default_value_t = 1)]
     pub gpus_per_node: usize,
 }
@@ -260,7 +265,8 @@ pub struct JobArgs {
     /// Minimum replicas per expert (the paper's f; relaxed by the planner when slots run short).
     #[arg(long, default_value_t = FAULT_TOLERANCE)]
     pub fault_tolerance: usize,
-    /// Expert slots per node (default: ⌈f·E / nodes⌉, enough for f replicas of every expert).
+    /// Expert slots per worker (default: ⌈f·E / workers⌉, enough for f replicas of every
+    /// expert; a node of G GPUs holds G times as many).
     #[arg(long)]
     pub slots: Option<usize>,
     /// Directory of the checkpoints (default: `<metrics-out>/ckpt` or `<out>/ckpt`, else a

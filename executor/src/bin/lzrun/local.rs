@@ -1,6 +1,12 @@
 //! `lzrun local`: a controller plus one agent (and worker) process per node on this machine,
 //! with the faults of a schedule (`--kill`, `--join`, `--fault-trace`, `--storm`) injected
 //! between steps.
+//!
+//! With `--gpus-per-node G` every node is a host of G workers: its agent process runs G
+//! workers (children of it, in its process group) registered as the G GPUs of that host
+//! (`n0-gpu0`, `n0-gpu1`, …), so a `--kill` of the node takes all G at once, and the
+//! controller places replicas per host (see `lazarus_planner::job::hosts`). The schedule's
+//! node indices and `--nodes` count hosts; the controller waits for N·G workers.
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener as StdListener};
@@ -29,16 +35,16 @@ pub fn local(a: LocalArgs) -> Result<()> {
     // line and exit status 2.
     let choice = a.device.choice()?;
     choice.preflight()?;
-    ensure!(
-        choice.gpus_per_node == 1,
-        "--gpus-per-node {}: lzrun local runs one worker per node; for several GPUs per node \
-         start `lzrun controller --nodes N*G` and `lzrun agent --gpus-per-node G` on each node",
-        choice.gpus_per_node
-    );
+    let gpus = choice.gpus_per_node;
     let schedule = fault_schedule(&a)?;
     ensure!(
         schedule.initial_nodes <= 64,
         "{} nodes is more than 64",
+        schedule.initial_nodes
+    );
+    ensure!(
+        schedule.initial_nodes * gpus <= 64,
+        "{} nodes × --gpus-per-node {gpus} is more than 64 workers",
         schedule.initial_nodes
     );
     let rt = runtime()?;
@@ -50,7 +56,8 @@ pub fn local(a: LocalArgs) -> Result<()> {
     };
     // Keeps stray agents of other local runs out; not a secret against local users.
     let token = format!("{:016x}", rand::random::<u64>());
-    let job = job_from_args(&a.job, schedule.initial_nodes, &token, true)?;
+    // The job machine's nodes are workers: G per host.
+    let job = job_from_args(&a.job, schedule.initial_nodes * gpus, &token, true)?;
     if let Some(dir) = &a.job.out {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
@@ -62,8 +69,12 @@ pub fn local(a: LocalArgs) -> Result<()> {
         down: Duration::from_millis(a.controller_down_ms),
     });
     let mut report = Report::new(a.job.format, a.job.model.steps);
+    let per_node = match gpus {
+        1 => String::new(),
+        g => format!(" × {g} GPUs (CPU workers)"),
+    };
     report.say(&format!(
-        "lzrun local: {} nodes, config {}, {} steps, {} faults scheduled, controller {addr}",
+        "lzrun local: {} nodes{per_node}, config {}, {} steps, {} faults scheduled, controller {addr}",
         schedule.initial_nodes,
         a.job.model.config,
         a.job.model.steps,
@@ -74,7 +85,7 @@ pub fn local(a: LocalArgs) -> Result<()> {
         return Err(e.into());
     }
     let exe = std::env::current_exe().context("locating the lzrun executable")?;
-    let mut nodes = Nodes::new(exe, addr, token);
+    let mut nodes = Nodes::new(exe, addr, token, gpus);
     for (k, v) in choice.env() {
         nodes.set_env(k, v);
     }
@@ -249,9 +260,11 @@ impl Hooks for Faults {
         std::mem::take(&mut self.kill_controller)
     }
 
-    /// A fenced node's processes may be stopped, not dead: kill them for good.
+    /// A fenced node's processes may be stopped, not dead: kill them for good (with G GPUs
+    /// per node, `name` is one worker of the host: the host goes, as the controller fenced
+    /// its other workers too).
     fn on_fenced(&mut self, name: &str) {
-        if let Some(i) = self.nodes.index_of(name) {
+        if let Some(i) = self.nodes.index_of_worker(name) {
             let _ = self.nodes.kill_group(i);
         }
     }
@@ -265,7 +278,9 @@ impl Hooks for Faults {
             .filter(|i| events[*i].fault.is_join() && !self.fired.contains(i))
             .collect();
         // Registered or started, ready or not (a frozen one is fenced, and the job asks again).
-        let coming = live.max(self.nodes.running());
+        // `live` and `needed` count workers, G per node.
+        let gpus = self.nodes.gpus();
+        let coming = live.max(self.nodes.running() * gpus);
         let Some(&first) = unfired.first() else {
             if coming >= needed {
                 return Ok(());
@@ -281,7 +296,7 @@ impl Hooks for Faults {
         let due: Vec<(usize, u64)> = unfired
             .into_iter()
             .enumerate()
-            .take_while(|&(k, i)| events[i].after_step == first_step || coming + k < needed)
+            .take_while(|&(k, i)| events[i].after_step == first_step || coming + k * gpus < needed)
             .map(|(_, i)| (i, events[i].after_step))
             .collect();
         for (i, step) in due {
@@ -307,30 +322,32 @@ impl Faults {
                     "lzrun local: node {node} is gone already; no kill {when}"
                 )),
                 Fault::Kill { node } => {
-                    let rank = nodes.name(*node).and_then(|n| handle.rank_of(n));
+                    let ranks = nodes.ranks(*node, handle);
                     let name = nodes.kill_group(*node)?;
                     handle.fault_injected();
                     self.injected.push(
                         Injection::new(t_s, after_step, "kill", Some(*node), &name, when)
-                            .with_rank(rank),
+                            .with_rank(ranks.first().copied()),
                     );
                     self.format.say(&format!(
-                        "lzrun local: killed node {node} ({name}) with SIGKILL {when}"
+                        "lzrun local: killed node {node} ({name}{}) with SIGKILL {when}",
+                        describe_ranks(&ranks, nodes.gpus())
                     ));
                 }
                 Fault::KillName { name } => {
                     let i = nodes
                         .index_of(name)
                         .ok_or_else(|| anyhow!("trace kills {name}, which is not running"))?;
-                    let rank = handle.rank_of(name);
+                    let ranks = nodes.ranks(i, handle);
                     nodes.kill_group(i)?;
                     handle.fault_injected();
                     self.injected.push(
                         Injection::new(t_s, after_step, "kill", Some(i), name, when)
-                            .with_rank(rank),
+                            .with_rank(ranks.first().copied()),
                     );
                     self.format.say(&format!(
-                        "lzrun local: killed node {i} ({name}) with SIGKILL {when}"
+                        "lzrun local: killed node {i} ({name}{}) with SIGKILL {when}",
+                        describe_ranks(&ranks, nodes.gpus())
                     ));
                 }
                 Fault::Join { name } => {
@@ -407,6 +424,19 @@ impl Faults {
             Err(e) => self.format.say(&format!(
                 "lzrun local: no {kind} of node {node} {when}: {e}"
             )),
+        }
+    }
+}
+
+/// `, ranks 2 and 3` for the ranks a node's workers held (with several GPUs per node).
+fn describe_ranks(ranks: &[usize], gpus: usize) -> String {
+    match ranks {
+        _ if gpus == 1 => String::new(),
+        [] => ", no rank".to_owned(),
+        [r] => format!(", rank {r}"),
+        [rest @ .., last] => {
+            let rest: Vec<String> = rest.iter().map(usize::to_string).collect();
+            format!(", ranks {} and {last}", rest.join(", "))
         }
     }
 }

@@ -1,4 +1,5 @@
-//! The local node processes of `lzrun local`: launching, killing and reaping agents.
+//! The local node processes of `lzrun local`: launching, killing and reaping agents. With G
+//! GPUs per node an agent runs G workers, registered as `<node>-gpu<i>`.
 
 use std::ffi::OsString;
 use std::net::SocketAddr;
@@ -19,18 +20,57 @@ pub struct Nodes {
     /// Extra environment of every agent (and so of its worker), e.g. a failpoint.
     env: Vec<(String, OsString)>,
     children: Vec<(String, Option<Child>)>,
+    /// Workers per agent (`--gpus-per-node`).
+    gpus: usize,
 }
 
 impl Nodes {
     /// No nodes yet; agents of `exe` will register with `controller` presenting `token`.
-    pub fn new(exe: PathBuf, controller: SocketAddr, token: String) -> Self {
+    /// Every agent runs `gpus` workers.
+    pub fn new(exe: PathBuf, controller: SocketAddr, token: String, gpus: usize) -> Self {
         Self {
             exe,
             controller,
             token,
             env: Vec::new(),
             children: Vec::new(),
+            gpus: gpus.max(1),
         }
+    }
+
+    /// Workers per agent.
+    pub fn gpus(&self) -> usize {
+        self.gpus
+    }
+
+    /// The names node `i`'s workers register with: the node's name with one GPU, else
+    /// `<name>-gpu<g>` (as `lzrun agent --gpus-per-node` names them).
+    pub fn worker_names(&self, i: usize) -> Vec<String> {
+        let Some(name) = self.name(i) else {
+            return Vec::new();
+        };
+        match self.gpus {
+            1 => vec![name.to_owned()],
+            g => (0..g).map(|k| format!("{name}-gpu{k}")).collect(),
+        }
+    }
+
+    /// The ranks node `i`'s workers hold in the plan in force, ascending.
+    pub fn ranks(&self, i: usize, job: &lazarus_executor::control::JobHandle) -> Vec<usize> {
+        let mut ranks: Vec<usize> = self
+            .worker_names(i)
+            .iter()
+            .filter_map(|n| job.rank_of(n))
+            .collect();
+        ranks.sort_unstable();
+        ranks
+    }
+
+    /// The index of the running node one of whose workers is called `worker`.
+    pub fn index_of_worker(&self, worker: &str) -> Option<usize> {
+        (0..self.children.len())
+            .rev()
+            .find(|&i| self.is_running(i) && self.worker_names(i).iter().any(|n| n == worker))
     }
 
     /// Sets `key` in the environment of the agents started from now on.

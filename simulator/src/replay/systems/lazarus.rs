@@ -278,9 +278,13 @@ impl Driver {
         let mut order = None;
         for &node in nodes {
             let name = node_name(node);
-            order = self
-                .feed(ctx, now_ns, Event::Joined { node, name })
-                .or(order);
+            // One node per host: the trace's failure unit is the node.
+            let joined = Event::Joined {
+                node,
+                name,
+                host: None,
+            };
+            order = self.feed(ctx, now_ns, joined).or(order);
         }
         for &node in nodes {
             order = self.feed(ctx, now_ns, Event::Ready { node }).or(order);
