@@ -44,7 +44,7 @@ impl Layout {
     pub fn held(&self, i: usize) -> Vec<Vec<u32>> {
         match &self.plan {
             Some(plan) if self.holdings.is_empty() => {
-                plan.layers.iter().map(|l| l.grid()[i].clone()).collect()
+                plan.layers.iter().map(|l| l.grid()[i].to_vec()).collect()
             }
             _ => self.holdings[i].clone(),
         }
