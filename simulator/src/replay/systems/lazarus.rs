@@ -352,13 +352,14 @@ impl Driver {
             .enumerate()
             .map(|(i, &n)| (n, i))
             .collect();
+        let mut held_all = current.held_all();
         // Last member first: the machine checks after each report whether every member is
         // idle, a scan that stops at the first one that is not, so this order keeps the
         // reports of 2,048 members linear instead of quadratic (the outcome is the same).
         for node in self.machine.members().to_vec().into_iter().rev() {
             let held = position
                 .get(&node)
-                .map_or_else(Vec::new, |&i| current.held(i));
+                .map_or_else(Vec::new, |&i| std::mem::take(&mut held_all[i]));
             let ev = Event::Idle {
                 node,
                 epoch,
@@ -607,5 +608,10 @@ mod tests {
             .map(|l| plan.replicas_per_rank(l))
             .collect();
         assert_eq!(layout.replicas_per_rank, cost::sparse_replicas(&dense));
+        let all = layout.held_all();
+        assert_eq!(all.len(), layout.nodes.len());
+        for (i, held) in all.iter().enumerate() {
+            assert_eq!(*held, layout.held(i), "node {i}");
+        }
     }
 }
