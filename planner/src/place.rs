@@ -400,16 +400,22 @@ impl RankTemplate {
         // state, and the planner stays free of process-level randomness.
         let mut index: BTreeMap<Vec<u32>, u32> = BTreeMap::new();
         let mut rows = Vec::new();
-        let row_of_node = grid
-            .into_iter()
-            .map(|mut row| {
-                row.sort_unstable();
-                *index.entry(row).or_insert_with_key(|row| {
-                    rows.push(row.clone());
-                    rows.len() as u32 - 1
-                })
-            })
-            .collect();
+        // Consecutive nodes are often equal as built (block nodes, round-robin runs): such a
+        // node takes its predecessor's row without a sort or a lookup (equal rows as built
+        // are equal sorted, so the numbering is the same).
+        let mut row_of_node: Vec<u32> = Vec::with_capacity(grid.len());
+        for (n, row) in grid.iter().enumerate() {
+            if n > 0 && *row == grid[n - 1] {
+                row_of_node.push(row_of_node[n - 1]);
+                continue;
+            }
+            let mut row = row.clone();
+            row.sort_unstable();
+            row_of_node.push(*index.entry(row).or_insert_with_key(|row| {
+                rows.push(row.clone());
+                rows.len() as u32 - 1
+            }));
+        }
         Some(Self {
             slots_per_node: c,
             sorted,
