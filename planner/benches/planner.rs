@@ -151,7 +151,7 @@ fn bench_dispatch(c: &mut Criterion) {
         let loads: Vec<u64> = (0..experts).map(|e| 1_000_000 / (e as u64 + 1)).collect();
         let a = lazarus_planner::allocate(AllocPolicy::Lazarus, &loads, ranks * 4, 2).unwrap();
         let p = lazarus_planner::place(PlacePolicy::Spread, &a.replicas, ranks, 4).unwrap();
-        let replicas = dispatch::replicas_per_rank(p.grid(), experts);
+        let replicas = dispatch::replicas_per_rank(&p.grid().to_vec(), experts);
         let total: u64 = loads.iter().sum();
         let tokens: Vec<Vec<u64>> = (0..experts)
             .map(|e| {

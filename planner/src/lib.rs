@@ -24,7 +24,7 @@ pub mod transport;
 
 pub use allocate::{AllocPolicy, Allocation, allocate};
 pub use error::PlanError;
-pub use place::{LayerPlacement, PlacePolicy, place};
+pub use place::{Grid, LayerPlacement, PlacePolicy, place};
 pub use recovery::RecoveryEstimate;
 pub use spec::{Aggregation, ClusterSpec, LoadHistory, ModelSpec};
 pub mod job;

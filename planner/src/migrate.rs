@@ -286,7 +286,7 @@ impl<'a> PlanView<'a> {
     fn ids(self, q: usize, l: usize) -> &'a [u32] {
         match self {
             PlanView::Nodes(p) => &p[q][l],
-            PlanView::Layers { layers, .. } => &layers[l].grid()[q],
+            PlanView::Layers { layers, .. } => layers[l].grid().row(q),
         }
     }
 }

@@ -56,7 +56,7 @@ impl ModelPlan {
     /// [`crate::migrate::map_nodes`] takes.
     pub fn plan_node_contents(&self) -> Vec<Vec<Vec<u32>>> {
         (0..self.cluster.nodes)
-            .map(|q| self.layers.iter().map(|l| l.grid()[q].clone()).collect())
+            .map(|q| self.layers.iter().map(|l| l.grid()[q].to_vec()).collect())
             .collect()
     }
 

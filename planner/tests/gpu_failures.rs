@@ -184,7 +184,7 @@ fn rack_failures_are_their_nodes() {
     // MRO puts each expert's two replicas on a pair of neighbouring nodes; racks that are
     // those pairs make one rack failure fatal, racks that split them do not.
     let grid = layers[0].grid();
-    let pair_of = |n: usize| grid[n].clone();
+    let pair_of = |n: usize| grid[n].to_vec();
     assert_eq!(pair_of(0), pair_of(1), "MRO block of two nodes");
     let aligned: Vec<usize> = (0..8).map(|n| n / 2).collect();
     let split: Vec<usize> = (0..8).map(|n| n % 4).collect();

@@ -73,7 +73,7 @@ fn sorted_rows(layout: &LayerPlacement) -> Vec<Vec<u32>> {
         .grid()
         .iter()
         .map(|r| {
-            let mut r = r.clone();
+            let mut r = r.to_vec();
             r.sort_unstable();
             r
         })
@@ -88,7 +88,7 @@ fn eplb_reproduces_readme_example() {
     for layer in 0..2 {
         let w = &README_WEIGHTS[layer];
         let layout = eplb_hierarchical_groups(README_TOPO, w, 4).unwrap();
-        let phy2log: Vec<u32> = layout.grid().concat();
+        let phy2log: Vec<u32> = layout.grid().cells().to_vec();
         assert_eq!(phy2log, README_PHY2LOG[layer], "layer {layer}");
         let ratio = max_over_mean(&per_copy_device_loads(&layout, w));
         assert!(

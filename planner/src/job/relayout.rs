@@ -361,7 +361,7 @@ fn slots_changed(before: &LayerPlacement, after: &LayerPlacement) -> usize {
         .iter()
         .zip(after.grid())
         .map(|(a, b)| {
-            let mut left = b.clone();
+            let mut left = b.to_vec();
             a.iter()
                 .filter(|e| match left.iter().position(|x| x == *e) {
                     Some(i) => {
@@ -464,7 +464,7 @@ mod tests {
                 .enumerate()
                 .map(|(r, &id)| PhysicalNode {
                     id,
-                    holdings: vec![p.layers[0].grid()[r].clone()],
+                    holdings: vec![p.layers[0].grid()[r].to_vec()],
                 })
                 .collect();
             let (next, migration) = st
@@ -636,7 +636,7 @@ mod tests {
         let mut out = Vec::new();
         for n in 0..4u32 {
             let q = before.node_map.iter().position(|&x| x == n).unwrap();
-            let held = vec![before.layers[0].grid()[q].clone()];
+            let held = vec![before.layers[0].grid()[q].to_vec()];
             let why = IdleReason::Paused;
             m.handle(
                 10,

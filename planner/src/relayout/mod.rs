@@ -350,14 +350,14 @@ pub(crate) fn device_rows(
     new: &LayerPlacement,
     old: &LayerPlacement,
 ) -> (Vec<Vec<Vec<u32>>>, Vec<PhysicalNode>) {
-    let plan = new.grid().iter().map(|d| vec![d.clone()]).collect();
+    let plan = new.grid().iter().map(|d| vec![d.to_vec()]).collect();
     let physical = old
         .grid()
         .iter()
         .enumerate()
         .map(|(d, row)| PhysicalNode {
             id: d as u32,
-            holdings: vec![row.clone()],
+            holdings: vec![row.to_vec()],
         })
         .collect();
     (plan, physical)
@@ -366,10 +366,12 @@ pub(crate) fn device_rows(
 /// The node-level view of a device layout (each node's slots = its devices' slots), for
 /// recovery probabilities under node failures.
 pub fn node_view(topo: Topology, layout: &LayerPlacement) -> LayerPlacement {
-    let grid: Vec<Vec<u32>> = layout
-        .grid()
-        .chunks(topo.devices_per_node)
-        .map(|devs| devs.iter().flatten().copied().collect())
+    // A node's devices are consecutive rows, so its slots are one run of cells.
+    let grid = layout.grid();
+    let grid: Vec<Vec<u32>> = grid
+        .cells()
+        .chunks(topo.devices_per_node * grid.slots())
+        .map(<[u32]>::to_vec)
         .collect();
     LayerPlacement::from_grid(grid, layout.experts(), None).expect("a regrouped valid layout")
 }

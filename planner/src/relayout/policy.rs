@@ -6,7 +6,7 @@ use super::laer::{LaerParams, laer};
 use super::{LayoutMigration, LinkModel, Score, Topology, migration, score};
 use crate::error::PlanError;
 use crate::migrate::{MappingMethod, PhysicalNode, map_nodes, min_cost_assignment};
-use crate::place::LayerPlacement;
+use crate::place::{Grid, LayerPlacement};
 use crate::{Alignment, AllocPolicy, ClusterSpec, ModelSpec, PlacePolicy, plan_model};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -160,15 +160,17 @@ pub fn lazarus_replan(
         Alignment::Aligned,
     )?;
     // Node-level mapping onto the current holdings.
-    let node_rows = |grid: &[Vec<u32>]| -> Vec<Vec<u32>> {
-        grid.chunks(topo.devices_per_node)
-            .map(|c| c.iter().flatten().copied().collect())
+    // A node's devices are consecutive rows, so its slots are one run of cells.
+    let node_rows = |grid: Grid<'_>| -> Vec<Vec<u32>> {
+        grid.cells()
+            .chunks(topo.devices_per_node * grid.slots())
+            .map(<[u32]>::to_vec)
             .collect()
     };
     let plan_nodes: Vec<Vec<Vec<u32>>> = plan.layers[0]
         .grid()
         .iter()
-        .map(|row| vec![row.clone()])
+        .map(|row| vec![row.to_vec()])
         .collect();
     let physical: Vec<PhysicalNode> = node_rows(current.grid())
         .into_iter()

@@ -64,15 +64,15 @@ fn sparse_replicas_of(plan: &ModelPlan) -> crate::cost::SparseReplicas {
     // Layers are independent (and in parallel: 2,048 nodes × 32 slots per layer).
     plan.layers
         .par_iter()
-        .map(|layer| layer_replicas(layer.grid(), g, &gpu_of, plan.model.experts))
+        .map(|layer| layer_replicas(layer.grid().iter(), g, &gpu_of, plan.model.experts))
         .collect()
 }
 
 /// One layer's `[expert] = (rank, count)` rows, ranks ascending. A node whose slots equal the
 /// previous node's (MRO block nodes: about 250 distinct rows per layer at 2,048 nodes) reuses
 /// its runs at its own ranks, so most nodes cost one slice comparison.
-fn layer_replicas(
-    grid: &[Vec<u32>],
+fn layer_replicas<'a>(
+    grid: impl ExactSizeIterator<Item = &'a [u32]>,
     g: usize,
     gpu_of: &[u32],
     experts: usize,
@@ -83,8 +83,8 @@ fn layer_replicas(
     let mut runs: Vec<(u32, u32, u32)> = Vec::new();
     let mut prev: Option<&[u32]> = None;
     let mut per_expert = vec![0usize; experts];
-    for (node, slots) in grid.iter().enumerate() {
-        if prev != Some(slots.as_slice()) {
+    for (node, slots) in grid.enumerate() {
+        if prev != Some(slots) {
             runs.clear();
             for (slot, &e) in slots.iter().enumerate() {
                 let gpu = gpu_of[slot];
@@ -356,13 +356,14 @@ impl Driver {
             .enumerate()
             .map(|(i, &n)| (n, i))
             .collect();
+        let mut held_all = current.held_all();
         // Last member first: the machine checks after each report whether every member is
         // idle, a scan that stops at the first one that is not, so this order keeps the
         // reports of 2,048 members linear instead of quadratic (the outcome is the same).
         for node in self.machine.members().to_vec().into_iter().rev() {
             let held = position
                 .get(&node)
-                .map_or_else(Vec::new, |&i| current.held(i));
+                .map_or_else(Vec::new, |&i| std::mem::take(&mut held_all[i]));
             let ev = Event::Idle {
                 node,
                 epoch,
@@ -581,7 +582,7 @@ mod tests {
                 lazarus_planner::ClusterSpec::new(grid.len(), slots).with_gpus_per_node(g);
             let gpu_of: Vec<u32> = (0..slots).map(|s| cluster.gpu_of_slot(s) as u32).collect();
             assert_eq!(
-                layer_replicas(&grid, g, &gpu_of, experts),
+                layer_replicas(grid.iter().map(Vec::as_slice), g, &gpu_of, experts),
                 layer_replicas_reference(&grid, g, &gpu_of, experts),
                 "grid {grid:?}, {g} GPUs per node"
             );
@@ -611,5 +612,10 @@ mod tests {
             .map(|l| plan.replicas_per_rank(l))
             .collect();
         assert_eq!(layout.replicas_per_rank, cost::sparse_replicas(&dense));
+        let all = layout.held_all();
+        assert_eq!(all.len(), layout.nodes.len());
+        for (i, held) in all.iter().enumerate() {
+            assert_eq!(*held, layout.held(i), "node {i}");
+        }
     }
 }

@@ -44,9 +44,28 @@ impl Layout {
     pub fn held(&self, i: usize) -> Vec<Vec<u32>> {
         match &self.plan {
             Some(plan) if self.holdings.is_empty() => {
-                plan.layers.iter().map(|l| l.grid()[i].clone()).collect()
+                plan.layers.iter().map(|l| l.grid()[i].to_vec()).collect()
             }
             _ => self.holdings[i].clone(),
+        }
+    }
+
+    /// [`Self::held`] of every node, in `nodes` order. A plan's grid is read layer by layer,
+    /// sequentially, instead of one row of each layer per node.
+    pub fn held_all(&self) -> Vec<Vec<Vec<u32>>> {
+        match &self.plan {
+            Some(plan) if self.holdings.is_empty() => {
+                let mut all: Vec<Vec<Vec<u32>>> = (0..self.nodes.len())
+                    .map(|_| Vec::with_capacity(plan.layers.len()))
+                    .collect();
+                for layer in &plan.layers {
+                    for (held, row) in all.iter_mut().zip(layer.grid()) {
+                        held.push(row.to_vec());
+                    }
+                }
+                all
+            }
+            _ => self.holdings.clone(),
         }
     }
 
