@@ -270,6 +270,24 @@ mod tests {
         }
     }
 
+    /// An FSEP layout switch was pending when the controller died: a worker that already
+    /// trains on the new layout (its agent saw the step lines) is as consistent as one that
+    /// does not yet; any other plan is not.
+    #[test]
+    fn a_member_on_the_pending_layout_switch_is_kept() {
+        let v = NodeView {
+            switching_to: Some(6),
+            ..training_member()
+        };
+        assert_eq!(verdict(&v, &running(3, 5, 10)), Verdict::Keep(vec![]));
+        assert_eq!(verdict(&v, &running(3, 6, 12)), Verdict::Keep(vec![]));
+        assert!(matches!(verdict(&v, &running(3, 7, 12)), Verdict::Drop(_)));
+        assert!(matches!(
+            verdict(&training_member(), &running(3, 6, 12)),
+            Verdict::Drop(_)
+        ));
+    }
+
     #[test]
     fn a_dead_or_unasked_exited_worker_is_dropped() {
         let v = training_member();
