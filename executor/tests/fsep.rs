@@ -425,10 +425,10 @@ fn replicas_of_gathered(runs: &[Run]) -> BTreeMap<(usize, usize), ExpertState> {
         .collect()
 }
 
-/// What one rank saw in [`run_late_switch`]: the barrier's layout minimum per step, the step
+/// What one rank saw in [`run_late_switch`]: the barrier's agreed layout per step, the step
 /// from which it trained on the new layout, its losses and (rank 0) every expert gathered.
 struct LateRun {
-    mins: Vec<u64>,
+    agreed: Vec<Option<u64>>,
     switched_at: Option<u64>,
     losses: Vec<f32>,
     experts: Vec<ExpertState>,
@@ -437,7 +437,7 @@ struct LateRun {
 /// FSEP on `layout_a` (plan v1) for `steps` steps; rank `r` gets the switch to `layout_b`
 /// (v2, from step `from`) before its step `arrival[r]`, votes in each step's barrier the
 /// newest layout it holds, and switches as the managed worker does: after the first step
-/// whose barrier minimum reached v2, once the next step is not before `from`.
+/// whose barrier shows every rank voting v2, once the next step is not before `from`.
 fn run_late_switch(comm: TcpCommunicator, arrival: [u64; WORLD], from: u64, steps: u64) -> LateRun {
     let c = cfg();
     let dev = Device::Cpu;
@@ -451,7 +451,7 @@ fn run_late_switch(comm: TcpCommunicator, arrival: [u64; WORLD], from: u64, step
     let mut dist = DistributedExperts::new_sharded(Box::new(comm), sh, layout_a()).unwrap();
     let (mut current, mut staged) = (1u64, false);
     let mut run = LateRun {
-        mins: Vec::new(),
+        agreed: Vec::new(),
         switched_at: None,
         losses: Vec::new(),
         experts: Vec::new(),
@@ -465,8 +465,8 @@ fn run_late_switch(comm: TcpCommunicator, arrival: [u64; WORLD], from: u64, step
         )
         .unwrap();
         run.losses.push(done.loss);
-        run.mins.push(done.layout_min);
-        if staged && done.layout_min >= 2 && step + 1 >= from {
+        run.agreed.push(done.layout_agreed);
+        if staged && done.layout_agreed == Some(2) && step + 1 >= from {
             dist.set_layout(layout_b()).unwrap();
             (current, staged) = (2, false);
             run.switched_at = Some(step + 1);
@@ -482,7 +482,7 @@ fn run_late_switch(comm: TcpCommunicator, arrival: [u64; WORLD], from: u64, step
 
 /// The no-pause layout switch is agreed in the step barrier: the command reaches rank 2 only
 /// before step 6 (the others before step 1, the switch may start at step 3), every rank sees
-/// the same barrier minimum at every step, nobody switches before every rank holds the new
+/// the same barrier at every step, nobody switches before every rank holds the new
 /// layout, all switch before step 7 — and the run equals, bit for bit, one that switched every
 /// rank at step 7 directly.
 #[test]
@@ -494,11 +494,15 @@ fn a_late_layout_command_delays_the_switch_on_every_rank_alike() {
         run_late_switch(comm, arrival, from, steps)
     });
     for (rank, r) in runs.iter().enumerate() {
-        assert_eq!(r.mins, runs[0].mins, "rank {rank} saw another barrier");
+        assert_eq!(r.agreed, runs[0].agreed, "rank {rank} saw another barrier");
         assert_eq!(r.switched_at, Some(7), "rank {rank}");
     }
-    // Until rank 2 held v2 the minimum stayed at v1.
-    assert_eq!(runs[0].mins, vec![1, 1, 1, 1, 1, 1, 2, 2, 2, 2]);
+    // v1 agreed at step 0, no agreement while rank 2 lacked v2, then v2.
+    let want: Vec<Option<u64>> = [1, 0, 0, 0, 0, 0, 2, 2, 2, 2]
+        .into_iter()
+        .map(|v| (v > 0).then_some(v))
+        .collect();
+    assert_eq!(runs[0].agreed, want);
     let direct = launch(Job {
         fsep: true,
         layout: layout_a(),

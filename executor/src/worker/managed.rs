@@ -17,7 +17,7 @@
 //! A [`Command::Relayout`] that arrives while training is staged, not applied: every step's
 //! barrier carries the newest layout version each member holds ([`train_step_voting`]), and
 //! after the first step at or past the command's `from_step − 1` whose barrier shows every
-//! member holding it, every member installs it (`DistributedExperts::set_layout`) before the
+//! member voting it, every member installs it (`DistributedExperts::set_layout`) before the
 //! next step — the same boundary everywhere, since they all read the same votes. Its step
 //! lines then carry the new version. A reconfiguration drops a staged layout (its plan
 //! replaces it).
@@ -473,7 +473,7 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         self.step_times.push(step_ms);
         self.last_step_end = Some(now);
         self.step += 1;
-        if let Err(e) = self.switch_if_agreed(&mut dist, done.layout_min) {
+        if let Err(e) = self.switch_if_agreed(&mut dist, done.layout_agreed) {
             return self.failed(&e);
         }
         self.checkpoint_if_due(&mut dist)?;
@@ -487,13 +487,17 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
     }
 
     /// Installs the staged layout when the step just trained (`self.step − 1`) showed every
-    /// member holding it (`layout_min`, the same on every member) and the next step is not
-    /// before its `from_step`: every member decides the same at the same boundary.
-    fn switch_if_agreed(&mut self, dist: &mut DistributedExperts, layout_min: u64) -> Result<()> {
+    /// member voting it (`agreed`, the same on every member) and the next step is not before
+    /// its `from_step`: every member decides the same at the same boundary.
+    fn switch_if_agreed(
+        &mut self,
+        dist: &mut DistributedExperts,
+        agreed: Option<u64>,
+    ) -> Result<()> {
         let due = self
             .staged
             .as_ref()
-            .is_some_and(|s| layout_min >= s.version && self.step >= s.from_step);
+            .is_some_and(|s| agreed == Some(s.version) && self.step >= s.from_step);
         if !due {
             return Ok(());
         }

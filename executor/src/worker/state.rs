@@ -114,9 +114,9 @@ pub struct TrainedStep {
     pub pause: bool,
     /// Some member saw a non-finite loss or gradient, so no member applied the update.
     pub nonfinite: bool,
-    /// The smallest layout version any member voted ([`train_step_voting`]); the same on
-    /// every member.
-    pub layout_min: u64,
+    /// The layout version every member voted, if they all voted the same
+    /// ([`train_step_voting`]); the same on every member.
+    pub layout_agreed: Option<u64>,
 }
 
 /// One distributed training step — the only one, for managed and stand-alone workers — that
@@ -155,10 +155,13 @@ pub const MAX_LAYOUT_VERSION: u64 = 1 << 24;
 /// [`train_step`] with this worker's layout vote: the newest layout version it holds (the one
 /// it trains on, or a [`super::Command::Relayout`] it has staged). The barrier carries one
 /// slot per rank, each written by that rank alone (so the sum is exact whatever the order of
-/// the additions), and [`TrainedStep::layout_min`] is their minimum — the same number on every
-/// member: a layout every member holds. Switching when it reaches the staged version makes
-/// every member switch at the same step boundary, however late the command reached one of
-/// them.
+/// the additions, and every member reads the same slots); [`TrainedStep::layout_agreed`] is
+/// the version when every slot holds the same one. Switching when it equals the staged
+/// version makes every member switch at the same step boundary, however late the command
+/// reached one of them: if every member voted `u`, every member holds `u`. (Agreement rather
+/// than the minimum: a member that staged a newer switch over an older one would otherwise
+/// stay behind while the others took the older; the job machine never sends that, and this
+/// keeps even that case consistent — nobody switches.)
 #[allow(clippy::too_many_arguments)]
 pub fn train_step_voting(
     model: &DenseModel,
@@ -214,11 +217,11 @@ pub fn train_step_voting(
         c.all_reduce_sum(&all, &mut v).map(|()| v)
     })??;
     let nonfinite = votes[1] > 0.0;
-    let layout_min = votes[2..2 + world]
+    let slots = &votes[2..2 + world];
+    let layout_agreed = slots
         .iter()
-        .map(|&x| x as u64)
-        .min()
-        .unwrap_or(0);
+        .all(|&x| x == slots[0])
+        .then(|| slots[0] as u64);
     let factor = grad_scale(world, &votes[2 + world..], model.config().grad_clip_norm);
     let snapshot = match experts.shard_store()? {
         Some(sh) => {
@@ -244,7 +247,7 @@ pub fn train_step_voting(
         snapshot,
         pause: votes[0] > 0.0,
         nonfinite,
-        layout_min,
+        layout_agreed,
     })
 }
 
