@@ -18,7 +18,7 @@ use lazarus_executor::model::{
     Corpus, DenseModel, ExpertState, ExpertStore, MoeConfig, OptimState, ShardState, ShardStore,
 };
 use lazarus_executor::runtime::{DistributedExperts, Traffic};
-use lazarus_executor::worker::train_step;
+use lazarus_executor::worker::{train_step, train_step_voting};
 
 const T_MS: u64 = 30_000;
 const HARNESS: Duration = Duration::from_secs(400);
@@ -423,4 +423,97 @@ fn replicas_of_gathered(runs: &[Run]) -> BTreeMap<(usize, usize), ExpertState> {
         .iter()
         .map(|s| ((s.layer, s.expert), s.clone()))
         .collect()
+}
+
+/// What one rank saw in [`run_late_switch`]: the barrier's agreed layout per step, the step
+/// from which it trained on the new layout, its losses and (rank 0) every expert gathered.
+struct LateRun {
+    agreed: Vec<Option<u64>>,
+    switched_at: Option<u64>,
+    losses: Vec<f32>,
+    experts: Vec<ExpertState>,
+}
+
+/// FSEP on `layout_a` (plan v1) for `steps` steps; rank `r` gets the switch to `layout_b`
+/// (v2, from step `from`) before its step `arrival[r]`, votes in each step's barrier the
+/// newest layout it holds, and switches as the managed worker does: after the first step
+/// whose barrier shows every rank voting v2, once the next step is not before `from`.
+fn run_late_switch(comm: TcpCommunicator, arrival: [u64; WORLD], from: u64, steps: u64) -> LateRun {
+    let c = cfg();
+    let dev = Device::Cpu;
+    let rank = comm.rank();
+    let model = DenseModel::new(&c, &dev).unwrap();
+    let mut opt = model.optimizer().unwrap();
+    let mut store = ExpertStore::empty(&c, &dev);
+    let sh = Arc::new(Mutex::new(
+        ShardStore::fresh(&c, &dev, rank, WORLD).unwrap(),
+    ));
+    let mut dist = DistributedExperts::new_sharded(Box::new(comm), sh, layout_a()).unwrap();
+    let (mut current, mut staged) = (1u64, false);
+    let mut run = LateRun {
+        agreed: Vec::new(),
+        switched_at: None,
+        losses: Vec::new(),
+        experts: Vec::new(),
+    };
+    for step in 0..steps {
+        staged |= step == arrival[rank];
+        let vote = if staged { 2 } else { current };
+        let tokens = shard(&c, step, rank).unwrap();
+        let done = train_step_voting(
+            &model, &mut opt, &mut store, &mut dist, &tokens, false, vote,
+        )
+        .unwrap();
+        run.losses.push(done.loss);
+        run.agreed.push(done.layout_agreed);
+        if staged && done.layout_agreed == Some(2) && step + 1 >= from {
+            dist.set_layout(layout_b()).unwrap();
+            (current, staged) = (2, false);
+            run.switched_at = Some(step + 1);
+        }
+    }
+    // A collective: every rank names rank 0 the writer of every expert.
+    let all: BTreeMap<(usize, usize), usize> = (0..c.n_layers)
+        .flat_map(|l| (0..c.experts).map(move |e| ((l, e), 0)))
+        .collect();
+    run.experts = dist.gather_experts(&all).unwrap();
+    run
+}
+
+/// The no-pause layout switch is agreed in the step barrier: the command reaches rank 2 only
+/// before step 6 (the others before step 1, the switch may start at step 3), every rank sees
+/// the same barrier at every step, nobody switches before every rank holds the new
+/// layout, all switch before step 7 — and the run equals, bit for bit, one that switched every
+/// rank at step 7 directly.
+#[test]
+fn a_late_layout_command_delays_the_switch_on_every_rank_alike() {
+    let (steps, from) = (10, 3);
+    let arrival = [1, 1, 6, 1];
+    let comms = LocalGroup::new(WORLD, T_MS).expect("loopback mesh");
+    let runs = common::run_ranks(comms, HARNESS, move |comm| {
+        run_late_switch(comm, arrival, from, steps)
+    });
+    for (rank, r) in runs.iter().enumerate() {
+        assert_eq!(r.agreed, runs[0].agreed, "rank {rank} saw another barrier");
+        assert_eq!(r.switched_at, Some(7), "rank {rank}");
+    }
+    // v1 agreed at step 0, no agreement while rank 2 lacked v2, then v2.
+    let want: Vec<Option<u64>> = [1, 0, 0, 0, 0, 0, 2, 2, 2, 2]
+        .into_iter()
+        .map(|v| (v > 0).then_some(v))
+        .collect();
+    assert_eq!(runs[0].agreed, want);
+    let direct = launch(Job {
+        fsep: true,
+        layout: layout_a(),
+        switch: Some((7, layout_b())),
+        start: 0,
+        steps,
+        from: None,
+        holders: None,
+    });
+    for (rank, (late, direct)) in runs.iter().zip(&direct).enumerate() {
+        assert_eq!(late.losses, direct.losses, "rank {rank} losses");
+    }
+    assert_eq!(runs[0].experts, direct[0].experts, "expert states");
 }

@@ -49,6 +49,19 @@
 //!   members are paused only when LAER changed the layout (from the per-rank traffic, after the
 //!   warm-up, above the imbalance threshold); the new plan keeps the ranks, so sharded experts
 //!   move nothing (if the membership changed meanwhile, Lazarus's replan is used instead).
+//! * **Layout switch without a pause** (sharded experts with [`relayout::Relayout::Laer`]):
+//!   the layout is only the index table of the shard all-to-all, so a changed layout is not
+//!   a reconfiguration. The members get [`Action::SwitchLayout`] ("use plan v from step s")
+//!   while they keep training; `s` is a few steps ([`SWITCH_LEAD_STEPS`]) past the newest step
+//!   any member reported. The members agree on the boundary among themselves: each adds the
+//!   newest layout version it holds to the barrier of every step, and all switch after the
+//!   first step `≥ s − 1` whose barrier shows every rank holding `v` — so a command that
+//!   reaches one member late delays the switch on every member, never splits it. The machine
+//!   takes the new plan as in force when it counts a step every member reports having
+//!   trained on it ([`StepReport::layout_version`]); until then no other decision is made and,
+//!   at the next rebalance point, the command is sent again (a lost one is harmless: the switch
+//!   only waits). Any reconfiguration supersedes a pending switch: it carries its own plan and
+//!   a new epoch, and the members drop switches of an older epoch.
 //! * **Stuck members.** A member that does not answer within `member_timeout_ms` (does not go
 //!   idle when asked, does not finish a reconfiguration, makes no step progress, a worker that
 //!   never becomes ready) is declared failed and [`Action::Fence`]d: the driver stops talking
@@ -289,6 +302,10 @@ pub struct StepReport {
     /// Bytes this member sent to other members during the step.
     #[serde(default)]
     pub sent_bytes: u64,
+    /// The plan version of the layout the step ran on (0: not reported). It differs from the
+    /// epoch's plan after a [`LayoutSwitch`].
+    #[serde(default)]
+    pub layout_version: u64,
 }
 
 fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
@@ -498,22 +515,59 @@ impl Reconfiguration {
 
     /// `[layer][expert][rank]` replica counts (one rank per member).
     pub fn replicas_per_member(&self) -> Vec<Vec<Vec<u32>>> {
-        let world = self.plan.node_map.len();
-        let experts = self.plan.model.experts;
-        self.plan
-            .layers
-            .iter()
-            .map(|layer| {
-                let mut r = vec![vec![0u32; world]; experts];
-                for (rank, slots) in layer.grid().iter().enumerate() {
-                    for &e in slots {
-                        r[e as usize][rank] += 1;
-                    }
-                }
-                r
-            })
-            .collect()
+        replicas_per_rank(&self.plan)
     }
+}
+
+/// `[layer][expert][rank]` replica counts of `plan` (one rank per member of `node_map`).
+fn replicas_per_rank(plan: &ModelPlan) -> Vec<Vec<Vec<u32>>> {
+    let world = plan.node_map.len();
+    let experts = plan.model.experts;
+    plan.layers
+        .iter()
+        .map(|layer| {
+            let mut r = vec![vec![0u32; world]; experts];
+            for (rank, slots) in layer.grid().iter().enumerate() {
+                for &e in slots {
+                    r[e as usize][rank] += 1;
+                }
+            }
+            r
+        })
+        .collect()
+}
+
+/// Steps past the newest reported one at which a [`LayoutSwitch`] may take effect at the
+/// earliest (the members agree on the exact boundary themselves; see the [module docs](self)).
+pub const SWITCH_LEAD_STEPS: u64 = 2;
+
+/// A new layout for the members of `epoch`, without a reconfiguration (sharded experts: the
+/// layout is the index table of the shard all-to-all; nothing moves).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayoutSwitch {
+    pub epoch: u64,
+    /// The new plan: the same members, ranks and shard placement; `plan.version` names the
+    /// layout.
+    pub plan: ModelPlan,
+    /// The first step that may run on it (the members switch at the first boundary from here
+    /// at which every one of them holds it).
+    pub from_step: u64,
+}
+
+impl LayoutSwitch {
+    /// `[layer][expert][rank]` replica counts of the new layout (one rank per member).
+    pub fn replicas_per_member(&self) -> Vec<Vec<Vec<u32>>> {
+        replicas_per_rank(&self.plan)
+    }
+}
+
+/// A [`LayoutSwitch`] sent and not yet seen in force.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct PendingSwitch {
+    switch: LayoutSwitch,
+    since_ms: u64,
+    /// Counted steps when it was decided.
+    at_step: u64,
 }
 
 /// One counted step.
@@ -580,6 +634,9 @@ pub enum Action {
     },
     /// Send every member its part of this reconfiguration.
     Reconfigure(Box<Reconfiguration>),
+    /// Send every member of `epoch` this layout while it trains (no pause; see the
+    /// [module docs](self)); sending it again is harmless.
+    SwitchLayout(Box<LayoutSwitch>),
     /// Send `node` its part of the reconfiguration of `epoch` (the last one issued) again: it
     /// never arrived (the driver crashed before delivering it, see [`reconcile`]).
     Resend {
@@ -752,6 +809,9 @@ pub struct JobMachine {
     /// Sharded experts: where the shard copies are.
     #[serde(default)]
     shards: sharded::Shards,
+    /// A layout switch sent to the members and not yet seen in force.
+    #[serde(default)]
+    switch: Option<PendingSwitch>,
 }
 
 impl JobMachine {
@@ -791,6 +851,7 @@ impl JobMachine {
             step_times: StepTimes::new(window_steps),
             slow_noted: BTreeMap::new(),
             shards: sharded::Shards::default(),
+            switch: None,
         })
     }
 
@@ -825,6 +886,10 @@ impl JobMachine {
     /// The plan in force.
     pub fn plan(&self) -> Option<&ModelPlan> {
         self.plan.as_ref()
+    }
+    /// The layout switch sent to the members and not yet seen in force.
+    pub fn pending_switch(&self) -> Option<&LayoutSwitch> {
+        self.switch.as_ref().map(|p| &p.switch)
     }
     /// Loads `[layer][expert]` from the routing history.
     pub fn loads(&self) -> Vec<Vec<u64>> {
@@ -902,6 +967,7 @@ impl JobMachine {
             pausing: self
                 .cause
                 .is_some_and(|c| matches!(c.kind, ReconfigKind::Join | ReconfigKind::Rebalance)),
+            switching_to: self.switch.as_ref().map(|p| p.switch.plan.version),
         })
     }
 
@@ -1439,6 +1505,15 @@ impl JobMachine {
                 break;
             }
             let (step, by_node) = entry.remove_entry();
+            let on_switch = self.switch.as_ref().is_some_and(|p| {
+                let v = p.switch.plan.version;
+                self.members
+                    .iter()
+                    .all(|m| by_node.get(m).is_some_and(|r| r.layout_version == v))
+            });
+            if on_switch {
+                self.switch_done(step, now_ms, out);
+            }
             let mut routing: Vec<Vec<u64>> = Vec::new();
             for r in by_node.values().filter(|r| !r.routing.is_empty()) {
                 add_counts(&mut routing, &r.routing);
@@ -1511,6 +1586,12 @@ impl JobMachine {
         if !self.counting(None, epoch) || first != self.next_step || last < first {
             return;
         }
+        // Members modelled as one switch at the first step they may.
+        if let Some(from) = self.switch.as_ref().map(|p| p.switch.from_step)
+            && last >= from
+        {
+            self.switch_done(from.max(first), now_ms, out);
+        }
         self.count_steps(first, last, routing, now_ms, out);
     }
 
@@ -1546,10 +1627,13 @@ impl JobMachine {
         let every = self.cfg.rebalance_every_steps;
         let crossed = every > 0 && (first..=last).any(|s| (s + 1).is_multiple_of(every));
         if crossed && self.next_step + 1 < self.cfg.total_steps && self.phase == Phase::Training {
-            if let relayout::Relayout::Laer(laer) = self.cfg.relayout
-                && !self.laer_changes_layout(&laer, first + 1..=last + 1, out)
-            {
-                return;
+            if let relayout::Relayout::Laer(laer) = self.cfg.relayout {
+                if self.cfg.sharded_experts {
+                    return self.switch_layout(&laer, first + 1..=last + 1, now_ms, out);
+                }
+                if !self.laer_changes_layout(&laer, first + 1..=last + 1, out) {
+                    return;
+                }
             }
             self.note_cause(ReconfigKind::Rebalance, now_ms);
             self.pause_members(now_ms, out);
@@ -1575,6 +1659,67 @@ impl JobMachine {
             out.push(Action::Log(line));
         }
         matches!(d, relayout::Decision::Changed { .. })
+    }
+
+    /// Sharded experts at a rebalance point: LAER's new layout goes to the members as a
+    /// [`LayoutSwitch`] while they train (see the [module docs](self)); a switch still pending
+    /// is sent again instead.
+    fn switch_layout(
+        &mut self,
+        laer: &relayout::LaerRelayout,
+        steps: std::ops::RangeInclusive<u64>,
+        now_ms: u64,
+        out: &mut Vec<Action>,
+    ) {
+        if let Some(p) = &self.switch {
+            out.push(Action::Log(format!(
+                "layout switch to plan v{} (from step {}) not in force yet: sent again",
+                p.switch.plan.version, p.switch.from_step
+            )));
+            out.push(Action::SwitchLayout(Box::new(p.switch.clone())));
+            return;
+        }
+        if !self.laer_changes_layout(laer, steps, out) {
+            return;
+        }
+        let Some(plan) = self.relayout.take_switch(&self.members) else {
+            return;
+        };
+        let newest = self.step_reports.keys().next_back().map_or(0, |s| s + 1);
+        let from_step = self.next_step.max(newest) + SWITCH_LEAD_STEPS;
+        let switch = LayoutSwitch {
+            epoch: self.epoch,
+            plan,
+            from_step,
+        };
+        out.push(Action::Log(format!(
+            "epoch {}: layout switch to plan v{} from step {from_step} or the first step after \
+             it every member holds it (no pause, nothing moves)",
+            self.epoch, switch.plan.version
+        )));
+        out.push(Action::SwitchLayout(Box::new(switch.clone())));
+        self.switch = Some(PendingSwitch {
+            switch,
+            since_ms: now_ms,
+            at_step: self.next_step,
+        });
+    }
+
+    /// Every member trained `step` on the pending switch's layout: its plan is in force.
+    fn switch_done(&mut self, step: u64, now_ms: u64, out: &mut Vec<Action>) {
+        let Some(p) = self.switch.take() else {
+            return;
+        };
+        let v = p.switch.plan.version;
+        out.push(Action::Log(format!(
+            "epoch {}: layout of plan v{v} in force from step {step} (decided at step {}, {:.0} ms \
+             before; no pause)",
+            self.epoch,
+            p.at_step,
+            now_ms.saturating_sub(p.since_ms) as f64
+        )));
+        self.plan_version = v;
+        self.plan = Some(p.switch.plan);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -2123,6 +2268,13 @@ impl JobMachine {
                     .collect()
             })
             .unwrap_or_default();
+        if let Some(p) = self.switch.take() {
+            out.push(Action::Log(format!(
+                "the {} reconfiguration supersedes the layout switch to plan v{}",
+                kind.name(),
+                p.switch.plan.version
+            )));
+        }
         let fresh = !matches!(source, StateSource::Peers { .. });
         let Some((shard_holders, shard_transfers)) = self.shard_layout(&plan.node_map, fresh)
         else {

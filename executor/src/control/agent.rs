@@ -390,7 +390,13 @@ impl Worker {
     fn reported(&mut self, line: &str) {
         use crate::worker::{WorkerEvent, WorkerLine};
         let next = match WorkerLine::parse(line) {
-            Some(WorkerLine::Step(s)) => s.step + 1,
+            Some(WorkerLine::Step(s)) => {
+                // After an FSEP layout switch the worker trains on a later plan of its epoch.
+                if s.epoch == self.report.epoch && s.layout_version > self.report.plan_version {
+                    self.report.plan_version = s.layout_version;
+                }
+                s.step + 1
+            }
             Some(WorkerLine::Event(
                 WorkerEvent::Failed { step, .. }
                 | WorkerEvent::Paused { step, .. }

@@ -571,6 +571,7 @@ impl Controller {
                     expert_ms: s.expert_ms,
                     expert_tokens: s.expert_tokens,
                     sent_bytes: s.sent_bytes,
+                    layout_version: s.layout_version,
                 },
             },
             WorkerLine::Event(ev) => match self.worker_event(node, ev) {
@@ -702,6 +703,17 @@ impl Controller {
             Action::Abort { node, epoch } => Self::command(node, &Command::Abort { epoch }, out),
             Action::Stop { node } => Self::command(node, &Command::Stop, out),
             Action::Reconfigure(r) => self.reconfigure(&r, out),
+            Action::SwitchLayout(sw) => {
+                let cmd = Command::Relayout {
+                    epoch: sw.epoch,
+                    version: sw.plan.version,
+                    from_step: sw.from_step,
+                    replicas: sw.replicas_per_member(),
+                };
+                for &node in &sw.plan.node_map {
+                    Self::command(node, &cmd, out);
+                }
+            }
             Action::Resend { node, epoch } => self.resend(node, epoch, out),
             Action::CommitCheckpoint {
                 step,

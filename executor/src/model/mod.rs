@@ -10,6 +10,8 @@
 //!   local store; the distributed runtime plugs in its all-to-all.
 //! * [`ShardStore`] — FSEP: this rank's shard copies of every expert with their AdamW state
 //!   ([`ExpertMode`]).
+//! * [`ShadowReplica`] — catches a replica copied at an earlier step up with the updates its
+//!   holders applied since (the building block of replicated re-layout without a pause).
 //! * [`Trainer`] — the single-worker reference loop on the byte-level [`Corpus`].
 //!
 //! Routing: `softmax(x·W_r)` over the experts (the differentiable `ops::softmax`), top-k on the
@@ -25,6 +27,7 @@ mod experts;
 mod fsep;
 mod init;
 mod optim;
+mod shadow;
 mod train;
 
 pub use config::{ConfigError, MoeConfig, Precision};
@@ -34,4 +37,5 @@ pub use experts::{ExpertExec, ExpertState, ExpertStore, ExpertWeights, LocalExpe
 pub use fsep::{ExpertMode, ShardState, ShardStore, assemble, cut, one_per_rank, shard_range};
 pub use init::Fnv64;
 pub use optim::{AdamW, OptimState, ParamState, ParamsAdamW, grad_scale, scale_grad, sq_norm};
+pub use shadow::ShadowReplica;
 pub use train::{StepReport, Trainer, apply_update, grad_norm_parts};

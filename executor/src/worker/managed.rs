@@ -12,6 +12,15 @@
 //! a step was measured, then a multiple of the slowest recent step, never below the floor
 //! (`timeout_ms`). A peer that is gone is reported by the controller (an [`Command::Abort`])
 //! long before that.
+//!
+//! # Layout switches without a pause (FSEP)
+//! A [`Command::Relayout`] that arrives while training is staged, not applied: every step's
+//! barrier carries the newest layout version each member holds ([`train_step_voting`]), and
+//! after the first step at or past the command's `from_step − 1` whose barrier shows every
+//! member voting it, every member installs it (`DistributedExperts::set_layout`) before the
+//! next step — the same boundary everywhere, since they all read the same votes. Its step
+//! lines then carry the new version. A reconfiguration drops a staged layout (its plan
+//! replaces it).
 
 use std::net::{IpAddr, TcpListener};
 use std::sync::Arc;
@@ -28,9 +37,16 @@ use super::migrate::reconfigure;
 use super::protocol::{
     Checksums, Command, JobSpec, Reconfigure, StateSource, StepLine, WorkerEvent,
 };
-use super::state::{Snapshot, State, checkpoint_writers, train_step, write_checkpoint};
+use super::state::{Snapshot, State, checkpoint_writers, train_step_voting, write_checkpoint};
 use crate::model::Corpus;
 use crate::runtime::DistributedExperts;
+
+/// A [`Command::Relayout`] this worker holds and does not train on yet.
+struct StagedLayout {
+    version: u64,
+    from_step: u64,
+    replicas: Vec<Vec<Vec<u32>>>,
+}
 
 /// Where the worker is.
 enum Phase {
@@ -131,6 +147,8 @@ where
         step: 0,
         epoch: 0,
         pause_pending: false,
+        layout_version: 0,
+        staged: None,
     };
     let mut addr = w.listener.local_addr()?;
     if addr.ip().is_unspecified() {
@@ -164,6 +182,10 @@ struct Worker<'a, E> {
     step: u64,
     epoch: u64,
     pause_pending: bool,
+    /// The plan version of the layout in force (the epoch's, or a later switch's).
+    layout_version: u64,
+    /// A layout switch waiting for every member to hold it.
+    staged: Option<StagedLayout>,
     /// Times from one reported step to the next (the step deadline's measure).
     step_times: StepTimes,
     /// When the last step of this epoch was reported.
@@ -213,8 +235,9 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
             .map_err(|_| anyhow!("control channel closed while waiting for a command"))?;
         Ok(match cmd {
             Command::Job(_) => bail!("a second Job command"),
-            // Idle already: the controller has (or will get) this worker's idle report.
-            Command::Pause | Command::Abort { .. } => Phase::Idle,
+            // Idle already: the controller has (or will get) this worker's idle report. A
+            // layout switch is superseded by the reconfiguration that comes next.
+            Command::Pause | Command::Abort { .. } | Command::Relayout { .. } => Phase::Idle,
             Command::Stop => Phase::Stopped,
             Command::Reconfigure(cmd) => Phase::Reconfiguring(Box::new(cmd)),
         })
@@ -225,6 +248,8 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         let t = Instant::now();
         self.pause_pending = false;
         self.epoch = cmd.epoch;
+        self.staged = None;
+        self.layout_version = cmd.plan_version;
         if cmd.source == StateSource::Fresh && (self.step != 0 || !self.st.store.is_empty()) {
             // A start that did not complete everywhere is redone from scratch.
             self.st = fresh_state(&self.job)?;
@@ -329,6 +354,24 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         loop {
             match commands.try_recv() {
                 Ok(Command::Pause) => self.pause_pending = true,
+                Ok(Command::Relayout {
+                    epoch,
+                    version,
+                    from_step,
+                    replicas,
+                }) => {
+                    let newer = self
+                        .staged
+                        .as_ref()
+                        .map_or(self.layout_version, |s| s.version);
+                    if epoch == self.epoch && version > newer {
+                        self.staged = Some(StagedLayout {
+                            version,
+                            from_step,
+                            replicas,
+                        });
+                    }
+                }
                 // The command reader aborted the communicator; the step below fails.
                 Ok(Command::Abort { .. }) => {}
                 Ok(Command::Stop) => return Ok(Some(Phase::Stopped)),
@@ -382,13 +425,18 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
             .map_err(anyhow::Error::from)
             .and_then(|tokens| {
                 let st = &mut self.st;
-                train_step(
+                let vote = self
+                    .staged
+                    .as_ref()
+                    .map_or(self.layout_version, |s| s.version);
+                train_step_voting(
                     &st.model,
                     &mut st.opt,
                     &mut st.store,
                     &mut dist,
                     &tokens,
                     self.pause_pending,
+                    vote,
                 )
             });
         let done = match res {
@@ -416,6 +464,7 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
             expert_ms,
             expert_tokens,
             sent_bytes,
+            layout_version: self.layout_version,
         };
         (self.emit)(&serde_json::to_string(&line)?)?;
         let now = Instant::now();
@@ -424,6 +473,9 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         self.step_times.push(step_ms);
         self.last_step_end = Some(now);
         self.step += 1;
+        if let Err(e) = self.switch_if_agreed(&mut dist, done.layout_agreed) {
+            return self.failed(&e);
+        }
         self.checkpoint_if_due(&mut dist)?;
         if pause {
             self.pause_pending = false;
@@ -432,6 +484,29 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
             return Ok(Phase::Idle);
         }
         Ok(Phase::Training(dist))
+    }
+
+    /// Installs the staged layout when the step just trained (`self.step − 1`) showed every
+    /// member voting it (`agreed`, the same on every member) and the next step is not before
+    /// its `from_step`: every member decides the same at the same boundary.
+    fn switch_if_agreed(
+        &mut self,
+        dist: &mut DistributedExperts,
+        agreed: Option<u64>,
+    ) -> Result<()> {
+        let due = self
+            .staged
+            .as_ref()
+            .is_some_and(|s| agreed == Some(s.version) && self.step >= s.from_step);
+        if !due {
+            return Ok(());
+        }
+        let s = self.staged.take().expect("checked");
+        dist.set_layout(s.replicas.clone())
+            .with_context(|| format!("installing the layout of plan v{}", s.version))?;
+        self.replicas = s.replicas;
+        self.layout_version = s.version;
+        Ok(())
     }
 
     fn finish(mut self) -> Result<Checksums> {

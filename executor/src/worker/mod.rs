@@ -62,7 +62,7 @@ pub use protocol::{
     StepLine, WorkerEvent, WorkerLine,
 };
 pub use standalone::{WorkerOptions, run_worker};
-pub use state::{Snapshot, TrainedStep, all_finite, train_step};
+pub use state::{Snapshot, TrainedStep, all_finite, train_step, train_step_voting};
 
 /// Model configurations a worker can be started with, by name.
 pub const CONFIG_NAMES: [&str; 4] = ["tiny", "gpt-s", "gpt-m", "gpt-l"];

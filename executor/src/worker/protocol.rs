@@ -46,6 +46,10 @@ pub struct StepLine {
     /// Bytes this worker sent to other workers during the step (every collective).
     #[serde(default)]
     pub sent_bytes: u64,
+    /// The plan version of the layout the step ran on: the epoch's, or a later one after a
+    /// [`Command::Relayout`] (0: not reported).
+    #[serde(default)]
+    pub layout_version: u64,
 }
 
 fn nan_if_null<'de, D: Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
@@ -240,6 +244,17 @@ pub enum Command {
     Reconfigure(Reconfigure),
     /// Pause at the next step boundary every member agrees on.
     Pause,
+    /// FSEP: train on the layout `replicas` (`[layer][expert][rank]`, plan `version`) from
+    /// step `from_step` on, or from the first step after it at which every member of `epoch`
+    /// holds it (they agree in each step's barrier; see [`super::train_step_voting`]). Only
+    /// the index table of the shard all-to-all changes: no pause, nothing moves. Ignored
+    /// outside `epoch` or when the worker already trains on `version` or a newer plan.
+    Relayout {
+        epoch: u64,
+        version: u64,
+        from_step: u64,
+        replicas: Vec<Vec<Vec<u32>>>,
+    },
     /// A member of `epoch` is gone: abort the collective or rendezvous in flight (without
     /// waiting for its timeout) and report `Failed`.
     Abort {
@@ -361,6 +376,7 @@ mod tests {
                 expert_ms: 0.0,
                 expert_tokens: 0,
                 sent_bytes: 0,
+                layout_version: 0,
             };
             let text = serde_json::to_string(&line).unwrap();
             let Some(WorkerLine::Step(back)) = WorkerLine::parse(&text) else {

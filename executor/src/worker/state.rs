@@ -114,6 +114,9 @@ pub struct TrainedStep {
     pub pause: bool,
     /// Some member saw a non-finite loss or gradient, so no member applied the update.
     pub nonfinite: bool,
+    /// The layout version every member voted, if they all voted the same
+    /// ([`train_step_voting`]); the same on every member.
+    pub layout_agreed: Option<u64>,
 }
 
 /// One distributed training step — the only one, for managed and stand-alone workers — that
@@ -142,6 +145,37 @@ pub fn train_step(
     tokens: &Tensor,
     pause: bool,
 ) -> Result<TrainedStep> {
+    train_step_voting(model, dense_opt, store, experts, tokens, pause, 0)
+}
+
+/// Largest layout version the barrier carries exactly (an f32 holds every integer up to
+/// 2^24).
+pub const MAX_LAYOUT_VERSION: u64 = 1 << 24;
+
+/// [`train_step`] with this worker's layout vote: the newest layout version it holds (the one
+/// it trains on, or a [`super::Command::Relayout`] it has staged). The barrier carries one
+/// slot per rank, each written by that rank alone (so the sum is exact whatever the order of
+/// the additions, and every member reads the same slots); [`TrainedStep::layout_agreed`] is
+/// the version when every slot holds the same one. Switching when it equals the staged
+/// version makes every member switch at the same step boundary, however late the command
+/// reached one of them: if every member voted `u`, every member holds `u`. (Agreement rather
+/// than the minimum: a member that staged a newer switch over an older one would otherwise
+/// stay behind while the others took the older; the job machine never sends that, and this
+/// keeps even that case consistent — nobody switches.)
+#[allow(clippy::too_many_arguments)]
+pub fn train_step_voting(
+    model: &DenseModel,
+    dense_opt: &mut AdamW,
+    store: &mut ExpertStore,
+    experts: &mut DistributedExperts,
+    tokens: &Tensor,
+    pause: bool,
+    layout_vote: u64,
+) -> Result<TrainedStep> {
+    anyhow::ensure!(
+        layout_vote <= MAX_LAYOUT_VERSION,
+        "layout version {layout_vote} too large for the step barrier"
+    );
     experts.begin_step()?;
     let mut stats = RoutingStats::default();
     let loss = model.loss(tokens, experts, &mut stats)?;
@@ -166,7 +200,11 @@ pub fn train_step(
     }
     // The last collective: a barrier that also carries the pause and non-finite votes and the
     // parts of the global gradient norm.
+    let world = experts.world();
     let mut v = vec![f32::from(u8::from(pause)), f32::from(u8::from(!finite))];
+    let mut layout = vec![0f32; world];
+    layout[experts.rank()] = layout_vote as f32;
+    v.extend(layout);
     v.extend(norm_parts(
         model,
         experts,
@@ -179,7 +217,12 @@ pub fn train_step(
         c.all_reduce_sum(&all, &mut v).map(|()| v)
     })??;
     let nonfinite = votes[1] > 0.0;
-    let factor = grad_scale(experts.world(), &votes[2..], model.config().grad_clip_norm);
+    let slots = &votes[2..2 + world];
+    let layout_agreed = slots
+        .iter()
+        .all(|&x| x == slots[0])
+        .then(|| slots[0] as u64);
+    let factor = grad_scale(world, &votes[2 + world..], model.config().grad_clip_norm);
     let snapshot = match experts.shard_store()? {
         Some(sh) => {
             let sh = sh
@@ -204,6 +247,7 @@ pub fn train_step(
         snapshot,
         pause: votes[0] > 0.0,
         nonfinite,
+        layout_agreed,
     })
 }
 

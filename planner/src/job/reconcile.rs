@@ -81,6 +81,9 @@ pub struct NodeView {
     pub done: bool,
     /// The members are being paused for a join or a rebalance (not aborted after a failure).
     pub pausing: bool,
+    /// The plan version of a layout switch in flight ([`super::LayoutSwitch`]): a worker may
+    /// already train on it (its agent saw its step lines) before the machine counted them.
+    pub switching_to: Option<u64>,
 }
 
 /// A command the crash may have swallowed, to send again.
@@ -134,7 +137,7 @@ pub fn verdict(v: &NodeView, r: &WorkerReport) -> Verdict {
     let mut reissue = Vec::new();
     if v.member {
         if r.epoch == v.epoch {
-            if r.plan_version != v.plan_version {
+            if r.plan_version != v.plan_version && Some(r.plan_version) != v.switching_to {
                 return Verdict::Drop(format!(
                     "its worker holds plan v{} in epoch {}, the saved state plan v{}",
                     r.plan_version, r.epoch, v.plan_version
@@ -245,6 +248,7 @@ mod tests {
             migrating: false,
             done: false,
             pausing: false,
+            switching_to: None,
         }
     }
 
@@ -264,6 +268,24 @@ mod tests {
         for step in [10, 11, 40] {
             assert_eq!(verdict(&v, &running(3, 5, step)), Verdict::Keep(vec![]));
         }
+    }
+
+    /// An FSEP layout switch was pending when the controller died: a worker that already
+    /// trains on the new layout (its agent saw the step lines) is as consistent as one that
+    /// does not yet; any other plan is not.
+    #[test]
+    fn a_member_on_the_pending_layout_switch_is_kept() {
+        let v = NodeView {
+            switching_to: Some(6),
+            ..training_member()
+        };
+        assert_eq!(verdict(&v, &running(3, 5, 10)), Verdict::Keep(vec![]));
+        assert_eq!(verdict(&v, &running(3, 6, 12)), Verdict::Keep(vec![]));
+        assert!(matches!(verdict(&v, &running(3, 7, 12)), Verdict::Drop(_)));
+        assert!(matches!(
+            verdict(&training_member(), &running(3, 6, 12)),
+            Verdict::Drop(_)
+        ));
     }
 
     #[test]

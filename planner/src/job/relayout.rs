@@ -8,9 +8,11 @@
 //! every re-layout point of the [`Schedule`] (warm-up, period `rebalance_every_steps`,
 //! hysteresis on the load ratio) runs [`crate::relayout::laer`] on each layer with the members
 //! as devices (one device per node, `c` slots each). A decision that changes some layer is kept
-//! as the next plan; the machine then pauses the members and issues it through the rebalance
-//! path with the members' ranks unchanged ([`MappingMethod::Identity`]): with sharded experts
-//! (FSEP) it moves nothing, with replicated experts the replicas it adds are migrated.
+//! as the next plan. With sharded experts (FSEP) it moves nothing: the machine sends it to the
+//! members as a [`super::LayoutSwitch`] while they train (no pause; see the job docs). With
+//! replicated experts the machine pauses the members and issues it through the rebalance path
+//! with the members' ranks unchanged ([`MappingMethod::Identity`]): the replicas it adds are
+//! migrated.
 //!
 //! The load ratio the hysteresis compares is the current layout's max / mean tokens computed
 //! per rank under the window's traffic, as the dispatcher splits them
@@ -318,6 +320,12 @@ impl RelayoutState {
         Some((plan, migration))
     }
 
+    /// The pending plan for a [`super::LayoutSwitch`] (sharded experts: no pause, no
+    /// migration), if it was made over exactly `members` (in rank order). Forgets it either way.
+    pub fn take_switch(&mut self, members: &[NodeId]) -> Option<ModelPlan> {
+        self.pending.take().filter(|p| p.node_map == members)
+    }
+
     pub fn has_pending(&self) -> bool {
         self.pending.is_some()
     }
@@ -557,19 +565,54 @@ mod tests {
         assert!(check_invariants(&before, &before, 2).is_ok());
     }
 
-    /// Drives a [`super::super::JobMachine`] of 4 members (3 slots, FSEP) through 4 steps in
-    /// which every member routes `routing`; returns every action.
-    fn machine_run(routing: Vec<u64>) -> (super::super::JobMachine, Vec<super::super::Action>) {
+    /// Every member of `m` reports `step` with `routing`, trained on layout `layout_version`.
+    fn report_step(
+        m: &mut super::super::JobMachine,
+        now: u64,
+        step: u64,
+        routing: &[u64],
+        layout_version: u64,
+        out: &mut Vec<super::super::Action>,
+    ) {
+        use super::super::Event;
+        let epoch = m.epoch();
+        for n in m.members().to_vec() {
+            let report = StepReport {
+                routing: vec![routing.to_vec()],
+                layout_version,
+                ..StepReport::default()
+            };
+            m.handle(
+                now,
+                Event::Stepped {
+                    node: n,
+                    epoch,
+                    step,
+                    report,
+                },
+                out,
+            );
+        }
+    }
+
+    /// Drives a [`super::super::JobMachine`] of 4 members (3 slots, FSEP with `copies` shard
+    /// copies, checkpoints off) through 4 steps in which every member routes `routing`;
+    /// returns every action.
+    fn machine_run(
+        routing: Vec<u64>,
+        copies: usize,
+    ) -> (super::super::JobMachine, Vec<super::super::Action>) {
         use super::super::{Action, Event, JobConfig, JobMachine};
         let model = crate::ModelSpec {
             experts: 4,
             layers: 1,
             f: 2,
         };
-        let mut cfg = JobConfig::new(model, 3, 20);
+        let mut cfg = JobConfig::new(model, 3, 40);
         cfg.initial_nodes = 4;
         cfg.rebalance_every_steps = 4;
         cfg.sharded_experts = true;
+        cfg.shard_copies = copies;
         cfg.relayout = Relayout::Laer(LaerRelayout::new(256.0, 100_000));
         let mut m = JobMachine::new(cfg).unwrap();
         let mut out = Vec::new();
@@ -597,23 +640,9 @@ mod tests {
                 &mut out,
             );
         }
+        let v = m.plan_version();
         for step in 0..4 {
-            for n in 0..4 {
-                let report = StepReport {
-                    routing: vec![routing.clone()],
-                    ..StepReport::default()
-                };
-                m.handle(
-                    2 + step,
-                    Event::Stepped {
-                        node: n,
-                        epoch,
-                        step,
-                        report,
-                    },
-                    &mut out,
-                );
-            }
+            report_step(&mut m, 2 + step, step, &routing, v, &mut out);
         }
         assert!(
             out.iter()
@@ -622,27 +651,126 @@ mod tests {
         (m, out)
     }
 
+    fn switches(out: &[super::super::Action]) -> Vec<super::super::LayoutSwitch> {
+        out.iter()
+            .filter_map(|a| match a {
+                super::super::Action::SwitchLayout(s) => Some((**s).clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// FSEP: the decision is a layout switch sent while the members train — no pause, no
+    /// reconfiguration — in force once every member reports a step trained on it.
     #[test]
-    fn the_machine_relayouts_fsep_in_place_under_skew() {
-        use super::super::{Action, Event, IdleReason, ReconfigKind};
-        let (mut m, out) = machine_run(vec![100, 10, 5, 5]);
-        let paused = out
+    fn the_machine_switches_the_fsep_layout_without_a_pause() {
+        use super::super::{Action, Phase};
+        let (mut m, out) = machine_run(vec![100, 10, 5, 5], 1);
+        // The start is the only reconfiguration; nobody is paused.
+        let reconfigs = out
             .iter()
-            .filter(|a| matches!(a, Action::Pause { .. }))
+            .filter(|a| matches!(a, Action::Reconfigure(_)))
             .count();
-        assert_eq!(paused, 4, "{out:?}");
-        let before = m.plan().unwrap().clone();
+        assert_eq!(reconfigs, 1, "{out:?}");
+        assert!(
+            !out.iter().any(|a| matches!(a, Action::Pause { .. })),
+            "{out:?}"
+        );
+        let sw = switches(&out);
+        assert_eq!(sw.len(), 1, "{out:?}");
+        let (sw, before) = (&sw[0], m.plan().unwrap().clone());
+        assert_eq!(sw.epoch, m.epoch());
+        assert_eq!(sw.plan.version, before.version + 1);
+        assert_eq!(sw.plan.node_map, before.node_map, "ranks unchanged");
+        assert_ne!(sw.plan.layers[0], before.layers[0], "the layout changed");
+        check_invariants(&before.layers[0], &sw.plan.layers[0], 2).unwrap();
+        // Decided once steps 0..=3 were counted: a few steps past the newest reported one.
+        assert_eq!(sw.from_step, 4 + super::super::SWITCH_LEAD_STEPS);
+        assert_eq!(m.pending_switch(), Some(sw));
         let epoch = m.epoch();
+        // The members keep training on the old layout until they all hold the new one...
         let mut out = Vec::new();
-        for n in 0..4u32 {
+        for step in 4..6 {
+            report_step(
+                &mut m,
+                10 + step,
+                step,
+                &[100, 10, 5, 5],
+                before.version,
+                &mut out,
+            );
+        }
+        assert_eq!(m.plan_version(), before.version);
+        assert!(m.pending_switch().is_some());
+        // ...then every member reports step 6 on it: in force, same epoch, still training.
+        report_step(&mut m, 20, 6, &[100, 10, 5, 5], sw.plan.version, &mut out);
+        assert!(m.pending_switch().is_none());
+        assert_eq!(m.plan_version(), sw.plan.version);
+        assert_eq!(m.plan().unwrap().layers, sw.plan.layers);
+        assert_eq!((m.epoch(), m.phase()), (epoch, Phase::Training));
+        let rec = out
+            .iter()
+            .find_map(|a| match a {
+                Action::Record(r) if r.step == 6 => Some(r.clone()),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(rec.plan_version, sw.plan.version);
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, Action::Log(l) if l.contains("in force from step 6")))
+        );
+        assert!(
+            !out.iter()
+                .any(|a| matches!(a, Action::Pause { .. } | Action::Reconfigure(_)))
+        );
+        m.check_invariants().unwrap();
+    }
+
+    /// A switch no step was trained on by the next rebalance point (a command lost on the way)
+    /// is sent again, unchanged, and no new decision is made meanwhile.
+    #[test]
+    fn a_pending_switch_is_sent_again_not_replaced() {
+        let (mut m, out) = machine_run(vec![100, 10, 5, 5], 1);
+        let first = switches(&out).pop().unwrap();
+        let v = m.plan_version();
+        let mut out = Vec::new();
+        for step in 4..8 {
+            report_step(&mut m, 10 + step, step, &[5, 5, 10, 100], v, &mut out);
+        }
+        assert_eq!(switches(&out), vec![first.clone()]);
+        assert_eq!(m.pending_switch(), Some(&first));
+        assert_eq!(m.plan_version(), v);
+    }
+
+    /// A member lost while a switch is pending: the failure rules run as always (an in-place
+    /// repair from the shard copies), the reconfiguration supersedes the switch, and late
+    /// reports of steps on the switched layout (the old epoch) change nothing.
+    #[test]
+    fn a_kill_during_a_pending_switch_recovers_and_drops_it() {
+        use super::super::{Action, Event, IdleReason, ReconfigKind};
+        let (mut m, out) = machine_run(vec![100, 10, 5, 5], 2);
+        let sw = switches(&out).pop().unwrap();
+        let (old_epoch, before) = (m.epoch(), m.plan().unwrap().clone());
+        let mut out = Vec::new();
+        m.handle(
+            30,
+            Event::Lost {
+                node: 3,
+                reason: "killed".into(),
+            },
+            &mut out,
+        );
+        assert!(out.iter().any(|a| matches!(a, Action::Abort { .. })));
+        for n in 0..3u32 {
             let q = before.node_map.iter().position(|&x| x == n).unwrap();
             let held = vec![before.layers[0].grid()[q].to_vec()];
-            let why = IdleReason::Paused;
+            let why = IdleReason::Failed("peer gone".into());
             m.handle(
-                10,
+                31,
                 Event::Idle {
                     node: n,
-                    epoch,
+                    epoch: old_epoch,
                     why,
                     step: 4,
                     held,
@@ -656,20 +784,58 @@ mod tests {
                 Action::Reconfigure(r) => Some(r.clone()),
                 _ => None,
             })
-            .expect("a reconfiguration");
-        assert_eq!(r.kind, ReconfigKind::Rebalance);
-        assert_eq!(r.plan.node_map, before.node_map, "ranks unchanged");
-        assert_ne!(r.plan.layers[0], before.layers[0], "the layout changed");
-        assert!(r.transfers.is_empty() && r.migration_bytes == 0, "{r:?}");
-        assert_eq!(r.resume_step, 4);
-        check_invariants(&before.layers[0], &r.plan.layers[0], 2).unwrap();
+            .unwrap_or_else(|| panic!("no reconfiguration: {out:?}"));
+        assert_eq!(r.kind, ReconfigKind::InPlace);
+        assert_eq!(r.plan.node_map, vec![0, 1, 2]);
+        assert!(m.pending_switch().is_none());
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, Action::Log(l) if l.contains("supersedes the layout switch")))
+        );
+        // A late report of the old epoch on the switched layout is ignored.
+        let late = StepReport {
+            layout_version: sw.plan.version,
+            ..StepReport::default()
+        };
+        let mut more = Vec::new();
+        m.handle(
+            32,
+            Event::Stepped {
+                node: 0,
+                epoch: old_epoch,
+                step: 4,
+                report: late,
+            },
+            &mut more,
+        );
+        assert!(more.iter().all(|a| !matches!(a, Action::Record(_))));
+        let epoch = m.epoch();
+        for n in 0..3 {
+            m.handle(
+                33,
+                Event::Migrated {
+                    node: n,
+                    epoch,
+                    bytes_in: 0,
+                },
+                &mut more,
+            );
+        }
+        let v = m.plan_version();
+        assert_eq!(v, r.plan.version);
+        let mut out = Vec::new();
+        report_step(&mut m, 40, 4, &[100, 10, 5, 5], v, &mut out);
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, Action::Record(r) if r.step == 4 && r.members == 3))
+        );
         m.check_invariants().unwrap();
     }
 
     #[test]
     fn the_machine_keeps_training_on_balanced_traffic() {
         use super::super::Action;
-        let (_, out) = machine_run(vec![30, 30, 30, 30]);
+        let (_, out) = machine_run(vec![30, 30, 30, 30], 1);
         assert!(
             !out.iter().any(|a| matches!(a, Action::Pause { .. })),
             "{out:?}"

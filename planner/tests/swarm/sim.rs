@@ -534,6 +534,11 @@ impl Sim {
             Action::Resend { node, epoch } => {
                 self.fail(format!("unexpected resend of epoch {epoch} to node {node}"))
             }
+            // Only sharded experts with LAER re-layout switch layouts (the swarm replicates).
+            Action::SwitchLayout(sw) => self.fail(format!(
+                "unexpected layout switch to plan v{}",
+                sw.plan.version
+            )),
             Action::CommitCheckpoint { step, .. } => self.commit(step),
             Action::FindCheckpoint => match self.committed.keys().next_back() {
                 Some(&step) => self.send(Event::CheckpointFound { step }),

@@ -312,7 +312,8 @@ pub struct JobArgs {
     /// worker's own routed tokens (the per-(rank, expert) traffic), run only after
     /// --relayout-warmup steps and when the busiest worker computes more than
     /// --relayout-threshold times the mean; it keeps every expert at f replicas on distinct
-    /// nodes. With --expert-mode fsep a re-layout moves no state.
+    /// nodes. With --expert-mode fsep a laer re-layout moves no state and does not pause: the
+    /// workers switch layout while they train, at a step boundary they agree on.
     #[arg(long, value_enum, default_value_t = RelayoutArg::Lazarus)]
     pub relayout: RelayoutArg,
     /// --relayout laer: no re-layout before this many steps.
