@@ -149,9 +149,8 @@ struct State<'a> {
 /// and an apply/undo of the evaluator (the LAER-MoE planner's incremental objective idea,
 /// applied to our cost model).
 struct Fast {
-    /// `own[e][d]`: short-window tokens of `e` routed on device `d` (transposed traffic).
-    own: Vec<Vec<f64>>,
-    /// `own_node[e][n]`: the same summed over the devices of node `n`.
+    /// `own_node[e][n]`: short-window tokens of `e` routed on the devices of node `n` (the
+    /// evaluator's `traffic[e][d]` summed per node).
     own_node: Vec<Vec<f64>>,
     /// Power-sum scales and sums of the current state (see `State::rebase`).
     scale_load: f64,
@@ -188,7 +187,6 @@ impl Fast {
         let (nodes, devices) = (topo.nodes(), topo.devices);
         let two = |len: usize| [vec![0.0; len], vec![0.0; len]];
         Fast {
-            own: Vec::new(),
             own_node: Vec::new(),
             scale_load: 1.0,
             scale_comm: 1.0,
@@ -334,7 +332,7 @@ impl State<'_> {
         }
         let mut s = 0.0;
         if r > 0.0 {
-            let own = &f.own[e];
+            let own = &self.ev.traffic[e];
             for &(d, rd) in &ah {
                 let n = self.topo.node_of(d);
                 let cap = tok * rd / r;
@@ -374,7 +372,7 @@ impl State<'_> {
             .iter()
             .map(|&h| {
                 let cap = tok * self.ev.replicas[e][h as usize] as f64 / r;
-                cap - self.fast.own[e][h as usize].min(cap)
+                cap - self.ev.traffic[e][h as usize].min(cap)
             })
             .sum()
     }
@@ -490,7 +488,7 @@ impl State<'_> {
                         }
                         continue;
                     }
-                    let own = &f.own[t.e][lo..lo + dpn];
+                    let own = &self.ev.traffic[t.e][lo..lo + dpn];
                     let reps = &self.ev.replicas[t.e][lo..lo + dpn];
                     let flows = a.s > 0.0;
                     let (w_eg, w_ing) = (f.w_eg[i][n], f.w_ing[i][n]);
@@ -520,10 +518,19 @@ impl State<'_> {
                         }
                     }
                 }
+                let old = &self.ev.total[lo..lo + dpn];
                 let (pl, pc) = (&f.pow_load[lo..lo + dpn], &f.pow_comm[lo..lo + dpn]);
-                for ((nt, pl), pc) in new_total.iter().zip(pl).zip(pc) {
-                    dl += (nt[0] / sl).powi(POWER) - pl;
-                    dc += (nt[1].max(nt[2]) / sc).powi(POWER) - pc;
+                for (((nt, ot), pl), pc) in new_total.iter().zip(old).zip(pl).zip(pc) {
+                    // An unchanged value's term is `x − x = +0.0`, and adding `+0.0` leaves the
+                    // sum as it is (it starts at `+0.0`, so it is never `−0.0`): skipping it is
+                    // exact. The load of a device without the expert before or after is such.
+                    if nt[0] != ot[0] {
+                        dl += (nt[0] / sl).powi(POWER) - pl;
+                    }
+                    let comm = nt[1].max(nt[2]);
+                    if comm != ot[1].max(ot[2]) {
+                        dc += (comm / sc).powi(POWER) - pc;
+                    }
                 }
             }
         }
@@ -913,12 +920,9 @@ pub fn laer(
         holders: Vec::new(),
         fast: Fast::new(topo),
     };
-    st.fast.own = (0..experts)
-        .map(|e| traffic.iter().map(|row| row[e] as f64).collect())
-        .collect();
     st.fast.own_node = st
-        .fast
-        .own
+        .ev
+        .traffic
         .iter()
         .map(|row| {
             row.chunks(topo.devices_per_node)

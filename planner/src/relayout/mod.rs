@@ -116,6 +116,8 @@ pub struct Evaluator {
     tokens: Vec<f64>,
     /// `replicas[e][d]`.
     replicas: Vec<Vec<u32>>,
+    /// `count[e]`: `Σ_d replicas[e][d]`.
+    count: Vec<u64>,
     /// Per expert, per device: (load, egress seconds, ingress seconds).
     contrib: Vec<Vec<[f64; 3]>>,
     /// Per device totals of the same.
@@ -156,11 +158,17 @@ impl Evaluator {
             link,
             traffic: by_expert,
             tokens,
+            count: Vec::new(),
             replicas: layout.replica_matrix(),
             contrib: vec![vec![[0.0; 3]; topo.devices]; experts],
             total: vec![[0.0; 3]; topo.devices],
             scratch: Vec::new(),
         };
+        ev.count = ev
+            .replicas
+            .iter()
+            .map(|r| r.iter().map(|&x| x as u64).sum())
+            .collect();
         for e in 0..experts {
             ev.refresh(e);
         }
@@ -191,7 +199,8 @@ impl Evaluator {
         let d_n = self.topo.devices;
         let nodes = self.topo.nodes();
         let dpn = self.topo.devices_per_node;
-        let r: f64 = self.replicas[e].iter().map(|&x| x as f64).sum();
+        // A sum of small integers: exact in any order, so the cached count gives the same `r`.
+        let r = self.count[e] as f64;
         let t = self.tokens[e];
         let b = self.link.bytes_per_token;
         let (bi, bo) = (
@@ -211,7 +220,10 @@ impl Evaluator {
         // [cap, over, resid] for now), node sums.
         let mut s = 0.0;
         for d in 0..d_n {
-            let cap = if r > 0.0 {
+            let n = d / dpn;
+            // `t·0/r` is `+0.0` (`t`, `r` finite and non-negative): no division for devices
+            // without a replica.
+            let cap = if r > 0.0 && replicas[d] > 0 {
                 t * replicas[d] as f64 / r
             } else {
                 0.0
@@ -219,8 +231,8 @@ impl Evaluator {
             let own = traffic[d];
             let keep = own.min(cap);
             let (over, resid) = (own - keep, cap - keep);
-            over_node[d / dpn] += over;
-            resid_node[d / dpn] += resid;
+            over_node[n] += over;
+            resid_node[n] += resid;
             s += resid;
             let old = contrib[d];
             for (tot, o) in self.total[d].iter_mut().zip(old) {
@@ -264,7 +276,9 @@ impl Evaluator {
     /// Changes the replica count of `expert` on `device` by `delta` and re-evaluates.
     pub fn adjust(&mut self, expert: usize, device: usize, delta: i32) {
         let r = &mut self.replicas[expert][device];
+        let before = *r;
         *r = (*r as i64 + delta as i64).max(0) as u32;
+        self.count[expert] = self.count[expert] - before as u64 + *r as u64;
         self.refresh(expert);
     }
 
