@@ -378,12 +378,10 @@ impl State<'_> {
     }
 
     /// `C` after action `a`, predicted without applying it to the evaluator (see [`Fast`]);
+    /// `busiest`: the most experts a device fetches after `a` (the caller's bookkeeping).
     /// `None` when the sparse form does not apply (then the caller evaluates exactly).
-    fn predict(&mut self, a: Action) -> Option<f64> {
-        // Migration part: the cheap bookkeeping, applied and undone.
-        self.book(a, false);
-        let busiest = self.busiest() as f64;
-        self.book(a, true);
+    fn predict(&mut self, a: Action, busiest: usize) -> Option<f64> {
+        let busiest = busiest as f64;
         let touches: [Touch; 2] = match a {
             Action::Replace { device, evict, add } => [
                 Touch {
@@ -950,10 +948,12 @@ pub fn laer(
         st.rebase();
         for a in st.candidates() {
             let bytes_before = st.bytes();
+            // Migration part: the cheap bookkeeping, applied and undone.
             st.book(a, false);
             let bytes = st.bytes().saturating_sub(bytes_before);
+            let busiest = st.busiest();
             st.book(a, true);
-            let predicted = match st.predict(a) {
+            let predicted = match st.predict(a, busiest) {
                 Some(c) => c,
                 None => {
                     st.apply(a);
