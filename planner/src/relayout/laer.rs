@@ -148,6 +148,12 @@ struct State<'a> {
 /// candidate costs `O(devices on the holder nodes)` instead of `O(devices)` per touched expert
 /// and an apply/undo of the evaluator (the LAER-MoE planner's incremental objective idea,
 /// applied to our cost model).
+///
+/// All candidates of a round are ranked against the same state, so each device's power-sum
+/// terms and each expert's residual are cached per round, and the link weights per affected
+/// node; a device whose load or communication does not change is skipped (its term is exactly
+/// `+0.0`). The arithmetic of every prediction is the previous version's, operation for
+/// operation, so the decisions are identical (`laer_previous.rs`, proptest in `tests/scale.rs`).
 struct Fast {
     /// `own_node[e][n]`: short-window tokens of `e` routed on the devices of node `n` (the
     /// evaluator's `traffic[e][d]` summed per node).
