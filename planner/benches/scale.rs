@@ -12,7 +12,11 @@
 //!   before), side by side; both costs are printed.
 //! * `scale/mapping_1024`: the `scalable` mapping alone at 1,024 nodes; the Hungarian on the
 //!   same instance is timed once (it takes seconds) and the ratio printed, with both costs.
-//! * `scale/laer_{sparse,reference}_1024x256`: one LAER decision, 1,024 devices × 256 experts.
+//! * `scale/laer_{sparse,previous,reference}_1024x256`: one LAER decision, 1,024 devices × 256
+//!   experts: the current sparse search, its previous version (same decisions, no per-round
+//!   caches) and the reference (full re-evaluation of every candidate). All three share the
+//!   evaluator, so its speed-ups show in all three; `examples/laer_decision.rs` times them
+//!   alternately with CPU time.
 //! * `scale/closed_form_16384_k1_64`: exact model recovery curve, k = 1..64, 16,384 nodes.
 //! * `scale/monte_carlo_16384_k8`: trials/s of the chunked sampler on the 58-layer model
 //!   (rayon: all cores).
@@ -24,7 +28,9 @@ use lazarus_planner::migrate::{
 };
 use lazarus_planner::recovery::{FailureModel, model_plan_closed_form};
 use lazarus_planner::relayout::laer::{LaerParams, laer};
-use lazarus_planner::relayout::{LinkModel, Topology, laer_reference, migration, score};
+use lazarus_planner::relayout::{
+    LinkModel, Topology, laer_previous, laer_reference, migration, score,
+};
 use lazarus_planner::{
     Alignment, AllocPolicy, ClusterSpec, ModelPlan, ModelSpec, PlacePolicy, ReplanOptions,
     allocate, place, plan_model, replan,
@@ -272,6 +278,11 @@ fn bench_laer(c: &mut Criterion) {
     g.sample_size(10);
     g.bench_function("laer_sparse_1024x256", |b| {
         b.iter(|| laer(topo, link, black_box(&traffic), None, &current, &params).unwrap())
+    });
+    g.bench_function("laer_previous_1024x256", |b| {
+        b.iter(|| {
+            laer_previous::laer(topo, link, black_box(&traffic), None, &current, &params).unwrap()
+        })
     });
     g.bench_function("laer_reference_1024x256", |b| {
         b.iter(|| {

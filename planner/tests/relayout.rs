@@ -176,8 +176,18 @@ proptest! {
             if name == "static" {
                 prop_assert_eq!(d.migration.replicas, 0);
             }
-            if name == "laer" || name == "flexmoe" {
+            if name == "flexmoe" {
                 prop_assert!(d.after.step_time_s <= d.before.step_time_s + 1e-12, "{}", name);
+            }
+            // LAER guarantees that its objective (the smooth step time plus the migration
+            // pause) never rises, not the bare max: the max may rise by a hair while the power
+            // mean falls (the saved regression: 5.466104e-2 -> 5.466123e-2 s, the same before
+            // and after the per-round caches).
+            if name == "laer" {
+                prop_assert!(
+                    d.after.smooth_step_time_s <= d.before.smooth_step_time_s + 1e-12,
+                    "{}", name
+                );
             }
         }
     }

@@ -11,12 +11,17 @@ use lazarus_planner::recovery::{
     FailureModel, exact, interval_recovery, model_plan_closed_form, monte_carlo, recovery_auto,
 };
 use lazarus_planner::relayout::laer::{LaerParams, laer};
-use lazarus_planner::relayout::{LinkModel, Topology, laer_reference, migration, score};
+use lazarus_planner::relayout::{
+    LinkModel, Topology, laer_previous, laer_reference, migration, score,
+};
 use lazarus_planner::transport::min_cost_transport;
 use lazarus_planner::{
     Alignment, AllocPolicy, ClusterSpec, LayerPlacement, ModelSpec, PlacePolicy, place, plan_model,
 };
 use proptest::prelude::*;
+use rand::rngs::Xoshiro256PlusPlus;
+use rand::seq::SliceRandom;
+use rand::{RngExt, SeedableRng};
 
 fn zipf_loads(layers: usize, experts: usize, s: f64, seed: u64) -> Vec<Vec<u64>> {
     (0..layers)
@@ -544,4 +549,100 @@ fn laer_quality_on_zipf_matches_reference() {
         .collect();
     let (old, new) = compare(topo, experts, &samples);
     assert_within_2pct("zipf", old, new);
+}
+
+/// A random layout: every expert once, the other slots drawn at random (an expert may sit
+/// twice on one device), rows shuffled by the draw.
+fn random_layout(topo: Topology, experts: usize, seed: u64) -> LayerPlacement {
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    let slots = topo.devices * topo.slots_per_device;
+    let mut cells: Vec<u32> = (0..slots)
+        .map(|i| {
+            if i < experts {
+                i as u32
+            } else {
+                rng.random_range(0..experts as u32)
+            }
+        })
+        .collect();
+    cells.shuffle(&mut rng);
+    let grid = cells
+        .chunks(topo.slots_per_device)
+        .map(<[u32]>::to_vec)
+        .collect();
+    LayerPlacement::from_grid(grid, experts, None).unwrap()
+}
+
+/// Random per-device traffic; `zeros` of the experts get no tokens at all (the predictor's
+/// fallback path), the others a Zipf profile with per-device noise.
+fn random_traffic(
+    topo: Topology,
+    experts: usize,
+    skew: f64,
+    zeros: usize,
+    seed: u64,
+) -> Vec<Vec<u64>> {
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    (0..topo.devices)
+        .map(|_| {
+            (0..experts)
+                .map(|e| {
+                    if e < zeros {
+                        0
+                    } else {
+                        (10_000.0 / ((e + 1) as f64).powf(skew)) as u64 + rng.random_range(0..50)
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// The current sparse search decides exactly as the previous version (same actions, same
+    /// layout, bit-identical costs): its caches change the work, not the arithmetic.
+    #[test]
+    fn laer_equals_previous_sparse_version(
+        nodes in 1usize..=10,
+        dpn in 1usize..=8,
+        slots in 1usize..=4,
+        experts_frac in 0.1f64..=1.0,
+        f in 1usize..=3,
+        skew in 0.0f64..2.0,
+        zeros in 0usize..=2,
+        floor in prop::sample::select(vec![0.0, 0.5, 0.9, 1.0]),
+        long in any::<bool>(),
+        spread in any::<bool>(),
+        hot in 1usize..=16,
+        cold in 1usize..=8,
+        min_gain in prop::sample::select(vec![0.0, 1e-3]),
+        cap_experts in prop::sample::select(vec![2u64, 20, u64::MAX / 1_000_000_000]),
+        seed in any::<u64>(),
+    ) {
+        let topo = Topology { devices: nodes * dpn, devices_per_node: dpn, slots_per_device: slots };
+        let total = topo.devices * slots;
+        let experts = ((total as f64 * experts_frac) as usize).clamp(1, total);
+        let current = if spread {
+            start_layout(topo, experts)
+        } else {
+            random_layout(topo, experts, seed)
+        };
+        let t = random_traffic(topo, experts, skew, zeros.min(experts - 1), seed);
+        let lt = random_traffic(topo, experts, skew * 0.5, 0, seed ^ 1);
+        let params = LaerParams {
+            f,
+            recovery_floor: floor,
+            hot_experts: hot,
+            cold_devices: cold,
+            min_step_gain: min_gain,
+            max_bytes: cap_experts.saturating_mul(link().bytes_per_expert),
+            ..LaerParams::default()
+        };
+        let long_t = long.then_some(lt.as_slice());
+        let new = laer(topo, link(), &t, long_t, &current, &params).unwrap();
+        let old = laer_previous::laer(topo, link(), &t, long_t, &current, &params).unwrap();
+        prop_assert_eq!(new, old);
+    }
 }

@@ -12,6 +12,11 @@ for args in "2048 5 0" "16384 3 0" "2048 1 0.4" "16384 1 0.4"; do
   # shellcheck disable=SC2086
   target/release/examples/scale_replan $args
 done | tee "$out/scale_replan.txt"
+# One LAER decision at 1,024 x 256, alternating with the previous sparse version (checks that
+# both decide the same), then with the reference.
+cargo build --release --quiet -p lazarus-planner --example laer_decision
+{ target/release/examples/laer_decision 5 prev; target/release/examples/laer_decision 2 ref; } \
+  | tee "$out/laer_decision.txt"
 cargo build --release --quiet --bin lzsim
 for nodes in 2048 16384; do
   target/release/lzsim reconfig --nodes "$nodes" --gpus-per-node 8 --slots 32 --experts 256 \

@@ -117,6 +117,10 @@ struct State<'a> {
     had: Vec<Vec<bool>>,
     /// Experts newly placed on each device (each one network transfer).
     fetched: Vec<Vec<u32>>,
+    /// `fetched_hist[k]`: devices with `k` fetched experts, and the sum of all of them (so
+    /// that the busiest device and the bytes are `O(slots)` instead of a scan of devices).
+    fetched_hist: Vec<usize>,
+    fetched_total: usize,
     replicas: Vec<usize>,
     /// Replicas of each expert per node.
     per_node: Vec<Vec<u32>>,
@@ -144,22 +148,83 @@ struct State<'a> {
 /// candidate costs `O(devices on the holder nodes)` instead of `O(devices)` per touched expert
 /// and an apply/undo of the evaluator (the LAER-MoE planner's incremental objective idea,
 /// applied to our cost model).
+///
+/// All candidates of a round are ranked against the same state, so each device's power-sum
+/// terms and each expert's residual are cached per round, and the link weights per affected
+/// node; a device whose load or communication does not change is skipped (its term is exactly
+/// `+0.0`). The arithmetic of every prediction is the previous version's, operation for
+/// operation, so the decisions are identical (`laer_previous.rs`, proptest in `tests/scale.rs`).
 struct Fast {
-    /// `own[e][d]`: short-window tokens of `e` routed on device `d` (transposed traffic).
-    own: Vec<Vec<f64>>,
-    /// `own_node[e][n]`: the same summed over the devices of node `n`.
+    /// `own_node[e][n]`: short-window tokens of `e` routed on the devices of node `n` (the
+    /// evaluator's `traffic[e][d]` summed per node).
     own_node: Vec<Vec<f64>>,
-    /// Power-sum scales and sums of the current state (see `Fast::base`).
+    /// Power-sum scales and sums of the current state (see `State::rebase`).
     scale_load: f64,
     scale_comm: f64,
     sum_load: f64,
     sum_comm: f64,
-    /// Scratch: per node sums of the (up to two) touched experts, node stamps, device stamps.
+    /// Each device's terms of the two power sums in the current state (set by `rebase`; all
+    /// candidates of a round are ranked against the same state).
+    pow_load: Vec<f64>,
+    pow_comm: Vec<f64>,
+    /// Each expert's total residual `S_e` in the current state (set by `rebase`).
+    resid: Vec<f64>,
+    /// Scratch per touched expert (slot 0 or 1): its per-node residual and kept sums, its
+    /// per-node link seconds per byte of egress and ingress, its affected nodes (with the
+    /// `node_in` stamp), its devices holding a replica after the change (sorted, with their
+    /// count) and the capacity and kept tokens there.
     resid_node: [Vec<f64>; 2],
     keep_node: [Vec<f64>; 2],
-    node_stamp: Vec<u32>,
-    dev_stamp: Vec<u32>,
+    w_eg: [Vec<f64>; 2],
+    w_ing: [Vec<f64>; 2],
+    nodes: [Vec<usize>; 2],
+    node_in: [Vec<u32>; 2],
+    node_ep: [u32; 2],
+    after_holders: [Vec<(usize, f64)>; 2],
+    cap: [Vec<f64>; 2],
+    keep: [Vec<f64>; 2],
+    /// Scratch: the new totals of one node's devices.
+    node_total: Vec<[f64; 3]>,
     epoch: u32,
+}
+
+impl Fast {
+    fn new(topo: Topology) -> Self {
+        let (nodes, devices) = (topo.nodes(), topo.devices);
+        let two = |len: usize| [vec![0.0; len], vec![0.0; len]];
+        Fast {
+            own_node: Vec::new(),
+            scale_load: 1.0,
+            scale_comm: 1.0,
+            sum_load: 0.0,
+            sum_comm: 0.0,
+            pow_load: vec![0.0; devices],
+            pow_comm: vec![0.0; devices],
+            resid: Vec::new(),
+            resid_node: two(nodes),
+            keep_node: two(nodes),
+            w_eg: two(nodes),
+            w_ing: two(nodes),
+            nodes: [Vec::new(), Vec::new()],
+            node_in: [vec![0; nodes], vec![0; nodes]],
+            node_ep: [0; 2],
+            after_holders: [Vec::new(), Vec::new()],
+            cap: two(devices),
+            keep: two(devices),
+            node_total: Vec::new(),
+            epoch: 0,
+        }
+    }
+
+    fn next_epoch(&mut self) -> u32 {
+        self.epoch = self.epoch.wrapping_add(1);
+        if self.epoch == 0 {
+            // Wrapped: clear every stamp so that no stale one matches.
+            self.node_in.iter_mut().for_each(|v| v.fill(0));
+            self.epoch = 1;
+        }
+        self.epoch
+    }
 }
 
 /// Order of the power means in [`super::Score::smooth_step_time_s`].
@@ -180,7 +245,8 @@ struct ExpertAfter {
 }
 
 impl State<'_> {
-    /// Recomputes the power sums of the current evaluator state (after accepted actions).
+    /// Recomputes the power sums of the current evaluator state (after accepted actions), each
+    /// device's terms and each expert's total residual.
     fn rebase(&mut self) {
         let f = &mut self.fast;
         let (mut ml, mut mc) = (0.0f64, 0.0f64);
@@ -191,12 +257,32 @@ impl State<'_> {
         f.scale_load = if ml > 0.0 { ml } else { 1.0 };
         f.scale_comm = if mc > 0.0 { mc } else { 1.0 };
         let (mut sl, mut sc) = (0.0, 0.0);
-        for t in &self.ev.total {
-            sl += (t[0] / f.scale_load).powi(POWER);
-            sc += (t[1].max(t[2]) / f.scale_comm).powi(POWER);
+        for (d, t) in self.ev.total.iter().enumerate() {
+            let (pl, pc) = (
+                (t[0] / f.scale_load).powi(POWER),
+                (t[1].max(t[2]) / f.scale_comm).powi(POWER),
+            );
+            f.pow_load[d] = pl;
+            f.pow_comm[d] = pc;
+            sl += pl;
+            sc += pc;
         }
         f.sum_load = sl;
         f.sum_comm = sc;
+        let resid: Vec<f64> = (0..self.tokens.len())
+            .map(|e| self.resid_before(e))
+            .collect();
+        self.fast.resid = resid;
+    }
+
+    /// Each device's power-sum terms from the evaluator's current totals (scales and sums
+    /// unchanged).
+    fn refresh_pows(&mut self) {
+        let f = &mut self.fast;
+        for (d, t) in self.ev.total.iter().enumerate() {
+            f.pow_load[d] = (t[0] / f.scale_load).powi(POWER);
+            f.pow_comm[d] = (t[1].max(t[2]) / f.scale_comm).powi(POWER);
+        }
     }
 
     /// Replica count of `e` on `d` after the touch.
@@ -211,10 +297,11 @@ impl State<'_> {
     }
 
     /// Per-node residual and kept sums of expert `t.e` after the touch (written into the
-    /// scratch arrays for the nodes of `nodes`), and its totals.
-    fn expert_after(&mut self, slot: usize, t: &Touch, nodes: &[usize]) -> ExpertAfter {
+    /// scratch arrays of `slot` for its affected nodes `fast.nodes[slot]`), the capacity and
+    /// kept tokens of each device holding it after the touch, the per-node link seconds per
+    /// byte, and its totals.
+    fn expert_after(&mut self, slot: usize, t: &Touch) -> ExpertAfter {
         let e = t.e;
-        let dpn = self.topo.devices_per_node;
         let tok = self.tokens[e];
         let mut r = 0.0;
         for &h in &self.holders[e] {
@@ -225,31 +312,59 @@ impl State<'_> {
                 r += self.count_after(t, d);
             }
         }
-        for &n in nodes {
-            self.fast.resid_node[slot][n] = 0.0;
-            self.fast.keep_node[slot][n] = 0.0;
+        // The devices holding `e` after the touch, in device order (so that each node's sums
+        // below add its devices in the same order as a scan of the node would).
+        let mut ah = std::mem::take(&mut self.fast.after_holders[slot]);
+        ah.clear();
+        for &h in &self.holders[e] {
+            let rd = self.count_after(t, h as usize);
+            if rd != 0.0 {
+                ah.push((h as usize, rd));
+            }
+        }
+        for &(d, _) in &t.devs[..t.n_devs] {
+            if self.ev.replicas[e][d] == 0 && !ah.iter().any(|&(x, _)| x == d) {
+                let rd = self.count_after(t, d);
+                if rd != 0.0 {
+                    let p = ah.partition_point(|&(x, _)| x < d);
+                    ah.insert(p, (d, rd));
+                }
+            }
+        }
+        let f = &mut self.fast;
+        for &n in &f.nodes[slot] {
+            f.resid_node[slot][n] = 0.0;
+            f.keep_node[slot][n] = 0.0;
         }
         let mut s = 0.0;
         if r > 0.0 {
-            for &n in nodes {
-                for d in n * dpn..(n + 1) * dpn {
-                    let rd = self.count_after(t, d);
-                    if rd == 0.0 {
-                        continue;
-                    }
-                    let cap = tok * rd / r;
-                    let own = self.fast.own[e][d];
-                    let keep = own.min(cap);
-                    self.fast.resid_node[slot][n] += cap - keep;
-                    self.fast.keep_node[slot][n] += keep;
+            let own = &self.ev.traffic[e];
+            for &(d, rd) in &ah {
+                let n = self.topo.node_of(d);
+                let cap = tok * rd / r;
+                let keep = own[d].min(cap);
+                f.resid_node[slot][n] += cap - keep;
+                f.keep_node[slot][n] += keep;
+                f.cap[slot][d] = cap;
+                f.keep[slot][d] = keep;
+            }
+            s = f.nodes[slot].iter().map(|&n| f.resid_node[slot][n]).sum();
+            if s > 0.0 && tok > 0.0 {
+                let b_i = self.link.intra_node_bytes_per_s;
+                let b_o = self.link.inter_node_bytes_per_s;
+                for &n in &f.nodes[slot] {
+                    let x = f.resid_node[slot][n] / s;
+                    f.w_eg[slot][n] = x / b_i + (1.0 - x) / b_o;
+                    let y = (f.own_node[e][n] - f.keep_node[slot][n]) / s;
+                    f.w_ing[slot][n] = y / b_i + (1.0 - y) / b_o;
                 }
             }
-            s = nodes.iter().map(|&n| self.fast.resid_node[slot][n]).sum();
         }
+        f.after_holders[slot] = ah;
         ExpertAfter { r, t: tok, s }
     }
 
-    /// The old expert total residual (`s` before the touch).
+    /// The expert total residual (`S_e` before the touch).
     fn resid_before(&self, e: usize) -> f64 {
         let tok = self.tokens[e];
         let r: f64 = self.holders[e]
@@ -263,47 +378,16 @@ impl State<'_> {
             .iter()
             .map(|&h| {
                 let cap = tok * self.ev.replicas[e][h as usize] as f64 / r;
-                cap - self.fast.own[e][h as usize].min(cap)
+                cap - self.ev.traffic[e][h as usize].min(cap)
             })
             .sum()
     }
 
-    /// New `[load, egress, ingress]` of expert `t.e` on device `d` (its node among the
-    /// expert's affected nodes, whose sums `expert_after` wrote).
-    fn contrib_after(&self, slot: usize, t: &Touch, a: &ExpertAfter, d: usize) -> [f64; 3] {
-        if a.r <= 0.0 || a.t <= 0.0 {
-            return [0.0; 3];
-        }
-        let e = t.e;
-        let n = self.topo.node_of(d);
-        let rd = self.count_after(t, d);
-        let cap = a.t * rd / a.r;
-        let own = self.fast.own[e][d];
-        let keep = own.min(cap);
-        let (over, resid) = (own - keep, cap - keep);
-        let (mut eg, mut ing) = (0.0, 0.0);
-        if a.s > 0.0 {
-            let b = self.link.bytes_per_token;
-            let (bi, bo) = (
-                self.link.intra_node_bytes_per_s,
-                self.link.inter_node_bytes_per_s,
-            );
-            let x = self.fast.resid_node[slot][n] / a.s;
-            eg = over * b * (x / bi + (1.0 - x) / bo);
-            let over_node = self.fast.own_node[e][n] - self.fast.keep_node[slot][n];
-            let y = over_node / a.s;
-            ing = resid * b * (y / bi + (1.0 - y) / bo);
-        }
-        [cap, eg, ing]
-    }
-
     /// `C` after action `a`, predicted without applying it to the evaluator (see [`Fast`]);
+    /// `busiest`: the most experts a device fetches after `a` (the caller's bookkeeping).
     /// `None` when the sparse form does not apply (then the caller evaluates exactly).
-    fn predict(&mut self, a: Action) -> Option<f64> {
-        // Migration part: the cheap bookkeeping, applied and undone.
-        self.book(a, false);
-        let busiest = self.fetched.iter().map(Vec::len).max().unwrap_or(0) as f64;
-        self.book(a, true);
+    fn predict(&mut self, a: Action, busiest: usize) -> Option<f64> {
+        let busiest = busiest as f64;
         let touches: [Touch; 2] = match a {
             Action::Replace { device, evict, add } => [
                 Touch {
@@ -340,58 +424,122 @@ impl State<'_> {
         }
         let dpn = self.topo.devices_per_node;
         // Affected nodes of each touched expert: its holders' nodes before and after.
-        let mut nodes: [Vec<usize>; 2] = [Vec::new(), Vec::new()];
-        let mut afters: Vec<ExpertAfter> = Vec::with_capacity(2);
+        let mut afters: [ExpertAfter; 2] = [
+            ExpertAfter {
+                r: 0.0,
+                t: 0.0,
+                s: 0.0,
+            },
+            ExpertAfter {
+                r: 0.0,
+                t: 0.0,
+                s: 0.0,
+            },
+        ];
         for (i, t) in touches.iter().enumerate() {
-            self.fast.epoch = self.fast.epoch.wrapping_add(1);
-            let ep = self.fast.epoch;
-            let list = &mut nodes[i];
+            let ep = self.fast.next_epoch();
+            self.fast.node_ep[i] = ep;
+            let mut list = std::mem::take(&mut self.fast.nodes[i]);
+            list.clear();
             let holders = self.holders[t.e]
                 .iter()
                 .map(|&h| h as usize)
                 .chain(t.devs[..t.n_devs].iter().map(|&(d, _)| d));
             for d in holders {
                 let n = self.topo.node_of(d);
-                if self.fast.node_stamp[n] != ep {
-                    self.fast.node_stamp[n] = ep;
+                if self.fast.node_in[i][n] != ep {
+                    self.fast.node_in[i][n] = ep;
                     list.push(n);
                 }
             }
-            let before = self.resid_before(t.e);
-            let after = self.expert_after(i, t, &nodes[i]);
+            self.fast.nodes[i] = list;
+            let before = self.fast.resid[t.e];
+            let after = self.expert_after(i, t);
             if self.tokens[t.e] > 0.0 && ((before > 0.0) != (after.s > 0.0) || after.r <= 0.0) {
                 return None;
             }
-            afters.push(after);
+            afters[i] = after;
         }
-        // New totals on the affected devices, and the power-sum corrections.
-        self.fast.epoch = self.fast.epoch.wrapping_add(1);
-        let ep = self.fast.epoch;
+        // New totals on the affected devices, and the power-sum corrections. Whole nodes are
+        // affected, so a node in both lists is done once (in the first); each device adds the
+        // first expert's change, then the second's.
         let (mut dl, mut dc) = (0.0, 0.0);
         let (sl, sc) = (self.fast.scale_load, self.fast.scale_comm);
-        let all: Vec<usize> = nodes[0].iter().chain(&nodes[1]).copied().collect();
-        for n in all {
-            for d in n * dpn..(n + 1) * dpn {
-                if self.fast.dev_stamp[d] == ep {
+        let b = self.link.bytes_per_token;
+        let ep = self.fast.node_ep;
+        let nodes = std::mem::take(&mut self.fast.nodes);
+        let mut new_total = std::mem::take(&mut self.fast.node_total);
+        for (pass, list) in nodes.iter().enumerate() {
+            for &n in list {
+                let f = &self.fast;
+                let in_node = [f.node_in[0][n] == ep[0], f.node_in[1][n] == ep[1]];
+                if pass == 1 && in_node[0] {
                     continue;
                 }
-                self.fast.dev_stamp[d] = ep;
-                let old = self.ev.total[d];
-                let mut new = old;
-                for (i, t) in touches.iter().enumerate() {
-                    if !nodes[i].contains(&n) {
+                let lo = n * dpn;
+                new_total.clear();
+                new_total.extend_from_slice(&self.ev.total[lo..lo + dpn]);
+                for (i, (t, a)) in touches.iter().zip(&afters).enumerate() {
+                    if !in_node[i] {
                         continue;
                     }
-                    let c = self.contrib_after(i, t, &afters[i], d);
-                    let o = self.ev.contrib[t.e][d];
-                    for k in 0..3 {
-                        new[k] += c[k] - o[k];
+                    let contrib = &self.ev.contrib[t.e][lo..lo + dpn];
+                    if a.r <= 0.0 || a.t <= 0.0 {
+                        for (nt, o) in new_total.iter_mut().zip(contrib) {
+                            for k in 0..3 {
+                                nt[k] += 0.0 - o[k];
+                            }
+                        }
+                        continue;
+                    }
+                    let own = &self.ev.traffic[t.e][lo..lo + dpn];
+                    let reps = &self.ev.replicas[t.e][lo..lo + dpn];
+                    let flows = a.s > 0.0;
+                    let (w_eg, w_ing) = (f.w_eg[i][n], f.w_ing[i][n]);
+                    for (j, (nt, o)) in new_total.iter_mut().zip(contrib).enumerate() {
+                        let d = lo + j;
+                        let mut rd = reps[j] as i64;
+                        for &(dd, delta) in &t.devs[..t.n_devs] {
+                            if dd == d {
+                                rd += delta as i64;
+                            }
+                        }
+                        // Its new `[load, egress, ingress]` (the module docs' model).
+                        let c = if rd <= 0 {
+                            // No replica: nothing computed or received, every own token leaves.
+                            [0.0, if flows { own[j] * b * w_eg } else { 0.0 }, 0.0]
+                        } else {
+                            let (cap, keep) = (f.cap[i][d], f.keep[i][d]);
+                            let (over, resid) = (own[j] - keep, cap - keep);
+                            if flows {
+                                [cap, over * b * w_eg, resid * b * w_ing]
+                            } else {
+                                [cap, 0.0, 0.0]
+                            }
+                        };
+                        for k in 0..3 {
+                            nt[k] += c[k] - o[k];
+                        }
                     }
                 }
-                dl += (new[0] / sl).powi(POWER) - (old[0] / sl).powi(POWER);
-                dc += (new[1].max(new[2]) / sc).powi(POWER) - (old[1].max(old[2]) / sc).powi(POWER);
+                let old = &self.ev.total[lo..lo + dpn];
+                let (pl, pc) = (&f.pow_load[lo..lo + dpn], &f.pow_comm[lo..lo + dpn]);
+                for (((nt, ot), pl), pc) in new_total.iter().zip(old).zip(pl).zip(pc) {
+                    // An unchanged value's term is `x − x = +0.0`, and adding `+0.0` leaves the
+                    // sum as it is (it starts at `+0.0`, so it is never `−0.0`): skipping it is
+                    // exact. The load of a device without the expert before or after is such.
+                    if nt[0] != ot[0] {
+                        dl += (nt[0] / sl).powi(POWER) - pl;
+                    }
+                    let comm = nt[1].max(nt[2]);
+                    if comm != ot[1].max(ot[2]) {
+                        dc += (comm / sc).powi(POWER) - pc;
+                    }
+                }
             }
         }
+        self.fast.nodes = nodes;
+        self.fast.node_total = new_total;
         let n = self.topo.devices as f64;
         let pmean = |sum: f64, scale: f64| scale * (sum.max(0.0) / n).powf(1.0 / POWER as f64);
         let smooth = 4.0 * pmean(self.fast.sum_comm + dc, sc)
@@ -444,6 +592,7 @@ impl State<'_> {
             self.per_node[ei][n] += 1;
             if !self.had[d][ei] && !self.fetched[d].contains(&e) {
                 self.fetched[d].push(e);
+                self.fetched_moved(d, 1);
             }
         } else {
             let pos = self.grid[d]
@@ -457,16 +606,38 @@ impl State<'_> {
                 && let Some(p) = self.fetched[d].iter().position(|&x| x == e)
             {
                 self.fetched[d].swap_remove(p);
+                self.fetched_moved(d, -1);
             }
         }
     }
 
+    /// Updates the histogram after device `d`'s fetched list grew or shrank by one.
+    fn fetched_moved(&mut self, d: usize, delta: i32) {
+        let now = self.fetched[d].len();
+        let before = if delta > 0 { now - 1 } else { now + 1 };
+        if self.fetched_hist.len() <= now {
+            self.fetched_hist.resize(now + 1, 0);
+        }
+        self.fetched_hist[before] -= 1;
+        self.fetched_hist[now] += 1;
+        if delta > 0 {
+            self.fetched_total += 1;
+        } else {
+            self.fetched_total -= 1;
+        }
+    }
+
+    /// The most experts any device fetches.
+    fn busiest(&self) -> usize {
+        self.fetched_hist.iter().rposition(|&c| c > 0).unwrap_or(0)
+    }
+
     fn bytes(&self) -> u64 {
-        self.fetched.iter().map(|v| v.len() as u64).sum::<u64>() * self.link.bytes_per_expert
+        self.fetched_total as u64 * self.link.bytes_per_expert
     }
 
     fn cost(&self) -> f64 {
-        let busiest = self.fetched.iter().map(Vec::len).max().unwrap_or(0) as f64;
+        let busiest = self.busiest() as f64;
         let t_mig = busiest * self.link.bytes_per_expert as f64 / self.link.inter_node_bytes_per_s;
         self.params.horizon_steps * self.ev.score().smooth_step_time_s
             + self.params.migration_weight * t_mig
@@ -743,32 +914,19 @@ pub fn laer(
         grid: current.grid().to_vec(),
         had,
         fetched: vec![Vec::new(); topo.devices],
+        fetched_hist: vec![topo.devices],
+        fetched_total: 0,
         replicas: current.replicas(),
         per_node,
         min_nodes,
         floor: params.recovery_floor.min(start_p),
         tokens: Vec::new(),
         holders: Vec::new(),
-        fast: Fast {
-            own: Vec::new(),
-            own_node: Vec::new(),
-            scale_load: 1.0,
-            scale_comm: 1.0,
-            sum_load: 0.0,
-            sum_comm: 0.0,
-            resid_node: [vec![0.0; topo.nodes()], vec![0.0; topo.nodes()]],
-            keep_node: [vec![0.0; topo.nodes()], vec![0.0; topo.nodes()]],
-            node_stamp: vec![0; topo.nodes()],
-            dev_stamp: vec![0; topo.devices],
-            epoch: 0,
-        },
+        fast: Fast::new(topo),
     };
-    st.fast.own = (0..experts)
-        .map(|e| traffic.iter().map(|row| row[e] as f64).collect())
-        .collect();
     st.fast.own_node = st
-        .fast
-        .own
+        .ev
+        .traffic
         .iter()
         .map(|row| {
             row.chunks(topo.devices_per_node)
@@ -796,15 +954,20 @@ pub fn laer(
         st.rebase();
         for a in st.candidates() {
             let bytes_before = st.bytes();
+            // Migration part: the cheap bookkeeping, applied and undone.
             st.book(a, false);
             let bytes = st.bytes().saturating_sub(bytes_before);
+            let busiest = st.busiest();
             st.book(a, true);
-            let predicted = match st.predict(a) {
+            let predicted = match st.predict(a, busiest) {
                 Some(c) => c,
                 None => {
                     st.apply(a);
                     let c = st.cost();
                     st.undo(a);
+                    // Apply and undo leave rounding differences in the device totals, which
+                    // the next predictions start from.
+                    st.refresh_pows();
                     c
                 }
             };

@@ -34,6 +34,7 @@
 pub mod eplb;
 pub mod flexmoe;
 pub mod laer;
+pub mod laer_previous;
 pub mod laer_reference;
 pub mod policy;
 
@@ -108,10 +109,15 @@ pub struct Score {
 pub struct Evaluator {
     topo: Topology,
     link: LinkModel,
-    /// `traffic[d][e]`: tokens routed to `e` by the gate on device `d` (over the window).
+    /// `traffic[e][d]`: tokens routed to `e` by the gate on device `d` (over the window),
+    /// expert-major so that re-evaluating one expert reads one contiguous row.
     traffic: Vec<Vec<f64>>,
+    /// `tokens[e]`: `Σ_d traffic[e][d]`, summed in device order (constant).
+    tokens: Vec<f64>,
     /// `replicas[e][d]`.
     replicas: Vec<Vec<u32>>,
+    /// `count[e]`: `Σ_d replicas[e][d]`.
+    count: Vec<u64>,
     /// Per expert, per device: (load, egress seconds, ingress seconds).
     contrib: Vec<Vec<[f64; 3]>>,
     /// Per device totals of the same.
@@ -143,18 +149,26 @@ impl Evaluator {
                 got: row.len(),
             });
         }
+        let by_expert: Vec<Vec<f64>> = (0..experts)
+            .map(|e| traffic.iter().map(|row| row[e] as f64).collect())
+            .collect();
+        let tokens = by_expert.iter().map(|row| row.iter().sum()).collect();
         let mut ev = Evaluator {
             topo,
             link,
-            traffic: traffic
-                .iter()
-                .map(|r| r.iter().map(|&x| x as f64).collect())
-                .collect(),
+            traffic: by_expert,
+            tokens,
+            count: Vec::new(),
             replicas: layout.replica_matrix(),
             contrib: vec![vec![[0.0; 3]; topo.devices]; experts],
             total: vec![[0.0; 3]; topo.devices],
             scratch: Vec::new(),
         };
+        ev.count = ev
+            .replicas
+            .iter()
+            .map(|r| r.iter().map(|&x| x as u64).sum())
+            .collect();
         for e in 0..experts {
             ev.refresh(e);
         }
@@ -171,7 +185,7 @@ impl Evaluator {
 
     /// Total tokens of expert `e` over all devices.
     pub fn expert_tokens(&self, e: usize) -> f64 {
-        self.traffic.iter().map(|r| r[e]).sum()
+        self.tokens[e]
     }
 
     /// Tokens computed on each device.
@@ -185,32 +199,40 @@ impl Evaluator {
         let d_n = self.topo.devices;
         let nodes = self.topo.nodes();
         let dpn = self.topo.devices_per_node;
-        let r: f64 = self.replicas[e].iter().map(|&x| x as f64).sum();
-        let t: f64 = self.traffic.iter().map(|row| row[e]).sum();
+        // A sum of small integers: exact in any order, so the cached count gives the same `r`.
+        let r = self.count[e] as f64;
+        let t = self.tokens[e];
         let b = self.link.bytes_per_token;
         let (bi, bo) = (
             self.link.intra_node_bytes_per_s,
             self.link.inter_node_bytes_per_s,
         );
         let contrib = &mut self.contrib[e];
+        let traffic = &self.traffic[e];
+        let replicas = &self.replicas[e];
         let scratch = &mut self.scratch;
         scratch.clear();
-        scratch.resize(2 * nodes, 0.0);
-        let (over_node, resid_node) = scratch.split_at_mut(nodes);
+        scratch.resize(4 * nodes, 0.0);
+        let (over_node, rest) = scratch.split_at_mut(nodes);
+        let (resid_node, rest) = rest.split_at_mut(nodes);
+        let (w_eg, w_ing) = rest.split_at_mut(nodes);
         // First pass: per-device capacity, overflow and residual (stored in `contrib` as
         // [cap, over, resid] for now), node sums.
         let mut s = 0.0;
         for d in 0..d_n {
-            let cap = if r > 0.0 {
-                t * self.replicas[e][d] as f64 / r
+            let n = d / dpn;
+            // `t·0/r` is `+0.0` (`t`, `r` finite and non-negative): no division for devices
+            // without a replica.
+            let cap = if r > 0.0 && replicas[d] > 0 {
+                t * replicas[d] as f64 / r
             } else {
                 0.0
             };
-            let own = self.traffic[d][e];
+            let own = traffic[d];
             let keep = own.min(cap);
             let (over, resid) = (own - keep, cap - keep);
-            over_node[d / dpn] += over;
-            resid_node[d / dpn] += resid;
+            over_node[n] += over;
+            resid_node[n] += resid;
             s += resid;
             let old = contrib[d];
             for (tot, o) in self.total[d].iter_mut().zip(old) {
@@ -218,21 +240,35 @@ impl Evaluator {
             }
             contrib[d] = [cap, over, resid];
         }
-        // Second pass: seconds of egress and ingress.
-        for (d, c) in contrib.iter_mut().enumerate() {
-            let [cap, over, resid] = *c;
-            let (mut eg, mut ing) = (0.0, 0.0);
-            if s > 0.0 && r > 0.0 && t > 0.0 {
-                let n = d / dpn;
+        // Second pass: seconds of egress and ingress. The per-byte link times depend on the
+        // node only (`x`, `y` below), so they are computed once per node.
+        let flows = s > 0.0 && r > 0.0 && t > 0.0;
+        if flows {
+            for n in 0..nodes {
                 let x = resid_node[n] / s;
-                eg = over * b * (x / bi + (1.0 - x) / bo);
+                w_eg[n] = x / bi + (1.0 - x) / bo;
                 let y = over_node[n] / s;
-                ing = resid * b * (y / bi + (1.0 - y) / bo);
+                w_ing[n] = y / bi + (1.0 - y) / bo;
             }
-            let cap = if r > 0.0 && t > 0.0 { cap } else { 0.0 };
-            *c = [cap, eg, ing];
-            for (tot, x) in self.total[d].iter_mut().zip(*c) {
-                *tot += x;
+        }
+        let live = r > 0.0 && t > 0.0;
+        for (n, (cs, tots)) in contrib
+            .chunks_mut(dpn)
+            .zip(self.total.chunks_mut(dpn))
+            .enumerate()
+        {
+            for (c, tot) in cs.iter_mut().zip(tots) {
+                let [cap, over, resid] = *c;
+                let (mut eg, mut ing) = (0.0, 0.0);
+                if flows {
+                    eg = over * b * w_eg[n];
+                    ing = resid * b * w_ing[n];
+                }
+                let cap = if live { cap } else { 0.0 };
+                *c = [cap, eg, ing];
+                for (tot, x) in tot.iter_mut().zip(*c) {
+                    *tot += x;
+                }
             }
         }
     }
@@ -240,7 +276,9 @@ impl Evaluator {
     /// Changes the replica count of `expert` on `device` by `delta` and re-evaluates.
     pub fn adjust(&mut self, expert: usize, device: usize, delta: i32) {
         let r = &mut self.replicas[expert][device];
+        let before = *r;
         *r = (*r as i64 + delta as i64).max(0) as u32;
+        self.count[expert] = self.count[expert] - before as u64 + *r as u64;
         self.refresh(expert);
     }
 
