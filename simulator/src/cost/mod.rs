@@ -209,6 +209,12 @@ pub struct SparseStepInput<'a> {
     pub loads: &'a [Vec<u64>],
     pub dispatch: Dispatch,
     pub ep_groups: Option<&'a [Vec<usize>]>,
+    /// Optional, [`Dispatch::Unpadded`] above [`ANALYTIC_DISPATCH_ABOVE_GPUS`] ranks only:
+    /// `[moe_layer][node]` = the first node of the run of consecutive nodes whose replicas in
+    /// that layer equal this node's (itself when they differ from the previous node's). Equal
+    /// nodes have equal per-rank traffic, which is then computed once per run; the result is
+    /// the same with or without it (tested).
+    pub equal_nodes: Option<&'a [Vec<u32>]>,
 }
 
 /// The duration of one training step; see the module docs for every term.
@@ -228,6 +234,7 @@ pub fn step_cost(
             loads: input.loads,
             dispatch: input.dispatch,
             ep_groups: input.ep_groups,
+            equal_nodes: None,
         },
     )
 }
@@ -287,7 +294,8 @@ pub fn step_cost_sparse(
                     }
                     Some(g) => padded_layer(&t, replicas, g, &group_of, traffic),
                     None if gpus > ANALYTIC_DISPATCH_ABOVE_GPUS => {
-                        analytic_layer(&t, replicas, traffic)
+                        let equal = input.equal_nodes.and_then(|eq| eq.get(layer));
+                        analytic_layer(&t, replicas, equal.map(Vec::as_slice), traffic)
                     }
                     None => planned_layer(&t, replicas, traffic),
                 };
@@ -336,6 +344,11 @@ pub fn step_cost_sparse(
 struct Traffic {
     /// Node of each rank (precomputed: the analytic path looks it up `E·R` times a layer).
     node: Vec<usize>,
+    /// Ranks on each node, the first of them, and whether every node's ranks are consecutive
+    /// (the analytic path's equal-nodes copy needs it).
+    node_size: Vec<usize>,
+    first_rank: Vec<usize>,
+    contiguous: bool,
     processed: Vec<f64>,
     sent_inter: Vec<f64>,
     recv_inter: Vec<f64>,
@@ -345,8 +358,24 @@ struct Traffic {
 
 impl Traffic {
     fn new(hw: &HardwareProfile, n: usize) -> Self {
+        let node: Vec<usize> = (0..n).map(|r| hw.node_of(r)).collect();
+        let nodes = node.iter().max().map_or(0, |&m| m + 1);
+        let mut node_size = vec![0usize; nodes];
+        let mut first_rank = vec![usize::MAX; nodes];
+        let mut contiguous = true;
+        for (j, &n) in node.iter().enumerate() {
+            if node_size[n] == 0 {
+                first_rank[n] = j;
+            } else if first_rank[n] + node_size[n] != j {
+                contiguous = false;
+            }
+            node_size[n] += 1;
+        }
         Traffic {
-            node: (0..n).map(|r| hw.node_of(r)).collect(),
+            node,
+            node_size,
+            first_rank,
+            contiguous,
             processed: vec![0.0; n],
             sent_inter: vec![0.0; n],
             recv_inter: vec![0.0; n],
@@ -452,13 +481,37 @@ fn planned_layer(t: &[u64], replicas: &[Vec<(u32, u32)>], traffic: &mut Traffic)
 /// node (all of it leaves, except the share that lands on holders of the same node), so
 /// non-holders are accumulated per node, touching only the holders' nodes, and spread over
 /// the node's ranks once per layer; holders (few per expert) are corrected individually.
-fn analytic_layer(t: &[u64], replicas: &[Vec<(u32, u32)>], traffic: &mut Traffic) -> Result<()> {
+///
+/// `equal_nodes` ([`SparseStepInput::equal_nodes`]): `[node]` = the first node of its run of
+/// nodes with equal replicas. Every per-rank and per-node term depends only on the node's own
+/// replicas and on per-expert totals (`r_e`, the overflow sum `S`), so the ranks of a node
+/// that follows an equal one get exactly (bit for bit) the values of that node's ranks: they
+/// are copied, and only `S`, which sums over every holder in rank order, still visits them.
+/// A hint that does not fit (wrong length, a node pointing forward or at a node that is not
+/// first of its run, different rank counts) is ignored.
+fn analytic_layer(
+    t: &[u64],
+    replicas: &[Vec<(u32, u32)>],
+    equal_nodes: Option<&[u32]>,
+    traffic: &mut Traffic,
+) -> Result<()> {
     let gpus = traffic.processed.len();
-    let nodes = traffic.node[gpus - 1] + 1;
-    let mut node_size = vec![0usize; nodes];
-    for &n in &traffic.node {
-        node_size[n] += 1;
-    }
+    let nodes = traffic.node_size.len();
+    let node_size = &traffic.node_size;
+    let rep: Vec<usize> = match equal_nodes {
+        Some(eq)
+            if traffic.contiguous
+                && eq.len() == nodes
+                && eq.iter().enumerate().all(|(n, &f)| {
+                    let f = f as usize;
+                    f <= n && eq[f] as usize == f && node_size[f] == node_size[n]
+                }) =>
+        {
+            eq.iter().map(|&f| f as usize).collect()
+        }
+        _ => (0..nodes).collect(),
+    };
+    // Holders on nodes evaluated themselves (first of their run).
     let mut holders: Vec<(usize, f64)> = Vec::new();
     // Per-node sums of the current expert, kept on the holders' nodes only (`touched`) and
     // reset there after each expert: the work per expert is O(holders), not O(nodes).
@@ -474,24 +527,36 @@ fn analytic_layer(t: &[u64], replicas: &[Vec<(u32, u32)>], traffic: &mut Traffic
         if te == 0 {
             continue;
         }
-        holders.clear();
-        holders.extend(r_row.iter().map(|&(j, r)| (j as usize, f64::from(r))));
-        if holders.is_empty() {
+        if r_row.is_empty() {
             bail!("expert {e} receives {te} tokens per rank but has no replica");
         }
-        let r_e: f64 = holders.iter().map(|h| h.1).sum();
+        // Replica counts are integers: their sum in `u64` is the `f64` sum in rank order
+        // exactly (every partial sum is an integer below 2⁵³), without a chain of float adds.
+        let r_e = r_row.iter().map(|&(_, r)| u64::from(r)).sum::<u64>() as f64;
         let te = te as f64;
         let per_replica = te * gpus as f64 / r_e;
+        holders.clear();
         touched.clear();
-        for &(j, _) in &holders {
+        // Overflow of every non-holding rank of every node: te per rank; then every holder's
+        // overflow, in rank order. Only the holders of evaluated nodes are kept.
+        let mut s = te * (gpus - r_row.len()) as f64;
+        for &(j, r) in r_row {
+            let r = f64::from(r);
+            let c = per_replica * r;
+            if te > c {
+                s += te - c;
+            }
+            let j = j as usize;
             let n = traffic.node[j];
+            if rep[n] != n {
+                continue;
+            }
+            holders.push((j, r));
             if held_on[n] == 0 {
                 touched.push(n);
             }
             held_on[n] += 1;
         }
-        // Overflow of every non-holding rank of every node: te per rank.
-        let mut s = te * (gpus - holders.len()) as f64;
         for &n in &touched {
             o_node[n] = te * (node_size[n] - held_on[n]) as f64;
         }
@@ -501,7 +566,6 @@ fn analytic_layer(t: &[u64], replicas: &[Vec<(u32, u32)>], traffic: &mut Traffic
             let n = traffic.node[j];
             if te > c {
                 o_node[n] += te - c;
-                s += te - c;
             } else {
                 p_node[n] += c - te;
             }
@@ -539,9 +603,21 @@ fn analytic_layer(t: &[u64], replicas: &[Vec<(u32, u32)>], traffic: &mut Traffic
             held_on[n] = 0;
         }
     }
-    for (j, &n) in traffic.node.iter().enumerate() {
-        traffic.sent_intra[j] += nh_intra[n];
-        traffic.sent_inter[j] += uniform_inter + nh_inter[n];
+    for j in 0..gpus {
+        let n = traffic.node[j];
+        let f = rep[n];
+        if f == n {
+            traffic.sent_intra[j] += nh_intra[n];
+            traffic.sent_inter[j] += uniform_inter + nh_inter[n];
+        } else {
+            // The same GPU of the first node of the run, final already (`f < n`).
+            let src = traffic.first_rank[f] + (j - traffic.first_rank[n]);
+            traffic.processed[j] = traffic.processed[src];
+            traffic.sent_intra[j] = traffic.sent_intra[src];
+            traffic.sent_inter[j] = traffic.sent_inter[src];
+            traffic.recv_intra[j] = traffic.recv_intra[src];
+            traffic.recv_inter[j] = traffic.recv_inter[src];
+        }
     }
     Ok(())
 }

@@ -218,7 +218,7 @@ fn analytic_dispatch_matches_the_plan() {
             let t = routed_tokens(&loads[layer], m.assignments_per_gpu()).unwrap();
             let (mut a, mut b) = (Traffic::new(&hw, gpus), Traffic::new(&hw, gpus));
             planned_layer(&t, rep, &mut a).unwrap();
-            analytic_layer(&t, rep, &mut b).unwrap();
+            analytic_layer(&t, rep, None, &mut b).unwrap();
             // Per-rank totals depend only on T and the capacities (each within one token of
             // the fractional one): within one token per expert.
             let tol = |x: &[f64], y: &[f64]| {
@@ -235,6 +235,99 @@ fn analytic_dispatch_matches_the_plan() {
             assert!(tol(&a.recv_inter, &b.recv_inter));
             assert!(tol(&a.sent_intra, &b.sent_intra) || gpus_per_node == 1);
             assert!(tol(&a.recv_intra, &b.recv_intra) || gpus_per_node == 1);
+        }
+    }
+}
+
+/// The analytic layer with the equal-nodes hint is bit for bit the one without: random layers
+/// whose nodes repeat the previous node's replicas in runs (as MRO block nodes do), random
+/// loads, 1 to 4 GPUs per node; a hint that does not fit is ignored.
+#[test]
+fn analytic_layer_with_equal_nodes_is_exactly_the_plain_one() {
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    let same = |a: &Traffic, b: &Traffic| {
+        let bits = |v: &[f64]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        bits(&a.processed) == bits(&b.processed)
+            && bits(&a.sent_inter) == bits(&b.sent_inter)
+            && bits(&a.recv_inter) == bits(&b.recv_inter)
+            && bits(&a.sent_intra) == bits(&b.sent_intra)
+            && bits(&a.recv_intra) == bits(&b.recv_intra)
+    };
+    for case in 0..400 {
+        let mut hw = hardware("h200-400g").unwrap();
+        hw.gpus_per_node = 1 + next(4) as usize;
+        let g = hw.gpus_per_node;
+        let experts = 1 + next(12) as usize;
+        let slots = 1 + next(3) as usize;
+        let nodes = 1 + next(40) as usize;
+        // Node rows: (gpu, expert, count); a node repeats the previous one's half the time.
+        let mut rows: Vec<Vec<(usize, usize, u32)>> = Vec::new();
+        let mut first: Vec<u32> = Vec::new();
+        for n in 0..nodes {
+            if n > 0 && next(2) == 0 {
+                rows.push(rows[n - 1].clone());
+                first.push(first[n - 1]);
+                continue;
+            }
+            let mut row: Vec<(usize, usize, u32)> = Vec::new();
+            for gpu in 0..g {
+                for _ in 0..slots {
+                    let e = next(experts as u64) as usize;
+                    match row.iter_mut().find(|r| r.0 == gpu && r.1 == e) {
+                        Some(r) => r.2 += 1,
+                        None => row.push((gpu, e, 1)),
+                    }
+                }
+            }
+            rows.push(row);
+            first.push(n as u32);
+        }
+        // Every expert needs a replica: the missing ones go to the first GPU of every node of
+        // the first run (which keeps the runs equal).
+        let run0 = first.iter().take_while(|&&f| f == 0).count();
+        for e in 0..experts {
+            if !rows.iter().any(|r| r.iter().any(|h| h.1 == e)) {
+                for row in &mut rows[..run0] {
+                    row.push((0, e, 1));
+                }
+            }
+        }
+        let mut replicas: Vec<Vec<(u32, u32)>> = vec![Vec::new(); experts];
+        for (n, row) in rows.iter().enumerate() {
+            let mut held: Vec<(u32, usize, u32)> = row
+                .iter()
+                .map(|&(gpu, e, c)| ((n * g + gpu) as u32, e, c))
+                .collect();
+            held.sort_unstable();
+            for (rank, e, c) in held {
+                replicas[e].push((rank, c));
+            }
+        }
+        let loads: Vec<u64> = (0..experts).map(|_| next(1000)).collect();
+        let loads = if loads.iter().all(|&l| l == 0) {
+            vec![1; experts]
+        } else {
+            loads
+        };
+        let t = routed_tokens(&loads, 4096 + next(100_000)).unwrap();
+        let gpus = nodes * g;
+        let (mut a, mut b) = (Traffic::new(&hw, gpus), Traffic::new(&hw, gpus));
+        analytic_layer(&t, &replicas, None, &mut a).unwrap();
+        analytic_layer(&t, &replicas, Some(&first), &mut b).unwrap();
+        assert!(same(&a, &b), "case {case}: {rows:?} {t:?}");
+        // A hint pointing forward, or of the wrong length, is ignored.
+        let mut bad = first.clone();
+        bad[0] = (nodes - 1) as u32;
+        for hint in [&bad[..], &first[..nodes - 1]] {
+            let mut c = Traffic::new(&hw, gpus);
+            analytic_layer(&t, &replicas, Some(hint), &mut c).unwrap();
+            assert!(same(&a, &c), "case {case}: bad hint");
         }
     }
 }

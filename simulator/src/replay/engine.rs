@@ -634,14 +634,16 @@ impl<'a> Engine<'a> {
                 migration,
                 membership_changed,
             } => {
-                let unchanged = self
-                    .layout
-                    .as_ref()
-                    .is_some_and(|l| l.replicas_per_rank == layout.replicas_per_rank);
+                // The cheap tests first: comparing the replicas reads every layer of both.
+                let unchanged = || {
+                    self.layout
+                        .as_ref()
+                        .is_some_and(|l| l.replicas_per_rank == layout.replicas_per_rank)
+                };
                 if kind == ReconfigKind::Rebalance
                     && migration.replicas == 0
                     && !membership_changed
-                    && unchanged
+                    && unchanged()
                 {
                     // Nothing moves and the step cost stays: no pause, not counted.
                     self.set_layout(Some(*layout));

@@ -59,6 +59,7 @@ pub fn layout(
     Layout {
         nodes,
         replicas_per_rank: vec![layer; model.moe_layers],
+        equal_nodes: Vec::new(),
         dispatch,
         ep_groups: Some(
             (0..groups)

@@ -115,6 +115,7 @@ pub fn layout_step_cost(
                 loads,
                 dispatch: layout.dispatch,
                 ep_groups: layout.ep_groups.as_deref(),
+                equal_nodes: (!layout.equal_nodes.is_empty()).then_some(&layout.equal_nodes[..]),
             },
         )?;
         return Ok((c, None));
@@ -130,6 +131,7 @@ pub fn layout_step_cost(
             loads,
             dispatch: Dispatch::Unpadded,
             ep_groups: None,
+            equal_nodes: None,
         },
         &fsep.shape(hw.gpus_per_node),
     )?;
@@ -143,6 +145,7 @@ fn layout(ctx: &Ctx, nodes: Vec<NodeId>, copies: usize, placement: ShardPlacemen
         nodes,
         // The cost model re-materialises per load change; this is never read for FSEP.
         replicas_per_rank: Vec::new(),
+        equal_nodes: Vec::new(),
         dispatch: Dispatch::Unpadded,
         ep_groups: None,
         // No expert lives anywhere between steps: only shards do.

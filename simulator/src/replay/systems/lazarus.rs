@@ -43,9 +43,11 @@ use rayon::prelude::*;
 fn layout_of(ctx: &Ctx, mut plan: ModelPlan) -> Layout {
     // The machine plans per node; the GPU split of each node's slots is a view on it.
     plan.cluster.gpus_per_node = ctx.hw.gpus_per_node;
+    let (replicas_per_rank, equal_nodes) = sparse_replicas_of(&plan);
     Layout {
         nodes: plan.node_map.clone(),
-        replicas_per_rank: sparse_replicas_of(&plan),
+        replicas_per_rank,
+        equal_nodes,
         dispatch: Dispatch::Unpadded,
         ep_groups: None,
         holdings: Vec::new(),
@@ -55,8 +57,8 @@ fn layout_of(ctx: &Ctx, mut plan: ModelPlan) -> Layout {
 }
 
 /// `plan.replicas_per_rank(l)` of every layer in the cost model's sparse form, without the
-/// dense matrices (tested equal).
-fn sparse_replicas_of(plan: &ModelPlan) -> crate::cost::SparseReplicas {
+/// dense matrices (tested equal), and each layer's [`Layout::equal_nodes`].
+fn sparse_replicas_of(plan: &ModelPlan) -> (crate::cost::SparseReplicas, Vec<Vec<u32>>) {
     let g = plan.cluster.gpus_per_node.max(1);
     let gpu_of: Vec<u32> = (0..plan.cluster.slots_per_node)
         .map(|s| plan.cluster.gpu_of_slot(s) as u32)
@@ -65,31 +67,34 @@ fn sparse_replicas_of(plan: &ModelPlan) -> crate::cost::SparseReplicas {
     plan.layers
         .par_iter()
         .map(|layer| layer_replicas(layer.grid().iter(), g, &gpu_of, plan.model.experts))
-        .collect()
+        .unzip()
 }
 
-/// One layer's `[expert] = (rank, count)` rows, ranks ascending. A node whose slots equal the
-/// previous node's (MRO block nodes: about 250 distinct rows per layer at 2,048 nodes) reuses
-/// its runs at its own ranks, so most nodes cost one slice comparison.
+/// One layer's `[expert] = (rank, count)` rows, ranks ascending, and for each node the first
+/// node of its run of equal rows (itself when its row differs from the previous node's). A
+/// node whose slots equal the previous node's (MRO block nodes: about 250 distinct rows per
+/// layer at 2,048 nodes) reuses its runs at its own ranks, so most nodes cost one slice
+/// comparison.
 fn layer_replicas<'a>(
     grid: impl ExactSizeIterator<Item = &'a [u32]>,
     g: usize,
     gpu_of: &[u32],
     experts: usize,
-) -> Vec<Vec<(u32, u32)>> {
-    // `(expert, rank, count)` in node order, then GPU order: ranks ascend in every row.
-    let mut flat: Vec<(u32, u32, u32)> = Vec::with_capacity(grid.len() * g);
-    // The last node's runs `(expert, gpu, count)`.
+) -> (Vec<Vec<(u32, u32)>>, Vec<u32>) {
+    let nodes = grid.len();
+    // Runs `(expert, gpu, count)` of each distinct row, in slot order, back to back.
     let mut runs: Vec<(u32, u32, u32)> = Vec::new();
+    // Per run of equal rows: its runs' range in `runs` and its first and end node.
+    let mut segments: Vec<(usize, usize, usize, usize)> = Vec::new();
+    let mut first_of = Vec::with_capacity(nodes);
     let mut prev: Option<&[u32]> = None;
-    let mut per_expert = vec![0usize; experts];
     for (node, slots) in grid.enumerate() {
         if prev != Some(slots) {
-            runs.clear();
+            let start = runs.len();
             for (slot, &e) in slots.iter().enumerate() {
                 let gpu = gpu_of[slot];
                 // Equal experts on one GPU merge even when not adjacent: one entry per rank.
-                match runs
+                match runs[start..]
                     .iter_mut()
                     .rev()
                     .take_while(|r| r.1 == gpu)
@@ -99,20 +104,36 @@ fn layer_replicas<'a>(
                     None => runs.push((e, gpu, 1)),
                 }
             }
+            segments.push((start, runs.len(), node, node + 1));
             prev = Some(slots);
+        } else if let Some(seg) = segments.last_mut() {
+            seg.3 = node + 1;
         }
-        let base = (node * g) as u32;
-        for &(e, gpu, count) in &runs {
-            per_expert[e as usize] += 1;
-            flat.push((e, base + gpu, count));
-        }
+        first_of.push(segments.last().map_or(node, |s| s.2) as u32);
     }
+    let mut per_expert = vec![0usize; experts];
+    for &(lo, hi, first, end) in &segments {
+        for &(e, _, _) in &runs[lo..hi] {
+            per_expert[e as usize] += end - first;
+        }
+        // Expert-major within the row (GPUs ascending): each expert's row is then written as
+        // one sequential stream per run of equal nodes. `gpu_of` is ascending in the slot, so
+        // a node's ranks ascend in every row as in node-then-slot order (tested).
+        runs[lo..hi].sort_unstable_by_key(|&(e, gpu, _)| (e, gpu));
+    }
+    // `(rank, count)` in node order, then GPU order: ranks ascend in every row.
     let mut rows: Vec<Vec<(u32, u32)>> =
         per_expert.iter().map(|&n| Vec::with_capacity(n)).collect();
-    for (e, rank, count) in flat {
-        rows[e as usize].push((rank, count));
+    for &(lo, hi, first, end) in &segments {
+        for one in runs[lo..hi].chunk_by(|a, b| a.0 == b.0) {
+            let row = &mut rows[one[0].0 as usize];
+            for node in first..end {
+                let base = (node * g) as u32;
+                row.extend(one.iter().map(|&(_, gpu, count)| (base + gpu, count)));
+            }
+        }
     }
-    rows
+    (rows, first_of)
 }
 
 /// What the engine does next, decided by the machine.
@@ -584,11 +605,69 @@ mod tests {
             let cluster =
                 lazarus_planner::ClusterSpec::new(grid.len(), slots).with_gpus_per_node(g);
             let gpu_of: Vec<u32> = (0..slots).map(|s| cluster.gpu_of_slot(s) as u32).collect();
+            let (rows, first_of) =
+                layer_replicas(grid.iter().map(Vec::as_slice), g, &gpu_of, experts);
             assert_eq!(
-                layer_replicas(grid.iter().map(Vec::as_slice), g, &gpu_of, experts),
+                rows,
                 layer_replicas_reference(&grid, g, &gpu_of, experts),
                 "grid {grid:?}, {g} GPUs per node"
             );
+            // Each node points at the first node of its run of equal rows.
+            for (n, &f) in first_of.iter().enumerate() {
+                let f = f as usize;
+                assert!(f <= n && grid[f..=n].iter().all(|r| *r == grid[n]));
+                assert!(f == 0 || grid[f - 1] != grid[n], "grid {grid:?}, node {n}");
+            }
+        }
+    }
+
+    /// The step cost with the layout's equal-nodes hint is exactly the one without, on a
+    /// plan above the analytic-dispatch threshold (40 nodes × 8 GPUs), for several loads.
+    #[test]
+    fn equal_nodes_leave_the_step_cost_unchanged() {
+        let hw = cost::hardware("h200-400g").unwrap();
+        let model = cost::model("deepseek-v3").unwrap();
+        let ctx = Ctx {
+            hw: &hw,
+            model: &model,
+        };
+        for skew in [1u64, 3, 17] {
+            let loads: Vec<Vec<u64>> = (0..model.moe_layers as u64)
+                .map(|l| {
+                    (0..model.experts as u64)
+                        .map(|e| 1 + (e * 7919 * skew + l * 104_729) % (97 * skew))
+                        .collect()
+                })
+                .collect();
+            let layout = Lazarus
+                .start(&ctx, &(0..40).collect::<Vec<_>>(), &loads)
+                .unwrap();
+            let gpus = layout.gpus(&hw);
+            assert!(gpus > cost::ANALYTIC_DISPATCH_ABOVE_GPUS);
+            let runs: usize = layout
+                .equal_nodes
+                .iter()
+                .map(|l| {
+                    l.iter()
+                        .enumerate()
+                        .filter(|(n, f)| **f as usize == *n)
+                        .count()
+                })
+                .sum();
+            assert!(runs < 40 * model.moe_layers, "some nodes repeat");
+            let input = |equal_nodes| cost::SparseStepInput {
+                gpus,
+                replicas: &layout.replicas_per_rank,
+                loads: &loads,
+                dispatch: Dispatch::Unpadded,
+                ep_groups: None,
+                equal_nodes,
+            };
+            let with = cost::step_cost_sparse(&hw, &model, &input(Some(&layout.equal_nodes)));
+            let without = cost::step_cost_sparse(&hw, &model, &input(None));
+            let (with, without) = (with.unwrap(), without.unwrap());
+            assert_eq!(with.total_s.to_bits(), without.total_s.to_bits());
+            assert_eq!(with, without);
         }
     }
 
@@ -617,6 +696,7 @@ mod tests {
         assert_eq!(layout.replicas_per_rank, cost::sparse_replicas(&dense));
         let all = layout.held_all();
         assert_eq!(all.len(), layout.nodes.len());
+        assert_eq!(layout.equal_nodes.len(), plan.layers.len());
         for (i, held) in all.iter().enumerate() {
             assert_eq!(*held, layout.held(i), "node {i}");
         }

@@ -26,6 +26,11 @@ pub struct Layout {
     /// `[moe_layer][expert]` → `(rank, replicas)`, the cost model's input in its sparse form
     /// ([`crate::cost::SparseReplicas`]).
     pub replicas_per_rank: crate::cost::SparseReplicas,
+    /// `[moe_layer][node index]` = the first node of the run of consecutive nodes whose
+    /// replicas in that layer equal this node's (itself when they differ from the previous
+    /// node's): a hint that lets the cost model evaluate one node per run
+    /// ([`crate::cost::SparseStepInput::equal_nodes`]). Empty when not known.
+    pub equal_nodes: Vec<Vec<u32>>,
     pub dispatch: Dispatch,
     /// Padded dispatch only: ranks of each EP group.
     pub ep_groups: Option<Vec<Vec<usize>>>,

@@ -42,6 +42,7 @@ fn fsep_step_exceeds_replicated_by_the_shard_traffic() {
             loads: &loads,
             dispatch: Dispatch::Unpadded,
             ep_groups: None,
+            equal_nodes: None,
         },
     )
     .unwrap();
