@@ -232,13 +232,14 @@ fn laer_relayouts_replicated_experts_without_a_pause_and_replicas_stay_identical
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A node killed while a replica migration is pending (decided after step 3, switched at
-/// step 8 at the earliest): the in-place recovery supersedes it (the copies are dropped,
-/// nothing of the new layout was used), training goes on to the end and every replica of an
-/// expert is identical.
+/// A node killed while a replica migration is pending (decided once step 3 is counted, from
+/// step 6 at the earliest: started at boundary 6, in force from step 7 at the earliest; the
+/// kill comes once every worker completed step 5, with the copies about to stream): the
+/// in-place recovery supersedes it (the copies are dropped, nothing of the new layout was
+/// used), training goes on to the end and every replica of an expert is identical.
 #[test]
 fn a_kill_during_a_replica_migration_recovers_and_replicas_stay_identical() {
-    let (s, _, log, dir) = skewed_run_with("replicated-kill", "replicated", &["--kill", "2@6"]);
+    let (s, _, log, dir) = skewed_run_with("replicated-kill", "replicated", &["--kill", "2@5"]);
     assert_eq!(s.steps, 14);
     assert!(s.recoveries >= 1, "{log}");
     assert_eq!(s.fallbacks, 0, "no checkpoint restore: {log}");
