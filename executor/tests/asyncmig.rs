@@ -22,10 +22,13 @@ use lazarus_executor::worker::{
 
 const WORLD: usize = 4;
 const STEPS: u64 = 16;
-/// Node 0 sleeps this long at the start of each step (the test hook `StepDelay`): every step
-/// lasts at least this, so a `Pause` sent when node 0 reports step `s − 3` is taken at the
-/// start of step `s − 1` (the blocking run pauses exactly at `s`).
-const DELAY_MS: u64 = 150;
+/// Node 0 sleeps this long at the start of each step, after taking its commands (the test
+/// hook `StepDelay`): a `Pause` sent [`PAUSE_AFTER_MS`] after node 0 reported step `s − 3` lands
+/// in that sleep of step `s − 2`, so node 0 takes it at the start of step `s − 1` and every
+/// worker pauses at boundary `s`. (Sent at once, it could beat node 0 to its command check of
+/// step `s − 2`.)
+const DELAY_MS: u64 = 200;
+const PAUSE_AFTER_MS: u64 = 80;
 const WAIT: Duration = Duration::from_secs(120);
 
 /// `[layer][expert][rank]` with every layer holding expert `e` on `holders[e]`.
@@ -239,8 +242,9 @@ fn async_migration_equals_the_blocking_migration_at_the_same_boundary_bit_for_bi
         "the start is the only reconfiguration"
     );
     let s = switch_step(&seen_async);
-    // Agreed at step 2 (from_step 3), copies during step 3, ready in step 4 at the earliest.
-    assert!((5..STEPS - 10).contains(&s), "switched at step {s}");
+    // Agreed in step 2's barrier (from_step 3), started at boundary 3, ready in step 3 at the
+    // earliest (copies in before it starts): the first step on the new layout is 4 or later.
+    assert!((4..=STEPS - 10).contains(&s), "switched at step {s}");
     for (i, sums) in sums_async.iter().enumerate() {
         let held: Vec<(usize, usize)> = sums.replicas.iter().map(|r| (r.layer, r.expert)).collect();
         let want: Vec<(usize, usize)> = (0..cfg.n_layers)
@@ -256,6 +260,7 @@ fn async_migration_equals_the_blocking_migration_at_the_same_boundary_bit_for_bi
     let mut paused_sent = false;
     let seen_blocking = watch(&nodes, &lines, |seen, line, i| match line {
         WorkerLine::Step(st) if i == 0 && st.step + 3 == s && !paused_sent => {
+            thread::sleep(Duration::from_millis(PAUSE_AFTER_MS));
             nodes[0].tx.send(Command::Pause).unwrap();
             paused_sent = true;
         }
