@@ -673,6 +673,7 @@ fn help_explains_every_flag() {
         "--resume",
         "--rebalance-every",
         "--relayout",
+        "--migration",
         "--relayout-warmup",
         "--relayout-threshold",
         "--router-skew",
@@ -1208,7 +1209,8 @@ fn a_stopped_agent_is_fenced_and_the_survivors_reconfigure() {
 
 /// A rebalance replans from the routing history: with the load-balancing loss off, the router
 /// skews and the first rebalance moves expert states (the plan really changes), through the
-/// same pause-and-migrate path as a join.
+/// same pause-and-migrate path as a join (`--migration blocking`; the async path is tested in
+/// `tests/relayout.rs` and `tests/asyncmig.rs`).
 #[test]
 fn a_rebalance_under_skewed_routing_changes_the_plan() {
     let dir = scratch("rebalance");
@@ -1222,6 +1224,8 @@ fn a_rebalance_under_skewed_routing_changes_the_plan() {
         "30",
         "--rebalance-every",
         "5",
+        "--migration",
+        "blocking",
         "--config",
         config.to_str().unwrap(),
         "--format",

@@ -2,7 +2,9 @@
 //! training from the workers' real per-rank traffic. Under a forced routing skew the layout
 //! changes at a rebalance point and the per-worker expert compute (token rows and CPU time)
 //! evens out. With sharded experts (FSEP) the change is a layout switch the workers make while
-//! they train: no pause, no reconfiguration.
+//! they train: no pause, no reconfiguration. With replicated experts (`--migration async`, the
+//! default) it is too: the replicas the new layout adds are copied in the background and the
+//! workers switch once every copy arrived.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -56,6 +58,15 @@ fn spread(rows: &[&StepRecord], f: impl Fn(&StepRecord) -> (f64, f64)) -> f64 {
 
 /// A skewed run with LAER re-layouts; returns its summary, step records and log.
 fn skewed_run(name: &str, mode: &str) -> (Summary, Vec<StepRecord>, String, PathBuf) {
+    skewed_run_with(name, mode, &[])
+}
+
+/// [`skewed_run`] with more `lzrun local` arguments.
+fn skewed_run_with(
+    name: &str,
+    mode: &str,
+    extra: &[&str],
+) -> (Summary, Vec<StepRecord>, String, PathBuf) {
     let dir = scratch(name);
     // Wide experts: the tiny model's are so small that a worker's expert time is mostly the
     // per-expert overhead of a debug build, not its token rows (its CPU ms follow the count
@@ -63,7 +74,7 @@ fn skewed_run(name: &str, mode: &str) -> (Summary, Vec<StepRecord>, String, Path
     let config = dir.join("wide.toml");
     std::fs::write(&config, "base = \"tiny\"\nd_ff = 1024\n").unwrap();
     let metrics = dir.join("metrics");
-    let (code, stdout, stderr) = lzrun(&[
+    let mut args = vec![
         "local",
         "--nodes",
         "4",
@@ -89,7 +100,9 @@ fn skewed_run(name: &str, mode: &str) -> (Summary, Vec<StepRecord>, String, Path
         dir.to_str().unwrap(),
         "--metrics-out",
         metrics.to_str().unwrap(),
-    ]);
+    ];
+    args.extend(extra);
+    let (code, stdout, stderr) = lzrun(&args);
     let show = format!("stdout:\n{stdout}\nstderr:\n{stderr}");
     assert_eq!(code, Some(0), "{show}");
     let summary: Summary =
@@ -174,41 +187,7 @@ fn laer_relayouts_fsep_under_skew_and_evens_out_the_expert_compute() {
     let order: Vec<u64> = steps.iter().map(|r| r.step).collect();
     assert_eq!(order, (0..14).collect::<Vec<_>>());
     assert!(steps.iter().all(|r| r.loss.is_finite()));
-    let switch = steps
-        .windows(2)
-        .position(|w| w[1].plan_version > w[0].plan_version)
-        .expect("the plan changed between two steps")
-        + 1;
-    // The steps around the switch take about as long as the others (the pause path took
-    // 1.4-2.6 s on this machine); the gap between counted steps likewise.
-    let gap = |i: usize| (steps[i].t_s - steps[i - 1].t_s) * 1e3;
-    let mut others: Vec<f64> = (2..steps.len())
-        .filter(|&i| i + 1 < switch || i > switch + 1)
-        .map(|i| steps[i].step_ms)
-        .collect();
-    others.sort_by(f64::total_cmp);
-    let median = others[others.len() / 2];
-    let around: Vec<f64> = (switch.saturating_sub(1)..=(switch + 1).min(steps.len() - 1))
-        .map(|i| steps[i].step_ms)
-        .collect();
-    let gaps: Vec<f64> = (switch..=(switch + 1).min(steps.len() - 1))
-        .map(gap)
-        .collect();
-    let mut all_gaps: Vec<f64> = (2..steps.len()).map(gap).collect();
-    all_gaps.sort_by(f64::total_cmp);
-    eprintln!(
-        "layout switch before step {}: step ms around it {around:.1?} (median of the others \
-         {median:.1}, max {:.1}); gaps between counted steps {gaps:.1?} (median {:.1})",
-        steps[switch].step,
-        others.last().unwrap(),
-        all_gaps[all_gaps.len() / 2]
-    );
-    for ms in around {
-        assert!(
-            ms < 3.0 * median + 500.0,
-            "a step around the switch took {ms:.1} ms (median {median:.1})"
-        );
-    }
+    assert_switch_costs_no_pause(&steps, "layout switch");
     eprintln!(
         "expert compute spread (max/mean over workers): tokens {tok_before:.3} -> {tok_after:.3}, \
          ms {ms_before:.3} -> {ms_after:.3}"
@@ -227,27 +206,108 @@ fn laer_relayouts_fsep_under_skew_and_evens_out_the_expert_compute() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Replicated experts: the same decision goes through the pause-and-migrate path (blocking;
-/// replicas a rank lacks are fetched, a second replica of an expert a rank holds is a local
-/// copy); every replica of an expert stays identical.
+/// Replicated experts (`--migration async`, the default): the same decision is a layout
+/// switch too — no pause, no reconfiguration — whose new replicas are copied in the
+/// background; the steps around the switch take their usual time and every replica of an
+/// expert is identical at the end.
 #[test]
-fn laer_relayouts_replicated_experts_and_replicas_stay_identical() {
+fn laer_relayouts_replicated_experts_without_a_pause_and_replicas_stay_identical() {
     let (s, steps, log, dir) = skewed_run("replicated", "replicated");
     assert_eq!(s.steps, 14);
     assert_eq!((s.recoveries, s.fallbacks), (0, 0), "{log}");
-    let (tok_before, tok_after, _, _) = before_after(&s, &steps, &log, false);
+    let (tok_before, tok_after, _, _) = before_after(&s, &steps, &log, true);
     assert!(tok_after < tok_before, "{tok_before:.3} -> {tok_after:.3}");
-    // Every replica of an expert identical on every node at the end.
+    assert!(
+        s.reconfigurations.iter().all(|r| r.kind == "start"),
+        "{:?}",
+        s.reconfigurations
+    );
+    assert!(log.contains("replica copies in the background"), "{log}");
+    assert!(
+        !log.contains("rebalance reconfiguration") && !log.contains("epoch 2:"),
+        "{log}"
+    );
+    assert_switch_costs_no_pause(&steps, "replica migration switch");
+    assert_replicas_identical(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A node killed while a replica migration is pending (decided once step 3 is counted, from
+/// step 6 at the earliest: started at boundary 6, in force from step 7 at the earliest; the
+/// kill comes once every worker completed step 5, with the copies about to stream): the
+/// in-place recovery supersedes it (the copies are dropped, nothing of the new layout was
+/// used), training goes on to the end and every replica of an expert is identical.
+#[test]
+fn a_kill_during_a_replica_migration_recovers_and_replicas_stay_identical() {
+    let (s, _, log, dir) = skewed_run_with("replicated-kill", "replicated", &["--kill", "2@5"]);
+    assert_eq!(s.steps, 14);
+    assert!(s.recoveries >= 1, "{log}");
+    assert_eq!(s.fallbacks, 0, "no checkpoint restore: {log}");
+    assert!(log.contains("replica copies in the background"), "{log}");
+    assert!(log.contains("supersedes the layout switch"), "{log}");
+    assert!(s.final_loss.is_finite());
+    assert_replicas_identical(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The steps around the layout switch (the first step on a newer plan) take about as long as
+/// the others (the pause path took 1.4-2.6 s on this machine), and so do the gaps between
+/// counted steps; prints them as `what`.
+fn assert_switch_costs_no_pause(steps: &[StepRecord], what: &str) {
+    let switch = steps
+        .windows(2)
+        .position(|w| w[1].plan_version > w[0].plan_version)
+        .expect("the plan changed between two steps")
+        + 1;
+    let gap = |i: usize| (steps[i].t_s - steps[i - 1].t_s) * 1e3;
+    let mut others: Vec<f64> = (2..steps.len())
+        .filter(|&i| i + 1 < switch || i > switch + 1)
+        .map(|i| steps[i].step_ms)
+        .collect();
+    others.sort_by(f64::total_cmp);
+    let median = others[others.len() / 2];
+    let around: Vec<f64> = (switch.saturating_sub(1)..=(switch + 1).min(steps.len() - 1))
+        .map(|i| steps[i].step_ms)
+        .collect();
+    let gaps: Vec<f64> = (switch..=(switch + 1).min(steps.len() - 1))
+        .map(gap)
+        .collect();
+    let mut all_gaps: Vec<f64> = (2..steps.len()).map(gap).collect();
+    all_gaps.sort_by(f64::total_cmp);
+    eprintln!(
+        "{what} before step {}: step ms around it {around:.1?} (median of the others \
+         {median:.1}, max {:.1}); gaps between counted steps {gaps:.1?} (median {:.1})",
+        steps[switch].step,
+        others.last().unwrap(),
+        all_gaps[all_gaps.len() / 2]
+    );
+    for ms in around {
+        assert!(
+            ms < 3.0 * median + 500.0,
+            "a step around the switch took {ms:.1} ms (median {median:.1})"
+        );
+    }
+}
+
+/// Every replica of an expert identical on every node at the end (the checksum files in
+/// `dir`), every expert held somewhere.
+fn assert_replicas_identical(dir: &Path) {
     let mut seen = std::collections::BTreeMap::new();
-    for entry in std::fs::read_dir(&dir).unwrap() {
+    let mut dense = None;
+    for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         if name.starts_with("node") && name.ends_with(".json") {
             let sums = lazarus_executor::worker::Checksums::read(&path).unwrap();
+            assert_eq!(
+                *dense.get_or_insert(sums.dense),
+                sums.dense,
+                "dense weights differ"
+            );
             for r in sums.replicas {
-                let prev = seen.insert((r.layer, r.expert), r.checksum);
+                let prev = seen.insert((r.layer, r.expert), (r.checksum, r.weights_checksum));
                 assert!(
-                    prev.is_none_or(|c| c == r.checksum),
+                    prev.is_none_or(|c| c == (r.checksum, r.weights_checksum)),
                     "replicas of ({}, {}) differ",
                     r.layer,
                     r.expert
@@ -255,6 +315,6 @@ fn laer_relayouts_replicated_experts_and_replicas_stay_identical() {
             }
         }
     }
-    assert!(!seen.is_empty());
-    let _ = std::fs::remove_dir_all(&dir);
+    // The skewed runs use the tiny model's 2 layers of 4 experts.
+    assert_eq!(seen.len(), 8, "{seen:?}");
 }

@@ -62,6 +62,16 @@
 //!   at the next rebalance point, the command is sent again (a lost one is harmless: the switch
 //!   only waits). Any reconfiguration supersedes a pending switch: it carries its own plan and
 //!   a new epoch, and the members drop switches of an older epoch.
+//! * **Replica migration without a pause** (replicated experts with
+//!   [`ReplicaMigration::Async`], either policy): the rebalance point plans the next layout
+//!   over the members with their ranks kept (LAER's decision, or Lazarus's replan renumbered
+//!   onto the current ranks; nothing when it keeps every replica) and sends it as the same
+//!   [`Action::SwitchLayout`], carrying the replica copies ([`LayoutSwitch::transfers`]) from
+//!   the holders of the layout in force. The members copy them in the background and switch
+//!   once every copy arrived (the executor's `model::shadow` docs); the machine sees it in
+//!   force, resends it and lets a reconfiguration supersede it exactly as above. A failure
+//!   meanwhile recovers from what the members report holding: the layout in force (nothing of
+//!   the new one was used). With host-aware placement the rebalance stays blocking.
 //! * **Stuck members.** A member that does not answer within `member_timeout_ms` (does not go
 //!   idle when asked, does not finish a reconfiguration, makes no step progress, a worker that
 //!   never becomes ready) is declared failed and [`Action::Fence`]d: the driver stops talking
@@ -189,6 +199,25 @@ pub struct JobConfig {
     /// LAER's re-layout from the per-rank traffic.
     #[serde(default)]
     pub relayout: relayout::Relayout,
+    /// Replicated experts: how a rebalance that moves replicas is carried out (see the
+    /// [module docs](self)): a pause and a reconfiguration (the default), or a
+    /// [`LayoutSwitch`] with transfers the members stream while they train.
+    #[serde(default)]
+    pub replica_migration: ReplicaMigration,
+}
+
+/// How a rebalance of replicated experts moves the replicas the new layout adds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ReplicaMigration {
+    /// Pause every member, reconfigure, migrate over the new mesh, resume.
+    #[default]
+    Blocking,
+    /// No pause: the members get an [`Action::SwitchLayout`] carrying the transfers, copy the
+    /// replicas in the background (a copy taken at an agreed boundary, caught up by replaying
+    /// the updates since) and switch at the first boundary where every copy arrived. Not with
+    /// host-aware placement (its replan may renumber the members).
+    Async,
 }
 
 fn default_shard_copies() -> usize {
@@ -222,6 +251,7 @@ impl JobConfig {
             sharded_experts: false,
             shard_copies: default_shard_copies(),
             relayout: relayout::Relayout::Lazarus,
+            replica_migration: ReplicaMigration::Blocking,
         }
     }
 
@@ -541,8 +571,10 @@ fn replicas_per_rank(plan: &ModelPlan) -> Vec<Vec<Vec<u32>>> {
 /// earliest (the members agree on the exact boundary themselves; see the [module docs](self)).
 pub const SWITCH_LEAD_STEPS: u64 = 2;
 
-/// A new layout for the members of `epoch`, without a reconfiguration (sharded experts: the
-/// layout is the index table of the shard all-to-all; nothing moves).
+/// A new layout for the members of `epoch`, without a reconfiguration: sharded experts move
+/// nothing (the layout is the index table of the shard all-to-all); replicated experts
+/// ([`ReplicaMigration::Async`]) copy the replicas `transfers` names while they train and
+/// switch once every copy arrived.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LayoutSwitch {
     pub epoch: u64,
@@ -550,8 +582,12 @@ pub struct LayoutSwitch {
     /// layout.
     pub plan: ModelPlan,
     /// The first step that may run on it (the members switch at the first boundary from here
-    /// at which every one of them holds it).
+    /// at which every one of them holds it, and, with transfers, every copy arrived).
     pub from_step: u64,
+    /// Replicated experts: the replica copies the new layout needs, between ranks of the
+    /// epoch (empty with sharded experts).
+    #[serde(default)]
+    pub transfers: Vec<RankTransfer>,
 }
 
 impl LayoutSwitch {
@@ -1627,17 +1663,130 @@ impl JobMachine {
         let every = self.cfg.rebalance_every_steps;
         let crossed = every > 0 && (first..=last).any(|s| (s + 1).is_multiple_of(every));
         if crossed && self.next_step + 1 < self.cfg.total_steps && self.phase == Phase::Training {
-            if let relayout::Relayout::Laer(laer) = self.cfg.relayout {
-                if self.cfg.sharded_experts {
-                    return self.switch_layout(&laer, first + 1..=last + 1, now_ms, out);
-                }
-                if !self.laer_changes_layout(&laer, first + 1..=last + 1, out) {
-                    return;
-                }
+            let laer = match self.cfg.relayout {
+                relayout::Relayout::Laer(laer) => Some(laer),
+                relayout::Relayout::Lazarus => None,
+            };
+            let steps = first + 1..=last + 1;
+            if self.cfg.sharded_experts && laer.is_some() || self.migrates_async() {
+                return self.switch_layout(laer.as_ref(), steps, now_ms, out);
+            }
+            if let Some(laer) = &laer
+                && !self.laer_changes_layout(laer, steps, out)
+            {
+                return;
             }
             self.note_cause(ReconfigKind::Rebalance, now_ms);
             self.pause_members(now_ms, out);
         }
+    }
+
+    /// Whether a rebalance of replicated experts goes out as a [`LayoutSwitch`] with
+    /// transfers ([`ReplicaMigration::Async`]): not with host-aware placement, whose replan
+    /// may give a host's runs of slots to other ranks.
+    fn migrates_async(&self) -> bool {
+        !self.cfg.sharded_experts
+            && self.cfg.replica_migration == ReplicaMigration::Async
+            && !hosts::uniform(&hosts::group(&self.members, |id| {
+                self.nodes.get(&id).and_then(|n| n.host.as_deref())
+            }))
+    }
+
+    /// The next layout over the current members, their ranks kept, and the replica copies it
+    /// needs (none with sharded experts): LAER's decision, or Lazarus's replan from the
+    /// routing history renumbered onto the current ranks. `None` when nothing changes.
+    fn next_layout(
+        &mut self,
+        laer: Option<&relayout::LaerRelayout>,
+        steps: std::ops::RangeInclusive<u64>,
+        out: &mut Vec<Action>,
+    ) -> Option<(ModelPlan, Vec<RankTransfer>)> {
+        let current = self.plan.as_ref()?;
+        if current.node_map != self.members {
+            return None;
+        }
+        // Training members hold exactly what their plan gives them.
+        let physical: Vec<PhysicalNode> = self
+            .members
+            .iter()
+            .enumerate()
+            .map(|(rank, &id)| PhysicalNode {
+                id,
+                holdings: current
+                    .layers
+                    .iter()
+                    .map(|l| l.grid().row(rank).to_vec())
+                    .collect(),
+            })
+            .collect();
+        let (plan, migration) = match laer {
+            Some(laer) => {
+                if !self.laer_changes_layout(laer, steps, out) {
+                    return None;
+                }
+                self.relayout.take(
+                    true,
+                    &self.members,
+                    &physical,
+                    self.cfg.model.experts,
+                    self.cfg.bytes_per_expert,
+                    self.cfg.sharded_experts,
+                )?
+            }
+            None => {
+                let options = ReplanOptions {
+                    alloc: self.cfg.alloc,
+                    place: self.cfg.place,
+                    mapping: self.cfg.mapping,
+                    bytes_per_expert: self.cfg.bytes_per_expert,
+                };
+                let made = replan(
+                    &physical,
+                    self.cfg.slots_per_node,
+                    &self.cfg.model,
+                    &self.history.loads(),
+                    &options,
+                    self.plan_version,
+                );
+                let (mut plan, migration) = match made {
+                    Ok(pm) => pm,
+                    Err(e) => {
+                        out.push(Action::Log(format!("rebalance: replan failed ({e})")));
+                        return None;
+                    }
+                };
+                // The replan maps its plan nodes onto the members; the switch keeps the ranks.
+                let pos = RankOf::new(&self.members);
+                let perm: Vec<usize> = plan.node_map.iter().map(|&id| pos.of(id)).collect();
+                plan.layers = plan.layers.iter().map(|l| l.permute_nodes(&perm)).collect();
+                plan.node_map = self.members.clone();
+                let same = plan
+                    .layers
+                    .iter()
+                    .zip(&current.layers)
+                    .all(|(a, b)| a.replica_matrix() == b.replica_matrix());
+                if same {
+                    out.push(Action::Log(format!(
+                        "rebalance at step {}: the replan keeps every replica, layout kept",
+                        self.next_step
+                    )));
+                    return None;
+                }
+                (plan, migration)
+            }
+        };
+        let rank = RankOf::new(&self.members);
+        let transfers = migration
+            .transfers
+            .iter()
+            .map(|t| RankTransfer {
+                layer: t.layer as usize,
+                expert: t.expert as usize,
+                src_rank: rank.of(t.src),
+                dst_rank: rank.of(t.dst),
+            })
+            .collect();
+        Some((plan, transfers))
     }
 
     /// LAER at a rebalance point (see [`relayout`]): whether it decided a new layout (then
@@ -1661,12 +1810,13 @@ impl JobMachine {
         matches!(d, relayout::Decision::Changed { .. })
     }
 
-    /// Sharded experts at a rebalance point: LAER's new layout goes to the members as a
+    /// A rebalance point without a pause (sharded experts with LAER, or replicated experts
+    /// with [`ReplicaMigration::Async`]): the new layout goes to the members as a
     /// [`LayoutSwitch`] while they train (see the [module docs](self)); a switch still pending
     /// is sent again instead.
     fn switch_layout(
         &mut self,
-        laer: &relayout::LaerRelayout,
+        laer: Option<&relayout::LaerRelayout>,
         steps: std::ops::RangeInclusive<u64>,
         now_ms: u64,
         out: &mut Vec<Action>,
@@ -1679,22 +1829,25 @@ impl JobMachine {
             out.push(Action::SwitchLayout(Box::new(p.switch.clone())));
             return;
         }
-        if !self.laer_changes_layout(laer, steps, out) {
-            return;
-        }
-        let Some(plan) = self.relayout.take_switch(&self.members) else {
+        let Some((plan, transfers)) = self.next_layout(laer, steps, out) else {
             return;
         };
         let newest = self.step_reports.keys().next_back().map_or(0, |s| s + 1);
         let from_step = self.next_step.max(newest) + SWITCH_LEAD_STEPS;
+        let moves = if self.cfg.sharded_experts {
+            "nothing moves".to_string()
+        } else {
+            format!("{} replica copies in the background", transfers.len())
+        };
         let switch = LayoutSwitch {
             epoch: self.epoch,
             plan,
             from_step,
+            transfers,
         };
         out.push(Action::Log(format!(
             "epoch {}: layout switch to plan v{} from step {from_step} or the first step after \
-             it every member holds it (no pause, nothing moves)",
+             it every member holds it (no pause, {moves})",
             self.epoch, switch.plan.version
         )));
         out.push(Action::SwitchLayout(Box::new(switch.clone())));

@@ -709,6 +709,11 @@ impl Controller {
                     version: sw.plan.version,
                     from_step: sw.from_step,
                     replicas: sw.replicas_per_member(),
+                    transfers: sw
+                        .transfers
+                        .iter()
+                        .map(|t| (t.layer, t.expert, t.src_rank, t.dst_rank))
+                        .collect(),
                 };
                 for &node in &sw.plan.node_map {
                     Self::command(node, &cmd, out);

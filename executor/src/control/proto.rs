@@ -34,8 +34,9 @@ use tokio_util::codec::LengthDelimitedCodec;
 /// carries the mesh secret. 5: worker lines carry a sequence number; `Reattach`, `Ack`,
 /// `Reattached` (controller fail-over). 6: `Reconfigure` carries the FSEP shard placement and
 /// shard transfers. 7: the worker command `Relayout` (FSEP layout switch without a pause) and
-/// the layout version in step lines. 8: `Register` carries the node's host.
-pub const PROTOCOL_VERSION: u16 = 8;
+/// the layout version in step lines. 8: `Register` carries the node's host. 9: `Relayout`
+/// carries replica transfers (replicated re-layout without a pause).
+pub const PROTOCOL_VERSION: u16 = 9;
 
 /// Largest frame either side accepts (64 MiB). A reconfiguration for 1000 nodes × 32 layers ×
 /// 32 experts (the replica matrix, JSON) is a few MiB; the cap leaves an order of magnitude of

@@ -1,6 +1,10 @@
 //! Catching a migrated replica up with training: the building block of replicated re-layout
 //! without a pause (issue 13 item 2, "asynchronous, double-buffered"), and the design it is
-//! for. Only this block is built; `lzrun` still migrates replicas at a paused step boundary.
+//! for. Built: `lzrun --migration async` (the default) runs it; the worker's side is
+//! `worker/background.rs` and `worker/managed.rs`, the job machine's is
+//! `lazarus_planner::job` ([`ReplicaMigration`](lazarus_planner::job::ReplicaMigration)).
+//! The blocking path (`--migration blocking`: pause, reconfigure, migrate over the new mesh)
+//! stays, and failures and joins always take it.
 //!
 //! # The problem
 //! A copy of a replica taken at step boundary `b` is stale as soon as step `b` updates the
@@ -34,6 +38,20 @@
 //!    (the dispatch and the replica groups change together) and the old holders drop the
 //!    replicas `v` moves away. A failure before that drops the shadows (nothing of `v` was
 //!    used) and goes through the usual recovery.
+//!
+//! As built: the start vote is the layout slot of the step barrier (as for FSEP), the ready
+//! vote a second slot per rank ([`crate::worker::StepVotes`]); the receivers' listening ports
+//! are exchanged with one all-gather at `b` and each copy is sent to the receiver's address in
+//! the epoch's peer list, authenticated with the epoch's mesh secret; the copy, once in, is
+//! kept in a store of its own (the second buffer) and updated each step until the switch. A
+//! worker rolled back one step after a switch drops the replicas the switch added (they hold
+//! the later state) and reports what it holds.
+//!
+//! Exactness: the zero contributions are `x + 0.0`, which is `x` for every `x` but `-0.0`
+//! (`+0.0`); an exactly zero summed gradient element could thus change sign, which changes no
+//! Adam moment or weight unless the moment was itself `-0.0` — never seen, and
+//! `executor/tests/asyncmig.rs` checks losses and every worker's final state bit for bit
+//! against the blocking migration at the same boundary.
 //!
 //! The cost on the training path is the zero contribution to a few all-reduce groups per step
 //! and the replay (one AdamW step per recorded update, once); the copy itself overlaps with

@@ -45,6 +45,12 @@ struct Inner {
     computed_rows: u64,
     /// [`Communicator::payload_bytes_sent`] at the last reset.
     sent_bytes_at_reset: u64,
+    /// Replicated re-layout in flight: the ranks that join each `(layer, expert)`'s gradient
+    /// all-reduce without holding a replica yet (they add zeros and keep the result; see
+    /// `model::shadow`).
+    joining: BTreeMap<(usize, usize), Vec<Rank>>,
+    /// `(d_model, d_ff)` and device of the zeros a joining rank contributes.
+    joining_shape: Option<(usize, usize, Device)>,
 }
 
 impl Inner {
@@ -337,6 +343,8 @@ impl DistributedExperts {
                 compute_ms: 0.0,
                 computed_rows: 0,
                 sent_bytes_at_reset: 0,
+                joining: BTreeMap::new(),
+                joining_shape: None,
             })),
             replicas,
             rank,
@@ -381,6 +389,8 @@ impl DistributedExperts {
                 compute_ms: 0.0,
                 computed_rows: 0,
                 sent_bytes_at_reset: 0,
+                joining: BTreeMap::new(),
+                joining_shape: None,
             })),
             replicas,
             rank,
@@ -411,6 +421,72 @@ impl DistributedExperts {
             (sh.n_layers(), sh.experts())
         };
         check_layout(&replicas, layers, experts, self.world)?;
+        drop(inner);
+        self.replicas = replicas;
+        Ok(())
+    }
+
+    /// Replicated re-layout in flight: from the next step on, the ranks `joining[(l, e)]`
+    /// join expert `(l, e)`'s gradient all-reduce, a rank among them that holds no replica
+    /// contributing zeros of `(d_model, d_ff)` on `device` (so the sum is the holders') and
+    /// getting the reduced gradient in [`Self::reduce_expert_grads`]' result. Every member
+    /// must set the same table at the same step boundary.
+    pub fn set_joining(
+        &mut self,
+        joining: BTreeMap<(usize, usize), Vec<Rank>>,
+        d_model: usize,
+        d_ff: usize,
+        device: Device,
+    ) -> Result<()> {
+        let mut inner = lock(&self.shared)?;
+        if inner.shards.is_some() {
+            candle_core::bail!("sharded experts move no replicas");
+        }
+        if joining.values().flatten().any(|&r| r >= self.world) {
+            candle_core::bail!("a joining rank outside the {} ranks", self.world);
+        }
+        inner.joining = joining;
+        inner.joining_shape = Some((d_model, d_ff, device));
+        Ok(())
+    }
+
+    /// Replicated re-layout: from the next step on, tokens are dispatched by `replicas` and
+    /// this rank computes with the replicas `store` now holds (exactly those `replicas` gives
+    /// it); the joining table is cleared. Call it at a step boundary every rank agrees on.
+    pub fn set_replicas(
+        &mut self,
+        store: &ExpertStore,
+        replicas: Vec<Vec<Vec<u32>>>,
+    ) -> Result<()> {
+        let mut inner = lock(&self.shared)?;
+        if inner.shards.is_some() {
+            candle_core::bail!("sharded experts switch layouts with set_layout");
+        }
+        let experts = replicas.first().map_or(0, Vec::len);
+        check_layout(&replicas, store.n_layers(), experts, self.world)?;
+        let mut weights = BTreeMap::new();
+        for (l, layer) in replicas.iter().enumerate() {
+            for (e, row) in layer.iter().enumerate() {
+                if (row[self.rank] > 0) != store.contains(l, e) {
+                    candle_core::bail!(
+                        "rank {}: the new layout and the store disagree on replica ({l}, {e})",
+                        self.rank
+                    );
+                }
+                if let Some(w) = store.weights(l, e) {
+                    weights.insert((l, e), w);
+                }
+            }
+        }
+        if store.len() != weights.len() {
+            candle_core::bail!(
+                "rank {}: the store holds replicas outside the layout",
+                self.rank
+            );
+        }
+        inner.weights = weights;
+        inner.joining.clear();
+        inner.joining_shape = None;
         drop(inner);
         self.replicas = replicas;
         Ok(())
@@ -543,22 +619,44 @@ impl DistributedExperts {
             candle_core::bail!("FSEP reduces gradient shards: use reduce_shard_grads");
         }
         let mut out = BTreeMap::new();
-        let keys: Vec<(usize, usize)> = inner.weights.keys().copied().collect();
+        let mut keys: std::collections::BTreeSet<(usize, usize)> =
+            inner.weights.keys().copied().collect();
+        for (k, ranks) in &inner.joining {
+            if ranks.contains(&self.rank) {
+                keys.insert(*k);
+            }
+        }
         for (l, e) in keys {
             if inner.routed.get(&(l, e)).copied().unwrap_or(0) == 0 {
                 continue;
             }
-            let group: Vec<Rank> = (0..self.world)
+            let mut group: Vec<Rank> = (0..self.world)
                 .filter(|&r| self.replicas[l][e][r] > 0)
                 .collect();
-            let w = inner.weights(l, e)?.clone();
-            let (g1, g2) = match inner.grads.get(&(l, e)) {
-                Some((a, b)) => (a.clone(), b.clone()),
-                None => (w.w1.zeros_like()?, w.w2.zeros_like()?),
+            if let Some(j) = inner.joining.get(&(l, e)) {
+                group.extend(j);
+                group.sort_unstable();
+                group.dedup();
+            }
+            let (shape1, shape2, dev) = match (inner.weights.get(&(l, e)), &inner.joining_shape) {
+                (Some(w), _) => (
+                    w.w1.shape().clone(),
+                    w.w2.shape().clone(),
+                    w.w1.device().clone(),
+                ),
+                (None, Some((d, f, dev))) => ((*d, *f).into(), (*f, *d).into(), dev.clone()),
+                (None, None) => candle_core::bail!("no shape for expert ({l}, {e})"),
             };
-            let mut buf = g1.flatten_all()?.to_vec1::<f32>()?;
-            let n1 = buf.len();
-            buf.extend(g2.flatten_all()?.to_vec1::<f32>()?);
+            let mut buf = match inner.grads.get(&(l, e)) {
+                Some((a, b)) => {
+                    let mut v = a.flatten_all()?.to_vec1::<f32>()?;
+                    v.extend(b.flatten_all()?.to_vec1::<f32>()?);
+                    v
+                }
+                // Computed nothing, or joining: zeros (exact: `x + 0.0 == x`).
+                None => vec![0f32; shape1.elem_count() + shape2.elem_count()],
+            };
+            let n1 = shape1.elem_count();
             inner.comm.all_reduce_sum(&group, &mut buf).map_err(wrap)?;
             // The root receives from and sends back to each other member; the others send once.
             let copies = if group[0] == self.rank {
@@ -567,9 +665,8 @@ impl DistributedExperts {
                 1
             };
             inner.traffic.expert_grad_bytes += (4 * buf.len() * copies) as u64;
-            let dev = w.w1.device();
-            let r1 = Tensor::from_slice(&buf[..n1], w.w1.shape(), dev)?;
-            let r2 = Tensor::from_slice(&buf[n1..], w.w2.shape(), dev)?;
+            let r1 = Tensor::from_slice(&buf[..n1], shape1, &dev)?;
+            let r2 = Tensor::from_slice(&buf[n1..], shape2, &dev)?;
             out.insert((l, e), (r1, r2));
         }
         Ok(out)

@@ -21,6 +21,18 @@
 //! next step — the same boundary everywhere, since they all read the same votes. Its step
 //! lines then carry the new version. A reconfiguration drops a staged layout (its plan
 //! replaces it).
+//!
+//! # Replica migration without a pause (replicated experts)
+//! A [`Command::Relayout`] with transfers is staged and agreed the same way; at the agreed
+//! boundary `b` every member starts the migration ([`Migration::start`]: the senders
+//! snapshot their replicas and stream them on side connections, the receivers join the
+//! experts' gradient all-reduces contributing zeros and record each step's update in a
+//! [`crate::model::ShadowReplica`]). Each step, a receiver installs the copies that arrived
+//! (replaying the updates since `b`) and, once all are in, votes the migration ready in its
+//! own barrier slot; after the first step whose barrier shows every member ready, every
+//! member switches at the next boundary ([`Migration::finish`]: the copies join the store,
+//! the replicas moved away leave it, the dispatch uses the new layout). A failure, a pause or
+//! a reconfiguration drops the migration (nothing of the new layout was used).
 
 use std::net::{IpAddr, TcpListener};
 use std::sync::Arc;
@@ -33,11 +45,15 @@ use anyhow::{Context, Result, anyhow, bail, ensure};
 use lazarus_planner::deadline::StepTimes;
 
 use super::abort::AbortSlot;
+use super::background::{Mesh, Migration};
 use super::migrate::reconfigure;
 use super::protocol::{
     Checksums, Command, JobSpec, Reconfigure, StateSource, StepLine, WorkerEvent,
 };
-use super::state::{Snapshot, State, checkpoint_writers, train_step_voting, write_checkpoint};
+use super::state::{
+    Snapshot, State, StepVotes, checkpoint_writers, train_step_votes, write_checkpoint,
+};
+use crate::comm::MeshSecret;
 use crate::model::Corpus;
 use crate::runtime::DistributedExperts;
 
@@ -46,6 +62,8 @@ struct StagedLayout {
     version: u64,
     from_step: u64,
     replicas: Vec<Vec<Vec<u32>>>,
+    /// Replicated experts: `(layer, expert, src rank, dst rank)` copies to make first.
+    transfers: Vec<(usize, usize, usize, usize)>,
 }
 
 /// Where the worker is.
@@ -149,6 +167,9 @@ where
         pause_pending: false,
         layout_version: 0,
         staged: None,
+        migration: None,
+        peers: Vec::new(),
+        secret: MeshSecret::unset(),
     };
     let mut addr = w.listener.local_addr()?;
     if addr.ip().is_unspecified() {
@@ -186,6 +207,11 @@ struct Worker<'a, E> {
     layout_version: u64,
     /// A layout switch waiting for every member to hold it.
     staged: Option<StagedLayout>,
+    /// Replicated: a replica migration started and not switched to yet.
+    migration: Option<Migration>,
+    /// The epoch's data-plane addresses (rank order) and mesh secret.
+    peers: Vec<std::net::SocketAddr>,
+    secret: MeshSecret,
     /// Times from one reported step to the next (the step deadline's measure).
     step_times: StepTimes,
     /// When the last step of this epoch was reported.
@@ -219,6 +245,8 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
 
     /// Reports that the step or reconfiguration at `self.step` failed; back to idle.
     fn failed(&mut self, e: &anyhow::Error) -> Result<Phase> {
+        // Nothing of a migration in flight was used: its copies go.
+        self.migration = None;
         let ev = WorkerEvent::Failed {
             epoch: self.epoch,
             step: self.step,
@@ -249,6 +277,7 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         self.pause_pending = false;
         self.epoch = cmd.epoch;
         self.staged = None;
+        self.migration = None;
         self.layout_version = cmd.plan_version;
         if cmd.source == StateSource::Fresh && (self.step != 0 || !self.st.store.is_empty()) {
             // A start that did not complete everywhere is redone from scratch.
@@ -262,7 +291,7 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
             else {
                 bail!("no snapshot of step {} to roll back to", cmd.resume_step);
             };
-            snap.restore(&mut self.st.opt, &mut self.st.store)?;
+            snap.restore_exact(&mut self.st.opt, &mut self.st.store)?;
             if let Some(sh) = &self.st.shards {
                 snap.restore_shards(sh)?;
             }
@@ -288,6 +317,8 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
                 self.last_step_end = None;
                 self.rank = cmd.rank;
                 self.replicas = cmd.replicas.clone();
+                self.peers = cmd.peers.clone();
+                self.secret = cmd.secret.clone();
                 // A fresh start checkpoints its initial state, so that losing every replica
                 // of an expert before the first periodic checkpoint is still recoverable.
                 if cmd.source == StateSource::Fresh {
@@ -359,16 +390,21 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
                     version,
                     from_step,
                     replicas,
+                    transfers,
                 }) => {
-                    let newer = self
-                        .staged
-                        .as_ref()
-                        .map_or(self.layout_version, |s| s.version);
+                    // A migration in flight is the newest layout this worker holds; the job
+                    // machine sends no other until it is in force.
+                    let newer = match (&self.migration, &self.staged) {
+                        (Some(m), _) => m.version,
+                        (None, Some(s)) => s.version,
+                        (None, None) => self.layout_version,
+                    };
                     if epoch == self.epoch && version > newer {
                         self.staged = Some(StagedLayout {
                             version,
                             from_step,
                             replicas,
+                            transfers,
                         });
                     }
                 }
@@ -411,6 +447,25 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         if let Some(d) = self.delay {
             thread::sleep(d);
         }
+        // The copies that arrived are installed before the step, so the vote below is true.
+        if let Some(m) = &mut self.migration
+            && let Err(e) = m.poll()
+        {
+            return self.failed(&e.context("replica migration"));
+        }
+        let votes = StepVotes {
+            pause: self.pause_pending,
+            layout: match (&self.migration, &self.staged) {
+                (Some(m), _) => m.version,
+                (None, Some(s)) => s.version,
+                (None, None) => self.layout_version,
+            },
+            ready: self
+                .migration
+                .as_ref()
+                .filter(|m| m.ready())
+                .map_or(0, |m| m.version),
+        };
         let cfg = &self.job.config;
         let res = self
             .corpus
@@ -425,18 +480,13 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
             .map_err(anyhow::Error::from)
             .and_then(|tokens| {
                 let st = &mut self.st;
-                let vote = self
-                    .staged
-                    .as_ref()
-                    .map_or(self.layout_version, |s| s.version);
-                train_step_voting(
+                train_step_votes(
                     &st.model,
                     &mut st.opt,
                     &mut st.store,
                     &mut dist,
                     &tokens,
-                    self.pause_pending,
-                    vote,
+                    votes,
                 )
             });
         let done = match res {
@@ -446,6 +496,11 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         };
         let pause = done.pause;
         self.snapshot = Some((self.step, done.snapshot));
+        if let Some(m) = &mut self.migration
+            && let Err(e) = m.record(&done.joined, done.factor, done.nonfinite)
+        {
+            return self.failed(&e.context("replica migration"));
+        }
         let ((expert_ms, expert_tokens), sent_bytes) = match dist
             .expert_compute()
             .and_then(|c| Ok((c, dist.sent_bytes()?)))
@@ -473,12 +528,14 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         self.step_times.push(step_ms);
         self.last_step_end = Some(now);
         self.step += 1;
-        if let Err(e) = self.switch_if_agreed(&mut dist, done.layout_agreed) {
+        if let Err(e) = self.switch_if_agreed(&mut dist, done.layout_agreed, done.ready_agreed) {
             return self.failed(&e);
         }
         self.checkpoint_if_due(&mut dist)?;
         if pause {
             self.pause_pending = false;
+            // A reconfiguration comes next: it carries its own plan.
+            self.migration = None;
             let (epoch, step, held) = (self.epoch, self.step, self.held());
             self.event(&WorkerEvent::Paused { epoch, step, held })?;
             return Ok(Phase::Idle);
@@ -488,12 +545,27 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
 
     /// Installs the staged layout when the step just trained (`self.step − 1`) showed every
     /// member voting it (`agreed`, the same on every member) and the next step is not before
-    /// its `from_step`: every member decides the same at the same boundary.
+    /// its `from_step`: every member decides the same at the same boundary. Replicated
+    /// experts: that boundary starts the migration instead, and the switch is at the boundary
+    /// after the first step that showed every member ready (`ready`).
     fn switch_if_agreed(
         &mut self,
         dist: &mut DistributedExperts,
         agreed: Option<u64>,
+        ready: Option<u64>,
     ) -> Result<()> {
+        if let Some(m) = self.migration.take() {
+            if ready != Some(m.version) {
+                self.migration = Some(m);
+                return Ok(());
+            }
+            let v = m.version;
+            self.replicas = m.replicas.clone();
+            m.finish(&mut self.st.store, self.rank, dist)
+                .with_context(|| format!("switching to the layout of plan v{v}"))?;
+            self.layout_version = v;
+            return Ok(());
+        }
         let due = self
             .staged
             .as_ref()
@@ -502,6 +574,19 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
             return Ok(());
         }
         let s = self.staged.take().expect("checked");
+        if self.st.shards.is_none() {
+            let mesh = Mesh {
+                rank: self.rank,
+                epoch: self.epoch,
+                peers: &self.peers,
+                secret: &self.secret,
+                timeout_ms: self.step_limit_ms(),
+            };
+            let m = Migration::start(s.version, s.replicas, &s.transfers, &self.st, dist, &mesh)
+                .with_context(|| format!("starting the migration to plan v{}", s.version))?;
+            self.migration = Some(m);
+            return Ok(());
+        }
         dist.set_layout(s.replicas.clone())
             .with_context(|| format!("installing the layout of plan v{}", s.version))?;
         self.replicas = s.replicas;

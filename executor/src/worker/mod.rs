@@ -49,6 +49,7 @@ use lazarus_planner::{Alignment, AllocPolicy, ClusterSpec, ModelSpec, PlacePolic
 use crate::model::MoeConfig;
 
 pub mod abort;
+mod background;
 pub mod managed;
 pub mod migrate;
 pub mod protocol;
@@ -62,7 +63,9 @@ pub use protocol::{
     StepLine, WorkerEvent, WorkerLine,
 };
 pub use standalone::{WorkerOptions, run_worker};
-pub use state::{Snapshot, TrainedStep, all_finite, train_step, train_step_voting};
+pub use state::{
+    Snapshot, StepVotes, TrainedStep, all_finite, train_step, train_step_votes, train_step_voting,
+};
 
 /// Model configurations a worker can be started with, by name.
 pub const CONFIG_NAMES: [&str; 4] = ["tiny", "gpt-s", "gpt-m", "gpt-l"];

@@ -244,16 +244,21 @@ pub enum Command {
     Reconfigure(Reconfigure),
     /// Pause at the next step boundary every member agrees on.
     Pause,
-    /// FSEP: train on the layout `replicas` (`[layer][expert][rank]`, plan `version`) from
-    /// step `from_step` on, or from the first step after it at which every member of `epoch`
-    /// holds it (they agree in each step's barrier; see [`super::train_step_voting`]). Only
-    /// the index table of the shard all-to-all changes: no pause, nothing moves. Ignored
+    /// Train on the layout `replicas` (`[layer][expert][rank]`, plan `version`) from step
+    /// `from_step` on, or from the first step after it at which every member of `epoch` holds
+    /// it (they agree in each step's barrier; see [`super::train_step_voting`]), without a
+    /// pause. FSEP: only the index table of the shard all-to-all changes, nothing moves.
+    /// Replicated: the replicas `transfers` names (`(layer, expert, src rank, dst rank)`)
+    /// are copied in the background from that boundary, and every member switches at the
+    /// first boundary after which every copy arrived (see `worker/managed.rs`). Ignored
     /// outside `epoch` or when the worker already trains on `version` or a newer plan.
     Relayout {
         epoch: u64,
         version: u64,
         from_step: u64,
         replicas: Vec<Vec<Vec<u32>>>,
+        #[serde(default)]
+        transfers: Vec<(usize, usize, usize, usize)>,
     },
     /// A member of `epoch` is gone: abort the collective or rendezvous in flight (without
     /// waiting for its timeout) and report `Failed`.

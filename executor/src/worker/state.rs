@@ -94,6 +94,19 @@ impl Snapshot {
         Ok(())
     }
 
+    /// [`Self::restore`], then drops the replicas the snapshot does not have: a replica
+    /// migration's switch after the snapshot added them, at a later state than the one
+    /// rolled back to.
+    pub fn restore_exact(&self, opt: &mut AdamW, store: &mut ExpertStore) -> Result<()> {
+        self.restore(opt, store)?;
+        for (l, e) in store.replicas() {
+            if !self.experts.iter().any(|s| (s.layer, s.expert) == (l, e)) {
+                store.remove(l, e);
+            }
+        }
+        Ok(())
+    }
+
     pub fn restore(&self, opt: &mut AdamW, store: &mut ExpertStore) -> Result<()> {
         opt.import(&self.dense)?;
         for s in &self.experts {
@@ -117,6 +130,24 @@ pub struct TrainedStep {
     /// The layout version every member voted, if they all voted the same
     /// ([`train_step_voting`]); the same on every member.
     pub layout_agreed: Option<u64>,
+    /// The migration version every member voted ready ([`StepVotes::ready`]), if they all
+    /// voted the same.
+    pub ready_agreed: Option<u64>,
+    /// Replicated re-layout in flight: the reduced, unscaled gradients of the experts this
+    /// rank joined without holding them (`DistributedExperts::set_joining`); not applied.
+    pub joined: BTreeMap<(usize, usize), (Tensor, Tensor)>,
+    /// The factor every gradient of the step was (or would have been) scaled by.
+    pub factor: f64,
+}
+
+/// What a worker says in a step's barrier besides its gradient norm: pause after the step,
+/// the newest layout version it holds, and the version of the replica migration whose every
+/// copy it holds (0: none).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepVotes {
+    pub pause: bool,
+    pub layout: u64,
+    pub ready: u64,
 }
 
 /// One distributed training step — the only one, for managed and stand-alone workers — that
@@ -172,9 +203,33 @@ pub fn train_step_voting(
     pause: bool,
     layout_vote: u64,
 ) -> Result<TrainedStep> {
+    let votes = StepVotes {
+        pause,
+        layout: layout_vote,
+        ready: 0,
+    };
+    train_step_votes(model, dense_opt, store, experts, tokens, votes)
+}
+
+/// [`train_step_voting`] with every vote, the migration's readiness included: one more slot
+/// per rank, agreed the same way as the layout ([`TrainedStep::ready_agreed`]).
+pub fn train_step_votes(
+    model: &DenseModel,
+    dense_opt: &mut AdamW,
+    store: &mut ExpertStore,
+    experts: &mut DistributedExperts,
+    tokens: &Tensor,
+    votes: StepVotes,
+) -> Result<TrainedStep> {
+    let StepVotes {
+        pause,
+        layout: layout_vote,
+        ready: ready_vote,
+    } = votes;
     anyhow::ensure!(
-        layout_vote <= MAX_LAYOUT_VERSION,
-        "layout version {layout_vote} too large for the step barrier"
+        layout_vote <= MAX_LAYOUT_VERSION && ready_vote <= MAX_LAYOUT_VERSION,
+        "layout version {} too large for the step barrier",
+        layout_vote.max(ready_vote)
     );
     experts.begin_step()?;
     let mut stats = RoutingStats::default();
@@ -182,17 +237,27 @@ pub fn train_step_voting(
     let grads = loss.backward()?;
     let dense = experts.all_reduce_dense(model, &grads)?;
     let sharded = experts.is_sharded()?;
-    let (expert_grads, shard_grads) = if sharded {
+    let (mut expert_grads, shard_grads) = if sharded {
         (BTreeMap::new(), experts.reduce_shard_grads()?)
     } else {
         (experts.reduce_expert_grads()?, BTreeMap::new())
     };
+    // The experts this rank joined the reduction of without holding them (a migration).
+    let joined_keys: Vec<(usize, usize)> = expert_grads
+        .keys()
+        .filter(|(l, e)| !store.contains(*l, *e))
+        .copied()
+        .collect();
+    let joined: BTreeMap<_, _> = joined_keys
+        .into_iter()
+        .filter_map(|k| expert_grads.remove_entry(&k))
+        .collect();
     let loss = loss.to_scalar::<f32>()?;
     let mut finite = loss.is_finite();
     for g in dense.iter().flatten() {
         finite = finite && all_finite(g)?;
     }
-    for (g1, g2) in expert_grads.values() {
+    for (g1, g2) in expert_grads.values().chain(joined.values()) {
         finite = finite && all_finite(g1)? && all_finite(g2)?;
     }
     for g in shard_grads.values() {
@@ -202,8 +267,9 @@ pub fn train_step_voting(
     // parts of the global gradient norm.
     let world = experts.world();
     let mut v = vec![f32::from(u8::from(pause)), f32::from(u8::from(!finite))];
-    let mut layout = vec![0f32; world];
+    let mut layout = vec![0f32; 2 * world];
     layout[experts.rank()] = layout_vote as f32;
+    layout[world + experts.rank()] = ready_vote as f32;
     v.extend(layout);
     v.extend(norm_parts(
         model,
@@ -217,12 +283,19 @@ pub fn train_step_voting(
         c.all_reduce_sum(&all, &mut v).map(|()| v)
     })??;
     let nonfinite = votes[1] > 0.0;
-    let slots = &votes[2..2 + world];
-    let layout_agreed = slots
-        .iter()
-        .all(|&x| x == slots[0])
-        .then(|| slots[0] as u64);
-    let factor = grad_scale(world, &votes[2 + world..], model.config().grad_clip_norm);
+    let agreed = |slots: &[f32]| {
+        slots
+            .iter()
+            .all(|&x| x == slots[0])
+            .then(|| slots[0] as u64)
+    };
+    let layout_agreed = agreed(&votes[2..2 + world]);
+    let ready_agreed = agreed(&votes[2 + world..2 + 2 * world]);
+    let factor = grad_scale(
+        world,
+        &votes[2 + 2 * world..],
+        model.config().grad_clip_norm,
+    );
     let snapshot = match experts.shard_store()? {
         Some(sh) => {
             let sh = sh
@@ -248,6 +321,9 @@ pub fn train_step_voting(
         pause: votes[0] > 0.0,
         nonfinite,
         layout_agreed,
+        ready_agreed,
+        joined,
+        factor,
     })
 }
 

@@ -10,9 +10,10 @@
 //! as devices (one device per node, `c` slots each). A decision that changes some layer is kept
 //! as the next plan. With sharded experts (FSEP) it moves nothing: the machine sends it to the
 //! members as a [`super::LayoutSwitch`] while they train (no pause; see the job docs). With
-//! replicated experts the machine pauses the members and issues it through the rebalance path
-//! with the members' ranks unchanged ([`MappingMethod::Identity`]): the replicas it adds are
-//! migrated.
+//! replicated experts the replicas it adds are migrated with the members' ranks unchanged
+//! ([`MappingMethod::Identity`]): in the background, by the same kind of switch carrying the
+//! transfers ([`super::ReplicaMigration::Async`]), or by pausing the members and issuing it
+//! through the rebalance path ([`super::ReplicaMigration::Blocking`]).
 //!
 //! The load ratio the hysteresis compares is the current layout's max / mean tokens computed
 //! per rank under the window's traffic, as the dispatcher splits them
@@ -602,6 +603,28 @@ mod tests {
         routing: Vec<u64>,
         copies: usize,
     ) -> (super::super::JobMachine, Vec<super::super::Action>) {
+        machine_run_with(routing, Mode::Fsep { copies })
+    }
+
+    /// How [`machine_run_with`] stores experts and rebalances.
+    #[derive(Clone, Copy)]
+    enum Mode {
+        Fsep {
+            copies: usize,
+        },
+        /// Replicated experts, LAER or Lazarus's replan, migrated as the machine's
+        /// `replica_migration` says.
+        Replicated {
+            laer: bool,
+            migration: super::super::ReplicaMigration,
+        },
+    }
+
+    /// [`machine_run`] in any [`Mode`].
+    fn machine_run_with(
+        routing: Vec<u64>,
+        mode: Mode,
+    ) -> (super::super::JobMachine, Vec<super::super::Action>) {
         use super::super::{Action, Event, JobConfig, JobMachine};
         let model = crate::ModelSpec {
             experts: 4,
@@ -611,9 +634,21 @@ mod tests {
         let mut cfg = JobConfig::new(model, 3, 40);
         cfg.initial_nodes = 4;
         cfg.rebalance_every_steps = 4;
-        cfg.sharded_experts = true;
-        cfg.shard_copies = copies;
         cfg.relayout = Relayout::Laer(LaerRelayout::new(256.0, 100_000));
+        match mode {
+            Mode::Fsep { copies } => {
+                cfg.sharded_experts = true;
+                cfg.shard_copies = copies;
+            }
+            Mode::Replicated { laer, migration } => {
+                cfg.aggregation = Aggregation::Sum { window_steps: 8 };
+                cfg.bytes_per_expert = 100_000;
+                cfg.replica_migration = migration;
+                if !laer {
+                    cfg.relayout = Relayout::Lazarus;
+                }
+            }
+        }
         let mut m = JobMachine::new(cfg).unwrap();
         let mut out = Vec::new();
         for n in 0..4 {
@@ -844,5 +879,207 @@ mod tests {
             out.iter()
                 .any(|a| matches!(a, Action::Log(l) if l.contains("within the threshold")))
         );
+    }
+
+    const ASYNC: super::super::ReplicaMigration = super::super::ReplicaMigration::Async;
+
+    /// Every transfer of `sw` copies a replica its source holds to a rank that gains it under
+    /// the new layout, and every replica a rank gains has exactly one transfer.
+    fn check_transfers(before: &crate::ModelPlan, sw: &super::super::LayoutSwitch) {
+        let (old, new) = (
+            before.layers[0].replica_matrix(),
+            sw.plan.layers[0].replica_matrix(),
+        );
+        let mut gained = Vec::new();
+        for (e, (o, n)) in old.iter().zip(&new).enumerate() {
+            for r in 0..o.len() {
+                if o[r] == 0 && n[r] > 0 {
+                    gained.push((0, e, r));
+                }
+            }
+        }
+        let mut got: Vec<(usize, usize, usize)> = sw
+            .transfers
+            .iter()
+            .map(|t| {
+                assert!(
+                    old[t.expert][t.src_rank] > 0,
+                    "{t:?}: the source holds none"
+                );
+                (t.layer, t.expert, t.dst_rank)
+            })
+            .collect();
+        got.sort_unstable();
+        gained.sort_unstable();
+        assert_eq!(got, gained);
+    }
+
+    /// Replicated experts, async migration: LAER's (and Lazarus's) decision goes out as a
+    /// layout switch carrying the replica copies — no pause, no reconfiguration — and is in
+    /// force once every member reports a step trained on it.
+    #[test]
+    fn replicated_rebalances_migrate_without_a_pause() {
+        use super::super::{Action, Phase};
+        for laer in [true, false] {
+            let mode = Mode::Replicated {
+                laer,
+                migration: ASYNC,
+            };
+            let (mut m, out) = machine_run_with(vec![100, 10, 5, 5], mode);
+            let reconfigs = out
+                .iter()
+                .filter(|a| matches!(a, Action::Reconfigure(_)))
+                .count();
+            assert_eq!(reconfigs, 1, "laer {laer}: {out:?}");
+            assert!(
+                !out.iter().any(|a| matches!(a, Action::Pause { .. })),
+                "laer {laer}: {out:?}"
+            );
+            let sw = switches(&out);
+            assert_eq!(sw.len(), 1, "laer {laer}: {out:?}");
+            let (sw, before) = (sw[0].clone(), m.plan().unwrap().clone());
+            assert_eq!(sw.plan.version, before.version + 1);
+            assert_eq!(sw.plan.node_map, before.node_map, "ranks unchanged");
+            assert_ne!(sw.plan.layers[0], before.layers[0], "the layout changed");
+            assert!(!sw.transfers.is_empty(), "replicas move");
+            check_transfers(&before, &sw);
+            assert_eq!(sw.from_step, 4 + super::super::SWITCH_LEAD_STEPS);
+            assert!(
+                out.iter()
+                    .any(|a| matches!(a, Action::Log(l) if l.contains("replica copies in the background"))),
+                "{out:?}"
+            );
+            let epoch = m.epoch();
+            let mut out = Vec::new();
+            // The copies take a while: steps 4..=8 still on the old layout.
+            for step in 4..9 {
+                report_step(
+                    &mut m,
+                    10 + step,
+                    step,
+                    &[100, 10, 5, 5],
+                    before.version,
+                    &mut out,
+                );
+            }
+            assert_eq!(m.plan_version(), before.version);
+            assert!(m.pending_switch().is_some());
+            report_step(&mut m, 20, 9, &[100, 10, 5, 5], sw.plan.version, &mut out);
+            assert!(m.pending_switch().is_none());
+            assert_eq!(m.plan().unwrap().layers, sw.plan.layers);
+            assert_eq!((m.epoch(), m.phase()), (epoch, Phase::Training));
+            assert!(
+                !out.iter()
+                    .any(|a| matches!(a, Action::Pause { .. } | Action::Reconfigure(_))),
+                "{out:?}"
+            );
+            m.check_invariants().unwrap();
+        }
+    }
+
+    /// The default (blocking) replicated rebalance still pauses the members.
+    #[test]
+    fn blocking_replicated_rebalance_still_pauses() {
+        use super::super::{Action, ReplicaMigration};
+        let mode = Mode::Replicated {
+            laer: true,
+            migration: ReplicaMigration::Blocking,
+        };
+        let (_, out) = machine_run_with(vec![100, 10, 5, 5], mode);
+        assert!(out.iter().any(|a| matches!(a, Action::Pause { .. })));
+        assert!(switches(&out).is_empty());
+    }
+
+    /// A pending migration whose switch no member reached by the next rebalance point is sent
+    /// again, unchanged.
+    #[test]
+    fn a_pending_migration_is_sent_again_not_replaced() {
+        let mode = Mode::Replicated {
+            laer: true,
+            migration: ASYNC,
+        };
+        let (mut m, out) = machine_run_with(vec![100, 10, 5, 5], mode);
+        let first = switches(&out).pop().unwrap();
+        let v = m.plan_version();
+        let mut out = Vec::new();
+        for step in 4..8 {
+            report_step(&mut m, 10 + step, step, &[5, 5, 10, 100], v, &mut out);
+        }
+        assert_eq!(switches(&out), vec![first.clone()]);
+        assert_eq!(m.pending_switch(), Some(&first));
+    }
+
+    /// A member lost while a migration is pending: the members report what they really hold
+    /// (the old layout: nothing of the new one was used), the in-place replan recovers from
+    /// that, and the reconfiguration supersedes the migration.
+    #[test]
+    fn a_kill_during_a_pending_migration_recovers_and_drops_it() {
+        use super::super::{Action, Event, IdleReason, ReconfigKind};
+        let mode = Mode::Replicated {
+            laer: true,
+            migration: ASYNC,
+        };
+        let (mut m, out) = machine_run_with(vec![100, 10, 5, 5], mode);
+        assert_eq!(switches(&out).len(), 1);
+        let (old_epoch, before) = (m.epoch(), m.plan().unwrap().clone());
+        let mut out = Vec::new();
+        m.handle(
+            30,
+            Event::Lost {
+                node: 3,
+                reason: "killed".into(),
+            },
+            &mut out,
+        );
+        for n in 0..3u32 {
+            let q = before.node_map.iter().position(|&x| x == n).unwrap();
+            let held = vec![before.layers[0].grid()[q].to_vec()];
+            let why = IdleReason::Failed("peer gone".into());
+            m.handle(
+                31,
+                Event::Idle {
+                    node: n,
+                    epoch: old_epoch,
+                    why,
+                    step: 5,
+                    held,
+                },
+                &mut out,
+            );
+        }
+        let r = out
+            .iter()
+            .find_map(|a| match a {
+                Action::Reconfigure(r) => Some(r.clone()),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("no reconfiguration: {out:?}"));
+        assert_eq!(r.kind, ReconfigKind::InPlace);
+        assert_eq!(r.plan.node_map, vec![0, 1, 2]);
+        assert!(m.pending_switch().is_none());
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, Action::Log(l) if l.contains("supersedes the layout switch")))
+        );
+        let epoch = m.epoch();
+        let mut more = Vec::new();
+        for n in 0..3 {
+            m.handle(
+                33,
+                Event::Migrated {
+                    node: n,
+                    epoch,
+                    bytes_in: 0,
+                },
+                &mut more,
+            );
+        }
+        let v = m.plan_version();
+        report_step(&mut m, 40, 4, &[100, 10, 5, 5], v, &mut more);
+        assert!(
+            more.iter()
+                .any(|a| matches!(a, Action::Record(r) if r.step == 4 && r.members == 3))
+        );
+        m.check_invariants().unwrap();
     }
 }

@@ -18,6 +18,15 @@ pub enum RelayoutArg {
     Laer,
 }
 
+/// `--migration`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum MigrationArg {
+    /// Copy the replicas in the background while training; switch at an agreed step boundary.
+    Async,
+    /// Pause every worker, reconfigure, migrate over the new mesh, resume.
+    Blocking,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Format {
     /// Log lines and a loss table.
@@ -316,6 +325,16 @@ pub struct JobArgs {
     /// workers switch layout while they train, at a step boundary they agree on.
     #[arg(long, value_enum, default_value_t = RelayoutArg::Lazarus)]
     pub relayout: RelayoutArg,
+    /// With --expert-mode replicated: how a rebalance (--rebalance-every, either --relayout)
+    /// moves the replicas the new layout adds. async: no pause — the workers keep training on
+    /// the old layout while each new replica is copied in the background over a connection
+    /// of its own (a copy taken at an agreed step boundary, caught up exactly by replaying the
+    /// updates its holders applied since), and all switch at the first step boundary after
+    /// every copy arrived. blocking: pause every worker, reconfigure and migrate over the new
+    /// mesh, resume. Failures and joins always reconfigure (blocking). Not used with
+    /// host-aware placement (--gpus-per-node above 1), whose rebalance is blocking.
+    #[arg(long, value_enum, default_value_t = MigrationArg::Async)]
+    pub migration: MigrationArg,
     /// --relayout laer: no re-layout before this many steps.
     #[arg(long, value_name = "STEPS", default_value_t = 2)]
     pub relayout_warmup: u64,

@@ -12,9 +12,10 @@ use lazarus_executor::worker::CheckpointSpec;
 use lazarus_planner::ModelSpec;
 use lazarus_planner::deadline::StepDeadline;
 use lazarus_planner::job::JobConfig;
+use lazarus_planner::job::ReplicaMigration;
 use lazarus_planner::job::relayout::{LaerRelayout, Relayout};
 
-use crate::args::{JobArgs, RelayoutArg};
+use crate::args::{JobArgs, MigrationArg, RelayoutArg};
 use crate::config::load_config;
 use crate::drive::Interrupted;
 
@@ -276,6 +277,10 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
     rules.bytes_per_expert = config.expert_state_bytes() as u64;
     rules.sharded_experts = a.expert_mode == ExpertMode::Fsep;
     rules.shard_copies = a.shard_copies;
+    rules.replica_migration = match a.migration {
+        MigrationArg::Async => ReplicaMigration::Async,
+        MigrationArg::Blocking => ReplicaMigration::Blocking,
+    };
     ensure!(
         a.relayout_threshold.is_finite() && a.relayout_threshold >= 1.0,
         "--relayout-threshold must be a finite number >= 1, got {}",

@@ -255,8 +255,9 @@ impl Driver {
                     Action::StartWorker { .. }
                     | Action::Abort { .. }
                     | Action::Resend { .. }
-                    // Sharded layout switches cost no pause; the machine takes the new plan
-                    // when the steps past its first step are done (`Event::StepsDone`).
+                    // Layout switches cost no pause; the machine takes the new plan when the
+                    // steps past its first step are done (`Event::StepsDone`). A replicated
+                    // one's background copies are not modelled.
                     | Action::SwitchLayout(_)
                     | Action::Fence { .. }
                     | Action::Stop { .. }
