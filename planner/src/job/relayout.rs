@@ -686,6 +686,58 @@ mod tests {
         (m, out)
     }
 
+    /// Node 3 of `m` (epoch `old_epoch`, plan `before`) is lost while a switch is pending;
+    /// the three others report idle after `step` holding what `before` gave them. Checks the
+    /// recovery is in place and supersedes the pending switch, and returns it.
+    fn lose_node_3_with_a_switch_pending(
+        m: &mut super::super::JobMachine,
+        before: &crate::ModelPlan,
+        old_epoch: u64,
+        step: u64,
+        out: &mut Vec<super::super::Action>,
+    ) -> super::super::Reconfiguration {
+        use super::super::{Action, Event, IdleReason, ReconfigKind};
+        m.handle(
+            30,
+            Event::Lost {
+                node: 3,
+                reason: "killed".into(),
+            },
+            out,
+        );
+        for n in 0..3u32 {
+            let q = before.node_map.iter().position(|&x| x == n).unwrap();
+            let held = vec![before.layers[0].grid()[q].to_vec()];
+            let why = IdleReason::Failed("peer gone".into());
+            m.handle(
+                31,
+                Event::Idle {
+                    node: n,
+                    epoch: old_epoch,
+                    why,
+                    step,
+                    held,
+                },
+                out,
+            );
+        }
+        let r = out
+            .iter()
+            .find_map(|a| match a {
+                Action::Reconfigure(r) => Some((**r).clone()),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("no reconfiguration: {out:?}"));
+        assert_eq!(r.kind, ReconfigKind::InPlace);
+        assert_eq!(r.plan.node_map, vec![0, 1, 2]);
+        assert!(m.pending_switch().is_none());
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, Action::Log(l) if l.contains("supersedes the layout switch")))
+        );
+        r
+    }
+
     fn switches(out: &[super::super::Action]) -> Vec<super::super::LayoutSwitch> {
         out.iter()
             .filter_map(|a| match a {
@@ -783,50 +835,13 @@ mod tests {
     /// reports of steps on the switched layout (the old epoch) change nothing.
     #[test]
     fn a_kill_during_a_pending_switch_recovers_and_drops_it() {
-        use super::super::{Action, Event, IdleReason, ReconfigKind};
+        use super::super::{Action, Event};
         let (mut m, out) = machine_run(vec![100, 10, 5, 5], 2);
         let sw = switches(&out).pop().unwrap();
         let (old_epoch, before) = (m.epoch(), m.plan().unwrap().clone());
         let mut out = Vec::new();
-        m.handle(
-            30,
-            Event::Lost {
-                node: 3,
-                reason: "killed".into(),
-            },
-            &mut out,
-        );
+        let r = lose_node_3_with_a_switch_pending(&mut m, &before, old_epoch, 4, &mut out);
         assert!(out.iter().any(|a| matches!(a, Action::Abort { .. })));
-        for n in 0..3u32 {
-            let q = before.node_map.iter().position(|&x| x == n).unwrap();
-            let held = vec![before.layers[0].grid()[q].to_vec()];
-            let why = IdleReason::Failed("peer gone".into());
-            m.handle(
-                31,
-                Event::Idle {
-                    node: n,
-                    epoch: old_epoch,
-                    why,
-                    step: 4,
-                    held,
-                },
-                &mut out,
-            );
-        }
-        let r = out
-            .iter()
-            .find_map(|a| match a {
-                Action::Reconfigure(r) => Some(r.clone()),
-                _ => None,
-            })
-            .unwrap_or_else(|| panic!("no reconfiguration: {out:?}"));
-        assert_eq!(r.kind, ReconfigKind::InPlace);
-        assert_eq!(r.plan.node_map, vec![0, 1, 2]);
-        assert!(m.pending_switch().is_none());
-        assert!(
-            out.iter()
-                .any(|a| matches!(a, Action::Log(l) if l.contains("supersedes the layout switch")))
-        );
         // A late report of the old epoch on the switched layout is ignored.
         let late = StepReport {
             layout_version: sw.plan.version,
@@ -1014,7 +1029,7 @@ mod tests {
     /// that, and the reconfiguration supersedes the migration.
     #[test]
     fn a_kill_during_a_pending_migration_recovers_and_drops_it() {
-        use super::super::{Action, Event, IdleReason, ReconfigKind};
+        use super::super::{Action, Event};
         let mode = Mode::Replicated {
             laer: true,
             migration: ASYNC,
@@ -1023,44 +1038,7 @@ mod tests {
         assert_eq!(switches(&out).len(), 1);
         let (old_epoch, before) = (m.epoch(), m.plan().unwrap().clone());
         let mut out = Vec::new();
-        m.handle(
-            30,
-            Event::Lost {
-                node: 3,
-                reason: "killed".into(),
-            },
-            &mut out,
-        );
-        for n in 0..3u32 {
-            let q = before.node_map.iter().position(|&x| x == n).unwrap();
-            let held = vec![before.layers[0].grid()[q].to_vec()];
-            let why = IdleReason::Failed("peer gone".into());
-            m.handle(
-                31,
-                Event::Idle {
-                    node: n,
-                    epoch: old_epoch,
-                    why,
-                    step: 5,
-                    held,
-                },
-                &mut out,
-            );
-        }
-        let r = out
-            .iter()
-            .find_map(|a| match a {
-                Action::Reconfigure(r) => Some(r.clone()),
-                _ => None,
-            })
-            .unwrap_or_else(|| panic!("no reconfiguration: {out:?}"));
-        assert_eq!(r.kind, ReconfigKind::InPlace);
-        assert_eq!(r.plan.node_map, vec![0, 1, 2]);
-        assert!(m.pending_switch().is_none());
-        assert!(
-            out.iter()
-                .any(|a| matches!(a, Action::Log(l) if l.contains("supersedes the layout switch")))
-        );
+        lose_node_3_with_a_switch_pending(&mut m, &before, old_epoch, 5, &mut out);
         let epoch = m.epoch();
         let mut more = Vec::new();
         for n in 0..3 {
