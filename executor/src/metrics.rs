@@ -45,7 +45,7 @@ pub const TIMESERIES_COLUMNS: [&str; 7] = [
 ];
 
 /// The columns of `steps.csv`, in order (the fields of [`StepRecord`]).
-pub const STEP_COLUMNS: [&str; 14] = [
+pub const STEP_COLUMNS: [&str; 15] = [
     "step",
     "t_s",
     "loss",
@@ -60,6 +60,7 @@ pub const STEP_COLUMNS: [&str; 14] = [
     "expert_tokens_max",
     "expert_tokens_mean",
     "sent_bytes",
+    "copy_bytes",
 ];
 
 /// `timeseries.csv` state of a training row.
@@ -122,6 +123,11 @@ pub struct StepRecord {
     /// tokens, FSEP's shard gathers, gradient reductions).
     #[serde(default)]
     pub sent_bytes: u64,
+    /// Bytes of replica copies the workers send in the background for a re-layout without a
+    /// pause (replicated experts, `--migration async`), counted on the first step after the
+    /// copies started; not part of `sent_bytes`.
+    #[serde(default)]
+    pub copy_bytes: u64,
 }
 
 /// One reconfiguration of the running job.
@@ -567,6 +573,7 @@ mod tests {
             expert_tokens_max: 0,
             expert_tokens_mean: 0.0,
             sent_bytes: 0,
+            copy_bytes: 0,
         }
     }
 
@@ -850,6 +857,7 @@ mod tests {
             expert_tokens_max: 0,
             expert_tokens_mean: 0.0,
             sent_bytes: 0,
+            copy_bytes: 0,
         };
         assert_eq!(
             log_line(&r, 20, 384),

@@ -75,6 +75,8 @@ struct Node {
 struct Seen {
     /// `(node, step)` → (loss bits, layout version).
     steps: BTreeMap<(usize, u64), (u32, u64)>,
+    /// `(node, step)` → the background copy bytes the step reported, where not 0.
+    copied: BTreeMap<(usize, u64), u64>,
     paused: Vec<(usize, u64)>,
     migrated: usize,
     failed: Vec<String>,
@@ -180,6 +182,9 @@ fn watch(
             WorkerLine::Step(s) => {
                 seen.steps
                     .insert((i, s.step), (s.loss.to_bits(), s.layout_version));
+                if s.copy_bytes > 0 {
+                    seen.copied.insert((i, s.step), s.copy_bytes);
+                }
             }
             WorkerLine::Event(WorkerEvent::Paused { step, .. }) => seen.paused.push((i, *step)),
             WorkerLine::Event(WorkerEvent::Migrated { .. }) => seen.migrated += 1,
@@ -242,6 +247,19 @@ fn async_migration_equals_the_blocking_migration_at_the_same_boundary_bit_for_bi
         "the start is the only reconfiguration"
     );
     let s = switch_step(&seen_async);
+    // Every worker sends one copy per layer, started at boundary 3: each reports their bytes
+    // once, with step 3, all the same size (the experts have one shape); nothing else counts.
+    let copied: Vec<(usize, u64)> = seen_async.copied.keys().copied().collect();
+    assert_eq!(copied, (0..WORLD).map(|i| (i, 3)).collect::<Vec<_>>());
+    let sizes: Vec<u64> = seen_async.copied.values().copied().collect();
+    assert!(sizes.iter().all(|&b| b == sizes[0]), "{sizes:?}");
+    let per_expert = (2 * cfg.d_model * cfg.d_ff * 4 * 3) as u64; // weights and two moments
+    assert!(
+        sizes[0] >= cfg.n_layers as u64 * per_expert,
+        "{} bytes for {} copies of {per_expert}",
+        sizes[0],
+        cfg.n_layers
+    );
     // Agreed in step 2's barrier (from_step 3), started at boundary 3, ready in step 3 at the
     // earliest (copies in before it starts): the first step on the new layout is 4 or later.
     assert!((4..=STEPS - 10).contains(&s), "switched at step {s}");
@@ -276,6 +294,11 @@ fn async_migration_equals_the_blocking_migration_at_the_same_boundary_bit_for_bi
     });
     let sums_blocking = stop(nodes);
     assert_eq!(seen_blocking.paused.len(), WORLD);
+    assert!(
+        seen_blocking.copied.is_empty(),
+        "{:?}",
+        seen_blocking.copied
+    );
 
     let losses = |seen: &Seen| -> BTreeMap<(usize, u64), u32> {
         seen.steps.iter().map(|(k, v)| (*k, v.0)).collect()

@@ -187,6 +187,10 @@ fn laer_relayouts_fsep_under_skew_and_evens_out_the_expert_compute() {
     let order: Vec<u64> = steps.iter().map(|r| r.step).collect();
     assert_eq!(order, (0..14).collect::<Vec<_>>());
     assert!(steps.iter().all(|r| r.loss.is_finite()));
+    assert!(
+        steps.iter().all(|r| r.copy_bytes == 0),
+        "FSEP copied replicas"
+    );
     assert_switch_costs_no_pause(&steps, "layout switch");
     eprintln!(
         "expert compute spread (max/mean over workers): tokens {tok_before:.3} -> {tok_after:.3}, \
@@ -226,6 +230,18 @@ fn laer_relayouts_replicated_experts_without_a_pause_and_replicas_stay_identical
     assert!(
         !log.contains("rebalance reconfiguration") && !log.contains("epoch 2:"),
         "{log}"
+    );
+    // The copies' bytes are reported apart from the collectives' `sent_bytes` (here the
+    // switch may only change replica counts on the holders: then nothing is copied).
+    let copies: u64 = log
+        .split(" replica copies in the background")
+        .filter_map(|before| before.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum();
+    let copied: u64 = steps.iter().map(|r| r.copy_bytes).sum();
+    assert_eq!(
+        copies > 0,
+        copied > 0,
+        "{copied} bytes for {copies} copies\n{log}"
     );
     assert_switch_costs_no_pause(&steps, "replica migration switch");
     assert_replicas_identical(&dir);

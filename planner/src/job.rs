@@ -332,6 +332,10 @@ pub struct StepReport {
     /// Bytes this member sent to other members during the step.
     #[serde(default)]
     pub sent_bytes: u64,
+    /// Bytes of replica copies this member sends in the background for a [`LayoutSwitch`]
+    /// with transfers (reported once, with the first step after the copies started).
+    #[serde(default)]
+    pub copy_bytes: u64,
     /// The plan version of the layout the step ran on (0: not reported). It differs from the
     /// epoch's plan after a [`LayoutSwitch`].
     #[serde(default)]
@@ -627,6 +631,10 @@ pub struct StepRecord {
     /// Bytes all members sent to each other during the step.
     #[serde(default)]
     pub sent_bytes: u64,
+    /// Bytes of background replica copies all members reported with the step
+    /// ([`StepReport::copy_bytes`]).
+    #[serde(default)]
+    pub copy_bytes: u64,
 }
 
 /// A completed reconfiguration, with its phases (the replan time is the driver's to measure).
@@ -1578,6 +1586,7 @@ impl JobMachine {
                     .map(|r| r.expert_tokens)
                     .collect(),
                 sent_bytes: by_node.values().map(|r| r.sent_bytes).sum(),
+                copy_bytes: by_node.values().map(|r| r.copy_bytes).sum(),
             };
             if matches!(self.cfg.relayout, relayout::Relayout::Laer(_)) {
                 let (agg, experts) = (self.cfg.aggregation, self.cfg.model.experts);

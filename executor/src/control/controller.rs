@@ -571,6 +571,7 @@ impl Controller {
                     expert_ms: s.expert_ms,
                     expert_tokens: s.expert_tokens,
                     sent_bytes: s.sent_bytes,
+                    copy_bytes: s.copy_bytes,
                     layout_version: s.layout_version,
                 },
             },
@@ -766,6 +767,7 @@ impl Controller {
                     expert_tokens_max: r.expert_tokens.iter().copied().max().unwrap_or(0),
                     expert_tokens_mean: mean(r.expert_tokens.iter().map(|&t| t as f64)),
                     sent_bytes: r.sent_bytes,
+                    copy_bytes: r.copy_bytes,
                 };
                 Self::notice(out, Notice::Step(rec));
             }

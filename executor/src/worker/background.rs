@@ -50,6 +50,8 @@ pub(super) struct Migration {
     arrivals: Receiver<Result<ExpertState>>,
     sent: Receiver<Result<u64>>,
     cancel: Arc<AtomicBool>,
+    /// Bytes (headers and payloads) of the copies this rank sends, not reported yet.
+    copy_bytes: u64,
 }
 
 impl Drop for Migration {
@@ -119,6 +121,7 @@ impl Migration {
         let cancel = Arc::new(AtomicBool::new(false));
         let timeout = Duration::from_millis(mesh.timeout_ms.max(1));
         let (sent_tx, sent) = mpsc::channel();
+        let mut copy_bytes = 0;
         for &(l, e, src, dst) in transfers {
             if src != me {
                 continue;
@@ -136,6 +139,7 @@ impl Migration {
             header.extend((l as u32).to_le_bytes());
             header.extend((e as u32).to_le_bytes());
             header.extend((payload.len() as u64).to_le_bytes());
+            copy_bytes += (header.len() + payload.len()) as u64;
             let tx = sent_tx.clone();
             thread::Builder::new()
                 .name(format!("copy-{l}-{e}-to-{dst}"))
@@ -173,6 +177,7 @@ impl Migration {
             arrivals,
             sent,
             cancel,
+            copy_bytes,
         })
     }
 
@@ -198,6 +203,12 @@ impl Migration {
                 Err(TryRecvError::Disconnected) => bail!("the copy receiver stopped"),
             }
         }
+    }
+
+    /// The bytes of the copies this rank sends, once (0 afterwards): the step report counts
+    /// them when the copies start, not when they arrive.
+    pub fn take_copy_bytes(&mut self) -> u64 {
+        std::mem::take(&mut self.copy_bytes)
     }
 
     /// Every copy this rank receives is installed.

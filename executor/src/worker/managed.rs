@@ -519,6 +519,10 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
             expert_ms,
             expert_tokens,
             sent_bytes,
+            copy_bytes: self
+                .migration
+                .as_mut()
+                .map_or(0, Migration::take_copy_bytes),
             layout_version: self.layout_version,
         };
         (self.emit)(&serde_json::to_string(&line)?)?;

@@ -46,6 +46,10 @@ pub struct StepLine {
     /// Bytes this worker sent to other workers during the step (every collective).
     #[serde(default)]
     pub sent_bytes: u64,
+    /// Bytes of replica copies this worker sends in the background for a re-layout without a
+    /// pause, counted on the first step after the migration started.
+    #[serde(default)]
+    pub copy_bytes: u64,
     /// The plan version of the layout the step ran on: the epoch's, or a later one after a
     /// [`Command::Relayout`] (0: not reported).
     #[serde(default)]
@@ -381,6 +385,7 @@ mod tests {
                 expert_ms: 0.0,
                 expert_tokens: 0,
                 sent_bytes: 0,
+                copy_bytes: 0,
                 layout_version: 0,
             };
             let text = serde_json::to_string(&line).unwrap();

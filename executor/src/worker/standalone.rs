@@ -126,6 +126,7 @@ pub fn run_worker(
             expert_ms,
             expert_tokens,
             sent_bytes,
+            copy_bytes: 0,
             layout_version: 0,
         })?;
         // The same rule as under a controller: every rank decided the same skips, so every
