@@ -544,6 +544,57 @@ pub fn replicas_per_rank(placement_grid: &[Vec<u32>], experts: usize) -> Vec<Vec
     out
 }
 
+/// Tokens each rank computes when expert `e`'s `loads[e]` tokens are dispatched over the
+/// replicas `replicas[e][rank]`: `Σ_e cap[e][rank]`. The capacities depend only on the
+/// totals, not on which rank's gate routed the tokens (step 2 of the module docs), so this is
+/// exactly [`DispatchPlan::received`] summed over experts for any per-rank split of `loads`,
+/// in `O(E·R)` without building the plan. It shows how even a placement is under the
+/// dispatcher: Eq. 1 equalises tokens per replica, but a node's load also depends on which
+/// replicas the placement puts together (with the `f` floor binding, an MRO block of cold
+/// experts' replicas carries less than one of hot experts').
+///
+/// Errors: [`DispatchError::ShapeMismatch`] on ragged shapes, [`DispatchError::NoReplica`]
+/// if an expert with tokens has no replica, [`DispatchError::Overflow`] if a rank's tokens do
+/// not fit in a `u64`.
+pub fn tokens_per_rank(loads: &[u64], replicas: &[Vec<u32>]) -> Result<Vec<u64>, DispatchError> {
+    if replicas.len() != loads.len() {
+        return Err(DispatchError::ShapeMismatch {
+            what: "replicas (experts)".into(),
+            expected: loads.len(),
+            found: replicas.len(),
+        });
+    }
+    let ranks = replicas.first().map_or(0, Vec::len);
+    let mut total = vec![0u64; ranks];
+    let (mut cap, mut holders) = (vec![0u64; ranks], Vec::new());
+    for (e, (&t, row)) in loads.iter().zip(replicas).enumerate() {
+        if row.len() != ranks {
+            return Err(DispatchError::ShapeMismatch {
+                what: format!("replicas[{e}] (ranks)"),
+                expected: ranks,
+                found: row.len(),
+            });
+        }
+        let r: u64 = row.iter().map(|&x| u64::from(x)).sum();
+        if t == 0 {
+            continue;
+        }
+        if r == 0 {
+            return Err(DispatchError::NoReplica {
+                expert: e,
+                tokens: t,
+            });
+        }
+        apportion(t, row, r, &mut cap, &mut holders)?;
+        for (acc, &c) in total.iter_mut().zip(&cap) {
+            *acc = acc.checked_add(c).ok_or_else(|| DispatchError::Overflow {
+                what: "tokens of one rank".into(),
+            })?;
+        }
+    }
+    Ok(total)
+}
+
 /// Builds the dispatch plan for `tokens[e][rank]` (`T`) and `replicas[e][rank]` (`R`).
 ///
 /// Both arrays must be `E × R` (`E = tokens.len()`, `R = tokens[0].len()`).

@@ -3,7 +3,9 @@
 // Index loops read several `[e][rank]` arrays and the plan at once; keep them explicit.
 #![allow(clippy::needless_range_loop)]
 
-use lazarus_planner::dispatch::{DispatchError, DispatchPlan, RecvBlock, plan, replicas_per_rank};
+use lazarus_planner::dispatch::{
+    DispatchError, DispatchPlan, RecvBlock, plan, replicas_per_rank, tokens_per_rank,
+};
 use proptest::prelude::*;
 
 /// Random `(tokens[e][rank], replicas[e][rank])` with every expert replicated somewhere.
@@ -73,6 +75,28 @@ fn token_list(tokens: &[Vec<u64>], src: usize, seed: u64) -> Vec<u32> {
 }
 
 proptest! {
+    #[test]
+    fn tokens_per_rank_is_what_every_rank_receives_whoever_routed((tokens, replicas) in instance()) {
+        let p = plan(&tokens, &replicas).unwrap();
+        let (experts, ranks) = dims(&tokens);
+        let loads: Vec<u64> = tokens.iter().map(|row| row.iter().sum()).collect();
+        let got = tokens_per_rank(&loads, &replicas).unwrap();
+        for dst in 0..ranks {
+            let received: u64 = (0..experts).map(|e| p.received(e, dst)).sum();
+            prop_assert_eq!(got[dst], received);
+        }
+        // The same totals routed by rank 0 alone: the capacities, hence the loads, are equal.
+        let mut from_zero = vec![vec![0u64; ranks]; experts];
+        for e in 0..experts {
+            from_zero[e][0] = loads[e];
+        }
+        let q = plan(&from_zero, &replicas).unwrap();
+        for dst in 0..ranks {
+            let received: u64 = (0..experts).map(|e| q.received(e, dst)).sum();
+            prop_assert_eq!(got[dst], received);
+        }
+    }
+
     #[test]
     fn conservation((tokens, replicas) in instance()) {
         let p = plan(&tokens, &replicas).unwrap();
@@ -383,6 +407,56 @@ fn zero_token_expert_needs_no_replica() {
     assert_eq!([0, 1].map(|j| p.capacity(0, j)), [0, 0]);
     assert_eq!(p.count(0, 1, 0), 2);
     assert_eq!(p.count(0, 1, 1), 1);
+}
+
+/// The forced-skew case of `results/fsep` (4 nodes × 6 slots, 8 experts, f = 2): Eq. 1's floors
+/// bind, MRO puts the six floored experts on nodes 0–1 and the two hot ones on nodes 2–3, and
+/// the dispatcher's capacities leave those blocks unequally loaded; `spread` of the same
+/// allocation mixes hot and cold replicas on every node.
+#[test]
+fn tokens_per_rank_of_an_mro_plan_with_binding_floors() {
+    use lazarus_planner::{AllocPolicy, PlacePolicy, allocate, place};
+    let loads = [1618, 1018, 564, 336, 241, 151, 95, 73];
+    let a = allocate(AllocPolicy::Lazarus, &loads, 24, 2).unwrap();
+    assert_eq!(a.replicas, [8, 4, 2, 2, 2, 2, 2, 2]);
+    let per_rank = |policy| {
+        let p = place(policy, &a.replicas, 4, 6).unwrap();
+        tokens_per_rank(&loads, &replicas_per_rank(&p.grid().to_vec(), 8)).unwrap()
+    };
+    assert_eq!(per_rank(PlacePolicy::Mro), [732, 728, 1318, 1318]);
+    assert_eq!(per_rank(PlacePolicy::Spread), [1111, 1109, 939, 937]);
+}
+
+#[test]
+fn tokens_per_rank_errors() {
+    assert!(matches!(
+        tokens_per_rank(&[1, 2], &[vec![1, 1]]),
+        Err(DispatchError::ShapeMismatch {
+            expected: 2,
+            found: 1,
+            ..
+        })
+    ));
+    assert!(matches!(
+        tokens_per_rank(&[1, 2], &[vec![1, 1], vec![1]]),
+        Err(DispatchError::ShapeMismatch {
+            expected: 2,
+            found: 1,
+            ..
+        })
+    ));
+    assert!(matches!(
+        tokens_per_rank(&[0, 5], &[vec![0, 0], vec![0, 0]]),
+        Err(DispatchError::NoReplica {
+            expert: 1,
+            tokens: 5
+        })
+    ));
+    assert!(matches!(
+        tokens_per_rank(&[u64::MAX, 1], &[vec![1], vec![1]]),
+        Err(DispatchError::Overflow { .. })
+    ));
+    assert_eq!(tokens_per_rank(&[], &[]).unwrap(), Vec::<u64>::new());
 }
 
 #[test]

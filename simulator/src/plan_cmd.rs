@@ -2,8 +2,9 @@
 
 use crate::SpecArgs;
 use clap::Args;
+use lazarus_planner::dispatch::{replicas_per_rank, tokens_per_rank};
 use lazarus_planner::place::mro_structure;
-use lazarus_planner::{ModelPlan, PlacePolicy};
+use lazarus_planner::{LayerPlacement, ModelPlan, PlacePolicy};
 use serde_json::{Value, json};
 use std::fmt::Write;
 
@@ -50,8 +51,24 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Tokens each node computes when the layer's loads are dispatched over its replicas (the
+/// dispatcher's capacities), and their max / mean (1.0 = every node equally busy).
+fn node_tokens(p: &LayerPlacement, loads: &[u64]) -> (Vec<u64>, f64) {
+    let tokens = tokens_per_rank(loads, &replicas_per_rank(&p.grid().to_vec(), p.experts()))
+        .expect("a valid plan gives every expert a replica");
+    let max = tokens.iter().copied().max().unwrap_or(0) as f64;
+    let sum: u64 = tokens.iter().sum();
+    let ratio = if sum == 0 {
+        1.0
+    } else {
+        max * tokens.len() as f64 / sum as f64
+    };
+    (tokens, ratio)
+}
+
 fn layer_json(plan: &ModelPlan, loads: &[Vec<u64>], l: usize) -> Value {
     let p = &plan.layers[l];
+    let (tokens, ratio) = node_tokens(p, &loads[l]);
     json!({
         "layer": l,
         "loads": loads[l],
@@ -59,6 +76,8 @@ fn layer_json(plan: &ModelPlan, loads: &[Vec<u64>], l: usize) -> Value {
         "replicas": plan.allocations[l].replicas,
         "placement": p.grid(),
         "replicas_per_node": p.replica_matrix(),
+        "tokens_per_node": tokens,
+        "load_ratio": ratio,
     })
 }
 
@@ -126,6 +145,11 @@ pub fn to_text(plan: &ModelPlan, loads: &[Vec<u64>]) -> String {
             let cells: Vec<String> = row.iter().map(|x| format!("{x:>w$}")).collect();
             let _ = writeln!(s, "  node {n:>3} | {} |", cells.join(" "));
         }
+        let (tokens, ratio) = node_tokens(p, &loads[l]);
+        let _ = writeln!(
+            s,
+            "  tokens per node as dispatched: {tokens:?}  (max / mean {ratio:.3})"
+        );
         if plan.place == PlacePolicy::Mro {
             let st = mro_structure(&a.replicas, plan.cluster.nodes, plan.cluster.slots_per_node);
             let _ = writeln!(

@@ -54,6 +54,51 @@ fn plan_json_golden_allocation() {
         }
     }
     assert_eq!(counts, [2, 2, 2, 2, 2, 5, 15, 30]);
+    // Tokens as the dispatcher splits them: every token counted once, on some node.
+    let tokens: u64 = v["tokens_per_node"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .sum();
+    assert_eq!(tokens, 40);
+    assert!(v["load_ratio"].as_f64().unwrap() >= 1.0);
+}
+
+/// The forced-skew case of results/fsep: Eq. 1 + MRO leaves its blocks unequally loaded where
+/// `spread` of the same allocation is near even (the text shows both).
+#[test]
+fn plan_shows_the_tokens_each_node_computes() {
+    let node_line = |place: &str| {
+        let out = lzsim(&[
+            "plan",
+            "--nodes",
+            "4",
+            "--slots",
+            "6",
+            "--experts",
+            "8",
+            "--loads",
+            "1618,1018,564,336,241,151,95,73",
+            "--place",
+            place,
+        ]);
+        assert!(out.status.success());
+        let text = String::from_utf8(out.stdout).unwrap();
+        text.lines()
+            .find(|l| l.contains("tokens per node as dispatched"))
+            .expect("a tokens-per-node line")
+            .trim()
+            .to_string()
+    };
+    assert_eq!(
+        node_line("mro"),
+        "tokens per node as dispatched: [732, 728, 1318, 1318]  (max / mean 1.287)"
+    );
+    assert_eq!(
+        node_line("spread"),
+        "tokens per node as dispatched: [1111, 1109, 939, 937]  (max / mean 1.085)"
+    );
 }
 
 #[test]
