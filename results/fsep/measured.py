@@ -16,8 +16,8 @@ import polars as pl  # noqa: E402
 out, runs = Path(sys.argv[1]), int(sys.argv[2])
 SETUPS = {
     "static": "replicated, static layout",
-    "lazarus": "replicated + Lazarus rebalance (blocking migration)",
-    "laer": "replicated + LAER re-layout (replica migration)",
+    "lazarus": "replicated + Lazarus rebalance (replicas copied in the background, no pause)",
+    "laer": "replicated + LAER re-layout (replicas copied in the background, no pause)",
     "fsep-laer": "FSEP + LAER re-layout (no state moves)",
     "fsep2-kill": "FSEP, 2 shard copies, LAER, node 2 killed after step 30",
 }
@@ -50,8 +50,14 @@ for setup in SETUPS:
         s = steady(steps)
         half = s["step"].max() // 2 if s.height else 0
         first, second = s.filter(pl.col("step") < half), s.filter(pl.col("step") >= half)
-        layout_changes = sum(1 for r in reconf if r["kind"] == "rebalance")
-        moved = sum(r["bytes"] for r in reconf if r["kind"] == "rebalance")
+        # A re-layout is a plan version the steps ran on that no membership change made: a
+        # blocking rebalance is a reconfiguration record, a switch without a pause is not.
+        membership = {r["plan_version"] for r in reconf if r["kind"] != "rebalance"}
+        layout_changes = len(set(steps["plan_version"].unique()) - membership)
+        # Bytes re-layouts moved: a blocking rebalance's transfers, plus the replica copies
+        # sent in the background (copy_bytes; absent in runs older than the column).
+        copied = steps["copy_bytes"].sum() if "copy_bytes" in steps.columns else 0
+        moved = sum(r["bytes"] for r in reconf if r["kind"] == "rebalance") + copied
         tokens = steps.unique(subset="step", keep="last")["tokens"].sum()
         m, p = pred["measured"], pred["predicted"]
         rows.append(
@@ -92,8 +98,10 @@ lines = [
     "`lzrun calibrate` measured before the runs (`hardware.toml`); tokens/s over the wall time;",
     "mean steady step; compute imbalance = max / mean over the workers of the time spent in",
     "their experts, steps 0–29 vs 30–59 (1.0 = balanced), and the same for tokens in 30–59;",
-    "re-layouts and the bytes they moved; bytes all workers sent per step (all-to-alls,",
-    "shard gathers, gradient reductions); recoveries in place / checkpoint restores, measured",
+    "re-layouts (plan versions the steps ran on that no membership change made) and the bytes",
+    "they moved (replica copies, blocking or in the background; FSEP moves none); bytes all",
+    "workers sent per steady step in their collectives (all-to-alls, shard gathers, gradient",
+    "reductions); recoveries in place / checkpoint restores, measured",
     "and predicted.",
     "",
     "| set-up | run | wall s meas / pred | tokens/s | step ms | compute imb. 0–29 → 30–59 | token imb. 30–59 | re-layouts (MB moved) | MB sent / step | in place / restores (pred) |",
