@@ -78,6 +78,10 @@ pub struct ReconfigReport {
     /// Wall time of the planner's replan (allocation + placement + mapping), mean per failure
     /// set.
     pub replan_ms: f64,
+    /// Cluster-shape mode: wall time of the first whole-model plan (allocation + MRO of every
+    /// layer, `plan_model`) before the failure.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub plan_ms: Option<f64>,
 }
 
 fn subsets(n: usize, k: usize) -> Vec<Vec<NodeId>> {
@@ -172,6 +176,7 @@ pub fn report(a: &ReconfigArgs) -> Result<ReconfigReport> {
         transfer_s_mean: transfer,
         reconfig_s_mean: cost::reconfigure_s(&cfg.hardware) + transfer,
         replan_ms,
+        plan_ms: None,
     })
 }
 
@@ -218,6 +223,7 @@ fn shape_report(a: &ReconfigArgs) -> Result<ReconfigReport> {
         })
         .collect();
     let model = ModelSpec { experts, layers, f };
+    let plan_started = Instant::now();
     let plan = plan_model(
         &ClusterSpec::new(a.nodes, slots).with_gpus_per_node(gpus),
         &model,
@@ -226,6 +232,7 @@ fn shape_report(a: &ReconfigArgs) -> Result<ReconfigReport> {
         PlacePolicy::Mro,
         Alignment::Aligned,
     )?;
+    let plan_ms = plan_started.elapsed().as_secs_f64() * 1e3;
     let mut ids: Vec<u32> = (0..a.nodes as u32).collect();
     ids.shuffle(&mut rng);
     let dead: Vec<u32> = ids[..a.fail].to_vec();
@@ -269,6 +276,7 @@ fn shape_report(a: &ReconfigArgs) -> Result<ReconfigReport> {
         transfer_s_mean: transfer,
         reconfig_s_mean: cost::reconfigure_s(hw) + transfer,
         replan_ms,
+        plan_ms: Some(plan_ms),
     })
 }
 

@@ -327,6 +327,7 @@ fn reconfig_cluster_shape_reports_replan_ms() {
     assert_eq!(v["nodes"], 300);
     assert_eq!(v["failure_sets"], 1);
     assert!(v["replan_ms"].as_f64().unwrap() > 0.0);
+    assert!(v["plan_ms"].as_f64().unwrap() > 0.0);
     assert!(v["replicas_mean"].as_f64().unwrap() >= 0.0);
 }
 
