@@ -754,9 +754,9 @@ impl State<'_> {
         self.prepare_bounds(round, bc);
         let mut heap = std::collections::BinaryHeap::with_capacity(round.cands.len());
         for (idx, (&a, &(bytes, busiest))) in round.cands.iter().zip(round.booked).enumerate() {
-            let gain = round.cost - self.cost_bound(sc, bc, a, busiest)?;
-            // Rounding: the bound and the prediction differ by far less than this.
-            let gain = gain + 1e-9 * (round.cost.abs() + gain.abs());
+            let bound = self.cost_bound(sc, bc, a, busiest)?;
+            // Rounding of `C` from the sums (a few ulps; `powf` is not guaranteed monotone).
+            let gain = round.cost - bound + 1e-12 * (round.cost.abs() + bound.abs());
             if gain > round.min_gain {
                 heap.push(Lazy {
                     key: rank_key(gain, bytes),
@@ -805,6 +805,13 @@ impl State<'_> {
             bc.slope.push(if comm > 0.0 { pc / comm } else { 0.0 });
             bc.eg_max.push(t[1] >= t[2]);
         }
+        bc.node_pc.clear();
+        bc.node_pc.extend(
+            self.fast
+                .pow_comm
+                .chunks(dpn)
+                .map(|c| c.iter().sum::<f64>()),
+        );
         if bc.stamp.len() != experts {
             bc.stamp = vec![0; experts];
             bc.a = vec![Vec::new(); experts];
@@ -826,15 +833,13 @@ impl State<'_> {
                     .chunks(dpn)
                     .zip(bc.slope.chunks(dpn).zip(bc.eg_max.chunks(dpn)));
                 for (own, (slope, eg_max)) in per_node {
-                    let (mut all, mut eg) = (0.0, 0.0);
+                    let mut a = 0.0;
                     for ((&own, &slope), &eg_max) in own.iter().zip(slope).zip(eg_max) {
-                        let x = own * slope;
-                        all += x;
                         if eg_max {
-                            eg += x;
+                            a += own * slope;
                         }
                     }
-                    a_e.push([all, eg]);
+                    a_e.push(a);
                 }
                 // Egress seconds per byte per node now (the evaluator's formula; `1/bw_inter`
                 // on nodes without a replica).
@@ -903,6 +908,8 @@ impl State<'_> {
             }
         };
         let (mut dl, mut dc) = (0.0, 0.0);
+        // Magnitudes of what is summed, for the rounding margin below.
+        let (mut mag_l, mut mag_c) = (0.0f64, 0.0f64);
         for &d in exact.iter() {
             let n = self.topo.node_of(d);
             let mut nt = self.ev.total[d];
@@ -923,27 +930,37 @@ impl State<'_> {
                     nt[k] += c[k] - o[k];
                 }
                 // Its share of the node's convexity bound below, taken out again.
-                let dw = dw(i, n);
-                if dw < 0.0 || bc.eg_max[d] {
-                    dc -= 16.0 * b * dw * self.ev.traffic[t.e][d] * bc.slope[d];
+                if bc.eg_max[d] {
+                    let x = 16.0 * b * dw(i, n) * self.ev.traffic[t.e][d] * bc.slope[d];
+                    dc -= x;
+                    mag_c += x.abs();
                 }
             }
             let ot = self.ev.total[d];
             if nt[0] != ot[0] {
-                dl += (nt[0] / sl).powi(POWER) - self.fast.pow_load[d];
+                let (new, old) = ((nt[0] / sl).powi(POWER), self.fast.pow_load[d]);
+                dl += new - old;
+                mag_l += new + old;
             }
             let comm = nt[1].max(nt[2]);
             if comm != ot[1].max(ot[2]) {
-                dc += (comm / scale_c).powi(POWER) - self.fast.pow_comm[d];
+                let (new, old) = ((comm / scale_c).powi(POWER), self.fast.pow_comm[d]);
+                dc += new - old;
+                mag_c += new + old;
             }
         }
         for (i, t) in touches.iter().enumerate() {
             for &n in &sc.nodes[i] {
-                let dw = dw(i, n);
-                let a = bc.a[t.e][n];
-                dc += 16.0 * b * dw * if dw < 0.0 { a[0] } else { a[1] };
+                let x = 16.0 * b * dw(i, n) * bc.a[t.e][n];
+                dc += x;
+                mag_c += x.abs() + 2.0 * bc.node_pc[n];
             }
         }
+        // Rounding: the prediction sums these terms (and its own, of the same size) in
+        // another order, with another rounding of the link weights; both stay far within
+        // 1e-11 of the terms' magnitudes (about 300 terms of relative error ≤ 1e-15 each).
+        dl -= 1e-11 * (mag_l + dl.abs());
+        dc -= 1e-11 * (mag_c + dc.abs());
         Some(self.predicted_cost(dl, dc, busiest))
     }
 
@@ -1330,23 +1347,26 @@ impl Ord for Lazy {
     }
 }
 
-/// Per-round data of the candidates' gain bounds (`State::gain_bound`). With `f(c) =
+/// Per-round data of the candidates' gain bounds (`State::cost_bound`). With `f(c) =
 /// (c/scale)^16` a device's communication term, `f` is convex, so a change `δ` of its
 /// communication changes the term by at least `f'(c)·δ = 16·slope·δ` (`slope = f(c)/c`). A
 /// device that holds neither touched expert before or after only sees its egress for the
-/// expert change, by `own·b·Δw` where `Δw` is its node's change of link seconds per byte,
-/// and its communication changes by at least that when egress is its maximum (else by at least
-/// `min(that, 0)`). Summed per node: `16·b·Δw·A`, with `A = Σ own·slope` over the node's
-/// devices (all of them when `Δw < 0`, those whose egress is the maximum otherwise). The
-/// devices holding a touched expert are evaluated exactly.
+/// expert change, by `own·b·Δw` where `Δw` is its node's change of link seconds per byte.
+/// Where egress is its maximum, its communication changes by at least that; where ingress is
+/// (a device that holds other hot experts receives more than it sends), by at least 0 (it
+/// stays at the ingress or grows). Summed per node: `16·b·Δw·A`, with `A = Σ own·slope` over
+/// the node's devices whose egress is the maximum. The devices holding a touched expert are
+/// evaluated exactly.
 #[derive(Default)]
 struct BoundCache {
-    /// Per device: `slope` (0 without communication) and whether egress is the maximum.
+    /// Per device: `slope` (0 without communication) and whether egress is the maximum; per
+    /// node: the sum of its devices' communication terms (for the rounding margin).
     slope: Vec<f64>,
     eg_max: Vec<bool>,
-    /// Per expert of this round's candidates (`stamp[e] == round`): per node `[A over all
-    /// devices, A over egress-maximum devices]`, and the node's egress seconds per byte now.
-    a: Vec<Vec<[f64; 2]>>,
+    node_pc: Vec<f64>,
+    /// Per expert of this round's candidates (`stamp[e] == round`): per node `A`, and the
+    /// node's egress seconds per byte now.
+    a: Vec<Vec<f64>>,
     w_old: Vec<Vec<f64>>,
     stamp: Vec<u64>,
     /// Scratch: the devices a candidate evaluates exactly (`seen[d] == epoch` once listed).
