@@ -118,6 +118,10 @@ pub struct Evaluator {
     replicas: Vec<Vec<u32>>,
     /// `count[e]`: `Σ_d replicas[e][d]`.
     count: Vec<u64>,
+    /// `node_count[e][n]`: replicas of `e` on the devices of node `n`.
+    node_count: Vec<Vec<u32>>,
+    /// `flows[e]`: did tokens of `e` cross devices at its last refresh (`S_e > 0`)?
+    flows: Vec<bool>,
     /// Per expert, per device: (load, egress seconds, ingress seconds).
     contrib: Vec<Vec<[f64; 3]>>,
     /// Per device totals of the same.
@@ -159,6 +163,8 @@ impl Evaluator {
             traffic: by_expert,
             tokens,
             count: Vec::new(),
+            node_count: Vec::new(),
+            flows: vec![false; experts],
             replicas: layout.replica_matrix(),
             contrib: vec![vec![[0.0; 3]; topo.devices]; experts],
             total: vec![[0.0; 3]; topo.devices],
@@ -169,8 +175,17 @@ impl Evaluator {
             .iter()
             .map(|r| r.iter().map(|&x| x as u64).sum())
             .collect();
+        ev.node_count = ev
+            .replicas
+            .iter()
+            .map(|r| {
+                r.chunks(topo.devices_per_node)
+                    .map(|c| c.iter().sum())
+                    .collect()
+            })
+            .collect();
         for e in 0..experts {
-            ev.refresh(e);
+            ev.refresh(e, None);
         }
         Ok(ev)
     }
@@ -193,10 +208,16 @@ impl Evaluator {
         self.total.iter().map(|t| t[0]).collect()
     }
 
-    /// Recomputes expert `e`'s contribution after its replica counts changed. Allocation-free:
-    /// it runs for every candidate action the searches evaluate.
-    fn refresh(&mut self, e: usize) {
-        let d_n = self.topo.devices;
+    /// Recomputes expert `e`'s contribution after its replica counts changed (on `changed`'s
+    /// node only; `None`: anywhere). Allocation-free: it runs for every candidate action the
+    /// searches evaluate.
+    ///
+    /// Sparse where that is exact: on a node holding no replica of `e` (and not `changed`'s),
+    /// every device keeps its contribution `[0, own·b/bw_inter or 0, 0]` (all its tokens leave
+    /// the node; `x = 0` whatever the layout) unless `S_e` switches between zero and non-zero.
+    /// Such a device is not recomputed; its totals still take `(total − c) + c`, the rounding
+    /// of a full refresh, bit for bit (the searches' exact ties depend on it).
+    fn refresh(&mut self, e: usize, changed: Option<usize>) {
         let nodes = self.topo.nodes();
         let dpn = self.topo.devices_per_node;
         // A sum of small integers: exact in any order, so the cached count gives the same `r`.
@@ -210,6 +231,9 @@ impl Evaluator {
         let contrib = &mut self.contrib[e];
         let traffic = &self.traffic[e];
         let replicas = &self.replicas[e];
+        let node_count = &self.node_count[e];
+        // Nodes recomputed: those holding `e` and the changed one (all on a full refresh).
+        let full = |n: usize| changed.is_none_or(|d| d / dpn == n) || node_count[n] > 0;
         let scratch = &mut self.scratch;
         scratch.clear();
         scratch.resize(4 * nodes, 0.0);
@@ -217,9 +241,15 @@ impl Evaluator {
         let (resid_node, rest) = rest.split_at_mut(nodes);
         let (w_eg, w_ing) = rest.split_at_mut(nodes);
         // First pass: per-device capacity, overflow and residual (stored in `contrib` as
-        // [cap, over, resid] for now), node sums.
+        // [cap, over, resid] for now), node sums. Devices of the other nodes add `+0.0` to
+        // `s` (which leaves it as it is), so skipping them keeps `s` bit for bit.
         let mut s = 0.0;
-        for d in 0..d_n {
+        let first = |d: usize,
+                     contrib: &mut [[f64; 3]],
+                     total: &mut [[f64; 3]],
+                     over_node: &mut [f64],
+                     resid_node: &mut [f64],
+                     s: &mut f64| {
             let n = d / dpn;
             // `t·0/r` is `+0.0` (`t`, `r` finite and non-negative): no division for devices
             // without a replica.
@@ -233,16 +263,31 @@ impl Evaluator {
             let (over, resid) = (own - keep, cap - keep);
             over_node[n] += over;
             resid_node[n] += resid;
-            s += resid;
+            *s += resid;
             let old = contrib[d];
-            for (tot, o) in self.total[d].iter_mut().zip(old) {
+            for (tot, o) in total[d].iter_mut().zip(old) {
                 *tot -= o;
             }
             contrib[d] = [cap, over, resid];
+        };
+        for n in (0..nodes).filter(|&n| full(n)) {
+            for d in n * dpn..(n + 1) * dpn {
+                first(d, contrib, &mut self.total, over_node, resid_node, &mut s);
+            }
+        }
+        let flows = s > 0.0 && r > 0.0 && t > 0.0;
+        // Where `S_e` switched, the other nodes' contributions change too.
+        let all = changed.is_none() || flows != self.flows[e];
+        self.flows[e] = flows;
+        if all {
+            for n in (0..nodes).filter(|&n| !full(n)) {
+                for d in n * dpn..(n + 1) * dpn {
+                    first(d, contrib, &mut self.total, over_node, resid_node, &mut s);
+                }
+            }
         }
         // Second pass: seconds of egress and ingress. The per-byte link times depend on the
         // node only (`x`, `y` below), so they are computed once per node.
-        let flows = s > 0.0 && r > 0.0 && t > 0.0;
         if flows {
             for n in 0..nodes {
                 let x = resid_node[n] / s;
@@ -257,6 +302,15 @@ impl Evaluator {
             .zip(self.total.chunks_mut(dpn))
             .enumerate()
         {
+            if !all && !full(n) {
+                // Unchanged contribution: only the rounding of `(total − c) + c`.
+                for (c, tot) in cs.iter().zip(tots) {
+                    for (tot, x) in tot.iter_mut().zip(c) {
+                        *tot = (*tot - x) + x;
+                    }
+                }
+                continue;
+            }
             for (c, tot) in cs.iter_mut().zip(tots) {
                 let [cap, over, resid] = *c;
                 let (mut eg, mut ing) = (0.0, 0.0);
@@ -279,7 +333,9 @@ impl Evaluator {
         let before = *r;
         *r = (*r as i64 + delta as i64).max(0) as u32;
         self.count[expert] = self.count[expert] - before as u64 + *r as u64;
-        self.refresh(expert);
+        let n = &mut self.node_count[expert][device / self.topo.devices_per_node];
+        *n = *n - before + *r;
+        self.refresh(expert, Some(device));
     }
 
     pub fn score(&self) -> Score {
@@ -412,4 +468,72 @@ pub fn node_view(topo: Topology, layout: &LayerPlacement) -> LayerPlacement {
         .map(<[u32]>::to_vec)
         .collect();
     LayerPlacement::from_grid(grid, layout.experts(), None).expect("a regrouped valid layout")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// The sparse refresh of `adjust` leaves every contribution and total bit for bit as a
+        /// full refresh would, including experts that lose every replica or all their tokens'
+        /// flows and get them back.
+        #[test]
+        fn sparse_refresh_equals_full_refresh(
+            nodes in 1usize..=6,
+            dpn in 1usize..=4,
+            slots in 1usize..=3,
+            experts_frac in 0.1f64..=1.0,
+            seed in any::<u64>(),
+        ) {
+            let mut z = seed | 1;
+            let mut next = move |m: u64| {
+                z ^= z << 13;
+                z ^= z >> 7;
+                z ^= z << 17;
+                z % m
+            };
+            let topo = Topology { devices: nodes * dpn, devices_per_node: dpn, slots_per_device: slots };
+            let total = topo.devices * slots;
+            let experts = ((total as f64 * experts_frac) as usize).clamp(1, total);
+            let cells: Vec<u32> = (0..total)
+                .map(|i| if i < experts { i as u32 } else { next(experts as u64) as u32 })
+                .collect();
+            let grid: Vec<Vec<u32>> = cells.chunks(slots).map(<[u32]>::to_vec).collect();
+            let layout = LayerPlacement::from_grid(grid, experts, None).unwrap();
+            // Some experts without tokens, some with tokens on one device only.
+            let traffic: Vec<Vec<u64>> = (0..topo.devices)
+                .map(|_| (0..experts).map(|e| if e % 5 == 1 { 0 } else { next(200) * (e as u64 % 3) }).collect())
+                .collect();
+            let link = LinkModel {
+                bytes_per_token: 14336.0,
+                intra_node_bytes_per_s: 360e9,
+                inter_node_bytes_per_s: 40e9,
+                compute_s_per_token: 1e-10,
+                bytes_per_expert: 1 << 20,
+            };
+            let mut sparse = Evaluator::new(topo, link, &traffic, &layout).unwrap();
+            let mut full = sparse.clone();
+            for _ in 0..200 {
+                let e = next(experts as u64) as usize;
+                let d = next(topo.devices as u64) as usize;
+                let delta = if sparse.replicas[e][d] > 0 && next(2) == 0 { -1 } else { 1 };
+                sparse.adjust(e, d, delta);
+                let r = &mut full.replicas[e][d];
+                *r = (*r as i64 + delta as i64) as u32;
+                full.count[e] = (full.count[e] as i64 + delta as i64) as u64;
+                full.refresh(e, None);
+                let bits = |ev: &Evaluator| -> (Vec<u64>, Vec<u64>) {
+                    (
+                        ev.total.iter().flatten().map(|x| x.to_bits()).collect(),
+                        ev.contrib.iter().flatten().flatten().map(|x| x.to_bits()).collect(),
+                    )
+                };
+                prop_assert_eq!(bits(&sparse), bits(&full));
+            }
+        }
+    }
 }
