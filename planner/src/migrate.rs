@@ -533,12 +533,42 @@ impl Instance {
             }
         }
         let mut have = vec![0u64; dims.nodes * stride];
-        for (p, node) in physical.iter().enumerate() {
-            check_physical_layers(node, layers)?;
-            let bits = &mut have[p * stride..(p + 1) * stride];
-            for (l, ids) in node.holdings.iter().enumerate() {
-                set_checked(l, ids, experts, &mut bits[l * words..(l + 1) * words])?;
+        let node_order = |have: &mut [u64]| -> Result<(), MigrateError> {
+            for (p, node) in physical.iter().enumerate() {
+                check_physical_layers(node, layers)?;
+                let bits = &mut have[p * stride..(p + 1) * stride];
+                for (l, ids) in node.holdings.iter().enumerate() {
+                    set_checked(l, ids, experts, &mut bits[l * words..(l + 1) * words])?;
+                }
             }
+            Ok(())
+        };
+        // Reported holdings are one small vector per node and layer, typically allocated layer
+        // by layer (the members' reports are built from the previous plan's placements), so
+        // read one layer of a block of nodes at a time, as for the plan side: node by node,
+        // every id list was a cache miss. On an error, redo it in node order to report the
+        // same first error.
+        let blocked = (0..dims.nodes).step_by(64).try_for_each(|p0| {
+            let block = &physical[p0..(p0 + 64).min(dims.nodes)];
+            if let Some(node) = block
+                .iter()
+                .find(|n| check_physical_layers(n, layers).is_err())
+            {
+                return check_physical_layers(node, layers);
+            }
+            (0..layers).try_for_each(|l| {
+                block.iter().enumerate().try_for_each(|(i, node)| {
+                    let Some(ids) = node.holdings.get(l) else {
+                        return Ok(());
+                    };
+                    let at = (p0 + i) * stride + l * words;
+                    set_checked(l, ids, experts, &mut have[at..at + words])
+                })
+            })
+        });
+        if blocked.is_err() {
+            have.fill(0);
+            node_order(&mut have)?;
         }
         check_distinct_ids(physical)?;
         Ok(Instance {
@@ -914,11 +944,17 @@ pub fn lost_experts_of<'a>(
     experts: usize,
 ) -> Vec<(u32, u32)> {
     let mut held = vec![false; layers * experts];
-    for node in holdings {
-        for (l, ids) in node.iter().enumerate().take(layers) {
-            for &e in ids {
-                if (e as usize) < experts {
-                    held[l * experts + e as usize] = true;
+    let nodes: Vec<&[Vec<u32>]> = holdings.into_iter().collect();
+    // One layer of a block of nodes at a time: the id lists are typically allocated layer by
+    // layer (see `Instance::new_dense`), so node by node each one was a cache miss.
+    for block in nodes.chunks(64) {
+        for l in 0..layers {
+            let row = &mut held[l * experts..(l + 1) * experts];
+            for ids in block.iter().filter_map(|node| node.get(l)) {
+                for &e in ids {
+                    if let Some(h) = row.get_mut(e as usize) {
+                        *h = true;
+                    }
                 }
             }
         }
