@@ -522,93 +522,103 @@ impl Instance {
             words: experts.div_ceil(64),
         };
         let (stride, words) = (dims.stride(), dims.words);
-        let mut need = vec![0u64; dims.nodes * stride];
-        let node_order = |need: &mut [u64]| -> Result<(), MigrateError> {
-            for q in 0..dims.nodes {
-                check_plan_layers(plan, q, layers)?;
-                let bits = &mut need[q * stride..(q + 1) * stride];
-                for l in 0..layers {
-                    let words = &mut bits[l * words..(l + 1) * words];
-                    set_checked(l, plan.ids(q, l), experts, words)?;
+        // The two sides are independent: built at the same time (a plan side's error is still
+        // the one reported when both fail).
+        let build_need = || -> Result<Vec<u64>, MigrateError> {
+            let mut need = vec![0u64; dims.nodes * stride];
+            let node_order = |need: &mut [u64]| -> Result<(), MigrateError> {
+                for q in 0..dims.nodes {
+                    check_plan_layers(plan, q, layers)?;
+                    let bits = &mut need[q * stride..(q + 1) * stride];
+                    for l in 0..layers {
+                        let words = &mut bits[l * words..(l + 1) * words];
+                        set_checked(l, plan.ids(q, l), experts, words)?;
+                    }
                 }
-            }
-            Ok(())
-        };
-        match plan {
-            PlanView::Nodes(_) => node_order(&mut need)?,
-            PlanView::Layers {
-                layers: placements, ..
-            } => {
-                // Each placement's rows lie together in memory, so read one layer at a time for
-                // a block of nodes whose bitsets stay in cache, rather than 58 rows far apart
-                // for every node. On an error, redo it in node order to report the same first
-                // error as `map_nodes`.
-                let blocked = (0..dims.nodes).step_by(64).try_for_each(|q0| {
-                    let block = q0..(q0 + 64).min(dims.nodes);
-                    placements.iter().enumerate().try_for_each(|(l, p)| {
-                        let grid = p.grid();
-                        block.clone().try_for_each(|q| {
-                            let prev = q.checked_sub(1).map(|r| &grid[r]);
-                            set_or_copy(
-                                l,
-                                &grid[q],
-                                prev,
-                                experts,
-                                &mut need,
-                                q * stride,
-                                stride,
-                                words,
-                            )
+                Ok(())
+            };
+            match plan {
+                PlanView::Nodes(_) => node_order(&mut need)?,
+                PlanView::Layers {
+                    layers: placements, ..
+                } => {
+                    // Each placement's rows lie together in memory, so read one layer at a time for
+                    // a block of nodes whose bitsets stay in cache, rather than 58 rows far apart
+                    // for every node. On an error, redo it in node order to report the same first
+                    // error as `map_nodes`.
+                    let blocked = (0..dims.nodes).step_by(64).try_for_each(|q0| {
+                        let block = q0..(q0 + 64).min(dims.nodes);
+                        placements.iter().enumerate().try_for_each(|(l, p)| {
+                            let grid = p.grid();
+                            block.clone().try_for_each(|q| {
+                                let prev = q.checked_sub(1).map(|r| &grid[r]);
+                                set_or_copy(
+                                    l,
+                                    &grid[q],
+                                    prev,
+                                    experts,
+                                    &mut need,
+                                    q * stride,
+                                    stride,
+                                    words,
+                                )
+                            })
                         })
-                    })
-                });
-                if blocked.is_err() {
-                    node_order(&mut need)?;
+                    });
+                    if blocked.is_err() {
+                        node_order(&mut need)?;
+                    }
                 }
             }
-        }
-        let mut have = vec![0u64; dims.nodes * stride];
-        let node_order = |have: &mut [u64]| -> Result<(), MigrateError> {
-            for (p, node) in physical.iter().enumerate() {
-                check_physical_layers(node, layers)?;
-                let bits = &mut have[p * stride..(p + 1) * stride];
-                for (l, ids) in node.holdings.iter().enumerate() {
-                    set_checked(l, ids, experts, &mut bits[l * words..(l + 1) * words])?;
-                }
-            }
-            Ok(())
+            Ok(need)
         };
-        // Reported holdings are one small vector per node and layer, typically allocated layer
-        // by layer (the members' reports are built from the previous plan's placements), so
-        // read one layer of a block of nodes at a time, as for the plan side: node by node,
-        // every id list was a cache miss. On an error, redo it in node order to report the
-        // same first error.
-        let blocked = (0..dims.nodes).step_by(64).try_for_each(|p0| {
-            let block = &physical[p0..(p0 + 64).min(dims.nodes)];
-            if let Some(node) = block
-                .iter()
-                .find(|n| check_physical_layers(n, layers).is_err())
-            {
-                return check_physical_layers(node, layers);
-            }
-            (0..layers).try_for_each(|l| {
-                block.iter().enumerate().try_for_each(|(i, node)| {
-                    let Some(ids) = node.holdings.get(l) else {
-                        return Ok(());
-                    };
-                    let p = p0 + i;
-                    let prev = p
-                        .checked_sub(1)
-                        .and_then(|r| physical[r].holdings.get(l))
-                        .map(Vec::as_slice);
-                    set_or_copy(l, ids, prev, experts, &mut have, p * stride, stride, words)
+        let build_have = || -> Result<Vec<u64>, MigrateError> {
+            let mut have = vec![0u64; dims.nodes * stride];
+            let node_order = |have: &mut [u64]| -> Result<(), MigrateError> {
+                for (p, node) in physical.iter().enumerate() {
+                    check_physical_layers(node, layers)?;
+                    let bits = &mut have[p * stride..(p + 1) * stride];
+                    for (l, ids) in node.holdings.iter().enumerate() {
+                        set_checked(l, ids, experts, &mut bits[l * words..(l + 1) * words])?;
+                    }
+                }
+                Ok(())
+            };
+            // Reported holdings are one small vector per node and layer, typically allocated layer
+            // by layer (the members' reports are built from the previous plan's placements), so
+            // read one layer of a block of nodes at a time, as for the plan side: node by node,
+            // every id list was a cache miss. On an error, redo it in node order to report the
+            // same first error.
+            let blocked = (0..dims.nodes).step_by(64).try_for_each(|p0| {
+                let block = &physical[p0..(p0 + 64).min(dims.nodes)];
+                if let Some(node) = block
+                    .iter()
+                    .find(|n| check_physical_layers(n, layers).is_err())
+                {
+                    return check_physical_layers(node, layers);
+                }
+                (0..layers).try_for_each(|l| {
+                    block.iter().enumerate().try_for_each(|(i, node)| {
+                        let Some(ids) = node.holdings.get(l) else {
+                            return Ok(());
+                        };
+                        let p = p0 + i;
+                        let prev = p
+                            .checked_sub(1)
+                            .and_then(|r| physical[r].holdings.get(l))
+                            .map(Vec::as_slice);
+                        set_or_copy(l, ids, prev, experts, &mut have, p * stride, stride, words)
+                    })
                 })
-            })
-        });
-        if blocked.is_err() {
-            have.fill(0);
-            node_order(&mut have)?;
-        }
+            });
+            if blocked.is_err() {
+                have.fill(0);
+                node_order(&mut have)?;
+            }
+            Ok(have)
+        };
+        let (need, have) = rayon::join(build_need, build_have);
+        let (need, have) = (need?, have?);
         check_distinct_ids(physical)?;
         Ok(Instance {
             dims,
