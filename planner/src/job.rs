@@ -2310,7 +2310,10 @@ impl JobMachine {
             ),
         };
         let (plan, migration) = match made {
-            Ok(pm) => pm,
+            Ok(pm) => {
+                free_holdings(physical);
+                pm
+            }
             Err(e) => {
                 self.restore_holdings(physical);
                 // Holdings that no plan can be mapped onto (should not happen once lost
@@ -2610,6 +2613,22 @@ impl JobMachine {
             return Err(format!("counted step {} past the end", self.next_step));
         }
         Ok(())
+    }
+}
+
+/// Drops the members' reported holdings one layer of a block of nodes at a time, the order
+/// in which the replay's reports are allocated: freed node by node, each small vector's chunk
+/// (and its neighbours', which the allocator coalesces) was a cache miss.
+fn free_holdings(mut physical: Vec<PhysicalNode>) {
+    let layers = physical.iter().map(|p| p.holdings.len()).max().unwrap_or(0);
+    for block in physical.chunks_mut(64) {
+        for l in 0..layers {
+            for node in block.iter_mut() {
+                if let Some(ids) = node.holdings.get_mut(l) {
+                    drop(std::mem::take(ids));
+                }
+            }
+        }
     }
 }
 

@@ -23,6 +23,7 @@ use crate::spec::{ClusterSpec, ModelSpec};
 use rand::SeedableRng;
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::seq::SliceRandom;
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 /// How the layers' plan nodes are laid over each other.
@@ -106,18 +107,47 @@ pub fn plan_model(
             slots: cluster.total_slots(),
         });
     }
+    // Allocations first, in layer order, up to the first layer that fails (its error is
+    // reported unless an earlier layer's placement fails).
     let mut allocations = Vec::with_capacity(model.layers);
-    let mut layers = Vec::with_capacity(model.layers);
-    // Layers with equal sorted replica counts share one MRO construction (see `MroPlacer`).
-    let mut mro = MroPlacer::default();
-    for (l, layer_loads) in loads.iter().enumerate() {
+    let mut failed = None;
+    for layer_loads in loads {
         if layer_loads.len() != model.experts {
-            return Err(PlanError::LoadCount {
+            failed = Some(PlanError::LoadCount {
                 expected: model.experts,
                 got: layer_loads.len(),
             });
+            break;
         }
-        let a = allocate(alloc, layer_loads, cluster.total_slots(), model.f)?;
+        match allocate(alloc, layer_loads, cluster.total_slots(), model.f) {
+            Ok(a) => allocations.push(a),
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    // Layers with equal sorted replica counts share one MRO construction (see `MroPlacer`),
+    // which a placer keeps from one layer to the next. So runs of consecutive layers with
+    // equal sorted counts are placed by one placer each, and the runs in parallel: a placer
+    // gives `place`'s result whatever it holds, so the placements are the sequential ones.
+    let sorted: Vec<Vec<usize>> = allocations
+        .iter()
+        .map(|a| {
+            let mut r = a.replicas.clone();
+            r.sort_unstable();
+            r
+        })
+        .collect();
+    let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+    for l in 0..allocations.len() {
+        match runs.last_mut() {
+            Some(run) if sorted[l] == sorted[l - 1] => run.end = l + 1,
+            _ => runs.push(l..l + 1),
+        }
+    }
+    let place_layer = |mro: &mut MroPlacer, l: usize| -> Result<LayerPlacement, PlanError> {
+        let a: &Allocation = &allocations[l];
         // Random placement: a different (seeded) arrangement per layer.
         let policy = match place_policy {
             PlacePolicy::Random { seed } => PlacePolicy::Random {
@@ -135,8 +165,22 @@ pub fn plan_model(
             perm.shuffle(&mut rng);
             p = p.permute_nodes(&perm);
         }
-        allocations.push(a);
-        layers.push(p);
+        Ok(p)
+    };
+    let placed: Vec<Vec<Result<LayerPlacement, PlanError>>> = runs
+        .par_iter()
+        .map(|run| {
+            let mut mro = MroPlacer::default();
+            run.clone().map(|l| place_layer(&mut mro, l)).collect()
+        })
+        .collect();
+    // The first failing layer's error, as the sequential loop reported.
+    let layers = placed
+        .into_iter()
+        .flatten()
+        .collect::<Result<Vec<LayerPlacement>, PlanError>>()?;
+    if let Some(e) = failed {
+        return Err(e);
     }
     Ok(ModelPlan {
         version: 0,

@@ -247,19 +247,20 @@ pub fn step_cost_sparse(
     input: &SparseStepInput,
 ) -> Result<StepCost> {
     let gpus = input.gpus;
-    check_sparse_shapes(model, input)?;
+    // The shapes are checked first (each layer's rows inside its own evaluation below, in
+    // parallel), then the EP groups: errors are reported in that order.
+    check_layer_counts(model, gpus, input.replicas, input.loads)?;
     let groups = match (input.dispatch, input.ep_groups) {
-        (Dispatch::Padded | Dispatch::Dropless, None) => {
-            bail!("padded and dropless dispatch need the EP groups")
-        }
+        (Dispatch::Padded | Dispatch::Dropless, None) => Err(anyhow::anyhow!(
+            "padded and dropless dispatch need the EP groups"
+        )),
         (Dispatch::Padded | Dispatch::Dropless, Some(g)) => {
-            check_partition(g, gpus)?;
-            Some(g)
+            check_partition(g, gpus).map(|()| Some(g))
         }
-        (Dispatch::Unpadded, _) => None,
+        (Dispatch::Unpadded, _) => Ok(None),
     };
     let group_of: Vec<usize> = match groups {
-        Some(g) => {
+        Ok(Some(g)) => {
             let mut of = vec![0usize; gpus];
             for (gi, group) in g.iter().enumerate() {
                 for &r in group {
@@ -268,7 +269,7 @@ pub fn step_cost_sparse(
             }
             of
         }
-        None => Vec::new(),
+        _ => Vec::new(),
     };
 
     let flops = hw.gpu_flops_effective;
@@ -277,46 +278,67 @@ pub fn step_cost_sparse(
     // Layers are independent: each is evaluated on its own (in parallel: a new layout at
     // 2,048 nodes costs tens of milliseconds per step-cost evaluation), and their terms are
     // summed below in layer order, so the result does not depend on the thread count.
-    let layer_terms: Vec<Result<(f64, f64)>> = input
+    // `layer_terms`: one layer's (processed, link time), on a traffic buffer of the thread.
+    let layer_terms = |layer: usize,
+                       replicas: &[Vec<(u32, u32)>],
+                       loads: &[u64],
+                       groups: Option<&[Vec<usize>]>,
+                       traffic: &mut Traffic|
+     -> Result<(f64, f64)> {
+        let t = routed_tokens(loads, model.assignments_per_gpu())
+            .map_err(|e| anyhow::anyhow!("MoE layer {layer}: {e}"))?;
+        traffic.clear();
+        let res = match groups {
+            Some(g) if input.dispatch == Dispatch::Dropless => {
+                dropless_layer(&t, replicas, g, &group_of, traffic)
+            }
+            Some(g) => padded_layer(&t, replicas, g, &group_of, traffic),
+            None if gpus > ANALYTIC_DISPATCH_ABOVE_GPUS => {
+                let equal = input.equal_nodes.and_then(|eq| eq.get(layer));
+                analytic_layer(&t, replicas, equal.map(Vec::as_slice), traffic)
+            }
+            None => planned_layer(&t, replicas, traffic),
+        };
+        res.map_err(|e| anyhow::anyhow!("MoE layer {layer}: {e}"))?;
+        let max_processed = traffic.processed.iter().copied().fold(0.0, f64::max);
+        // Ranks sharing a host's cores: the layer takes the host's total expert work
+        // over its cores (a rank that waits frees its core for the others), at least
+        // the busiest rank's.
+        let processed = match hw.host_cores {
+            Some(cores) => max_processed.max(traffic.processed.iter().sum::<f64>() / cores),
+            None => max_processed,
+        };
+        Ok((processed, traffic.max_link_time(inter_bw, intra_bw)))
+    };
+    // Outer error: the layer's shape; `None`: not evaluated (the groups are invalid).
+    type Terms = Result<Option<Result<(f64, f64)>>>;
+    let layer_terms: Vec<Terms> = input
         .replicas
         .par_iter()
         .zip(input.loads.par_iter())
         .enumerate()
         .map_init(
             || Traffic::new(hw, gpus),
-            |traffic, (layer, (replicas, loads))| {
-                let t = routed_tokens(loads, model.assignments_per_gpu())
-                    .map_err(|e| anyhow::anyhow!("MoE layer {layer}: {e}"))?;
-                traffic.clear();
-                let res = match groups {
-                    Some(g) if input.dispatch == Dispatch::Dropless => {
-                        dropless_layer(&t, replicas, g, &group_of, traffic)
-                    }
-                    Some(g) => padded_layer(&t, replicas, g, &group_of, traffic),
-                    None if gpus > ANALYTIC_DISPATCH_ABOVE_GPUS => {
-                        let equal = input.equal_nodes.and_then(|eq| eq.get(layer));
-                        analytic_layer(&t, replicas, equal.map(Vec::as_slice), traffic)
-                    }
-                    None => planned_layer(&t, replicas, traffic),
+            |traffic, (layer, (replicas, loads))| -> Terms {
+                check_layer(model, layer, replicas, loads, |l, e, row| {
+                    check_sparse_row(gpus, l, e, row)
+                })?;
+                let Ok(groups) = &groups else {
+                    return Ok(None);
                 };
-                res.map_err(|e| anyhow::anyhow!("MoE layer {layer}: {e}"))?;
-                let max_processed = traffic.processed.iter().copied().fold(0.0, f64::max);
-                // Ranks sharing a host's cores: the layer takes the host's total expert work
-                // over its cores (a rank that waits frees its core for the others), at least
-                // the busiest rank's.
-                let processed = match hw.host_cores {
-                    Some(cores) => max_processed.max(traffic.processed.iter().sum::<f64>() / cores),
-                    None => max_processed,
-                };
-                Ok((processed, traffic.max_link_time(inter_bw, intra_bw)))
+                Ok(Some(layer_terms(layer, replicas, loads, *groups, traffic)))
             },
         )
         .collect();
+    // The first layer whose shape is wrong, then the groups, as the sequential checks did.
+    let layer_terms: Vec<Option<Result<(f64, f64)>>> =
+        layer_terms.into_iter().collect::<Result<_>>()?;
+    groups?;
     let mut expert_compute_s = 0.0;
     let mut all_to_all_s = 0.0;
     // The first failing layer's error, as the sequential loop reported.
     for terms in layer_terms {
-        let (processed, link_time) = terms?;
+        let (processed, link_time) = terms.expect("evaluated: the groups are valid")?;
         expert_compute_s += processed * model.expert_train_flops_per_assignment() / flops;
         all_to_all_s += 4.0 * act * link_time;
     }
@@ -784,22 +806,18 @@ fn grad_allreduce_s(
         target.iter_mut().for_each(|x| *x += v);
     }
     let expert_bytes = model.expert_grad_bytes() as f64;
-    let mut holders = Vec::new();
-    for layer in replicas {
-        for row in layer {
-            holders.clear();
-            holders.extend(row.iter().map(|&(j, _)| j as usize));
-            let m = holders.len();
-            if m < 2 {
-                continue;
-            }
-            let v = ring(m, expert_bytes);
-            let first = hw.node_of(holders[0]);
-            let spans = holders.iter().any(|&j| hw.node_of(j) != first);
-            let target = if spans { &mut inter } else { &mut intra };
-            for &j in &holders {
-                target[j] += v;
-            }
+    for row in replicas.iter().flatten() {
+        let m = row.len();
+        if m < 2 {
+            continue;
+        }
+        let v = ring(m, expert_bytes);
+        // Rows are checked ascending (`check_sparse_row`) and a rank's node grows with the
+        // rank, so a row spans nodes exactly when its first and last holders' nodes differ.
+        let spans = hw.node_of(row[0].0 as usize) != hw.node_of(row[m - 1].0 as usize);
+        let target = if spans { &mut inter } else { &mut intra };
+        for &(j, _) in row {
+            target[j as usize] += v;
         }
     }
     let (inter_bw, intra_bw) = (hw.rank_inter_bandwidth(), hw.rank_intra_bandwidth());
@@ -837,21 +855,20 @@ fn check_shapes(model: &ModelProfile, input: &StepInput) -> Result<()> {
     )
 }
 
-fn check_sparse_shapes(model: &ModelProfile, input: &SparseStepInput) -> Result<()> {
-    let gpus = input.gpus;
-    check_layers(model, gpus, input.replicas, input.loads, |l, e, row| {
-        let mut last: Option<u32> = None;
-        for &(r, c) in row {
-            if r as usize >= gpus || c == 0 || last.is_some_and(|x| x >= r) {
-                bail!(
-                    "MoE layer {l}, expert {e}: replica ({r}, {c}) is not a positive count \
-                     on a rank below {gpus} in ascending order"
-                );
-            }
-            last = Some(r);
+/// One sparse replica row (`layer`, `expert`): positive counts on ranks below `gpus`, ranks
+/// ascending.
+fn check_sparse_row(gpus: usize, l: usize, e: usize, row: &[(u32, u32)]) -> Result<()> {
+    let mut last: Option<u32> = None;
+    for &(r, c) in row {
+        if r as usize >= gpus || c == 0 || last.is_some_and(|x| x >= r) {
+            bail!(
+                "MoE layer {l}, expert {e}: replica ({r}, {c}) is not a positive count \
+                 on a rank below {gpus} in ascending order"
+            );
         }
-        Ok(())
-    })
+        last = Some(r);
+    }
+    Ok(())
 }
 
 /// What the dense and the sparse step inputs share: at least one GPU, a replica table and a
@@ -863,6 +880,20 @@ fn check_layers<R>(
     replicas: &[Vec<R>],
     loads: &[Vec<u64>],
     check_row: impl Fn(usize, usize, &R) -> Result<()>,
+) -> Result<()> {
+    check_layer_counts(model, gpus, replicas, loads)?;
+    for (l, (layer, loads)) in replicas.iter().zip(loads).enumerate() {
+        check_layer(model, l, layer, loads, &check_row)?;
+    }
+    Ok(())
+}
+
+/// The parts of [`check_layers`] that do not look into the layers.
+fn check_layer_counts<R>(
+    model: &ModelProfile,
+    gpus: usize,
+    replicas: &[Vec<R>],
+    loads: &[Vec<u64>],
 ) -> Result<()> {
     if gpus == 0 {
         bail!("a step needs at least one GPU");
@@ -881,18 +912,27 @@ fn check_layers<R>(
             model.moe_layers
         );
     }
-    for (l, (layer, loads)) in replicas.iter().zip(loads).enumerate() {
-        if layer.len() != model.experts || loads.len() != model.experts {
-            bail!(
-                "MoE layer {l}: {} replica rows and {} loads, the model has {} experts",
-                layer.len(),
-                loads.len(),
-                model.experts
-            );
-        }
-        for (e, row) in layer.iter().enumerate() {
-            check_row(l, e, row)?;
-        }
+    Ok(())
+}
+
+/// [`check_layers`] of layer `l`.
+fn check_layer<R>(
+    model: &ModelProfile,
+    l: usize,
+    layer: &[R],
+    loads: &[u64],
+    check_row: impl Fn(usize, usize, &R) -> Result<()>,
+) -> Result<()> {
+    if layer.len() != model.experts || loads.len() != model.experts {
+        bail!(
+            "MoE layer {l}: {} replica rows and {} loads, the model has {} experts",
+            layer.len(),
+            loads.len(),
+            model.experts
+        );
+    }
+    for (e, row) in layer.iter().enumerate() {
+        check_row(l, e, row)?;
     }
     Ok(())
 }
