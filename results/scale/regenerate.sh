@@ -75,3 +75,5 @@ for i in 1 2 3 4; do
   target/release/lzsim "${sweep[@]}" --shard "$i/4" 2>> "$out/sweep-rate.txt"
 done > "$out/sweep-shards.csv"
 cmp "$out/sweep-whole.csv" "$out/sweep-shards.csv" && echo "shards concatenate to the whole" >> "$out/sweep-rate.txt"
+# Cost against cluster size, 64 to 16,384 nodes (curves.md, curves.png).
+bash "$out/curves.sh"
