@@ -26,7 +26,7 @@ for n in $sizes; do
   timed "$out/reconfig-$n.time" $lzsim reconfig --nodes "$n" --gpus-per-node 8 --slots 32 \
     --experts 256 --layers 58 --fail 1 --format json > "$out/reconfig-$n.json"
   # LAER re-layout: two decisions (steps 10 and 20); planner_ms_per_call is the mean wall
-  # time of a decision. Its cost grows about quadratically in devices (9 s at 2,048 nodes),
+  # time of a decision. Its cost grows about as devices^1.6 (7 s at 2,048 nodes, 25 s at 4,096),
   # so it stops at LAER_MAX_NODES (default 4,096).
   if [ "$n" -le "${LAER_MAX_NODES:-4096}" ]; then
     timed "$out/relayout-$n.time" $lzsim relayout --policy laer --nodes "$n" --slots 4 \
