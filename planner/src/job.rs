@@ -129,10 +129,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use crate::deadline::{Basis, DeadlineError, Limit, StepDeadline, StepTimes};
-use crate::migrate::{MappingMethod, MigrationPlan, PhysicalNode, lost_experts, lost_experts_of};
+use crate::migrate::{
+    Held, Holders, MappingMethod, MigrationPlan, PhysicalNode, lost_experts, lost_experts_held,
+};
 use crate::{
     Aggregation, Alignment, AllocPolicy, ClusterSpec, LoadHistory, ModelPlan, ModelSpec,
-    PlacePolicy, PlanError, ReplanOptions, plan_model, replan,
+    PlacePolicy, PlanError, ReplanOptions, plan_model, replan, replan_held,
 };
 
 /// A node id given by the driver; never reused within a job.
@@ -366,6 +368,25 @@ pub struct StateChecksums {
     pub replicas: Vec<(u32, u32, u64)>,
 }
 
+/// What a member reports holding when it stops ([`Event::Idle`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Holdings {
+    /// `[layer]`: the expert ids held now (empty: nothing).
+    Lists(Vec<Vec<u32>>),
+    /// Exactly what plan `version` assigned to this node, for drivers whose members cannot
+    /// diverge from their plan (the simulator). The machine then reads the node's rows of its
+    /// own plan of that version instead of receiving a copy: at 2,048 nodes × 58 layers the
+    /// copies and their release were about a fifth of a replayed reconfiguration. A version
+    /// the machine's plan is not at counts as holding nothing (and is logged).
+    Planned { version: u64 },
+}
+
+impl From<Vec<Vec<u32>>> for Holdings {
+    fn from(lists: Vec<Vec<u32>>) -> Self {
+        Holdings::Lists(lists)
+    }
+}
+
 /// Something that happened, reported by the driver.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Event {
@@ -414,13 +435,13 @@ pub enum Event {
         routing: Vec<Vec<u64>>,
     },
     /// The node's worker stopped in `epoch` and waits; `step` is the next step it would train
-    /// and `held[layer]` the expert ids it holds now.
+    /// and `held` the expert ids it holds now.
     Idle {
         node: NodeId,
         epoch: u64,
         why: IdleReason,
         step: u64,
-        held: Vec<Vec<u32>>,
+        held: Holdings,
     },
     /// The node applied the reconfiguration of `epoch`.
     Migrated {
@@ -750,7 +771,7 @@ struct Node {
     worker_seen_ms: Option<u64>,
     ready: bool,
     /// Reported idle in the current epoch: why, next step, holdings.
-    idle: Option<(IdleReason, u64, Vec<Vec<u32>>)>,
+    idle: Option<(IdleReason, u64, Holdings)>,
     /// Holds the job's dense state (completed a reconfiguration of the current lineage).
     has_state: bool,
     done: Option<StateChecksums>,
@@ -1881,7 +1902,32 @@ impl JobMachine {
             now_ms.saturating_sub(p.since_ms) as f64
         )));
         self.plan_version = v;
+        self.materialize_planned();
         self.plan = Some(p.switch.plan);
+    }
+
+    /// Replaces the [`Holdings::Planned`] reports of the current plan by their lists, before
+    /// that plan is replaced.
+    fn materialize_planned(&mut self) {
+        let Some(plan) = &self.plan else {
+            return;
+        };
+        let rows: BTreeMap<NodeId, usize> = plan
+            .node_map
+            .iter()
+            .enumerate()
+            .map(|(r, &id)| (id, r))
+            .collect();
+        for (id, n) in self.nodes.iter_mut() {
+            if let Some((_, _, held @ Holdings::Planned { .. })) = &mut n.idle {
+                *held = Holdings::Lists(rows.get(id).map_or_else(Vec::new, |&r| {
+                    plan.layers
+                        .iter()
+                        .map(|l| l.grid().row(r).to_vec())
+                        .collect()
+                }));
+            }
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1891,19 +1937,31 @@ impl JobMachine {
         epoch: u64,
         why: IdleReason,
         step: u64,
-        held: Vec<Vec<u32>>,
+        held: Holdings,
         now_ms: u64,
         out: &mut Vec<Action>,
     ) {
         if epoch != self.epoch || !self.members.contains(&node) {
             return;
         }
+        let current = self.plan.as_ref().map(|p| p.version);
         let Some(n) = self.nodes.get_mut(&node) else {
             return;
         };
         if n.idle.is_some() {
             return;
         }
+        let held = match held {
+            Holdings::Planned { version } if Some(version) != current => {
+                out.push(Action::Log(format!(
+                    "node {node} reports the holdings of plan v{version}, but the plan is {}: \
+                     counted as holding nothing",
+                    current.map_or("none".to_owned(), |v| format!("v{v}"))
+                )));
+                Holdings::Lists(Vec::new())
+            }
+            h => h,
+        };
         n.idle = Some((why.clone(), step, held));
         self.progress_ms = now_ms;
         match why {
@@ -2125,24 +2183,74 @@ impl JobMachine {
         None
     }
 
-    /// What node `id` reported holding (empty for a node without the job's state).
-    fn reported_holdings(&self, id: NodeId) -> &[Vec<u32>] {
-        let n = &self.nodes[&id];
-        match (&n.idle, n.has_state) {
-            (Some((_, _, held)), true) => held,
-            _ => &[],
-        }
+    /// What each of `ids` reported holding, by reference (nothing for a node without the
+    /// job's state); rows are those of the current plan (`Holdings::Planned` of another
+    /// version was turned into nothing when reported, see [`Self::materialize_planned`]).
+    fn reported_held(&self, ids: &[NodeId]) -> Vec<Held<'_>> {
+        let rows: Option<BTreeMap<NodeId, u32>> = ids
+            .iter()
+            .any(|id| {
+                matches!(
+                    &self.nodes[id],
+                    Node {
+                        idle: Some((_, _, Holdings::Planned { .. })),
+                        has_state: true,
+                        ..
+                    }
+                )
+            })
+            .then(|| {
+                let plan = self.plan.as_ref().expect("a Planned report has a plan");
+                plan.node_map
+                    .iter()
+                    .enumerate()
+                    .map(|(r, &id)| (id, r as u32))
+                    .collect()
+            });
+        ids.iter()
+            .map(|id| {
+                let n = &self.nodes[id];
+                match (&n.idle, n.has_state) {
+                    (Some((_, _, Holdings::Lists(held))), true) => Held::Lists(held),
+                    (Some((_, _, Holdings::Planned { .. })), true) => rows
+                        .as_ref()
+                        .and_then(|r| r.get(id))
+                        .map_or(Held::Lists(&[]), |&r| Held::Row(r)),
+                    _ => Held::Lists(&[]),
+                }
+            })
+            .collect()
     }
 
-    /// The candidates as the planner's [`PhysicalNode`]s, their reported holdings moved out
-    /// of the machine's records (a copy was 15 MB at 2,048 nodes). [`Self::restore_holdings`]
-    /// puts them back when no plan is issued from them.
+    /// The placements that [`Held::Row`]s index (the current plan's; none without a plan).
+    fn planned_layers(&self) -> &[crate::LayerPlacement] {
+        self.plan.as_ref().map_or(&[], |p| &p.layers)
+    }
+
+    /// The candidates as the planner's [`PhysicalNode`]s, their reported lists moved out of
+    /// the machine's records (a copy was 15 MB at 2,048 nodes) and planned rows copied.
+    /// [`Self::restore_holdings`] puts the lists back when no plan is issued from them.
     fn take_holdings(&mut self, ids: &[NodeId]) -> Vec<PhysicalNode> {
+        let held = self.reported_held(ids);
+        let holders = Holders::Rows {
+            ids,
+            held: &held,
+            layers: self.planned_layers(),
+        };
+        let planned: Vec<Option<Vec<Vec<u32>>>> = (0..ids.len())
+            .map(|p| {
+                // Rows are positions in the current plan's node map.
+                matches!(held[p], Held::Row(_)).then(|| holders.lists_of(p))
+            })
+            .collect();
+        drop(held);
         ids.iter()
-            .map(|&id| {
+            .zip(planned)
+            .map(|(&id, planned)| {
                 let n = self.nodes.get_mut(&id).expect("candidates are known nodes");
-                let holdings = match (&mut n.idle, n.has_state) {
-                    (Some((_, _, held)), true) => std::mem::take(held),
+                let holdings = match (planned, &mut n.idle, n.has_state) {
+                    (Some(lists), _, _) => lists,
+                    (None, Some((_, _, Holdings::Lists(held))), true) => std::mem::take(held),
                     _ => Vec::new(),
                 };
                 PhysicalNode { id, holdings }
@@ -2153,7 +2261,7 @@ impl JobMachine {
     fn restore_holdings(&mut self, physical: Vec<PhysicalNode>) {
         for p in physical {
             if let Some(n) = self.nodes.get_mut(&p.id)
-                && let (Some((_, _, held)), true) = (&mut n.idle, n.has_state)
+                && let (Some((_, _, Holdings::Lists(held))), true) = (&mut n.idle, n.has_state)
             {
                 *held = p.holdings;
             }
@@ -2195,11 +2303,17 @@ impl JobMachine {
         }
         // Candidates without state hold nothing, so the experts lost are those of the nodes
         // with state.
-        let lost = lost_experts_of(
-            candidates.iter().map(|&id| self.reported_holdings(id)),
+        let held = self.reported_held(&candidates);
+        let lost = lost_experts_held(
+            Holders::Rows {
+                ids: &candidates,
+                held: &held,
+                layers: self.planned_layers(),
+            },
             self.cfg.model.layers,
             self.cfg.model.experts,
         );
+        drop(held);
         let has_state: Vec<bool> = candidates
             .iter()
             .map(|id| self.nodes[id].has_state)
@@ -2276,6 +2390,36 @@ impl JobMachine {
             bytes_per_expert: self.cfg.bytes_per_expert,
         };
         let groups = self.host_groups(candidates, out);
+        if groups.is_none() && !self.relayout.has_pending() {
+            // Lazarus's replan reads the holdings where they are.
+            let held = self.reported_held(candidates);
+            let holders = Holders::Rows {
+                ids: candidates,
+                held: &held,
+                layers: self.planned_layers(),
+            };
+            let made = replan_held(
+                holders,
+                self.cfg.slots_per_node,
+                &self.cfg.model,
+                &self.history.loads(),
+                &options,
+                self.plan_version,
+            );
+            drop(held);
+            return match made {
+                Ok((plan, migration)) => self.issue_in_place(
+                    candidates,
+                    has_state,
+                    plan,
+                    migration,
+                    resume_step,
+                    now_ms,
+                    out,
+                ),
+                Err(e) => self.replan_failed(&e, now_ms, out),
+            };
+        }
         let physical = self.take_holdings(candidates);
         let rebalance = self
             .cause
@@ -2316,16 +2460,42 @@ impl JobMachine {
             }
             Err(e) => {
                 self.restore_holdings(physical);
-                // Holdings that no plan can be mapped onto (should not happen once lost
-                // experts were ruled out): fall back to a restore rather than stall.
-                out.push(Action::Log(format!(
-                    "in-place replan failed ({e}): restoring"
-                )));
-                self.enter(Phase::Restoring, now_ms);
-                out.push(Action::FindCheckpoint);
-                return;
+                return self.replan_failed(&e, now_ms, out);
             }
         };
+        self.issue_in_place(
+            candidates,
+            has_state,
+            plan,
+            migration,
+            resume_step,
+            now_ms,
+            out,
+        );
+    }
+
+    /// Holdings that no plan can be mapped onto (should not happen once lost experts were
+    /// ruled out): fall back to a restore rather than stall.
+    fn replan_failed(&mut self, e: &dyn std::fmt::Display, now_ms: u64, out: &mut Vec<Action>) {
+        out.push(Action::Log(format!(
+            "in-place replan failed ({e}): restoring"
+        )));
+        self.enter(Phase::Restoring, now_ms);
+        out.push(Action::FindCheckpoint);
+    }
+
+    /// Issues an in-place plan over `candidates` (`has_state[i]` for `candidates[i]`).
+    #[allow(clippy::too_many_arguments)]
+    fn issue_in_place(
+        &mut self,
+        candidates: &[NodeId],
+        has_state: &[bool],
+        plan: ModelPlan,
+        migration: MigrationPlan,
+        resume_step: u64,
+        now_ms: u64,
+        out: &mut Vec<Action>,
+    ) {
         let has_state: BTreeMap<NodeId, bool> = candidates
             .iter()
             .zip(has_state)

@@ -29,6 +29,8 @@ pub use recovery::RecoveryEstimate;
 pub use spec::{Aggregation, ClusterSpec, LoadHistory, ModelSpec};
 pub mod job;
 pub mod model;
-pub use model::{Alignment, ModelPlan, ReplanError, ReplanOptions, plan_model, replan};
+pub use model::{
+    Alignment, ModelPlan, ReplanError, ReplanOptions, plan_model, replan, replan_held,
+};
 pub use place::mro_structure;
 pub mod relayout;

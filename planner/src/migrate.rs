@@ -122,6 +122,95 @@ pub struct PhysicalNode {
     pub holdings: Vec<Vec<u32>>,
 }
 
+/// What one usable node holds, by reference: its own lists, or its row of an earlier plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held<'a> {
+    /// `[layer]` expert ids, as in [`PhysicalNode::holdings`] (empty: a blank node).
+    Lists(&'a [Vec<u32>]),
+    /// Exactly plan node `row` of the placements in [`Holders::Rows`], in every layer.
+    Row(u32),
+}
+
+/// The usable nodes and their holdings, as the mapping reads them.
+///
+/// [`Holders::Rows`] spares a caller whose nodes hold what an earlier plan gave them (every
+/// survivor of an in-place reconfiguration) copying that plan into one list per node and layer
+/// and freeing it again: at 2,048 nodes × 58 layers, about a fifth of a replayed replan.
+#[derive(Debug, Clone, Copy)]
+pub enum Holders<'a> {
+    Nodes(&'a [PhysicalNode]),
+    /// Node `p` has id `ids[p]` and holds `held[p]`; rows index the placements `layers`.
+    Rows {
+        ids: &'a [u32],
+        held: &'a [Held<'a>],
+        layers: &'a [LayerPlacement],
+    },
+}
+
+impl<'a> Holders<'a> {
+    pub fn len(self) -> usize {
+        match self {
+            Holders::Nodes(n) => n.len(),
+            Holders::Rows { ids, .. } => ids.len(),
+        }
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn id(self, p: usize) -> u32 {
+        match self {
+            Holders::Nodes(n) => n[p].id,
+            Holders::Rows { ids, .. } => ids[p],
+        }
+    }
+
+    /// Layers node `p` reports: 0 for a blank node.
+    fn layer_count(self, p: usize) -> usize {
+        match self {
+            Holders::Nodes(n) => n[p].holdings.len(),
+            Holders::Rows { held, layers, .. } => match held[p] {
+                Held::Lists(h) => h.len(),
+                Held::Row(_) => layers.len(),
+            },
+        }
+    }
+
+    /// Node `p`'s ids in layer `l` (`None` past its layers). Rows must have been checked
+    /// ([`check_rows`]).
+    fn ids(self, p: usize, l: usize) -> Option<&'a [u32]> {
+        match self {
+            Holders::Nodes(n) => n[p].holdings.get(l).map(Vec::as_slice),
+            Holders::Rows { held, layers, .. } => match held[p] {
+                Held::Lists(h) => h.get(l).map(Vec::as_slice),
+                Held::Row(r) => layers.get(l).map(|pl| pl.grid().row(r as usize)),
+            },
+        }
+    }
+
+    /// Every node's holdings as owned [`PhysicalNode`]s, for callers that need them.
+    ///
+    /// # Errors
+    /// [`MigrateError::RowOutOfRange`] for a row the placements do not have.
+    pub fn to_physical_nodes(self) -> Result<Vec<PhysicalNode>, MigrateError> {
+        check_rows(self)?;
+        Ok((0..self.len())
+            .map(|p| PhysicalNode {
+                id: self.id(p),
+                holdings: self.lists_of(p),
+            })
+            .collect())
+    }
+
+    /// Node `p`'s holdings as owned lists. Panics on a row the placements do not have.
+    pub fn lists_of(self, p: usize) -> Vec<Vec<u32>> {
+        (0..self.layer_count(p))
+            .map(|l| self.ids(p, l).unwrap_or(&[]).to_vec())
+            .collect()
+    }
+}
+
 /// One expert state sent over the network.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Transfer {
@@ -202,6 +291,10 @@ pub enum MigrateError {
     /// Two physical nodes share an id.
     #[error("physical id {id} appears more than once")]
     DuplicatePhysicalId { id: u32 },
+    /// A node said to hold a row of an earlier plan that has no such row ([`Holders::Rows`]),
+    /// or a [`Holders::Rows`] whose ids and holdings differ in length (`row` = holdings).
+    #[error("physical node {node} holds row {row} of a plan of {rows} rows")]
+    RowOutOfRange { node: u32, row: u32, rows: usize },
     /// A needed expert is held by no available node; restore it from a checkpoint.
     #[error("expert {expert} of layer {layer} has no surviving holder")]
     ExpertLost { layer: u32, expert: u32 },
@@ -295,7 +388,7 @@ impl<'a> PlanView<'a> {
 /// (column `i` of the bitsets is expert `ids[i]`).
 fn validate(
     plan: PlanView<'_>,
-    physical: &[PhysicalNode],
+    physical: Holders<'_>,
     experts: usize,
 ) -> Result<(Dims, Option<Vec<u32>>), MigrateError> {
     let layers = check_shapes(plan, physical)?;
@@ -306,10 +399,10 @@ fn validate(
             check_ids(l, plan.ids(q, l), experts, &mut max)?;
         }
     }
-    for node in physical {
-        check_physical_layers(node, layers)?;
-        for (l, ids) in node.holdings.iter().enumerate() {
-            check_ids(l, ids, experts, &mut max)?;
+    for p in 0..physical.len() {
+        check_physical_layers(physical, p, layers)?;
+        for l in 0..physical.layer_count(p) {
+            check_ids(l, physical.ids(p, l).unwrap_or(&[]), experts, &mut max)?;
         }
     }
     check_distinct_ids(physical)?;
@@ -317,7 +410,9 @@ fn validate(
     let sparse = (width > DENSE_LIMIT).then(|| {
         let plan_ids =
             (0..plan.nodes()).flat_map(|q| (0..layers).flat_map(move |l| plan.ids(q, l)));
-        let held = physical.iter().flat_map(|p| &p.holdings).flatten();
+        let held = (0..physical.len())
+            .flat_map(|p| (0..physical.layer_count(p)).flat_map(move |l| physical.ids(p, l)))
+            .flatten();
         let mut ids: Vec<u32> = plan_ids.chain(held).copied().collect();
         ids.sort_unstable();
         ids.dedup();
@@ -334,7 +429,8 @@ fn validate(
 }
 
 /// Node counts agree; returns the layer count (plan node 0's, 0 without nodes).
-fn check_shapes(plan: PlanView<'_>, physical: &[PhysicalNode]) -> Result<usize, MigrateError> {
+fn check_shapes(plan: PlanView<'_>, physical: Holders<'_>) -> Result<usize, MigrateError> {
+    check_rows(physical)?;
     if plan.nodes() != physical.len() {
         return Err(MigrateError::NodeCountMismatch {
             plan_nodes: plan.nodes(),
@@ -361,20 +457,48 @@ fn check_plan_layers(plan: PlanView<'_>, q: usize, layers: usize) -> Result<(), 
     Ok(())
 }
 
-fn check_physical_layers(node: &PhysicalNode, layers: usize) -> Result<(), MigrateError> {
-    if !node.holdings.is_empty() && node.holdings.len() != layers {
+fn check_physical_layers(
+    physical: Holders<'_>,
+    p: usize,
+    layers: usize,
+) -> Result<(), MigrateError> {
+    let found = physical.layer_count(p);
+    if found != 0 && found != layers {
         return Err(MigrateError::LayerCountMismatch {
             side: NodeSide::Physical,
-            node: node.id,
+            node: physical.id(p),
             expected: layers,
-            found: node.holdings.len(),
+            found,
         });
     }
     Ok(())
 }
 
-fn check_distinct_ids(physical: &[PhysicalNode]) -> Result<(), MigrateError> {
-    let mut ids: Vec<u32> = physical.iter().map(|p| p.id).collect();
+/// The rows of a [`Holders::Rows`] exist in every placement, and its slices agree in length.
+fn check_rows(physical: Holders<'_>) -> Result<(), MigrateError> {
+    let Holders::Rows { ids, held, layers } = physical else {
+        return Ok(());
+    };
+    let rows = layers.iter().map(LayerPlacement::nodes).min().unwrap_or(0);
+    if ids.len() != held.len() {
+        return Err(MigrateError::RowOutOfRange {
+            node: ids.len() as u32,
+            row: held.len() as u32,
+            rows,
+        });
+    }
+    for (&node, h) in ids.iter().zip(held) {
+        if let Held::Row(row) = *h
+            && row as usize >= rows
+        {
+            return Err(MigrateError::RowOutOfRange { node, row, rows });
+        }
+    }
+    Ok(())
+}
+
+fn check_distinct_ids(physical: Holders<'_>) -> Result<(), MigrateError> {
+    let mut ids: Vec<u32> = (0..physical.len()).map(|p| physical.id(p)).collect();
     ids.sort_unstable();
     if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
         return Err(MigrateError::DuplicatePhysicalId { id: w[0] });
@@ -478,7 +602,7 @@ struct Instance {
 impl Instance {
     fn new(
         plan: PlanView<'_>,
-        physical: &[PhysicalNode],
+        physical: Holders<'_>,
         experts: usize,
     ) -> Result<Self, MigrateError> {
         if experts <= DENSE_LIMIT {
@@ -494,8 +618,8 @@ impl Instance {
         let have = build_bits(
             &dims,
             sparse.as_deref(),
-            |p| physical[p].holdings.len(),
-            |p, l| &physical[p].holdings[l],
+            |p| physical.layer_count(p),
+            |p, l| physical.ids(p, l).unwrap_or(&[]),
         );
         Ok(Instance {
             dims,
@@ -511,7 +635,7 @@ impl Instance {
     /// (layer, expert) order, so every result is the same.
     fn new_dense(
         plan: PlanView<'_>,
-        physical: &[PhysicalNode],
+        physical: Holders<'_>,
         experts: usize,
     ) -> Result<Self, MigrateError> {
         let layers = check_shapes(plan, physical)?;
@@ -575,10 +699,11 @@ impl Instance {
         let build_have = || -> Result<Vec<u64>, MigrateError> {
             let mut have = vec![0u64; dims.nodes * stride];
             let node_order = |have: &mut [u64]| -> Result<(), MigrateError> {
-                for (p, node) in physical.iter().enumerate() {
-                    check_physical_layers(node, layers)?;
+                for p in 0..physical.len() {
+                    check_physical_layers(physical, p, layers)?;
                     let bits = &mut have[p * stride..(p + 1) * stride];
-                    for (l, ids) in node.holdings.iter().enumerate() {
+                    for l in 0..physical.layer_count(p) {
+                        let ids = physical.ids(p, l).unwrap_or(&[]);
                         set_checked(l, ids, experts, &mut bits[l * words..(l + 1) * words])?;
                     }
                 }
@@ -590,23 +715,16 @@ impl Instance {
             // every id list was a cache miss. On an error, redo it in node order to report the
             // same first error.
             let blocked = (0..dims.nodes).step_by(64).try_for_each(|p0| {
-                let block = &physical[p0..(p0 + 64).min(dims.nodes)];
-                if let Some(node) = block
-                    .iter()
-                    .find(|n| check_physical_layers(n, layers).is_err())
-                {
-                    return check_physical_layers(node, layers);
-                }
+                let block = p0..(p0 + 64).min(dims.nodes);
+                block
+                    .clone()
+                    .try_for_each(|p| check_physical_layers(physical, p, layers))?;
                 (0..layers).try_for_each(|l| {
-                    block.iter().enumerate().try_for_each(|(i, node)| {
-                        let Some(ids) = node.holdings.get(l) else {
+                    block.clone().try_for_each(|p| {
+                        let Some(ids) = physical.ids(p, l) else {
                             return Ok(());
                         };
-                        let p = p0 + i;
-                        let prev = p
-                            .checked_sub(1)
-                            .and_then(|r| physical[r].holdings.get(l))
-                            .map(Vec::as_slice);
+                        let prev = p.checked_sub(1).and_then(|r| physical.ids(r, l));
                         set_or_copy(l, ids, prev, experts, &mut have, p * stride, stride, words)
                     })
                 })
@@ -917,7 +1035,12 @@ pub fn scalable_assignment(
     experts: usize,
     window: usize,
 ) -> Result<Vec<usize>, MigrateError> {
-    Ok(Instance::new(PlanView::Nodes(plan_nodes), physical, experts)?.scalable(window))
+    Ok(Instance::new(
+        PlanView::Nodes(plan_nodes),
+        Holders::Nodes(physical),
+        experts,
+    )?
+    .scalable(window))
 }
 
 /// An optimal assignment (minimum total cost, like [`min_cost_assignment`] on
@@ -931,7 +1054,12 @@ pub fn class_assignment(
     experts: usize,
     max_class_pairs: usize,
 ) -> Result<Option<Vec<usize>>, MigrateError> {
-    Ok(Instance::new(PlanView::Nodes(plan_nodes), physical, experts)?.by_classes(max_class_pairs))
+    Ok(Instance::new(
+        PlanView::Nodes(plan_nodes),
+        Holders::Nodes(physical),
+        experts,
+    )?
+    .by_classes(max_class_pairs))
 }
 
 /// The windowed Hungarian on its own, at any size (before class compression it was
@@ -948,7 +1076,12 @@ pub fn windowed_assignment(
     experts: usize,
     window: usize,
 ) -> Result<Vec<usize>, MigrateError> {
-    Ok(Instance::new(PlanView::Nodes(plan_nodes), physical, experts)?.windowed(window))
+    Ok(Instance::new(
+        PlanView::Nodes(plan_nodes),
+        Holders::Nodes(physical),
+        experts,
+    )?
+    .windowed(window))
 }
 
 /// Cost of every (plan node, physical node) pairing: `cost[q][p]` = number of distinct
@@ -962,7 +1095,12 @@ pub fn cost_matrix(
     physical: &[PhysicalNode],
     experts: usize,
 ) -> Result<Vec<Vec<u64>>, MigrateError> {
-    Ok(Instance::new(PlanView::Nodes(plan_nodes), physical, experts)?.cost_matrix())
+    Ok(Instance::new(
+        PlanView::Nodes(plan_nodes),
+        Holders::Nodes(physical),
+        experts,
+    )?
+    .cost_matrix())
 }
 
 /// Total cost of an assignment (`assignment[q]` = column of row `q`), saturating.
@@ -992,17 +1130,86 @@ pub fn lost_experts_of<'a>(
     layers: usize,
     experts: usize,
 ) -> Vec<(u32, u32)> {
-    let mut held = vec![false; layers * experts];
     let nodes: Vec<&[Vec<u32>]> = holdings.into_iter().collect();
+    lost_in(
+        nodes.len(),
+        |p, l| nodes[p].get(l).map(Vec::as_slice),
+        layers,
+        experts,
+    )
+}
+
+/// [`lost_experts`] of [`Holders`] (rows out of range hold nothing).
+pub fn lost_experts_held(holders: Holders<'_>, layers: usize, experts: usize) -> Vec<(u32, u32)> {
+    let Holders::Rows {
+        held,
+        layers: placements,
+        ..
+    } = holders
+    else {
+        return lost_in(holders.len(), |p, l| holders.ids(p, l), layers, experts);
+    };
+    let rows = placements
+        .iter()
+        .map(LayerPlacement::nodes)
+        .min()
+        .unwrap_or(0);
+    let valid = |h: &Held<'_>| !matches!(*h, Held::Row(r) if r as usize >= rows);
+    // A plan's rows lie together layer by layer, so the layers are independent passes over
+    // contiguous memory, in parallel: this check precedes every in-place replan.
+    let held_per_layer: Vec<Vec<bool>> = (0..layers)
+        .into_par_iter()
+        .map(|l| {
+            let mut row = vec![false; experts];
+            let mut prev: Option<&[u32]> = None;
+            for h in held.iter().filter(|h| valid(h)) {
+                let ids = match *h {
+                    Held::Lists(lists) => lists.get(l).map(Vec::as_slice),
+                    Held::Row(r) => placements.get(l).map(|p| p.grid().row(r as usize)),
+                };
+                let Some(ids) = ids else { continue };
+                // Setting a list equal to the previous one again changes nothing.
+                if prev == Some(ids) {
+                    continue;
+                }
+                prev = Some(ids);
+                for &e in ids {
+                    if let Some(x) = row.get_mut(e as usize) {
+                        *x = true;
+                    }
+                }
+            }
+            row
+        })
+        .collect();
+    held_per_layer
+        .iter()
+        .enumerate()
+        .flat_map(|(l, row)| {
+            row.iter()
+                .enumerate()
+                .filter(|(_, h)| !**h)
+                .map(move |(e, _)| (l as u32, e as u32))
+        })
+        .collect()
+}
+
+fn lost_in<'a>(
+    nodes: usize,
+    ids_of: impl Fn(usize, usize) -> Option<&'a [u32]>,
+    layers: usize,
+    experts: usize,
+) -> Vec<(u32, u32)> {
+    let mut held = vec![false; layers * experts];
     // One layer of a block of nodes at a time: the id lists are typically allocated layer by
     // layer (see `Instance::new_dense`), so node by node each one was a cache miss.
-    for block in nodes.chunks(64) {
+    for block in (0..nodes).step_by(64) {
         for l in 0..layers {
             let row = &mut held[l * experts..(l + 1) * experts];
             let mut prev: Option<&[u32]> = None;
-            for ids in block.iter().filter_map(|node| node.get(l)) {
+            for ids in (block..(block + 64).min(nodes)).filter_map(|p| ids_of(p, l)) {
                 // Setting a list equal to the previous one again changes nothing.
-                if prev == Some(ids.as_slice()) {
+                if prev == Some(ids) {
                     continue;
                 }
                 prev = Some(ids);
@@ -1276,8 +1483,12 @@ pub fn map_nodes(
     method: MappingMethod,
     bytes_per_expert: u64,
 ) -> Result<MigrationPlan, MigrateError> {
-    let inst = Instance::new(PlanView::Nodes(plan_nodes), physical, experts)?;
-    migration_plan(&inst, physical, method, bytes_per_expert)
+    let inst = Instance::new(
+        PlanView::Nodes(plan_nodes),
+        Holders::Nodes(physical),
+        experts,
+    )?;
+    migration_plan(&inst, Holders::Nodes(physical), method, bytes_per_expert)
 }
 
 /// [`map_nodes`] with the plan given as its per-layer placements (`layers[l]` over plan nodes
@@ -1295,6 +1506,28 @@ pub fn map_layers(
     method: MappingMethod,
     bytes_per_expert: u64,
 ) -> Result<MigrationPlan, MigrateError> {
+    map_layers_held(
+        layers,
+        Holders::Nodes(physical),
+        experts,
+        method,
+        bytes_per_expert,
+    )
+}
+
+/// [`map_layers`] with the holdings given by reference ([`Holders`]): the same result as for
+/// the equal [`PhysicalNode`]s ([`Holders::to_physical_nodes`]).
+///
+/// # Errors
+/// As [`map_layers`]; also [`MigrateError::RowOutOfRange`].
+pub fn map_layers_held(
+    layers: &[LayerPlacement],
+    physical: Holders<'_>,
+    experts: usize,
+    method: MappingMethod,
+    bytes_per_expert: u64,
+) -> Result<MigrationPlan, MigrateError> {
+    check_rows(physical)?;
     if let Some(l) = layers.iter().find(|l| l.nodes() != physical.len()) {
         return Err(MigrateError::NodeCountMismatch {
             plan_nodes: l.nodes(),
@@ -1312,7 +1545,7 @@ pub fn map_layers(
 /// The mapping and transfers of a validated instance (see [`map_nodes`]).
 fn migration_plan(
     inst: &Instance,
-    physical: &[PhysicalNode],
+    physical: Holders<'_>,
     method: MappingMethod,
     bytes_per_expert: u64,
 ) -> Result<MigrationPlan, MigrateError> {
@@ -1458,8 +1691,8 @@ fn migration_plan(
             Transfer {
                 layer,
                 expert,
-                src: physical[s as usize].id,
-                dst: physical[nd.dst as usize].id,
+                src: physical.id(s as usize),
+                dst: physical.id(nd.dst as usize),
             }
         })
         .collect();
@@ -1469,7 +1702,7 @@ fn migration_plan(
     let new_replicas = transfers.len() as u64;
     Ok(MigrationPlan {
         method,
-        plan_to_physical: plan_to_phys.iter().map(|&p| physical[p].id).collect(),
+        plan_to_physical: plan_to_phys.iter().map(|&p| physical.id(p)).collect(),
         new_replicas,
         bytes: to_bytes(new_replicas),
         max_sent_bytes: sent_bytes.iter().copied().max().unwrap_or(0),
@@ -1666,7 +1899,7 @@ mod tests {
         experts: usize,
     ) -> Result<Instance, MigrateError> {
         let view = PlanView::Nodes(plan);
-        let (dims, sparse) = validate(view, physical, experts)?;
+        let (dims, sparse) = validate(view, Holders::Nodes(physical), experts)?;
         let need = build_bits(
             &dims,
             sparse.as_deref(),
@@ -1713,7 +1946,7 @@ mod tests {
         ) {
             let physical: Vec<PhysicalNode> =
                 phys.into_iter().map(|(id, holdings)| node(id, holdings)).collect();
-            let one = Instance::new_dense(PlanView::Nodes(&plan), &physical, experts);
+            let one = Instance::new_dense(PlanView::Nodes(&plan), Holders::Nodes(&physical), experts);
             let two = two_pass(&plan, &physical, experts);
             match (one, two) {
                 (Ok(a), Ok(b)) => proptest::prop_assert_eq!(a.cost_matrix(), b.cost_matrix()),

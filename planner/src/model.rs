@@ -17,7 +17,9 @@
 
 use crate::allocate::{AllocPolicy, Allocation, allocate};
 use crate::error::PlanError;
-use crate::migrate::{MappingMethod, MigrateError, MigrationPlan, PhysicalNode, map_layers};
+use crate::migrate::{
+    Holders, MappingMethod, MigrateError, MigrationPlan, PhysicalNode, map_layers_held,
+};
 use crate::place::{LayerPlacement, MroPlacer, PlacePolicy, place};
 use crate::spec::{ClusterSpec, ModelSpec};
 use rand::SeedableRng;
@@ -238,6 +240,26 @@ pub fn replan(
     options: &ReplanOptions,
     previous_version: u64,
 ) -> Result<(ModelPlan, MigrationPlan), ReplanError> {
+    replan_held(
+        Holders::Nodes(physical),
+        slots_per_node,
+        model,
+        loads,
+        options,
+        previous_version,
+    )
+}
+
+/// [`replan`] with the holdings given by reference (see [`Holders`]): the same result as for
+/// the equal [`PhysicalNode`]s.
+pub fn replan_held(
+    physical: Holders<'_>,
+    slots_per_node: usize,
+    model: &ModelSpec,
+    loads: &[Vec<u64>],
+    options: &ReplanOptions,
+    previous_version: u64,
+) -> Result<(ModelPlan, MigrationPlan), ReplanError> {
     let cluster = ClusterSpec::new(physical.len(), slots_per_node);
     let mut plan = plan_model(
         &cluster,
@@ -247,7 +269,7 @@ pub fn replan(
         options.place,
         Alignment::Aligned,
     )?;
-    let migration = map_layers(
+    let migration = map_layers_held(
         &plan.layers,
         physical,
         model.experts,

@@ -255,7 +255,7 @@ fn a_host_failure_fences_its_other_gpus_and_recovers_in_place() {
             epoch,
             why: IdleReason::Failed("peer".into()),
             step: 3,
-            held,
+            held: held.into(),
         }));
     }
     assert!(!a.contains(&Action::FindCheckpoint), "{a:?}");

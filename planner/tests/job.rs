@@ -4,8 +4,8 @@ use lazarus_planner::ModelSpec;
 use lazarus_planner::deadline::StepDeadline;
 use lazarus_planner::job::reconcile::{WorkerProcess, WorkerReport};
 use lazarus_planner::job::{
-    Action, Event, IdleReason, JobConfig, JobMachine, NodeId, Phase, ReconfigKind, Reconfiguration,
-    StateChecksums, StateSource, StepReport,
+    Action, Event, Holdings, IdleReason, JobConfig, JobMachine, NodeId, Phase, ReconfigKind,
+    Reconfiguration, StateChecksums, StateSource, StepReport,
 };
 
 /// 4 experts × 2 layers, f = 2, `slots` per node.
@@ -102,7 +102,20 @@ impl Job {
             epoch,
             why,
             step,
-            held,
+            held: held.into(),
+        })
+    }
+
+    /// [`Self::idle`] reporting the holdings by the plan's version ([`Holdings::Planned`]).
+    fn idle_planned(&mut self, node: NodeId, why: IdleReason, step: u64) -> Vec<Action> {
+        let version = self.m.plan().unwrap().version;
+        let epoch = self.m.epoch();
+        self.ev(Event::Idle {
+            node,
+            epoch,
+            why,
+            step,
+            held: Holdings::Planned { version },
         })
     }
 
@@ -1510,4 +1523,109 @@ fn with_sharded_experts_a_rebalance_stays_in_place() {
     let r = reconfig(&a).unwrap();
     assert_eq!((r.kind, r.resume_step), (ReconfigKind::Rebalance, 5));
     assert!(matches!(r.source, StateSource::Peers { .. }));
+}
+
+/// Reporting holdings as `Holdings::Planned` (what the simulator does) decides exactly as
+/// reporting the same holdings as lists: an in-place replan after a loss, a lazy scale-out,
+/// a rebalance, and a restore when an MRO block is lost.
+#[test]
+fn planned_holdings_decide_as_the_lists() {
+    let run = |planned: bool| -> Vec<Action> {
+        let mut cfg = config(2, 60);
+        cfg.checkpoint_every_steps = 5;
+        cfg.rebalance_every_steps = 8;
+        cfg.scale_out_wait_ms = 0;
+        let (mut j, _) = started(cfg, &[0, 1, 2, 3, 4, 5], 3);
+        let idle = |j: &mut Job, n, why: IdleReason, step| {
+            if planned {
+                j.idle_planned(n, why, step)
+            } else {
+                j.idle(n, why, step)
+            }
+        };
+        // Lose one member: the survivors replan in place.
+        j.at(10).ev(Event::Lost {
+            node: 5,
+            reason: "killed".into(),
+        });
+        let mut a = Vec::new();
+        for n in j.m.members().to_vec() {
+            a.extend(idle(&mut j, n, IdleReason::Failed("peer".into()), 3));
+        }
+        let r = reconfig(&a).expect("in-place replan");
+        j.at(20).migrated_all(&r);
+        // A newcomer joins (lazily), and rebalances come every 8 steps: each pauses the
+        // members, who report idle at the next step.
+        j.join(9);
+        let mut step = 3;
+        while step < 30 {
+            let a = j.at(30 + step).step_all(step);
+            step += 1;
+            if a.iter().any(|a| matches!(a, Action::Pause { .. })) {
+                let mut a = Vec::new();
+                for n in j.m.members().to_vec() {
+                    a.extend(idle(&mut j, n, IdleReason::Paused, step));
+                }
+                let r = reconfig(&a).expect("a reconfiguration after the pause");
+                j.migrated_all(&r);
+            }
+        }
+        // Lose an MRO block (two nodes holding the same experts): a restore.
+        let members = j.m.members().to_vec();
+        let block: Vec<NodeId> = members
+            .iter()
+            .copied()
+            .filter(|&n| j.held(n) == j.held(members[0]))
+            .collect();
+        assert!(block.len() >= 2, "the first block has f = 2 nodes");
+        for &n in &block {
+            j.at(200).ev(Event::Lost {
+                node: n,
+                reason: "killed".into(),
+            });
+        }
+        for n in j.m.members().to_vec() {
+            if !block.contains(&n) {
+                idle(&mut j, n, IdleReason::Failed("peer".into()), step);
+            }
+        }
+        assert!(j.out.contains(&Action::FindCheckpoint));
+        j.out.clone()
+    };
+    let lists = run(false);
+    assert!(
+        lists
+            .iter()
+            .filter(|a| matches!(a, Action::Reconfigure(_)))
+            .count()
+            >= 3,
+        "a replan, a rebalance and more"
+    );
+    assert_eq!(run(true), lists);
+}
+
+/// Holdings reported as those of a plan version the machine is not at count as holding
+/// nothing, and say so, rather than being read from the wrong plan.
+#[test]
+fn planned_holdings_of_another_version_count_as_nothing() {
+    let (mut j, r) = started(config(4, 10), &[0, 1, 2], 3);
+    j.at(10).ev(Event::Lost {
+        node: 2,
+        reason: "killed".into(),
+    });
+    let stale = r.plan.version + 7;
+    let mut a = Vec::new();
+    for n in [0, 1] {
+        a.extend(j.ev(Event::Idle {
+            node: n,
+            epoch: 1,
+            why: IdleReason::Failed("peer".into()),
+            step: 3,
+            held: Holdings::Planned { version: stale },
+        }));
+    }
+    assert!(a.iter().any(|a| matches!(a, Action::Log(l)
+        if l.contains(&format!("plan v{stale}")) && l.contains("counted as holding nothing"))));
+    // Nobody holds anything: the experts are lost, and without checkpoints the job ends.
+    assert!(!a.iter().any(|a| matches!(a, Action::Reconfigure(_))));
 }

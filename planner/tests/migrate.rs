@@ -814,3 +814,157 @@ fn timing_deepseek_v3_scale() {
         t.elapsed().as_secs_f64() * 1e3
     );
 }
+
+/// A random replan's inputs: the previous plan (on `before` nodes), the survivors' rows in
+/// it, some of them reported as lists instead, and blank newcomers.
+fn held_instance(
+    before: usize,
+    dead: &[usize],
+    newcomers: usize,
+    as_lists: &[usize],
+    skew: u64,
+) -> (lazarus_planner::ModelPlan, Vec<u32>, Vec<(usize, bool)>) {
+    use lazarus_planner::{
+        Alignment, AllocPolicy, ClusterSpec, ModelSpec, PlacePolicy, plan_model,
+    };
+    let model = ModelSpec {
+        experts: 24,
+        layers: 3,
+        f: 2,
+    };
+    let loads: Vec<Vec<u64>> = (0..3)
+        .map(|l| {
+            (0..24)
+                .map(|e| 1 + 1000 / (1 + (e + skew as usize * l) % 24) as u64)
+                .collect()
+        })
+        .collect();
+    let mut plan = plan_model(
+        &ClusterSpec::new(before, 8),
+        &model,
+        &loads,
+        AllocPolicy::Lazarus,
+        PlacePolicy::Mro,
+        Alignment::Aligned,
+    )
+    .unwrap();
+    // Physical ids not in plan order, as after earlier reconfigurations.
+    plan.node_map = (0..before as u32).map(|r| 1000 - 7 * r).collect();
+    let mut ids = Vec::new();
+    let mut rows = Vec::new();
+    for r in (0..before).filter(|r| !dead.contains(r)) {
+        ids.push(plan.node_map[r]);
+        rows.push((r, as_lists.contains(&r)));
+    }
+    for k in 0..newcomers {
+        ids.push(5000 + k as u32);
+        rows.push((usize::MAX, false));
+    }
+    (plan, ids, rows)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Holdings given by reference ([`Holders::Rows`], some as lists, newcomers blank) give
+    /// exactly the migration plan and the lost experts of the same holdings as lists.
+    #[test]
+    fn held_rows_equal_the_lists(
+        before in 6usize..14,
+        dead in proptest::collection::vec(0usize..14, 0..4),
+        newcomers in 0usize..3,
+        as_lists in proptest::collection::vec(0usize..14, 0..4),
+        skew in 0u64..7,
+        method in prop_oneof![
+            Just(MappingMethod::Optimal),
+            Just(MappingMethod::Scalable),
+            Just(MappingMethod::Greedy),
+            Just(MappingMethod::Identity),
+        ],
+    ) {
+        use lazarus_planner::migrate::{Held, Holders, lost_experts_held, map_layers, map_layers_held};
+        use lazarus_planner::{Alignment, AllocPolicy, ClusterSpec, ModelSpec, PlacePolicy, plan_model};
+        let (plan, ids, rows) = held_instance(before, &dead, newcomers, &as_lists, skew);
+        let lists: Vec<Vec<Vec<u32>>> = rows
+            .iter()
+            .map(|&(r, _)| {
+                if r == usize::MAX {
+                    Vec::new()
+                } else {
+                    plan.layers.iter().map(|l| l.grid().row(r).to_vec()).collect()
+                }
+            })
+            .collect();
+        let held: Vec<Held<'_>> = rows
+            .iter()
+            .zip(&lists)
+            .map(|(&(r, list), l)| {
+                if r == usize::MAX || list {
+                    Held::Lists(l)
+                } else {
+                    Held::Row(r as u32)
+                }
+            })
+            .collect();
+        let holders = Holders::Rows { ids: &ids, held: &held, layers: &plan.layers };
+        let physical: Vec<PhysicalNode> = ids
+            .iter()
+            .zip(&lists)
+            .map(|(&id, l)| node(id, l.clone()))
+            .collect();
+        prop_assert_eq!(holders.to_physical_nodes().unwrap(), physical.clone());
+        prop_assert_eq!(
+            lost_experts_held(holders, 3, 24),
+            lost_experts(&physical, 3, 24)
+        );
+        let model = ModelSpec { experts: 24, layers: 3, f: 2 };
+        let loads: Vec<Vec<u64>> = (0..3).map(|l| (0..24).map(|e| 1 + ((e * 7 + l) % 11) as u64).collect()).collect();
+        if ids.len() * 8 >= 24 {
+            let after = plan_model(
+                &ClusterSpec::new(ids.len(), 8),
+                &model,
+                &loads,
+                AllocPolicy::Lazarus,
+                PlacePolicy::Mro,
+                Alignment::Aligned,
+            )
+            .unwrap();
+            prop_assert_eq!(
+                map_layers_held(&after.layers, holders, 24, method, 5),
+                map_layers(&after.layers, &physical, 24, method, 5)
+            );
+        }
+    }
+}
+
+#[test]
+fn held_rows_out_of_range_are_errors() {
+    use lazarus_planner::migrate::{Held, Holders, map_layers_held};
+    let (plan, ids, _) = held_instance(8, &[], 0, &[], 1);
+    let mut held: Vec<Held<'_>> = (0..8).map(Held::Row).collect();
+    held[3] = Held::Row(8);
+    let holders = Holders::Rows {
+        ids: &ids,
+        held: &held,
+        layers: &plan.layers,
+    };
+    let err = MigrateError::RowOutOfRange {
+        node: ids[3],
+        row: 8,
+        rows: 8,
+    };
+    assert_eq!(holders.to_physical_nodes(), Err(err.clone()));
+    assert_eq!(
+        map_layers_held(&plan.layers, holders, 24, MappingMethod::Scalable, 1),
+        Err(err)
+    );
+    let short = Holders::Rows {
+        ids: &ids[..7],
+        held: &held,
+        layers: &plan.layers,
+    };
+    assert!(matches!(
+        map_layers_held(&plan.layers, short, 24, MappingMethod::Scalable, 1),
+        Err(MigrateError::RowOutOfRange { .. })
+    ));
+}

@@ -590,7 +590,7 @@ impl Controller {
             epoch,
             why,
             step,
-            held: holdings_of(held, layers),
+            held: holdings_of(held, layers).into(),
         };
         Some(match ev {
             WorkerEvent::Ready { addr } => {

@@ -716,7 +716,7 @@ mod tests {
                     epoch: old_epoch,
                     why,
                     step,
-                    held,
+                    held: held.into(),
                 },
                 out,
             );

@@ -906,7 +906,7 @@ impl Sim {
             epoch: n.epoch,
             why,
             step: n.state.next_step,
-            held: n.state.holdings(),
+            held: n.state.holdings().into(),
         };
         n.last_idle = Some(ev.clone());
         self.send(ev);

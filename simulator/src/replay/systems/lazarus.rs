@@ -33,7 +33,8 @@
 use super::{Ctx, Decision, Layout, Migration, NodeId, System};
 use crate::cost::Dispatch;
 use lazarus_planner::job::{
-    Action, Event, IdleReason, JobConfig, JobMachine, ReconfigKind, Reconfiguration, StateSource,
+    Action, Event, Holdings, IdleReason, JobConfig, JobMachine, ReconfigKind, Reconfiguration,
+    StateSource,
 };
 use lazarus_planner::migrate::MappingMethod;
 use lazarus_planner::{Aggregation, Alignment, AllocPolicy, ModelPlan, PlacePolicy, plan_model};
@@ -381,14 +382,28 @@ impl Driver {
             .enumerate()
             .map(|(i, &n)| (n, i))
             .collect();
-        let mut held_all = current.held_all();
+        // Members hold exactly their part of the layout's plan. When that is the machine's
+        // plan, they say so rather than send a copy of it (see `Holdings::Planned`).
+        let planned = current
+            .plan
+            .as_ref()
+            .filter(|p| current.holdings.is_empty() && current.nodes == p.node_map)
+            .map(|p| p.version)
+            .filter(|&v| self.machine.plan().is_some_and(|m| m.version == v));
+        let mut held_all = if planned.is_some() {
+            Vec::new()
+        } else {
+            current.held_all()
+        };
         // Last member first: the machine checks after each report whether every member is
         // idle, a scan that stops at the first one that is not, so this order keeps the
         // reports of 2,048 members linear instead of quadratic (the outcome is the same).
         for node in self.machine.members().to_vec().into_iter().rev() {
-            let held = position
-                .get(&node)
-                .map_or_else(Vec::new, |&i| std::mem::take(&mut held_all[i]));
+            let held = match (position.get(&node), planned) {
+                (Some(_), Some(version)) => Holdings::Planned { version },
+                (Some(&i), None) => Holdings::Lists(std::mem::take(&mut held_all[i])),
+                (None, _) => Holdings::Lists(Vec::new()),
+            };
             let ev = Event::Idle {
                 node,
                 epoch,
