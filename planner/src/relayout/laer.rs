@@ -254,14 +254,11 @@ struct Touch {
 
 impl Touch {
     /// The change of the count on device `d` (0 when the touch leaves it alone).
+    #[inline]
     fn delta(&self, d: usize) -> i64 {
-        let mut r = 0;
-        for &(dd, delta) in &self.devs[..self.n_devs] {
-            if dd == d {
-                r += delta as i64;
-            }
-        }
-        r
+        // Unused entries (past `n_devs`) carry a change of 0, so both are summed.
+        let [(d0, x0), (d1, x1)] = self.devs;
+        (if d0 == d { x0 as i64 } else { 0 }) + (if d1 == d { x1 as i64 } else { 0 })
     }
 }
 
@@ -445,11 +442,6 @@ impl State<'_> {
         }
     }
 
-    /// Replica count of `e` on `d` after the touch.
-    fn count_after(&self, t: &Touch, d: usize) -> f64 {
-        (self.ev.replicas[t.e][d] as i64 + t.delta(d)).max(0) as f64
-    }
-
     /// Per-node residual and kept sums of expert `t.e` after the touch (written into the
     /// scratch arrays of `slot` for its affected nodes `sc.nodes[slot]`), the capacity and
     /// kept tokens of each device holding it after the touch, the per-node link seconds per
@@ -458,29 +450,26 @@ impl State<'_> {
     fn expert_after(&self, sc: &mut Scratch, slot: usize, t: &Touch, exact: bool) -> ExpertAfter {
         let e = t.e;
         let tok = self.tokens[e];
+        let reps = &self.ev.replicas[e];
+        let count_after = |d: usize| (reps[d] as i64 + t.delta(d)).max(0) as f64;
+        // The total count after the touch (holders, then the touched devices that hold none,
+        // in this order), and the devices holding `e` after it, in device order (so that each
+        // node's sums below add its devices in the same order as a scan of the node would).
         let mut r = 0.0;
-        for &h in &self.holders[e] {
-            r += self.count_after(t, h as usize);
-        }
-        for &(d, _) in &t.devs[..t.n_devs] {
-            if self.ev.replicas[e][d] == 0 {
-                r += self.count_after(t, d);
-            }
-        }
-        // The devices holding `e` after the touch, in device order (so that each node's sums
-        // below add its devices in the same order as a scan of the node would).
         let ah = &mut sc.after_holders[slot];
         ah.clear();
         for &h in &self.holders[e] {
-            let rd = self.count_after(t, h as usize);
+            let rd = count_after(h as usize);
+            r += rd;
             if rd != 0.0 {
                 ah.push((h as usize, rd));
             }
         }
         for &(d, _) in &t.devs[..t.n_devs] {
-            if self.ev.replicas[e][d] == 0 && !ah.iter().any(|&(x, _)| x == d) {
-                let rd = self.count_after(t, d);
-                if rd != 0.0 {
+            if reps[d] == 0 {
+                let rd = count_after(d);
+                r += rd;
+                if rd != 0.0 && !ah.iter().any(|&(x, _)| x == d) {
                     let p = ah.partition_point(|&(x, _)| x < d);
                     ah.insert(p, (d, rd));
                 }
@@ -910,6 +899,15 @@ impl State<'_> {
         let (mut dl, mut dc) = (0.0, 0.0);
         // Magnitudes of what is summed, for the rounding margin below.
         let (mut mag_l, mut mag_c) = (0.0f64, 0.0f64);
+        // Each touched expert's rows (hoisted out of the device loop).
+        let rows = [0, 1].map(|i| {
+            let e = touches[i].e;
+            (
+                &self.ev.contrib[e][..],
+                &self.ev.traffic[e][..],
+                &self.ev.replicas[e][..],
+            )
+        });
         for &d in exact.iter() {
             let n = self.topo.node_of(d);
             let mut nt = self.ev.total[d];
@@ -917,21 +915,23 @@ impl State<'_> {
                 if sc.node_in[i][n] != ep[i] {
                     continue;
                 }
-                let o = self.ev.contrib[t.e][d];
+                let (contrib, traffic, replicas) = rows[i];
+                let o = contrib[d];
+                let own = traffic[d];
                 let c = if af.r <= 0.0 || af.t <= 0.0 {
                     [0.0; 3]
                 } else {
-                    let rd = self.ev.replicas[t.e][d] as i64 + t.delta(d);
+                    let rd = replicas[d] as i64 + t.delta(d);
                     let w = (sc.w_eg[i][n], sc.w_ing[i][n]);
                     let ck = (sc.cap[i][d], sc.keep[i][d]);
-                    new_contrib(self.ev.traffic[t.e][d], rd, af.s > 0.0, w, ck, b)
+                    new_contrib(own, rd, af.s > 0.0, w, ck, b)
                 };
                 for k in 0..3 {
                     nt[k] += c[k] - o[k];
                 }
                 // Its share of the node's convexity bound below, taken out again.
                 if bc.eg_max[d] {
-                    let x = 16.0 * b * dw(i, n) * self.ev.traffic[t.e][d] * bc.slope[d];
+                    let x = 16.0 * b * dw(i, n) * own * bc.slope[d];
                     dc -= x;
                     mag_c += x.abs();
                 }
@@ -1229,9 +1229,15 @@ impl State<'_> {
         hot.sort_by(|&a, &b| per_replica(b).total_cmp(&per_replica(a)).then(a.cmp(&b)));
         hot.truncate(self.params.hot_experts);
         let mut cold: Vec<usize> = (0..self.topo.devices).collect();
-        cold.sort_by(|&a, &b| load[a].total_cmp(&load[b]).then(a.cmp(&b)));
-        // At least M, and a sixteenth of the cluster, so large clusters can move enough.
-        cold.truncate(self.params.cold_devices.max(self.topo.devices / 64));
+        let by_load = |a: &usize, b: &usize| load[*a].total_cmp(&load[*b]).then(a.cmp(b));
+        // At least M, and a sixteenth of the cluster, so large clusters can move enough. A
+        // total order, so selecting the first ones and sorting them equals a full sort.
+        let m = self.params.cold_devices.max(self.topo.devices / 64);
+        if m < cold.len() {
+            cold.select_nth_unstable_by(m, by_load);
+            cold.truncate(m);
+        }
+        cold.sort_by(by_load);
         let mut out = Vec::new();
         for &e in &hot {
             let e32 = e as u32;
