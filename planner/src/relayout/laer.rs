@@ -132,6 +132,8 @@ struct State<'a> {
     tokens: Vec<f64>,
     /// Devices holding each expert (any order).
     holders: Vec<Vec<u32>>,
+    /// Scratch of `booked`: the grid's and the fetched rows of up to two devices.
+    book_tmp: [[Vec<u32>; 2]; 2],
     /// The sparse predictor's per-round caches.
     fast: Fast,
 }
@@ -671,14 +673,66 @@ impl State<'_> {
         Some(afters)
     }
 
-    /// The bytes `a` adds and the most experts a device fetches after it (its bookkeeping,
-    /// applied and undone).
+    /// The bytes `a` adds and the most experts a device fetches after it: its bookkeeping
+    /// simulated on copies of the touched devices' rows (the grid's and the fetched lists),
+    /// step for step as `apply`'s `book_change`s would change them, without touching the
+    /// state.
     fn booked(&mut self, a: Action) -> (u64, usize) {
-        let bytes_before = self.bytes();
-        self.book(a, false);
-        let out = (self.bytes().saturating_sub(bytes_before), self.busiest());
-        self.book(a, true);
-        out
+        let (steps, n_steps) = book_steps(a);
+        let mut tmp = std::mem::take(&mut self.book_tmp);
+        let mut devs = [usize::MAX; 2];
+        let mut nd = 0;
+        for &(d, _, _) in &steps[..n_steps] {
+            if !devs[..nd].contains(&d) {
+                let [g, f] = &mut tmp[nd];
+                g.clear();
+                g.extend_from_slice(&self.grid[d]);
+                f.clear();
+                f.extend_from_slice(&self.fetched[d]);
+                devs[nd] = d;
+                nd += 1;
+            }
+        }
+        for &(d, e, delta) in &steps[..n_steps] {
+            let k = devs[..nd]
+                .iter()
+                .position(|&x| x == d)
+                .expect("listed above");
+            let [g, f] = &mut tmp[k];
+            if delta > 0 {
+                g.push(e);
+                if !self.had[d][e as usize] && !f.contains(&e) {
+                    f.push(e);
+                }
+            } else {
+                let pos = g.iter().position(|&x| x == e).expect("replica present");
+                g.swap_remove(pos);
+                if !g.contains(&e)
+                    && let Some(p) = f.iter().position(|&x| x == e)
+                {
+                    f.swap_remove(p);
+                }
+            }
+        }
+        let old_len = |k: usize| self.fetched[devs[k]].len();
+        let new_len = |k: usize| tmp[k][1].len();
+        let mut total = self.fetched_total;
+        for k in 0..nd {
+            total = total - old_len(k) + new_len(k);
+        }
+        let bytes = (total as u64 * self.link.bytes_per_expert).saturating_sub(self.bytes());
+        // The most fetched after: a touched device's new count, or the largest count some
+        // untouched device has (the histogram less the touched devices' old counts).
+        let mut busiest = (0..nd).map(new_len).max().unwrap_or(0);
+        for c in (busiest + 1..self.fetched_hist.len()).rev() {
+            let touched_here = (0..nd).filter(|&k| old_len(k) == c).count();
+            if self.fetched_hist[c] > touched_here {
+                busiest = c;
+                break;
+            }
+        }
+        self.book_tmp = tmp;
+        (bytes, busiest)
     }
 
     /// Ranks every candidate of the round by its exact predicted gain (the previous version's
@@ -1014,41 +1068,6 @@ impl State<'_> {
         out
     }
 
-    /// The grid/fetched/count bookkeeping of `a` (or its undo), without the evaluator.
-    fn book(&mut self, a: Action, undo: bool) {
-        let steps: [(usize, u32, i32); 4];
-        let n_steps;
-        match a {
-            Action::Replace { device, evict, add } => {
-                steps = [(device, evict, -1), (device, add, 1), (0, 0, 0), (0, 0, 0)];
-                n_steps = 2;
-            }
-            Action::Swap {
-                device_a,
-                expert_a,
-                device_b,
-                expert_b,
-            } => {
-                steps = [
-                    (device_a, expert_a, -1),
-                    (device_b, expert_b, -1),
-                    (device_a, expert_b, 1),
-                    (device_b, expert_a, 1),
-                ];
-                n_steps = 4;
-            }
-        }
-        if undo {
-            for &(d, e, delta) in steps[..n_steps].iter().rev() {
-                self.book_change(d, e, -delta);
-            }
-        } else {
-            for &(d, e, delta) in &steps[..n_steps] {
-                self.book_change(d, e, delta);
-            }
-        }
-    }
-
     fn book_change(&mut self, d: usize, e: u32, delta: i32) {
         let n = self.topo.node_of(d);
         let ei = e as usize;
@@ -1288,6 +1307,30 @@ impl State<'_> {
     }
 }
 
+/// The bookkeeping steps of `a` (device, expert, change of its count), in order.
+fn book_steps(a: Action) -> ([(usize, u32, i32); 4], usize) {
+    match a {
+        Action::Replace { device, evict, add } => (
+            [(device, evict, -1), (device, add, 1), (0, 0, 0), (0, 0, 0)],
+            2,
+        ),
+        Action::Swap {
+            device_a,
+            expert_a,
+            device_b,
+            expert_b,
+        } => (
+            [
+                (device_a, expert_a, -1),
+                (device_b, expert_b, -1),
+                (device_a, expert_b, 1),
+                (device_b, expert_a, 1),
+            ],
+            4,
+        ),
+    }
+}
+
 /// One round's candidates, with their bytes and busiest fetch count (`State::booked`), the
 /// cost they are ranked against, the gain they must exceed and the round number (for ties).
 struct Round<'c> {
@@ -1508,6 +1551,7 @@ pub fn laer(
         floor: params.recovery_floor.min(start_p),
         tokens: Vec::new(),
         holders: Vec::new(),
+        book_tmp: Default::default(),
         fast: Fast::new(topo),
     };
     let mut scratch = Scratch::new(topo);
@@ -1539,8 +1583,8 @@ pub fn laer(
         let min_gain = params.min_step_gain * step_now * params.horizon_steps;
         st.rebase();
         let cands = st.candidates();
-        // Migration part of each candidate: the cheap bookkeeping, applied and undone (it
-        // touches nothing a prediction reads).
+        // Migration part of each candidate: its bookkeeping, simulated (it changes nothing a
+        // prediction reads).
         let booked: Vec<(u64, usize)> = cands.iter().map(|&a| st.booked(a)).collect();
         let round = Round {
             cands: &cands,

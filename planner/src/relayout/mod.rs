@@ -154,7 +154,9 @@ impl Evaluator {
             });
         }
         // Transposed row by row (the same values as a column-wise read, cache-friendly).
-        let mut by_expert: Vec<Vec<f64>> = vec![Vec::with_capacity(topo.devices); experts];
+        let mut by_expert: Vec<Vec<f64>> = (0..experts)
+            .map(|_| Vec::with_capacity(topo.devices))
+            .collect();
         for row in traffic {
             for (col, &x) in by_expert.iter_mut().zip(row) {
                 col.push(x as f64);
