@@ -132,6 +132,8 @@ struct State<'a> {
     tokens: Vec<f64>,
     /// Devices holding each expert (any order).
     holders: Vec<Vec<u32>>,
+    /// Scratch of `booked`: the grid's and the fetched rows of up to two devices.
+    book_tmp: [[Vec<u32>; 2]; 2],
     /// The sparse predictor's per-round caches.
     fast: Fast,
 }
@@ -254,14 +256,11 @@ struct Touch {
 
 impl Touch {
     /// The change of the count on device `d` (0 when the touch leaves it alone).
+    #[inline]
     fn delta(&self, d: usize) -> i64 {
-        let mut r = 0;
-        for &(dd, delta) in &self.devs[..self.n_devs] {
-            if dd == d {
-                r += delta as i64;
-            }
-        }
-        r
+        // Unused entries (past `n_devs`) carry a change of 0, so both are summed.
+        let [(d0, x0), (d1, x1)] = self.devs;
+        (if d0 == d { x0 as i64 } else { 0 }) + (if d1 == d { x1 as i64 } else { 0 })
     }
 }
 
@@ -445,11 +444,6 @@ impl State<'_> {
         }
     }
 
-    /// Replica count of `e` on `d` after the touch.
-    fn count_after(&self, t: &Touch, d: usize) -> f64 {
-        (self.ev.replicas[t.e][d] as i64 + t.delta(d)).max(0) as f64
-    }
-
     /// Per-node residual and kept sums of expert `t.e` after the touch (written into the
     /// scratch arrays of `slot` for its affected nodes `sc.nodes[slot]`), the capacity and
     /// kept tokens of each device holding it after the touch, the per-node link seconds per
@@ -458,29 +452,26 @@ impl State<'_> {
     fn expert_after(&self, sc: &mut Scratch, slot: usize, t: &Touch, exact: bool) -> ExpertAfter {
         let e = t.e;
         let tok = self.tokens[e];
+        let reps = &self.ev.replicas[e];
+        let count_after = |d: usize| (reps[d] as i64 + t.delta(d)).max(0) as f64;
+        // The total count after the touch (holders, then the touched devices that hold none,
+        // in this order), and the devices holding `e` after it, in device order (so that each
+        // node's sums below add its devices in the same order as a scan of the node would).
         let mut r = 0.0;
-        for &h in &self.holders[e] {
-            r += self.count_after(t, h as usize);
-        }
-        for &(d, _) in &t.devs[..t.n_devs] {
-            if self.ev.replicas[e][d] == 0 {
-                r += self.count_after(t, d);
-            }
-        }
-        // The devices holding `e` after the touch, in device order (so that each node's sums
-        // below add its devices in the same order as a scan of the node would).
         let ah = &mut sc.after_holders[slot];
         ah.clear();
         for &h in &self.holders[e] {
-            let rd = self.count_after(t, h as usize);
+            let rd = count_after(h as usize);
+            r += rd;
             if rd != 0.0 {
                 ah.push((h as usize, rd));
             }
         }
         for &(d, _) in &t.devs[..t.n_devs] {
-            if self.ev.replicas[e][d] == 0 && !ah.iter().any(|&(x, _)| x == d) {
-                let rd = self.count_after(t, d);
-                if rd != 0.0 {
+            if reps[d] == 0 {
+                let rd = count_after(d);
+                r += rd;
+                if rd != 0.0 && !ah.iter().any(|&(x, _)| x == d) {
                     let p = ah.partition_point(|&(x, _)| x < d);
                     ah.insert(p, (d, rd));
                 }
@@ -682,14 +673,66 @@ impl State<'_> {
         Some(afters)
     }
 
-    /// The bytes `a` adds and the most experts a device fetches after it (its bookkeeping,
-    /// applied and undone).
+    /// The bytes `a` adds and the most experts a device fetches after it: its bookkeeping
+    /// simulated on copies of the touched devices' rows (the grid's and the fetched lists),
+    /// step for step as `apply`'s `book_change`s would change them, without touching the
+    /// state.
     fn booked(&mut self, a: Action) -> (u64, usize) {
-        let bytes_before = self.bytes();
-        self.book(a, false);
-        let out = (self.bytes().saturating_sub(bytes_before), self.busiest());
-        self.book(a, true);
-        out
+        let (steps, n_steps) = book_steps(a);
+        let mut tmp = std::mem::take(&mut self.book_tmp);
+        let mut devs = [usize::MAX; 2];
+        let mut nd = 0;
+        for &(d, _, _) in &steps[..n_steps] {
+            if !devs[..nd].contains(&d) {
+                let [g, f] = &mut tmp[nd];
+                g.clear();
+                g.extend_from_slice(&self.grid[d]);
+                f.clear();
+                f.extend_from_slice(&self.fetched[d]);
+                devs[nd] = d;
+                nd += 1;
+            }
+        }
+        for &(d, e, delta) in &steps[..n_steps] {
+            let k = devs[..nd]
+                .iter()
+                .position(|&x| x == d)
+                .expect("listed above");
+            let [g, f] = &mut tmp[k];
+            if delta > 0 {
+                g.push(e);
+                if !self.had[d][e as usize] && !f.contains(&e) {
+                    f.push(e);
+                }
+            } else {
+                let pos = g.iter().position(|&x| x == e).expect("replica present");
+                g.swap_remove(pos);
+                if !g.contains(&e)
+                    && let Some(p) = f.iter().position(|&x| x == e)
+                {
+                    f.swap_remove(p);
+                }
+            }
+        }
+        let old_len = |k: usize| self.fetched[devs[k]].len();
+        let new_len = |k: usize| tmp[k][1].len();
+        let mut total = self.fetched_total;
+        for k in 0..nd {
+            total = total - old_len(k) + new_len(k);
+        }
+        let bytes = (total as u64 * self.link.bytes_per_expert).saturating_sub(self.bytes());
+        // The most fetched after: a touched device's new count, or the largest count some
+        // untouched device has (the histogram less the touched devices' old counts).
+        let mut busiest = (0..nd).map(new_len).max().unwrap_or(0);
+        for c in (busiest + 1..self.fetched_hist.len()).rev() {
+            let touched_here = (0..nd).filter(|&k| old_len(k) == c).count();
+            if self.fetched_hist[c] > touched_here {
+                busiest = c;
+                break;
+            }
+        }
+        self.book_tmp = tmp;
+        (bytes, busiest)
     }
 
     /// Ranks every candidate of the round by its exact predicted gain (the previous version's
@@ -910,6 +953,15 @@ impl State<'_> {
         let (mut dl, mut dc) = (0.0, 0.0);
         // Magnitudes of what is summed, for the rounding margin below.
         let (mut mag_l, mut mag_c) = (0.0f64, 0.0f64);
+        // Each touched expert's rows (hoisted out of the device loop).
+        let rows = [0, 1].map(|i| {
+            let e = touches[i].e;
+            (
+                &self.ev.contrib[e][..],
+                &self.ev.traffic[e][..],
+                &self.ev.replicas[e][..],
+            )
+        });
         for &d in exact.iter() {
             let n = self.topo.node_of(d);
             let mut nt = self.ev.total[d];
@@ -917,21 +969,23 @@ impl State<'_> {
                 if sc.node_in[i][n] != ep[i] {
                     continue;
                 }
-                let o = self.ev.contrib[t.e][d];
+                let (contrib, traffic, replicas) = rows[i];
+                let o = contrib[d];
+                let own = traffic[d];
                 let c = if af.r <= 0.0 || af.t <= 0.0 {
                     [0.0; 3]
                 } else {
-                    let rd = self.ev.replicas[t.e][d] as i64 + t.delta(d);
+                    let rd = replicas[d] as i64 + t.delta(d);
                     let w = (sc.w_eg[i][n], sc.w_ing[i][n]);
                     let ck = (sc.cap[i][d], sc.keep[i][d]);
-                    new_contrib(self.ev.traffic[t.e][d], rd, af.s > 0.0, w, ck, b)
+                    new_contrib(own, rd, af.s > 0.0, w, ck, b)
                 };
                 for k in 0..3 {
                     nt[k] += c[k] - o[k];
                 }
                 // Its share of the node's convexity bound below, taken out again.
                 if bc.eg_max[d] {
-                    let x = 16.0 * b * dw(i, n) * self.ev.traffic[t.e][d] * bc.slope[d];
+                    let x = 16.0 * b * dw(i, n) * own * bc.slope[d];
                     dc -= x;
                     mag_c += x.abs();
                 }
@@ -1012,41 +1066,6 @@ impl State<'_> {
             }
         }
         out
-    }
-
-    /// The grid/fetched/count bookkeeping of `a` (or its undo), without the evaluator.
-    fn book(&mut self, a: Action, undo: bool) {
-        let steps: [(usize, u32, i32); 4];
-        let n_steps;
-        match a {
-            Action::Replace { device, evict, add } => {
-                steps = [(device, evict, -1), (device, add, 1), (0, 0, 0), (0, 0, 0)];
-                n_steps = 2;
-            }
-            Action::Swap {
-                device_a,
-                expert_a,
-                device_b,
-                expert_b,
-            } => {
-                steps = [
-                    (device_a, expert_a, -1),
-                    (device_b, expert_b, -1),
-                    (device_a, expert_b, 1),
-                    (device_b, expert_a, 1),
-                ];
-                n_steps = 4;
-            }
-        }
-        if undo {
-            for &(d, e, delta) in steps[..n_steps].iter().rev() {
-                self.book_change(d, e, -delta);
-            }
-        } else {
-            for &(d, e, delta) in &steps[..n_steps] {
-                self.book_change(d, e, delta);
-            }
-        }
     }
 
     fn book_change(&mut self, d: usize, e: u32, delta: i32) {
@@ -1229,9 +1248,15 @@ impl State<'_> {
         hot.sort_by(|&a, &b| per_replica(b).total_cmp(&per_replica(a)).then(a.cmp(&b)));
         hot.truncate(self.params.hot_experts);
         let mut cold: Vec<usize> = (0..self.topo.devices).collect();
-        cold.sort_by(|&a, &b| load[a].total_cmp(&load[b]).then(a.cmp(&b)));
-        // At least M, and a sixteenth of the cluster, so large clusters can move enough.
-        cold.truncate(self.params.cold_devices.max(self.topo.devices / 64));
+        let by_load = |a: &usize, b: &usize| load[*a].total_cmp(&load[*b]).then(a.cmp(b));
+        // At least M, and a sixteenth of the cluster, so large clusters can move enough. A
+        // total order, so selecting the first ones and sorting them equals a full sort.
+        let m = self.params.cold_devices.max(self.topo.devices / 64);
+        if m < cold.len() {
+            cold.select_nth_unstable_by(m, by_load);
+            cold.truncate(m);
+        }
+        cold.sort_by(by_load);
         let mut out = Vec::new();
         for &e in &hot {
             let e32 = e as u32;
@@ -1279,6 +1304,30 @@ impl State<'_> {
             }
         }
         out
+    }
+}
+
+/// The bookkeeping steps of `a` (device, expert, change of its count), in order.
+fn book_steps(a: Action) -> ([(usize, u32, i32); 4], usize) {
+    match a {
+        Action::Replace { device, evict, add } => (
+            [(device, evict, -1), (device, add, 1), (0, 0, 0), (0, 0, 0)],
+            2,
+        ),
+        Action::Swap {
+            device_a,
+            expert_a,
+            device_b,
+            expert_b,
+        } => (
+            [
+                (device_a, expert_a, -1),
+                (device_b, expert_b, -1),
+                (device_a, expert_b, 1),
+                (device_b, expert_a, 1),
+            ],
+            4,
+        ),
     }
 }
 
@@ -1502,6 +1551,7 @@ pub fn laer(
         floor: params.recovery_floor.min(start_p),
         tokens: Vec::new(),
         holders: Vec::new(),
+        book_tmp: Default::default(),
         fast: Fast::new(topo),
     };
     let mut scratch = Scratch::new(topo);
@@ -1533,8 +1583,8 @@ pub fn laer(
         let min_gain = params.min_step_gain * step_now * params.horizon_steps;
         st.rebase();
         let cands = st.candidates();
-        // Migration part of each candidate: the cheap bookkeeping, applied and undone (it
-        // touches nothing a prediction reads).
+        // Migration part of each candidate: its bookkeeping, simulated (it changes nothing a
+        // prediction reads).
         let booked: Vec<(u64, usize)> = cands.iter().map(|&a| st.booked(a)).collect();
         let round = Round {
             cands: &cands,

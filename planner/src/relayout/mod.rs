@@ -153,9 +153,15 @@ impl Evaluator {
                 got: row.len(),
             });
         }
-        let by_expert: Vec<Vec<f64>> = (0..experts)
-            .map(|e| traffic.iter().map(|row| row[e] as f64).collect())
+        // Transposed row by row (the same values as a column-wise read, cache-friendly).
+        let mut by_expert: Vec<Vec<f64>> = (0..experts)
+            .map(|_| Vec::with_capacity(topo.devices))
             .collect();
+        for row in traffic {
+            for (col, &x) in by_expert.iter_mut().zip(row) {
+                col.push(x as f64);
+            }
+        }
         let tokens = by_expert.iter().map(|row| row.iter().sum()).collect();
         let mut ev = Evaluator {
             topo,
@@ -166,7 +172,8 @@ impl Evaluator {
             node_count: Vec::new(),
             flows: vec![false; experts],
             replicas: layout.replica_matrix(),
-            contrib: vec![vec![[0.0; 3]; topo.devices]; experts],
+            // One zeroed allocation per expert (no copies of a first row).
+            contrib: (0..experts).map(|_| vec![[0.0; 3]; topo.devices]).collect(),
             total: vec![[0.0; 3]; topo.devices],
             scratch: Vec::new(),
         };
@@ -289,7 +296,8 @@ impl Evaluator {
         // Second pass: seconds of egress and ingress. The per-byte link times depend on the
         // node only (`x`, `y` below), so they are computed once per node.
         if flows {
-            for n in 0..nodes {
+            // Only the recomputed nodes read them (all of them when `all`).
+            for n in (0..nodes).filter(|&n| all || full(n)) {
                 let x = resid_node[n] / s;
                 w_eg[n] = x / bi + (1.0 - x) / bo;
                 let y = over_node[n] / s;
