@@ -2390,7 +2390,7 @@ impl JobMachine {
             bytes_per_expert: self.cfg.bytes_per_expert,
         };
         let groups = self.host_groups(candidates, out);
-        if groups.is_none() && !self.relayout.has_pending() {
+        let made = if groups.is_none() && !self.relayout.has_pending() {
             // Lazarus's replan reads the holdings where they are.
             let held = self.reported_held(candidates);
             let holders = Holders::Rows {
@@ -2398,28 +2398,40 @@ impl JobMachine {
                 held: &held,
                 layers: self.planned_layers(),
             };
-            let made = replan_held(
+            replan_held(
                 holders,
                 self.cfg.slots_per_node,
                 &self.cfg.model,
                 &self.history.loads(),
                 &options,
                 self.plan_version,
-            );
-            drop(held);
-            return match made {
-                Ok((plan, migration)) => self.issue_in_place(
-                    candidates,
-                    has_state,
-                    plan,
-                    migration,
-                    resume_step,
-                    now_ms,
-                    out,
-                ),
-                Err(e) => self.replan_failed(&e, now_ms, out),
-            };
+            )
+            .map_err(|e| e.to_string())
+        } else {
+            self.replan_from_lists(candidates, groups.as_deref(), &options)
+        };
+        match made {
+            Ok((plan, migration)) => self.issue_in_place(
+                candidates,
+                has_state,
+                plan,
+                migration,
+                resume_step,
+                now_ms,
+                out,
+            ),
+            Err(e) => self.replan_failed(&e, now_ms, out),
         }
+    }
+
+    /// The replan of [`Self::replan_in_place`] from the holdings as lists: a pending LAER
+    /// layout, or per-host plans (`groups`), or Lazarus's replan.
+    fn replan_from_lists(
+        &mut self,
+        candidates: &[NodeId],
+        groups: Option<&[Vec<NodeId>]>,
+        options: &ReplanOptions,
+    ) -> Result<(ModelPlan, MigrationPlan), String> {
         let physical = self.take_holdings(candidates);
         let rebalance = self
             .cause
@@ -2433,7 +2445,7 @@ impl JobMachine {
             self.cfg.bytes_per_expert,
             self.cfg.sharded_experts,
         );
-        let made = match (laer, &groups) {
+        let made = match (laer, groups) {
             (Some(pm), _) => Ok(pm),
             (None, Some(groups)) => hosts::replan_hosts(
                 groups,
@@ -2441,42 +2453,35 @@ impl JobMachine {
                 self.cfg.slots_per_node,
                 &self.cfg.model,
                 &self.history.loads(),
-                &options,
+                options,
                 self.plan_version,
-            ),
+            )
+            .map_err(|e| e.to_string()),
             (None, None) => replan(
                 &physical,
                 self.cfg.slots_per_node,
                 &self.cfg.model,
                 &self.history.loads(),
-                &options,
+                options,
                 self.plan_version,
-            ),
+            )
+            .map_err(|e| e.to_string()),
         };
-        let (plan, migration) = match made {
+        match made {
             Ok(pm) => {
                 free_holdings(physical);
-                pm
+                Ok(pm)
             }
             Err(e) => {
                 self.restore_holdings(physical);
-                return self.replan_failed(&e, now_ms, out);
+                Err(e)
             }
-        };
-        self.issue_in_place(
-            candidates,
-            has_state,
-            plan,
-            migration,
-            resume_step,
-            now_ms,
-            out,
-        );
+        }
     }
 
     /// Holdings that no plan can be mapped onto (should not happen once lost experts were
     /// ruled out): fall back to a restore rather than stall.
-    fn replan_failed(&mut self, e: &dyn std::fmt::Display, now_ms: u64, out: &mut Vec<Action>) {
+    fn replan_failed(&mut self, e: &str, now_ms: u64, out: &mut Vec<Action>) {
         out.push(Action::Log(format!(
             "in-place replan failed ({e}): restoring"
         )));

@@ -95,27 +95,30 @@ impl Job {
     }
 
     fn idle(&mut self, node: NodeId, why: IdleReason, step: u64) -> Vec<Action> {
-        let held = self.held(node);
-        let epoch = self.m.epoch();
-        self.ev(Event::Idle {
-            node,
-            epoch,
-            why,
-            step,
-            held: held.into(),
-        })
+        let held = self.held(node).into();
+        self.idle_holding(node, why, step, held)
     }
 
     /// [`Self::idle`] reporting the holdings by the plan's version ([`Holdings::Planned`]).
     fn idle_planned(&mut self, node: NodeId, why: IdleReason, step: u64) -> Vec<Action> {
         let version = self.m.plan().unwrap().version;
+        self.idle_holding(node, why, step, Holdings::Planned { version })
+    }
+
+    fn idle_holding(
+        &mut self,
+        node: NodeId,
+        why: IdleReason,
+        step: u64,
+        held: Holdings,
+    ) -> Vec<Action> {
         let epoch = self.m.epoch();
         self.ev(Event::Idle {
             node,
             epoch,
             why,
             step,
-            held: Holdings::Planned { version },
+            held,
         })
     }
 
@@ -1616,13 +1619,8 @@ fn planned_holdings_of_another_version_count_as_nothing() {
     let stale = r.plan.version + 7;
     let mut a = Vec::new();
     for n in [0, 1] {
-        a.extend(j.ev(Event::Idle {
-            node: n,
-            epoch: 1,
-            why: IdleReason::Failed("peer".into()),
-            step: 3,
-            held: Holdings::Planned { version: stale },
-        }));
+        let held = Holdings::Planned { version: stale };
+        a.extend(j.idle_holding(n, IdleReason::Failed("peer".into()), 3, held));
     }
     assert!(a.iter().any(|a| matches!(a, Action::Log(l)
         if l.contains(&format!("plan v{stale}")) && l.contains("counted as holding nothing"))));

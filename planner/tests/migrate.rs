@@ -815,6 +815,27 @@ fn timing_deepseek_v3_scale() {
     );
 }
 
+/// An aligned MRO plan of 24 experts × 3 layers on `nodes` nodes of 8 slots.
+fn mro_plan_24x3(nodes: usize, loads: &[Vec<u64>]) -> lazarus_planner::ModelPlan {
+    use lazarus_planner::{
+        Alignment, AllocPolicy, ClusterSpec, ModelSpec, PlacePolicy, plan_model,
+    };
+    let model = ModelSpec {
+        experts: 24,
+        layers: 3,
+        f: 2,
+    };
+    plan_model(
+        &ClusterSpec::new(nodes, 8),
+        &model,
+        loads,
+        AllocPolicy::Lazarus,
+        PlacePolicy::Mro,
+        Alignment::Aligned,
+    )
+    .unwrap()
+}
+
 /// A random replan's inputs: the previous plan (on `before` nodes), the survivors' rows in
 /// it, some of them reported as lists instead, and blank newcomers.
 fn held_instance(
@@ -824,14 +845,6 @@ fn held_instance(
     as_lists: &[usize],
     skew: u64,
 ) -> (lazarus_planner::ModelPlan, Vec<u32>, Vec<(usize, bool)>) {
-    use lazarus_planner::{
-        Alignment, AllocPolicy, ClusterSpec, ModelSpec, PlacePolicy, plan_model,
-    };
-    let model = ModelSpec {
-        experts: 24,
-        layers: 3,
-        f: 2,
-    };
     let loads: Vec<Vec<u64>> = (0..3)
         .map(|l| {
             (0..24)
@@ -839,15 +852,7 @@ fn held_instance(
                 .collect()
         })
         .collect();
-    let mut plan = plan_model(
-        &ClusterSpec::new(before, 8),
-        &model,
-        &loads,
-        AllocPolicy::Lazarus,
-        PlacePolicy::Mro,
-        Alignment::Aligned,
-    )
-    .unwrap();
+    let mut plan = mro_plan_24x3(before, &loads);
     // Physical ids not in plan order, as after earlier reconfigurations.
     plan.node_map = (0..before as u32).map(|r| 1000 - 7 * r).collect();
     let mut ids = Vec::new();
@@ -883,7 +888,6 @@ proptest! {
         ],
     ) {
         use lazarus_planner::migrate::{Held, Holders, lost_experts_held, map_layers, map_layers_held};
-        use lazarus_planner::{Alignment, AllocPolicy, ClusterSpec, ModelSpec, PlacePolicy, plan_model};
         let (plan, ids, rows) = held_instance(before, &dead, newcomers, &as_lists, skew);
         let lists: Vec<Vec<Vec<u32>>> = rows
             .iter()
@@ -917,18 +921,11 @@ proptest! {
             lost_experts_held(holders, 3, 24),
             lost_experts(&physical, 3, 24)
         );
-        let model = ModelSpec { experts: 24, layers: 3, f: 2 };
-        let loads: Vec<Vec<u64>> = (0..3).map(|l| (0..24).map(|e| 1 + ((e * 7 + l) % 11) as u64).collect()).collect();
+        let loads: Vec<Vec<u64>> = (0..3)
+            .map(|l| (0..24).map(|e| 1 + ((e * 7 + l) % 11) as u64).collect())
+            .collect();
         if ids.len() * 8 >= 24 {
-            let after = plan_model(
-                &ClusterSpec::new(ids.len(), 8),
-                &model,
-                &loads,
-                AllocPolicy::Lazarus,
-                PlacePolicy::Mro,
-                Alignment::Aligned,
-            )
-            .unwrap();
+            let after = mro_plan_24x3(ids.len(), &loads);
             prop_assert_eq!(
                 map_layers_held(&after.layers, holders, 24, method, 5),
                 map_layers(&after.layers, &physical, 24, method, 5)
