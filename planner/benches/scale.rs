@@ -23,8 +23,8 @@
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use lazarus_planner::migrate::{
-    MappingMethod, SCALABLE_WINDOW, assignment_cost, cost_matrix, min_cost_assignment,
-    scalable_assignment, windowed_assignment,
+    MappingMethod, SCALABLE_BAND, SCALABLE_WINDOW, assignment_cost, cost_matrix,
+    min_cost_assignment, scalable_assignment, windowed_assignment,
 };
 use lazarus_planner::recovery::{FailureModel, model_plan_closed_form};
 use lazarus_planner::relayout::laer::{LaerParams, laer};
@@ -163,7 +163,7 @@ fn bench_replan_parts(c: &mut Criterion) {
             })
             .sum()
     };
-    let classes = scalable_assignment(&plan, &survivors, 256, SCALABLE_WINDOW).unwrap();
+    let classes = scalable_assignment(&plan, &survivors, 256, SCALABLE_BAND).unwrap();
     let windowed = windowed_assignment(&plan, &survivors, 256, SCALABLE_WINDOW).unwrap();
     let identity: Vec<usize> = (0..plan.len()).collect();
     eprintln!(
@@ -174,7 +174,7 @@ fn bench_replan_parts(c: &mut Criterion) {
         cost(&identity)
     );
     g.bench_function("mapping_2048_classes", |b| {
-        b.iter(|| scalable_assignment(black_box(&plan), &survivors, 256, SCALABLE_WINDOW).unwrap())
+        b.iter(|| scalable_assignment(black_box(&plan), &survivors, 256, SCALABLE_BAND).unwrap())
     });
     g.bench_function("mapping_2048_windowed", |b| {
         b.iter(|| windowed_assignment(black_box(&plan), &survivors, 256, SCALABLE_WINDOW).unwrap())

@@ -27,7 +27,12 @@
 //!   holdings (physical side) are interchangeable, so the optimum is found between classes as
 //!   a transportation problem ([`crate::transport`]) when there are at most
 //!   [`CLASS_PAIR_LIMIT`] class pairs; class members are paired in ascending index order. With
-//!   more classes, a windowed Hungarian ([`windowed_assignment`]).
+//!   more classes (each layer its own skew), a banded sparse assignment
+//!   ([`banded_assignment`]): each plan node may take a physical node within
+//!   [`SCALABLE_BAND`] ranks of its own or jump; the banded problem is solved exactly with an
+//!   estimated price for a jump, then the few jumpers are paired exactly with the physical
+//!   nodes left free. Never worse than the rank-aligned identity. (The windowed Hungarian
+//!   [`windowed_assignment`] it replaced stays available.)
 //! * **Transfers.** Every `(layer, expert)` newly needed at a physical node is fetched once, from
 //!   a node that holds it *now* (old holdings; a node does not forward what it is itself
 //!   receiving in this round). The source is the current holder with the fewest transfers
@@ -68,9 +73,9 @@ pub enum MappingMethod {
     Identity,
     /// [`MappingMethod::Optimal`] up to [`HUNGARIAN_MAX_NODES`] nodes; beyond, still optimal
     /// when the nodes fall into few classes of equal contents (aligned MRO plans do), solved
-    /// as a transportation problem between classes; otherwise a windowed Hungarian over
-    /// rank-aligned windows, never worse than the rank-aligned identity mapping
-    /// ([`scalable_assignment`]).
+    /// as a transportation problem between classes; otherwise a banded sparse assignment
+    /// around the rank-aligned pairing with a few long jumps, never worse than the rank-aligned
+    /// identity mapping ([`scalable_assignment`]).
     Scalable,
 }
 
@@ -765,13 +770,13 @@ impl Instance {
 
     /// The [`MappingMethod::Scalable`] assignment: exact Hungarian up to
     /// [`HUNGARIAN_MAX_NODES`]; beyond, exact through classes of equal nodes when there are few
-    /// ([`Instance::by_classes`]), else the windowed Hungarian.
-    fn scalable(&self, w: usize) -> Vec<usize> {
+    /// ([`Instance::by_classes`]), else the banded sparse assignment with half-width `band`.
+    fn scalable(&self, band: usize) -> Vec<usize> {
         if self.dims.nodes <= HUNGARIAN_MAX_NODES {
             return min_cost_assignment(&self.cost_matrix());
         }
         self.by_classes(CLASS_PAIR_LIMIT)
-            .unwrap_or_else(|| self.windowed(w))
+            .unwrap_or_else(|| self.banded(band))
     }
 
     /// Optimal assignment found between classes of interchangeable nodes, or `None` when the
@@ -864,6 +869,122 @@ impl Instance {
             }
         }
         assign
+    }
+
+    /// Banded sparse assignment (see [`banded_assignment`]): plan node `q` may take a physical
+    /// node within `band` ranks of `q`, or *jump* — be left for a second round. Jumping costs
+    /// an estimate of what `q` pays at a distant node (its mean cost over sampled distant
+    /// ranks), and a physical node left free is credited with how much cheaper than average
+    /// it is to distant plan nodes. The banded problem is solved exactly
+    /// ([`sparse_assignment`]); the jumpers are then paired with the free physical nodes by
+    /// the Hungarian algorithm on their true costs (in index order when there are more than
+    /// [`HUNGARIAN_MAX_NODES`] of them). The result is kept only if it beats the
+    /// rank-aligned identity.
+    fn banded(&self, band: usize) -> Vec<usize> {
+        let n = self.dims.nodes;
+        let identity: Vec<usize> = (0..n).collect();
+        if n == 0 {
+            return identity;
+        }
+        // Every cost is at most the bits of a node; the sparse solver takes them as `u32`.
+        if self.dims.stride() * 64 > (u32::MAX / 4) as usize {
+            return self.windowed(SCALABLE_WINDOW);
+        }
+        let band = band.min(n - 1);
+        let width = 2 * band + 1;
+        let lo = |q: usize| q.saturating_sub(band);
+        let hi = |q: usize| (q + band + 1).min(n);
+        // Samples: evenly spaced ranks.
+        let samples: Vec<usize> = (0..JUMP_SAMPLES)
+            .map(|s| (2 * s + 1) * n / (2 * JUMP_SAMPLES))
+            .collect();
+        let far = |a: usize, b: usize| a.abs_diff(b) > band;
+        let mean = |it: &mut dyn Iterator<Item = u64>| -> Option<i64> {
+            let (sum, k) = it.fold((0u64, 0u64), |(s, k), c| (s + c, k + 1));
+            (k > 0).then(|| (sum / k) as i64)
+        };
+        // Band costs, row by row (`u32::MAX` off the ends), and the jump estimates.
+        let rows: Vec<(Vec<u32>, Option<i64>, Option<i64>)> = (0..n)
+            .into_par_iter()
+            .map(|q| {
+                let mut row = vec![u32::MAX; width];
+                for p in lo(q)..hi(q) {
+                    row[p + band - q] = self.pair_cost(q, p) as u32;
+                }
+                let jump = mean(
+                    &mut samples
+                        .iter()
+                        .filter(|&&p| far(q, p))
+                        .map(|&p| self.pair_cost(q, p)),
+                );
+                // Column side: physical node `q` against distant sampled plan nodes.
+                let credit = mean(
+                    &mut samples
+                        .iter()
+                        .filter(|&&r| far(q, r))
+                        .map(|&r| self.pair_cost(r, q)),
+                );
+                (row, jump, credit)
+            })
+            .collect();
+        let credits: Vec<i64> = rows.iter().filter_map(|r| r.2).collect();
+        let avg = if credits.is_empty() {
+            0
+        } else {
+            credits.iter().sum::<i64>() / credits.len() as i64
+        };
+        // `b[p]`: what leaving physical node `p` free is estimated to cost (its distant cost
+        // above average), charged to the pairings that use it instead; `k` keeps costs ≥ 0.
+        let b: Vec<i64> = rows.iter().map(|r| r.2.map_or(0, |c| c - avg)).collect();
+        let k = b.iter().copied().max().unwrap_or(0).max(0);
+        let mut start = Vec::with_capacity(n + 1);
+        let mut adj: Vec<(u32, u32)> = Vec::with_capacity(n * (width + 1));
+        start.push(0);
+        for (q, (row, jump, _)) in rows.iter().enumerate() {
+            for p in lo(q)..hi(q) {
+                let c = i64::from(row[p + band - q]) - b[p] + k;
+                adj.push((p as u32, c as u32));
+            }
+            if let Some(j) = jump {
+                adj.push(((n + q) as u32, (j + k) as u32));
+            }
+            start.push(adj.len());
+        }
+        let Some(sol) = sparse_assignment(&start, &adj, 2 * n) else {
+            return identity;
+        };
+        let mut assign = sol;
+        let jumpers: Vec<usize> = (0..n).filter(|&q| assign[q] >= n).collect();
+        if !jumpers.is_empty() {
+            let mut taken = vec![false; n];
+            for &p in assign.iter().filter(|&&p| p < n) {
+                taken[p] = true;
+            }
+            let free: Vec<usize> = (0..n).filter(|&p| !taken[p]).collect();
+            let pick: Vec<usize> = if jumpers.len() <= HUNGARIAN_MAX_NODES {
+                let cost: Vec<Vec<u64>> = jumpers
+                    .par_iter()
+                    .map(|&q| free.iter().map(|&p| self.pair_cost(q, p)).collect())
+                    .collect();
+                min_cost_assignment(&cost)
+            } else {
+                (0..jumpers.len()).collect()
+            };
+            for (&q, j) in jumpers.iter().zip(pick) {
+                assign[q] = free[j];
+            }
+        }
+        let total = |a: &[usize]| -> u64 {
+            a.par_iter()
+                .enumerate()
+                .map(|(q, &p)| self.pair_cost(q, p))
+                .sum()
+        };
+        if total(&assign) < total(&identity) {
+            assign
+        } else {
+            identity
+        }
     }
 
     fn cost_matrix(&self) -> Vec<Vec<u64>> {
@@ -1020,27 +1141,34 @@ pub const HUNGARIAN_MAX_NODES: usize = 256;
 /// that many bitset comparisons and the transportation solver's shortest paths scan it.
 pub const CLASS_PAIR_LIMIT: usize = 1 << 18;
 
-/// Window of the windowed Hungarian, used above [`HUNGARIAN_MAX_NODES`] when the nodes fall
-/// into more classes than [`CLASS_PAIR_LIMIT`] allows.
+/// Window of the windowed Hungarian ([`windowed_assignment`]), which was
+/// [`MappingMethod::Scalable`]'s fallback before [`banded_assignment`].
 pub const SCALABLE_WINDOW: usize = 128;
+
+/// Half-width of the rank band of [`banded_assignment`] under [`MappingMethod::Scalable`].
+pub const SCALABLE_BAND: usize = 32;
+
+/// Distant ranks sampled to price a jump in [`banded_assignment`].
+const JUMP_SAMPLES: usize = 32;
 
 /// The [`MappingMethod::Scalable`] assignment on its own: the plan-node → physical-index
 /// pairing. Exact up to [`HUNGARIAN_MAX_NODES`] nodes (Hungarian), and beyond whenever the
 /// plan nodes and the physical nodes fall into few classes of equal contents
 /// ([`class_assignment`] with [`CLASS_PAIR_LIMIT`]), which aligned MRO plans do. Otherwise
-/// [`windowed_assignment`] with `window`.
+/// [`banded_assignment`] with half-width `band` ([`SCALABLE_BAND`] under
+/// [`MappingMethod::Scalable`]).
 pub fn scalable_assignment(
     plan_nodes: &[Vec<Vec<u32>>],
     physical: &[PhysicalNode],
     experts: usize,
-    window: usize,
+    band: usize,
 ) -> Result<Vec<usize>, MigrateError> {
     Ok(Instance::new(
         PlanView::Nodes(plan_nodes),
         Holders::Nodes(physical),
         experts,
     )?
-    .scalable(window))
+    .scalable(band))
 }
 
 /// An optimal assignment (minimum total cost, like [`min_cost_assignment`] on
@@ -1082,6 +1210,25 @@ pub fn windowed_assignment(
         experts,
     )?
     .windowed(window))
+}
+
+/// The banded sparse assignment on its own, at any size: plan node `q` may take a physical
+/// node within `band` ranks of `q` (list the physical nodes in their previous plan order, as
+/// for [`windowed_assignment`]) or jump to a distant one; the banded problem is solved exactly
+/// with an estimated price for jumping, then the jumpers are paired exactly with the physical
+/// nodes left free. Never worse than the rank-aligned identity.
+pub fn banded_assignment(
+    plan_nodes: &[Vec<Vec<u32>>],
+    physical: &[PhysicalNode],
+    experts: usize,
+    band: usize,
+) -> Result<Vec<usize>, MigrateError> {
+    Ok(Instance::new(
+        PlanView::Nodes(plan_nodes),
+        Holders::Nodes(physical),
+        experts,
+    )?
+    .banded(band))
 }
 
 /// Cost of every (plan node, physical node) pairing: `cost[q][p]` = number of distinct
@@ -1334,6 +1481,147 @@ fn hungarian<T: Acc>(cost: &[Vec<u64>], m: usize) -> Vec<usize> {
     ans
 }
 
+/// Minimum-cost assignment of every row to a distinct column on a sparse graph: `adj[start[i]..
+/// start[i + 1]]` are row `i`'s `(column, cost)` edges, columns below `cols`. Successive
+/// shortest paths with potentials (the sparse form of [`hungarian`]): rows in index order each
+/// run Dijkstra on the reduced costs until the first free column, ties to the lower distance
+/// then the lower column index, so the result is deterministic and optimal over the edges.
+/// Columns that are never reached keep potential 0 and cost nothing to visit, so a search
+/// touches only the neighbourhood it needs. `None` when some row cannot be assigned.
+fn sparse_assignment(start: &[usize], adj: &[(u32, u32)], cols: usize) -> Option<Vec<usize>> {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    const NONE: u32 = u32::MAX;
+    let rows = start.len() - 1;
+    let mut u = vec![0i64; rows];
+    let mut v = vec![0i64; cols];
+    let mut row_of = vec![NONE; cols];
+    let mut col_of = vec![NONE; rows];
+    let mut dist = vec![i64::MAX; cols];
+    // Row from which each column was reached, and whether its distance is final.
+    let mut from = vec![NONE; cols];
+    let mut done = vec![false; cols];
+    let mut touched: Vec<u32> = Vec::new();
+    let mut finals: Vec<u32> = Vec::new();
+    let mut heap: BinaryHeap<Reverse<(i64, bool, u32)>> = BinaryHeap::new();
+    // Rows in bit-reversed index order: in index order each row of a long stretch shifted by
+    // the same few ranks pushed the whole stretch along again (measured: thousands of columns
+    // per search at 16,384 nodes); spread out, the searches stay local.
+    let bits = usize::BITS - rows.next_power_of_two().trailing_zeros();
+    let mut order: Vec<usize> = (0..rows).collect();
+    order.sort_unstable_by_key(|&i| {
+        if bits == usize::BITS {
+            0
+        } else {
+            i.reverse_bits() >> bits
+        }
+    });
+    for s in order {
+        // Scan row `i` reached at distance `d`.
+        let scan = |i: usize,
+                    d: i64,
+                    dist: &mut [i64],
+                    from: &mut [u32],
+                    touched: &mut Vec<u32>,
+                    heap: &mut BinaryHeap<Reverse<(i64, bool, u32)>>,
+                    done: &[bool],
+                    row_of: &[u32],
+                    u: &[i64],
+                    v: &[i64]| {
+            for &(j, c) in &adj[start[i]..start[i + 1]] {
+                let ju = j as usize;
+                if done[ju] {
+                    continue;
+                }
+                let nd = d + i64::from(c) - u[i] - v[ju];
+                if nd < dist[ju] {
+                    if dist[ju] == i64::MAX {
+                        touched.push(j);
+                    }
+                    dist[ju] = nd;
+                    from[ju] = i as u32;
+                    // At equal distance a free column comes first: it ends the search.
+                    heap.push(Reverse((nd, row_of[ju] != NONE, j)));
+                }
+            }
+        };
+        scan(
+            s,
+            0,
+            &mut dist,
+            &mut from,
+            &mut touched,
+            &mut heap,
+            &done,
+            &row_of,
+            &u,
+            &v,
+        );
+        let mut end = None;
+        while let Some(Reverse((d, _, j))) = heap.pop() {
+            let ju = j as usize;
+            if done[ju] || d > dist[ju] {
+                continue;
+            }
+            done[ju] = true;
+            finals.push(j);
+            let r = row_of[ju];
+            if r == NONE {
+                end = Some((ju, d));
+                break;
+            }
+            scan(
+                r as usize,
+                d,
+                &mut dist,
+                &mut from,
+                &mut touched,
+                &mut heap,
+                &done,
+                &row_of,
+                &u,
+                &v,
+            );
+        }
+        let (t, big) = end?;
+
+        // Potentials: every scanned row (the start and the rows of the final columns but
+        // `t`) and every final column move by `big - d`, which keeps the reduced costs
+        // non-negative and those on the shortest-path tree zero.
+        u[s] += big;
+        for &j in &finals {
+            let ju = j as usize;
+            let delta = big - dist[ju];
+            v[ju] -= delta;
+            let r = row_of[ju];
+            if r != NONE {
+                u[r as usize] += delta;
+            }
+        }
+        // Augment along the path back to `s`.
+        let mut j = t;
+        loop {
+            let i = from[j] as usize;
+            let prev = col_of[i];
+            row_of[j] = i as u32;
+            col_of[i] = j as u32;
+            if i == s {
+                break;
+            }
+            j = prev as usize;
+        }
+        for &j in &touched {
+            dist[j as usize] = i64::MAX;
+            done[j as usize] = false;
+            from[j as usize] = NONE;
+        }
+        touched.clear();
+        finals.clear();
+        heap.clear();
+    }
+    Some(col_of.into_iter().map(|j| j as usize).collect())
+}
+
 /// The textbook form of [`hungarian`] (every column visited per step, potentials shifted
 /// eagerly): the reference the fast form is tested against.
 #[cfg(test)]
@@ -1556,7 +1844,7 @@ fn migration_plan(
         MappingMethod::Greedy => greedy_assignment(&inst.cost_matrix()),
         MappingMethod::Optimal => min_cost_assignment(&inst.cost_matrix()),
         MappingMethod::Identity => (0..n).collect(),
-        MappingMethod::Scalable => inst.scalable(SCALABLE_WINDOW),
+        MappingMethod::Scalable => inst.scalable(SCALABLE_BAND),
     };
     let mut phys_to_plan = vec![0usize; n];
     for (q, &p) in plan_to_phys.iter().enumerate() {
@@ -2030,6 +2318,58 @@ mod tests {
                 hungarian_reference::<i128>(&cost, m)
             );
         }
+    }
+
+    proptest::proptest! {
+        /// The sparse solver is optimal over its edges: against the Hungarian algorithm on the
+        /// dense matrix where a missing edge costs more than any assignment of real ones. The
+        /// diagonal is always present, so a complete assignment exists.
+        #[test]
+        fn sparse_assignment_is_optimal(
+            rows in 1usize..30,
+            extra in 0usize..5,
+            range in proptest::sample::select(vec![2u32, 5, 1_000]),
+            density in 0u64..4,
+            seed in proptest::prelude::any::<u64>(),
+        ) {
+            let m = rows + extra;
+            let mut x = seed | 1;
+            let mut next = || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            };
+            let missing = u64::from(range) * (rows as u64 + 1);
+            let mut start = vec![0usize];
+            let mut adj = Vec::new();
+            let mut dense = vec![vec![missing; m]; rows];
+            for (i, row) in dense.iter_mut().enumerate() {
+                for (j, d) in row.iter_mut().enumerate() {
+                    if i == j || next() % 4 <= density {
+                        let c = (next() % u64::from(range)) as u32;
+                        adj.push((j as u32, c));
+                        *d = u64::from(c);
+                    }
+                }
+                start.push(adj.len());
+            }
+            let got = sparse_assignment(&start, &adj, m).expect("the diagonal is feasible");
+            let mut seen = vec![false; m];
+            for (i, &j) in got.iter().enumerate() {
+                proptest::prop_assert!(dense[i][j] < missing, "not an edge");
+                proptest::prop_assert!(!std::mem::replace(&mut seen[j], true), "column twice");
+            }
+            let opt = assignment_cost(&dense, &min_cost_assignment(&dense));
+            proptest::prop_assert_eq!(assignment_cost(&dense, &got), opt);
+        }
+    }
+
+    #[test]
+    fn sparse_assignment_reports_infeasible() {
+        // Two rows that can only use column 0.
+        assert_eq!(sparse_assignment(&[0, 1, 2], &[(0, 1), (0, 2)], 2), None);
+        assert_eq!(sparse_assignment(&[0], &[], 0), Some(vec![]));
     }
 
     #[test]
