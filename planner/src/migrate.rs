@@ -1151,6 +1151,19 @@ pub const SCALABLE_BAND: usize = 32;
 /// Distant ranks sampled to price a jump in [`banded_assignment`].
 const JUMP_SAMPLES: usize = 32;
 
+/// The instance of `[plan node][layer]` lists and owned physical nodes.
+fn node_instance(
+    plan_nodes: &[Vec<Vec<u32>>],
+    physical: &[PhysicalNode],
+    experts: usize,
+) -> Result<Instance, MigrateError> {
+    Instance::new(
+        PlanView::Nodes(plan_nodes),
+        Holders::Nodes(physical),
+        experts,
+    )
+}
+
 /// The [`MappingMethod::Scalable`] assignment on its own: the plan-node → physical-index
 /// pairing. Exact up to [`HUNGARIAN_MAX_NODES`] nodes (Hungarian), and beyond whenever the
 /// plan nodes and the physical nodes fall into few classes of equal contents
@@ -1163,12 +1176,7 @@ pub fn scalable_assignment(
     experts: usize,
     band: usize,
 ) -> Result<Vec<usize>, MigrateError> {
-    Ok(Instance::new(
-        PlanView::Nodes(plan_nodes),
-        Holders::Nodes(physical),
-        experts,
-    )?
-    .scalable(band))
+    Ok(node_instance(plan_nodes, physical, experts)?.scalable(band))
 }
 
 /// An optimal assignment (minimum total cost, like [`min_cost_assignment`] on
@@ -1182,12 +1190,7 @@ pub fn class_assignment(
     experts: usize,
     max_class_pairs: usize,
 ) -> Result<Option<Vec<usize>>, MigrateError> {
-    Ok(Instance::new(
-        PlanView::Nodes(plan_nodes),
-        Holders::Nodes(physical),
-        experts,
-    )?
-    .by_classes(max_class_pairs))
+    Ok(node_instance(plan_nodes, physical, experts)?.by_classes(max_class_pairs))
 }
 
 /// The windowed Hungarian on its own, at any size (before class compression it was
@@ -1204,12 +1207,7 @@ pub fn windowed_assignment(
     experts: usize,
     window: usize,
 ) -> Result<Vec<usize>, MigrateError> {
-    Ok(Instance::new(
-        PlanView::Nodes(plan_nodes),
-        Holders::Nodes(physical),
-        experts,
-    )?
-    .windowed(window))
+    Ok(node_instance(plan_nodes, physical, experts)?.windowed(window))
 }
 
 /// The banded sparse assignment on its own, at any size: plan node `q` may take a physical
@@ -1223,12 +1221,7 @@ pub fn banded_assignment(
     experts: usize,
     band: usize,
 ) -> Result<Vec<usize>, MigrateError> {
-    Ok(Instance::new(
-        PlanView::Nodes(plan_nodes),
-        Holders::Nodes(physical),
-        experts,
-    )?
-    .banded(band))
+    Ok(node_instance(plan_nodes, physical, experts)?.banded(band))
 }
 
 /// Cost of every (plan node, physical node) pairing: `cost[q][p]` = number of distinct
@@ -1242,12 +1235,7 @@ pub fn cost_matrix(
     physical: &[PhysicalNode],
     experts: usize,
 ) -> Result<Vec<Vec<u64>>, MigrateError> {
-    Ok(Instance::new(
-        PlanView::Nodes(plan_nodes),
-        Holders::Nodes(physical),
-        experts,
-    )?
-    .cost_matrix())
+    Ok(node_instance(plan_nodes, physical, experts)?.cost_matrix())
 }
 
 /// Total cost of an assignment (`assignment[q]` = column of row `q`), saturating.
