@@ -794,14 +794,20 @@ impl Instance {
     fn by_classes(&self, max_class_pairs: usize) -> Option<Vec<usize>> {
         let n = self.dims.nodes;
         let stride = self.dims.stride();
-        let plan = NodeClasses::of(&self.need, stride, n);
-        let phys = NodeClasses::of(&self.have, stride, n);
+        // Both sides, and the class-pair costs (about 250 × 250 pairs of whole-node bitsets at
+        // 2,048 nodes), are independent work: done in parallel, with the same result.
+        let (plan, phys) = rayon::join(
+            || NodeClasses::of(&self.need, stride, n),
+            || NodeClasses::of(&self.have, stride, n),
+        );
         if plan.count().saturating_mul(phys.count()) > max_class_pairs {
             return None;
         }
-        let cost: Vec<Vec<u64>> = plan
-            .reps()
-            .map(|q| phys.reps().map(|p| self.pair_cost(q, p)).collect())
+        let phys_reps: Vec<usize> = phys.reps().collect();
+        let plan_reps: Vec<usize> = plan.reps().collect();
+        let cost: Vec<Vec<u64>> = plan_reps
+            .par_iter()
+            .map(|&q| phys_reps.iter().map(|&p| self.pair_cost(q, p)).collect())
             .collect();
         // Costs are at most layers · width ≤ the size of the bitsets, far below the solver's
         // limit, and both sides hold `n` nodes.
@@ -1061,7 +1067,10 @@ impl NodeClasses {
                 (h ^ w).wrapping_mul(0x0100_0000_01b3).rotate_left(29)
             })
         };
-        let mut by_hash: Vec<(u64, u32)> = (0..n).map(|i| (hash(i), i as u32)).collect();
+        let mut by_hash: Vec<(u64, u32)> = (0..n)
+            .into_par_iter()
+            .map(|i| (hash(i), i as u32))
+            .collect();
         by_hash.sort_unstable();
         // Provisional class of each node: the first node (in index order) with equal words.
         let mut rep = vec![0u32; n];
@@ -2019,12 +2028,26 @@ impl HolderSets {
             });
         }
         let mut bits = vec![0u64; slots * words];
-        let mut block = [0u64; 64];
         // Tiles of 8 key words (one cache line of each node's bitset) by all node blocks: the
         // 64 lines a block reads serve all 8 words, and the up to 512 node sets being written
-        // stay in cache while the node blocks advance along them.
-        for tile in (0..stride).step_by(8) {
-            let tile = tile..(tile + 8).min(stride);
+        // stay in cache while the node blocks advance along them. A tile writes only its own
+        // keys' slots, which are contiguous, so the tiles fill disjoint parts in parallel.
+        let tiles: Vec<std::ops::Range<usize>> = (0..stride)
+            .step_by(8)
+            .map(|t| t..(t + 8).min(stride))
+            .collect();
+        let mut parts: Vec<(std::ops::Range<usize>, &mut [u64])> = Vec::with_capacity(tiles.len());
+        let mut rest: &mut [u64] = &mut bits;
+        for tile in tiles {
+            let end_slot = first_slot.get(tile.end).copied().unwrap_or(slots);
+            let len = (end_slot - first_slot[tile.start]) * words;
+            let (part, tail) = std::mem::take(&mut rest).split_at_mut(len);
+            rest = tail;
+            parts.push((tile, part));
+        }
+        parts.into_par_iter().for_each(|(tile, part)| {
+            let base = first_slot[tile.start];
+            let mut block = [0u64; 64];
             for b in 0..words {
                 let rows = (n - b * 64).min(64);
                 for i in tile.clone() {
@@ -2040,14 +2063,14 @@ impl HolderSets {
                         };
                     }
                     transpose64(&mut block);
-                    let mut slot = first_slot[i];
+                    let mut slot = first_slot[i] - base;
                     for_each_set_bit(m, |c| {
-                        bits[slot * words + b] = block[c];
+                        part[slot * words + b] = block[c];
                         slot += 1;
                     });
                 }
             }
-        }
+        });
         let count = bits
             .chunks(words.max(1))
             .take(slots)
