@@ -109,6 +109,7 @@
 
 pub mod fsep;
 mod profile;
+mod runs;
 #[cfg(test)]
 mod tests;
 
@@ -116,6 +117,8 @@ mod tests;
 pub use profile::{
     HardwareProfile, ModelProfile, hardware, hardware_names, model, model_from_toml, model_names,
 };
+
+pub use runs::{LayerRuns, expand_runs, step_cost_runs};
 
 use anyhow::{Result, bail};
 use lazarus_planner::dispatch;
@@ -272,8 +275,6 @@ pub fn step_cost_sparse(
         _ => Vec::new(),
     };
 
-    let flops = hw.gpu_flops_effective;
-    let act = model.activation_bytes_per_token() as f64;
     let (inter_bw, intra_bw) = (hw.rank_inter_bandwidth(), hw.rank_intra_bandwidth());
     // Layers are independent: each is evaluated on its own (in parallel: a new layout at
     // 2,048 nodes costs tens of milliseconds per step-cost evaluation), and their terms are
@@ -334,9 +335,29 @@ pub fn step_cost_sparse(
     let layer_terms: Vec<Option<Result<(f64, f64)>>> =
         layer_terms.into_iter().collect::<Result<_>>()?;
     groups?;
+    assemble(
+        hw,
+        model,
+        gpus,
+        layer_terms,
+        grad_allreduce_s(hw, model, gpus, input.replicas),
+    )
+}
+
+/// The step's total from each layer's (busiest rank's processed assignments, busiest link's
+/// time per token-byte) in layer order and the gradient all-reduce time; the first failing
+/// layer's error, as a sequential loop would report it.
+fn assemble(
+    hw: &HardwareProfile,
+    model: &ModelProfile,
+    gpus: usize,
+    layer_terms: impl IntoIterator<Item = Option<Result<(f64, f64)>>>,
+    grad_allreduce_s: f64,
+) -> Result<StepCost> {
+    let flops = hw.gpu_flops_effective;
+    let act = model.activation_bytes_per_token() as f64;
     let mut expert_compute_s = 0.0;
     let mut all_to_all_s = 0.0;
-    // The first failing layer's error, as the sequential loop reported.
     for terms in layer_terms {
         let (processed, link_time) = terms.expect("evaluated: the groups are valid")?;
         expert_compute_s += processed * model.expert_train_flops_per_assignment() / flops;
@@ -346,7 +367,6 @@ pub fn step_cost_sparse(
     let share = hw.compute_share(gpus);
     let dense_compute_s =
         share * model.tokens_per_gpu() as f64 * model.dense_train_flops_per_token() / flops;
-    let grad_allreduce_s = grad_allreduce_s(hw, model, gpus, input.replicas);
     let host_overhead_s = hw.step_fixed_s(gpus);
     let total_s =
         dense_compute_s + expert_compute_s + all_to_all_s + grad_allreduce_s + host_overhead_s;
@@ -892,7 +912,7 @@ fn check_layers<R>(
 fn check_layer_counts<R>(
     model: &ModelProfile,
     gpus: usize,
-    replicas: &[Vec<R>],
+    replicas: &[R],
     loads: &[Vec<u64>],
 ) -> Result<()> {
     if gpus == 0 {

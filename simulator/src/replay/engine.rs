@@ -29,7 +29,7 @@
 //!   pending additions fire at once ([`super::StepEvent`]).
 
 use super::systems::lazarus::{Driver, Order};
-use super::systems::{Ctx, Decision, Layout, Migration, NodeId, System, SystemKind};
+use super::systems::{Ctx, Decision, Layout, Migration, NodeId, Replicas, System, SystemKind};
 use super::{
     EventRecord, ReplayConfig, ReplayError, RunResult, Sample, StepCache, Summary, TimeBreakdown,
 };
@@ -97,26 +97,49 @@ impl Hasher for FastHasher {
     }
 }
 
-/// Fingerprint of a layout's sparse replicas: one word per `(rank, count)` pair where the
-/// derived `Hash` wrote two (each a dependent multiply), layers hashed in parallel and combined
-/// in layer order, so the value does not depend on the thread count. Row and layer lengths are
-/// hashed too, so pairs cannot shift between rows unnoticed.
-fn replicas_fingerprint(replicas: &crate::cost::SparseReplicas) -> u64 {
+/// Fingerprint of a layout's replicas: one word per `(rank, count)` pair (or per run and
+/// `(run, gpu, count)` item) where the derived `Hash` wrote two or three (each a dependent
+/// multiply), layers hashed in parallel and combined in layer order, so the value does not
+/// depend on the thread count. Row and layer lengths are hashed too, so entries cannot shift
+/// between rows unnoticed. The two forms hash apart: the same table in both is a cache miss.
+fn replicas_fingerprint(replicas: &Replicas) -> u64 {
     use rayon::prelude::*;
-    let layers: Vec<u64> = replicas
-        .par_iter()
-        .map(|layer| {
-            let mut h = FastHasher::default();
-            h.write_usize(layer.len());
-            for row in layer {
-                h.write_usize(row.len());
-                for &(rank, count) in row {
-                    h.write_u64(u64::from(rank) | (u64::from(count) << 32));
+    let layers: Vec<u64> = match replicas {
+        Replicas::Ranked(ranked) => ranked
+            .par_iter()
+            .map(|layer| {
+                let mut h = FastHasher::default();
+                h.write_usize(layer.len());
+                for row in layer {
+                    h.write_usize(row.len());
+                    for &(rank, count) in row {
+                        h.write_u64(u64::from(rank) | (u64::from(count) << 32));
+                    }
                 }
-            }
-            h.finish()
-        })
-        .collect();
+                h.finish()
+            })
+            .collect(),
+        Replicas::Runs(runs) => runs
+            .par_iter()
+            .map(|layer| {
+                let mut h = FastHasher::default();
+                h.write_u64(u64::MAX);
+                h.write_usize(layer.runs.len());
+                for &(first, end) in &layer.runs {
+                    h.write_u64(u64::from(first) | (u64::from(end) << 32));
+                }
+                h.write_usize(layer.expert_start.len());
+                for &s in &layer.expert_start {
+                    h.write_u32(s);
+                }
+                for &(run, gpu, count) in &layer.items {
+                    h.write_u64(u64::from(run) | (u64::from(gpu) << 32));
+                    h.write_u32(count);
+                }
+                h.finish()
+            })
+            .collect(),
+    };
     let mut h = FastHasher::default();
     h.write_usize(layers.len());
     for x in layers {
@@ -636,9 +659,10 @@ impl<'a> Engine<'a> {
             } => {
                 // The cheap tests first: comparing the replicas reads every layer of both.
                 let unchanged = || {
-                    self.layout
-                        .as_ref()
-                        .is_some_and(|l| l.replicas_per_rank == layout.replicas_per_rank)
+                    self.layout.as_ref().is_some_and(|l| {
+                        l.replicas
+                            .same_ranks(&layout.replicas, self.cfg.hardware.gpus_per_node)
+                    })
                 };
                 if kind == ReconfigKind::Rebalance
                     && migration.replicas == 0
@@ -852,7 +876,7 @@ impl<'a> Engine<'a> {
             let mut h = FastHasher::default();
             (
                 l.gpus(&self.cfg.hardware),
-                replicas_fingerprint(&l.replicas_per_rank),
+                replicas_fingerprint(&l.replicas),
                 l.dispatch,
                 &l.ep_groups,
                 l.fsep

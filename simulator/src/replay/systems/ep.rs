@@ -4,7 +4,7 @@
 //! group holds experts `p·E/EP .. (p+1)·E/EP` (paper §6.2). A cluster runs `G` groups, so each
 //! expert has `G` replicas (uniform replication), and tokens stay inside their group.
 
-use super::{Layout, NodeId};
+use super::{Layout, NodeId, Replicas};
 use crate::cost::{Dispatch, HardwareProfile, ModelProfile};
 
 /// How many whole nodes a layout on `available` nodes can use: the largest count whose GPUs
@@ -58,8 +58,7 @@ pub fn layout(
         .collect();
     Layout {
         nodes,
-        replicas_per_rank: vec![layer; model.moe_layers],
-        equal_nodes: Vec::new(),
+        replicas: Replicas::Ranked(vec![layer; model.moe_layers]),
         dispatch,
         ep_groups: Some(
             (0..groups)
@@ -109,8 +108,8 @@ mod tests {
         );
         let dense = uniform_ep_layout(&model, nodes * hw.gpus_per_node).unwrap();
         assert_eq!(
-            l.replicas_per_rank,
-            sparse_replicas(&dense.replicas_per_rank)
+            l.replicas,
+            Replicas::Ranked(sparse_replicas(&dense.replicas_per_rank))
         );
         assert_eq!(l.ep_groups.as_ref(), Some(&dense.ep_groups));
         let g = hw.gpus_per_node;

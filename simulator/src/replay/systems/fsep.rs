@@ -30,7 +30,7 @@
 //! system lets it join in place (no shard moves), so `lzsim predict` of an FSEP run with a join
 //! under-predicts its restores.
 
-use super::{Ctx, Decision, Layout, Migration, NodeId, System};
+use super::{Ctx, Decision, Layout, Migration, NodeId, Replicas, System};
 use crate::cost::fsep::{FsepShape, ShardTraffic};
 use crate::cost::{self, Dispatch, HardwareProfile, ModelProfile, StepCost};
 use anyhow::Result;
@@ -106,18 +106,23 @@ pub fn layout_step_cost(
 ) -> Result<(StepCost, Option<ShardTraffic>)> {
     let gpus = layout.gpus(hw);
     let Some(fsep) = &layout.fsep else {
-        let c = cost::step_cost_sparse(
-            hw,
-            model,
-            &cost::SparseStepInput {
-                gpus,
-                replicas: &layout.replicas_per_rank,
-                loads,
-                dispatch: layout.dispatch,
-                ep_groups: layout.ep_groups.as_deref(),
-                equal_nodes: (!layout.equal_nodes.is_empty()).then_some(&layout.equal_nodes[..]),
-            },
-        )?;
+        let c = match &layout.replicas {
+            Replicas::Runs(runs) if layout.dispatch == Dispatch::Unpadded => {
+                cost::step_cost_runs(hw, model, layout.nodes.len(), runs, loads)?
+            }
+            replicas => cost::step_cost_sparse(
+                hw,
+                model,
+                &cost::SparseStepInput {
+                    gpus,
+                    replicas: &replicas.ranked(hw.gpus_per_node),
+                    loads,
+                    dispatch: layout.dispatch,
+                    ep_groups: layout.ep_groups.as_deref(),
+                    equal_nodes: None,
+                },
+            )?,
+        };
         return Ok((c, None));
     };
     let replicas = materialised(hw, model, layout.nodes.len(), loads)
@@ -144,8 +149,7 @@ fn layout(ctx: &Ctx, nodes: Vec<NodeId>, copies: usize, placement: ShardPlacemen
     Layout {
         nodes,
         // The cost model re-materialises per load change; this is never read for FSEP.
-        replicas_per_rank: Vec::new(),
-        equal_nodes: Vec::new(),
+        replicas: Replicas::Ranked(Vec::new()),
         dispatch: Dispatch::Unpadded,
         ep_groups: None,
         // No expert lives anywhere between steps: only shards do.

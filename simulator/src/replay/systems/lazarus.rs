@@ -30,8 +30,8 @@
 //! The machine's own detection (heartbeats, member timeouts) is configured off: the engine
 //! models detection, and its simulated workers always answer.
 
-use super::{Ctx, Decision, Layout, Migration, NodeId, System};
-use crate::cost::Dispatch;
+use super::{Ctx, Decision, Layout, Migration, NodeId, Replicas, System};
+use crate::cost::{Dispatch, LayerRuns};
 use lazarus_planner::job::{
     Action, Event, Holdings, IdleReason, JobConfig, JobMachine, ReconfigKind, Reconfiguration,
     StateSource,
@@ -44,11 +44,9 @@ use rayon::prelude::*;
 fn layout_of(ctx: &Ctx, mut plan: ModelPlan) -> Layout {
     // The machine plans per node; the GPU split of each node's slots is a view on it.
     plan.cluster.gpus_per_node = ctx.hw.gpus_per_node;
-    let (replicas_per_rank, equal_nodes) = sparse_replicas_of(&plan);
     Layout {
         nodes: plan.node_map.clone(),
-        replicas_per_rank,
-        equal_nodes,
+        replicas: Replicas::Runs(layer_runs_of(&plan)),
         dispatch: Dispatch::Unpadded,
         ep_groups: None,
         holdings: Vec::new(),
@@ -57,84 +55,17 @@ fn layout_of(ctx: &Ctx, mut plan: ModelPlan) -> Layout {
     }
 }
 
-/// `plan.replicas_per_rank(l)` of every layer in the cost model's sparse form, without the
-/// dense matrices (tested equal), and each layer's [`Layout::equal_nodes`].
-fn sparse_replicas_of(plan: &ModelPlan) -> (crate::cost::SparseReplicas, Vec<Vec<u32>>) {
-    let g = plan.cluster.gpus_per_node.max(1);
+/// Every layer of `plan` in runs of equal nodes ([`LayerRuns`]), in parallel (2,048 nodes ×
+/// 32 slots per layer, about 250 distinct rows). Expanded, they are `plan.replicas_per_rank`
+/// in sparse form (tested).
+fn layer_runs_of(plan: &ModelPlan) -> Vec<LayerRuns> {
     let gpu_of: Vec<u32> = (0..plan.cluster.slots_per_node)
         .map(|s| plan.cluster.gpu_of_slot(s) as u32)
         .collect();
-    // Layers are independent (and in parallel: 2,048 nodes × 32 slots per layer).
     plan.layers
         .par_iter()
-        .map(|layer| layer_replicas(layer.grid().iter(), g, &gpu_of, plan.model.experts))
-        .unzip()
-}
-
-/// One layer's `[expert] = (rank, count)` rows, ranks ascending, and for each node the first
-/// node of its run of equal rows (itself when its row differs from the previous node's). A
-/// node whose slots equal the previous node's (MRO block nodes: about 250 distinct rows per
-/// layer at 2,048 nodes) reuses its runs at its own ranks, so most nodes cost one slice
-/// comparison.
-fn layer_replicas<'a>(
-    grid: impl ExactSizeIterator<Item = &'a [u32]>,
-    g: usize,
-    gpu_of: &[u32],
-    experts: usize,
-) -> (Vec<Vec<(u32, u32)>>, Vec<u32>) {
-    let nodes = grid.len();
-    // Runs `(expert, gpu, count)` of each distinct row, in slot order, back to back.
-    let mut runs: Vec<(u32, u32, u32)> = Vec::new();
-    // Per run of equal rows: its runs' range in `runs` and its first and end node.
-    let mut segments: Vec<(usize, usize, usize, usize)> = Vec::new();
-    let mut first_of = Vec::with_capacity(nodes);
-    let mut prev: Option<&[u32]> = None;
-    for (node, slots) in grid.enumerate() {
-        if prev != Some(slots) {
-            let start = runs.len();
-            for (slot, &e) in slots.iter().enumerate() {
-                let gpu = gpu_of[slot];
-                // Equal experts on one GPU merge even when not adjacent: one entry per rank.
-                match runs[start..]
-                    .iter_mut()
-                    .rev()
-                    .take_while(|r| r.1 == gpu)
-                    .find(|r| r.0 == e)
-                {
-                    Some(r) => r.2 += 1,
-                    None => runs.push((e, gpu, 1)),
-                }
-            }
-            segments.push((start, runs.len(), node, node + 1));
-            prev = Some(slots);
-        } else if let Some(seg) = segments.last_mut() {
-            seg.3 = node + 1;
-        }
-        first_of.push(segments.last().map_or(node, |s| s.2) as u32);
-    }
-    let mut per_expert = vec![0usize; experts];
-    for &(lo, hi, first, end) in &segments {
-        for &(e, _, _) in &runs[lo..hi] {
-            per_expert[e as usize] += end - first;
-        }
-        // Expert-major within the row (GPUs ascending): each expert's row is then written as
-        // one sequential stream per run of equal nodes. `gpu_of` is ascending in the slot, so
-        // a node's ranks ascend in every row as in node-then-slot order (tested).
-        runs[lo..hi].sort_unstable_by_key(|&(e, gpu, _)| (e, gpu));
-    }
-    // `(rank, count)` in node order, then GPU order: ranks ascend in every row.
-    let mut rows: Vec<Vec<(u32, u32)>> =
-        per_expert.iter().map(|&n| Vec::with_capacity(n)).collect();
-    for &(lo, hi, first, end) in &segments {
-        for one in runs[lo..hi].chunk_by(|a, b| a.0 == b.0) {
-            let row = &mut rows[one[0].0 as usize];
-            for node in first..end {
-                let base = (node * g) as u32;
-                row.extend(one.iter().map(|&(_, gpu, count)| (base + gpu, count)));
-            }
-        }
-    }
-    (rows, first_of)
+        .map(|layer| LayerRuns::from_grid(layer.grid().iter(), &gpu_of, plan.model.experts))
+        .collect()
 }
 
 /// What the engine does next, decided by the machine.
@@ -577,70 +508,11 @@ mod tests {
     use super::*;
     use crate::cost;
 
-    /// The previous construction (slot by slot, merging into the row's last entry): the
-    /// reference for [`layer_replicas`].
-    fn layer_replicas_reference(
-        grid: &[Vec<u32>],
-        g: usize,
-        gpu_of: &[u32],
-        experts: usize,
-    ) -> Vec<Vec<(u32, u32)>> {
-        let mut rows: Vec<Vec<(u32, u32)>> = vec![Vec::new(); experts];
-        for (node, slots) in grid.iter().enumerate() {
-            for (slot, &e) in slots.iter().enumerate() {
-                let rank = (node * g) as u32 + gpu_of[slot];
-                let row = &mut rows[e as usize];
-                match row.last_mut() {
-                    Some(last) if last.0 == rank => last.1 += 1,
-                    _ => row.push((rank, 1)),
-                }
-            }
-        }
-        rows
-    }
-
-    /// Random grids (300 seeded cases) with repeated node rows (the reuse), unsorted slots and
-    /// an expert twice on one GPU with another between (the merge).
+    /// The step cost of a plan's layout (runs of equal nodes) is exactly the ranked form's,
+    /// with and without the equal-nodes hint, on a plan above the analytic-dispatch threshold
+    /// (40 nodes × 8 GPUs), for several loads.
     #[test]
-    fn layer_replicas_equal_the_slot_by_slot_reference() {
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % n) as usize
-        };
-        for _ in 0..300 {
-            let (slots, experts, g) = (1 + next(12), 1 + next(6), 1 + next(4));
-            let distinct: Vec<Vec<u32>> = (0..1 + next(5))
-                .map(|_| (0..slots).map(|_| next(experts as u64) as u32).collect())
-                .collect();
-            let grid: Vec<Vec<u32>> = (0..1 + next(30))
-                .map(|_| distinct[next(distinct.len() as u64)].clone())
-                .collect();
-            let cluster =
-                lazarus_planner::ClusterSpec::new(grid.len(), slots).with_gpus_per_node(g);
-            let gpu_of: Vec<u32> = (0..slots).map(|s| cluster.gpu_of_slot(s) as u32).collect();
-            let (rows, first_of) =
-                layer_replicas(grid.iter().map(Vec::as_slice), g, &gpu_of, experts);
-            assert_eq!(
-                rows,
-                layer_replicas_reference(&grid, g, &gpu_of, experts),
-                "grid {grid:?}, {g} GPUs per node"
-            );
-            // Each node points at the first node of its run of equal rows.
-            for (n, &f) in first_of.iter().enumerate() {
-                let f = f as usize;
-                assert!(f <= n && grid[f..=n].iter().all(|r| *r == grid[n]));
-                assert!(f == 0 || grid[f - 1] != grid[n], "grid {grid:?}, node {n}");
-            }
-        }
-    }
-
-    /// The step cost with the layout's equal-nodes hint is exactly the one without, on a
-    /// plan above the analytic-dispatch threshold (40 nodes × 8 GPUs), for several loads.
-    #[test]
-    fn equal_nodes_leave_the_step_cost_unchanged() {
+    fn runs_step_cost_is_the_ranked_one() {
         let hw = cost::hardware("h200-400g").unwrap();
         let model = cost::model("deepseek-v3").unwrap();
         let ctx = Ctx {
@@ -660,30 +532,40 @@ mod tests {
                 .unwrap();
             let gpus = layout.gpus(&hw);
             assert!(gpus > cost::ANALYTIC_DISPATCH_ABOVE_GPUS);
-            let runs: usize = layout
-                .equal_nodes
+            let Replicas::Runs(runs) = &layout.replicas else {
+                panic!("a plan's layout is in runs");
+            };
+            let count: usize = runs.iter().map(|l| l.runs.len()).sum();
+            assert!(count < 40 * model.moe_layers, "some nodes repeat");
+            // Each node's first node of its run, the ranked form's hint.
+            let equal_nodes: Vec<Vec<u32>> = runs
                 .iter()
                 .map(|l| {
-                    l.iter()
-                        .enumerate()
-                        .filter(|(n, f)| **f as usize == *n)
-                        .count()
+                    l.runs
+                        .iter()
+                        .flat_map(|&(first, end)| {
+                            std::iter::repeat_n(first, (end - first) as usize)
+                        })
+                        .collect()
                 })
-                .sum();
-            assert!(runs < 40 * model.moe_layers, "some nodes repeat");
+                .collect();
+            let ranked = layout.replicas.ranked(hw.gpus_per_node);
             let input = |equal_nodes| cost::SparseStepInput {
                 gpus,
-                replicas: &layout.replicas_per_rank,
+                replicas: &ranked,
                 loads: &loads,
                 dispatch: Dispatch::Unpadded,
                 ep_groups: None,
                 equal_nodes,
             };
-            let with = cost::step_cost_sparse(&hw, &model, &input(Some(&layout.equal_nodes)));
-            let without = cost::step_cost_sparse(&hw, &model, &input(None));
-            let (with, without) = (with.unwrap(), without.unwrap());
+            let with = cost::step_cost_sparse(&hw, &model, &input(Some(&equal_nodes))).unwrap();
+            let without = cost::step_cost_sparse(&hw, &model, &input(None)).unwrap();
+            let (on_runs, _) =
+                super::super::fsep::layout_step_cost(&hw, &model, &layout, &loads).unwrap();
             assert_eq!(with.total_s.to_bits(), without.total_s.to_bits());
+            assert_eq!(on_runs.total_s.to_bits(), without.total_s.to_bits());
             assert_eq!(with, without);
+            assert_eq!(on_runs, without);
         }
     }
 
@@ -709,10 +591,12 @@ mod tests {
         let dense: Vec<Vec<Vec<u32>>> = (0..plan.layers.len())
             .map(|l| plan.replicas_per_rank(l))
             .collect();
-        assert_eq!(layout.replicas_per_rank, cost::sparse_replicas(&dense));
+        assert_eq!(
+            *layout.replicas.ranked(hw.gpus_per_node),
+            cost::sparse_replicas(&dense)
+        );
         let all = layout.held_all();
         assert_eq!(all.len(), layout.nodes.len());
-        assert_eq!(layout.equal_nodes.len(), plan.layers.len());
         for (i, held) in all.iter().enumerate() {
             assert_eq!(*held, layout.held(i), "node {i}");
         }

@@ -23,14 +23,8 @@ pub type NodeId = u32;
 pub struct Layout {
     /// Nodes in use, in plan-node order (rank `r` lives on `nodes[r / gpus_per_node]`).
     pub nodes: Vec<NodeId>,
-    /// `[moe_layer][expert]` → `(rank, replicas)`, the cost model's input in its sparse form
-    /// ([`crate::cost::SparseReplicas`]).
-    pub replicas_per_rank: crate::cost::SparseReplicas,
-    /// `[moe_layer][node index]` = the first node of the run of consecutive nodes whose
-    /// replicas in that layer equal this node's (itself when they differ from the previous
-    /// node's): a hint that lets the cost model evaluate one node per run
-    /// ([`crate::cost::SparseStepInput::equal_nodes`]). Empty when not known.
-    pub equal_nodes: Vec<Vec<u32>>,
+    /// The replicas of every MoE layer: the cost model's input.
+    pub replicas: Replicas,
     pub dispatch: Dispatch,
     /// Padded dispatch only: ranks of each EP group.
     pub ep_groups: Option<Vec<Vec<usize>>>,
@@ -76,6 +70,37 @@ impl Layout {
 
     pub fn gpus(&self, hw: &HardwareProfile) -> usize {
         self.nodes.len() * hw.gpus_per_node
+    }
+}
+
+/// A layout's replica table.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Replicas {
+    /// `[moe_layer][expert]` → `(rank, replicas)` ([`crate::cost::SparseReplicas`]).
+    Ranked(crate::cost::SparseReplicas),
+    /// A plan's layers in runs of equal nodes ([`crate::cost::LayerRuns`]): one row per run,
+    /// about 250 per layer at 2,048 nodes instead of 65,536 pairs.
+    Runs(Vec<crate::cost::LayerRuns>),
+}
+
+impl Replicas {
+    /// The ranked form, `gpus_per_node` ranks per node (a copy for runs).
+    pub fn ranked(
+        &self,
+        gpus_per_node: usize,
+    ) -> std::borrow::Cow<'_, crate::cost::SparseReplicas> {
+        match self {
+            Replicas::Ranked(r) => std::borrow::Cow::Borrowed(r),
+            Replicas::Runs(layers) => {
+                std::borrow::Cow::Owned(crate::cost::expand_runs(layers, gpus_per_node))
+            }
+        }
+    }
+
+    /// Whether both place the same replica counts on the same ranks. Runs that differ may
+    /// still do (equal ranks from slot rows in another order), so they are compared ranked.
+    pub fn same_ranks(&self, other: &Replicas, gpus_per_node: usize) -> bool {
+        self == other || self.ranked(gpus_per_node) == other.ranked(gpus_per_node)
     }
 }
 
