@@ -145,7 +145,9 @@ pub struct LoadHistory {
     aggregation: Aggregation,
     layers: usize,
     experts: usize,
-    window: VecDeque<Vec<Vec<u64>>>,
+    /// The window's steps, each `layers × experts` counts flat (layer-major); a step leaving
+    /// the window lends its buffer to the next one.
+    window: VecDeque<Vec<u64>>,
     sum: Vec<Vec<u64>>,
     ema: Vec<Vec<f64>>,
     steps_seen: u64,
@@ -196,15 +198,24 @@ impl LoadHistory {
                         *a += b;
                     }
                 }
-                self.window.push_back(counts.to_vec());
-                if self.window.len() > window_steps {
+                let mut step = if self.window.len() >= window_steps {
                     let old = self.window.pop_front().expect("window is non-empty");
-                    for (s, c) in self.sum.iter_mut().zip(&old) {
+                    for (s, c) in self
+                        .sum
+                        .iter_mut()
+                        .zip(old.chunks_exact(self.experts.max(1)))
+                    {
                         for (a, b) in s.iter_mut().zip(c) {
                             *a -= b;
                         }
                     }
-                }
+                    old
+                } else {
+                    Vec::with_capacity(self.layers * self.experts)
+                };
+                step.clear();
+                counts.iter().for_each(|c| step.extend_from_slice(c));
+                self.window.push_back(step);
             }
             Aggregation::Ema { alpha } => {
                 let first = self.steps_seen == 0;
@@ -249,6 +260,48 @@ mod tests {
         assert_eq!(h.loads(), vec![vec![3, 30]]);
         h.push(&[vec![4, 40]]).unwrap();
         assert_eq!(h.loads(), vec![vec![6, 60]]);
+    }
+
+    /// The window's buffers are reused as steps leave it: the sums stay those of the last
+    /// `window_steps` steps, recomputed naively (seeded pushes, windows 1 to 5), and a
+    /// serialised history reads back equal and slides on the same.
+    #[test]
+    fn sum_window_matches_a_naive_sum_while_buffers_are_reused() {
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for window_steps in 1..=5usize {
+            let (layers, experts) = (3, 4);
+            let mut h =
+                LoadHistory::new(Aggregation::Sum { window_steps }, layers, experts).unwrap();
+            let mut pushed: Vec<Vec<Vec<u64>>> = Vec::new();
+            for step in 0..20 {
+                let counts: Vec<Vec<u64>> = (0..layers)
+                    .map(|_| (0..experts).map(|_| next(1000)).collect())
+                    .collect();
+                h.push(&counts).unwrap();
+                pushed.push(counts);
+                let from = pushed.len().saturating_sub(window_steps);
+                let naive: Vec<Vec<u64>> = (0..layers)
+                    .map(|l| {
+                        (0..experts)
+                            .map(|e| pushed[from..].iter().map(|c| c[l][e]).sum())
+                            .collect()
+                    })
+                    .collect();
+                assert_eq!(h.loads(), naive, "window {window_steps}, step {step}");
+                if step == 10 {
+                    let json = serde_json::to_string(&h).unwrap();
+                    let back: LoadHistory = serde_json::from_str(&json).unwrap();
+                    assert_eq!(back, h);
+                    h = back;
+                }
+            }
+        }
     }
 
     #[test]
