@@ -453,7 +453,11 @@ impl RankTemplate {
         let mut cells = Arc::<[u32]>::new_uninit_slice(self.row_of_node.len() * c);
         let out = Arc::get_mut(&mut cells).expect("not shared yet");
         for (dst, &r) in out.chunks_exact_mut(c.max(1)).zip(&self.row_of_node) {
-            dst.write_copy_of_slice(&renamed[r as usize]);
+            let row = &renamed[r as usize];
+            assert_eq!(row.len(), dst.len(), "every MRO row has the node's slots");
+            for (cell, &e) in dst.iter_mut().zip(row) {
+                cell.write(e);
+            }
         }
         LayerPlacement {
             experts: order.len(),
