@@ -202,13 +202,47 @@ pub fn sparse_replicas(dense: &[Vec<Vec<u32>>]) -> SparseReplicas {
         .collect()
 }
 
+/// The replica rows of every MoE layer, `[moe_layer][expert]` → `(rank, count)`.
+#[derive(Debug, Clone, Copy)]
+pub enum LayerRows<'a> {
+    /// One table per MoE layer ([`SparseReplicas`]).
+    Each(&'a [Vec<Vec<(u32, u32)>>]),
+    /// The same table for each of `layers` MoE layers (standard EP: every layer places its
+    /// experts alike), held once.
+    Same {
+        rows: &'a [Vec<(u32, u32)>],
+        layers: usize,
+    },
+}
+
+impl<'a> LayerRows<'a> {
+    pub fn len(self) -> usize {
+        match self {
+            LayerRows::Each(each) => each.len(),
+            LayerRows::Same { layers, .. } => layers,
+        }
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.len() == 0
+    }
+
+    /// Layer `l`'s rows (`l < len()`).
+    pub fn layer(self, l: usize) -> &'a [Vec<(u32, u32)>] {
+        match self {
+            LayerRows::Each(each) => &each[l],
+            LayerRows::Same { rows, .. } => rows,
+        }
+    }
+}
+
 /// [`StepInput`] with sparse replicas ([`SparseReplicas`]): what the replay's layouts hold.
 #[derive(Debug, Clone, Copy)]
 pub struct SparseStepInput<'a> {
     /// GPUs in use (ranks); rank `r` is on node `r / gpus_per_node`.
     pub gpus: usize,
     /// `[moe_layer][expert]` → `(rank, count)`, ranks ascending, counts > 0.
-    pub replicas: &'a [Vec<Vec<(u32, u32)>>],
+    pub replicas: LayerRows<'a>,
     pub loads: &'a [Vec<u64>],
     pub dispatch: Dispatch,
     pub ep_groups: Option<&'a [Vec<usize>]>,
@@ -233,7 +267,7 @@ pub fn step_cost(
         model,
         &SparseStepInput {
             gpus: input.gpus,
-            replicas: &sparse,
+            replicas: LayerRows::Each(&sparse),
             loads: input.loads,
             dispatch: input.dispatch,
             ep_groups: input.ep_groups,
@@ -252,7 +286,7 @@ pub fn step_cost_sparse(
     let gpus = input.gpus;
     // The shapes are checked first (each layer's rows inside its own evaluation below, in
     // parallel), then the EP groups: errors are reported in that order.
-    check_layer_counts(model, gpus, input.replicas, input.loads)?;
+    check_layer_counts(model, gpus, input.replicas.len(), input.loads)?;
     let groups = match (input.dispatch, input.ep_groups) {
         (Dispatch::Padded | Dispatch::Dropless, None) => Err(anyhow::anyhow!(
             "padded and dropless dispatch need the EP groups"
@@ -313,11 +347,9 @@ pub fn step_cost_sparse(
     };
     // Outer error: the layer's shape; `None`: not evaluated (the groups are invalid).
     type Terms = Result<Option<Result<(f64, f64)>>>;
-    let layer_terms: Vec<Terms> = input
-        .replicas
-        .par_iter()
-        .zip(input.loads.par_iter())
-        .enumerate()
+    let layer_terms: Vec<Terms> = (0..input.replicas.len())
+        .into_par_iter()
+        .map(|l| (l, (input.replicas.layer(l), &input.loads[l])))
         .map_init(
             || Traffic::new(hw, gpus),
             |traffic, (layer, (replicas, loads))| -> Terms {
@@ -811,7 +843,7 @@ fn grad_allreduce_s(
     hw: &HardwareProfile,
     model: &ModelProfile,
     gpus: usize,
-    replicas: &[Vec<Vec<(u32, u32)>>],
+    replicas: LayerRows,
 ) -> f64 {
     let mut inter = vec![0.0; gpus];
     let mut intra = vec![0.0; gpus];
@@ -826,7 +858,7 @@ fn grad_allreduce_s(
         target.iter_mut().for_each(|x| *x += v);
     }
     let expert_bytes = model.expert_grad_bytes() as f64;
-    for row in replicas.iter().flatten() {
+    for row in (0..replicas.len()).flat_map(|l| replicas.layer(l)) {
         let m = row.len();
         if m < 2 {
             continue;
@@ -901,7 +933,7 @@ fn check_layers<R>(
     loads: &[Vec<u64>],
     check_row: impl Fn(usize, usize, &R) -> Result<()>,
 ) -> Result<()> {
-    check_layer_counts(model, gpus, replicas, loads)?;
+    check_layer_counts(model, gpus, replicas.len(), loads)?;
     for (l, (layer, loads)) in replicas.iter().zip(loads).enumerate() {
         check_layer(model, l, layer, loads, &check_row)?;
     }
@@ -909,19 +941,18 @@ fn check_layers<R>(
 }
 
 /// The parts of [`check_layers`] that do not look into the layers.
-fn check_layer_counts<R>(
+fn check_layer_counts(
     model: &ModelProfile,
     gpus: usize,
-    replicas: &[R],
+    replica_layers: usize,
     loads: &[Vec<u64>],
 ) -> Result<()> {
     if gpus == 0 {
         bail!("a step needs at least one GPU");
     }
-    if replicas.len() != model.moe_layers {
+    if replica_layers != model.moe_layers {
         bail!(
-            "replicas have {} layers, the model has {} MoE layers",
-            replicas.len(),
+            "replicas have {replica_layers} layers, the model has {} MoE layers",
             model.moe_layers
         );
     }

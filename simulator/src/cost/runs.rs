@@ -12,8 +12,8 @@
 //! fewer than the ranks).
 
 use super::{
-    ANALYTIC_DISPATCH_ABOVE_GPUS, Dispatch, HardwareProfile, ModelProfile, SparseReplicas,
-    SparseStepInput, StepCost, routed_tokens, step_cost_sparse,
+    ANALYTIC_DISPATCH_ABOVE_GPUS, Dispatch, HardwareProfile, LayerRows, ModelProfile,
+    SparseReplicas, SparseStepInput, StepCost, routed_tokens, step_cost_sparse,
 };
 use anyhow::{Result, bail};
 use rayon::prelude::*;
@@ -204,7 +204,7 @@ pub fn step_cost_runs(
             model,
             &SparseStepInput {
                 gpus,
-                replicas: &replicas,
+                replicas: LayerRows::Each(&replicas),
                 loads,
                 dispatch: Dispatch::Unpadded,
                 ep_groups: None,
@@ -212,7 +212,7 @@ pub fn step_cost_runs(
             },
         );
     }
-    super::check_layer_counts(model, gpus, layers, loads)?;
+    super::check_layer_counts(model, gpus, layers.len(), loads)?;
     let (inter_bw, intra_bw) = (hw.rank_inter_bandwidth(), hw.rank_intra_bandwidth());
     let (terms, grad_allreduce_s) = rayon::join(
         || {
@@ -627,7 +627,7 @@ mod tests {
                 &model,
                 &SparseStepInput {
                     gpus: nodes * g,
-                    replicas: &ranked,
+                    replicas: LayerRows::Each(&ranked),
                     loads: &loads,
                     dispatch: Dispatch::Unpadded,
                     ep_groups: None,

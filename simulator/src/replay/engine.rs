@@ -104,21 +104,21 @@ impl Hasher for FastHasher {
 /// between rows unnoticed. The two forms hash apart: the same table in both is a cache miss.
 fn replicas_fingerprint(replicas: &Replicas) -> u64 {
     use rayon::prelude::*;
+    let ranked_layer = |layer: &[Vec<(u32, u32)>]| {
+        let mut h = FastHasher::default();
+        h.write_usize(layer.len());
+        for row in layer {
+            h.write_usize(row.len());
+            for &(rank, count) in row {
+                h.write_u64(u64::from(rank) | (u64::from(count) << 32));
+            }
+        }
+        h.finish()
+    };
     let layers: Vec<u64> = match replicas {
-        Replicas::Ranked(ranked) => ranked
-            .par_iter()
-            .map(|layer| {
-                let mut h = FastHasher::default();
-                h.write_usize(layer.len());
-                for row in layer {
-                    h.write_usize(row.len());
-                    for &(rank, count) in row {
-                        h.write_u64(u64::from(rank) | (u64::from(count) << 32));
-                    }
-                }
-                h.finish()
-            })
-            .collect(),
+        Replicas::Ranked(ranked) => ranked.par_iter().map(|l| ranked_layer(l)).collect(),
+        // As its ranked form hashes: `layers` equal layer hashes.
+        Replicas::Uniform { rows, layers } => vec![ranked_layer(rows); *layers],
         Replicas::Runs(runs) => runs
             .par_iter()
             .map(|layer| {

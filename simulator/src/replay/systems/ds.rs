@@ -66,7 +66,7 @@ impl System for Ds {
             .filter(|(id, _)| !dead.contains(id))
             .map(|(&id, h)| PhysicalNode {
                 id,
-                holdings: h.clone(),
+                holdings: h.as_ref().clone(),
             })
             .collect();
         let model = ctx.model;

@@ -6,6 +6,7 @@
 
 use super::{Layout, NodeId, Replicas};
 use crate::cost::{Dispatch, HardwareProfile, ModelProfile};
+use std::sync::Arc;
 
 /// How many whole nodes a layout on `available` nodes can use: the largest count whose GPUs
 /// form whole EP groups.
@@ -44,21 +45,24 @@ pub fn layout(
                 .collect()
         })
         .collect();
-    let holdings: Vec<Vec<Vec<u32>>> = (0..nodes.len())
-        .map(|n| {
-            let mut held: Vec<u32> = (n * g..(n + 1) * g)
-                .flat_map(|rank| {
-                    let pos = rank % ep;
-                    (pos * per_rank..(pos + 1) * per_rank).map(|e| e as u32)
-                })
-                .collect();
-            held.sort_unstable();
-            vec![held; model.moe_layers]
-        })
-        .collect();
+    // A node's holdings depend on its first rank's position in its group only: nodes at the
+    // same position share one copy (a few distinct ones instead of 2,048 × 58 lists).
+    let mut at_position: Vec<Option<Arc<Vec<Vec<u32>>>>> = vec![None; ep];
+    let holdings: Vec<Arc<Vec<Vec<u32>>>> =
+        (0..nodes.len())
+            .map(|n| {
+                let shared = &mut at_position[(n * g) % ep];
+                Arc::clone(shared.get_or_insert_with(|| {
+                    Arc::new(vec![node_held(hw, model, n); model.moe_layers])
+                }))
+            })
+            .collect();
     Layout {
         nodes,
-        replicas: Replicas::Ranked(vec![layer; model.moe_layers]),
+        replicas: Replicas::Uniform {
+            rows: layer,
+            layers: model.moe_layers,
+        },
         dispatch,
         ep_groups: Some(
             (0..groups)
@@ -80,7 +84,9 @@ pub fn plan_nodes(
     nodes: usize,
     spare: usize,
 ) -> Vec<Vec<Vec<u32>>> {
-    let mut out = layout(hw, model, (0..nodes as NodeId).collect(), Dispatch::Padded).holdings;
+    let mut out: Vec<Vec<Vec<u32>>> = (0..nodes)
+        .map(|n| vec![node_held(hw, model, n); model.moe_layers])
+        .collect();
     out.extend(std::iter::repeat_n(
         vec![Vec::new(); model.moe_layers],
         spare,
@@ -88,10 +94,57 @@ pub fn plan_nodes(
     out
 }
 
+/// Expert ids that node `n` of an EP layout holds in each layer, ascending: expert `e` sits
+/// at position `e / (E / ep_size)` of every group.
+fn node_held(hw: &HardwareProfile, model: &ModelProfile, n: usize) -> Vec<u32> {
+    let (g, ep) = (hw.gpus_per_node, model.ep_size);
+    let per_rank = model.experts / ep;
+    let mut held: Vec<u32> = (n * g..(n + 1) * g)
+        .flat_map(|rank| {
+            let pos = rank % ep;
+            (pos * per_rank..(pos + 1) * per_rank).map(|e| e as u32)
+        })
+        .collect();
+    held.sort_unstable();
+    held
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cost::{self, sparse_replicas, uniform_ep_layout};
+
+    /// A layout's one table for every layer costs a step exactly as the same table repeated
+    /// per layer, for padded and dropless dispatch.
+    #[test]
+    fn uniform_rows_cost_what_the_repeated_rows_cost() {
+        let hw = cost::hardware("h200-400g").unwrap();
+        let model = cost::model("deepseek-v3").unwrap();
+        let nodes = ep_nodes(&hw, &model);
+        let loads: Vec<Vec<u64>> = (0..model.moe_layers as u64)
+            .map(|l| {
+                (0..model.experts as u64)
+                    .map(|e| 1 + (e * 7919 + l * 104_729) % 977)
+                    .collect()
+            })
+            .collect();
+        for dispatch in [Dispatch::Padded, Dispatch::Dropless] {
+            let uniform = layout(&hw, &model, (0..nodes as NodeId).collect(), dispatch);
+            assert!(matches!(uniform.replicas, Replicas::Uniform { .. }));
+            let repeated = Layout {
+                replicas: Replicas::Ranked(uniform.replicas.ranked(hw.gpus_per_node).into_owned()),
+                ..uniform.clone()
+            };
+            let cost_of = |l: &Layout| {
+                super::super::fsep::layout_step_cost(&hw, &model, l, &loads)
+                    .unwrap()
+                    .0
+            };
+            let (a, b) = (cost_of(&uniform), cost_of(&repeated));
+            assert_eq!(a.total_s.to_bits(), b.total_s.to_bits(), "{dispatch:?}");
+            assert_eq!(a, b);
+        }
+    }
 
     /// The sparse layout is the cost model's dense EP layout, and each node holds what its
     /// ranks hold.
@@ -108,8 +161,8 @@ mod tests {
         );
         let dense = uniform_ep_layout(&model, nodes * hw.gpus_per_node).unwrap();
         assert_eq!(
-            l.replicas,
-            Replicas::Ranked(sparse_replicas(&dense.replicas_per_rank))
+            *l.replicas.ranked(hw.gpus_per_node),
+            sparse_replicas(&dense.replicas_per_rank)
         );
         assert_eq!(l.ep_groups.as_ref(), Some(&dense.ep_groups));
         let g = hw.gpus_per_node;

@@ -110,18 +110,29 @@ pub fn layout_step_cost(
             Replicas::Runs(runs) if layout.dispatch == Dispatch::Unpadded => {
                 cost::step_cost_runs(hw, model, layout.nodes.len(), runs, loads)?
             }
-            replicas => cost::step_cost_sparse(
-                hw,
-                model,
-                &cost::SparseStepInput {
-                    gpus,
-                    replicas: &replicas.ranked(hw.gpus_per_node),
-                    loads,
-                    dispatch: layout.dispatch,
-                    ep_groups: layout.ep_groups.as_deref(),
-                    equal_nodes: None,
-                },
-            )?,
+            replicas => {
+                // Runs under another dispatch (not made by any system) are read ranked.
+                let ranked;
+                let rows = match replicas.rows() {
+                    Some(rows) => rows,
+                    None => {
+                        ranked = replicas.ranked(hw.gpus_per_node);
+                        cost::LayerRows::Each(&ranked)
+                    }
+                };
+                cost::step_cost_sparse(
+                    hw,
+                    model,
+                    &cost::SparseStepInput {
+                        gpus,
+                        replicas: rows,
+                        loads,
+                        dispatch: layout.dispatch,
+                        ep_groups: layout.ep_groups.as_deref(),
+                        equal_nodes: None,
+                    },
+                )?
+            }
         };
         return Ok((c, None));
     };
@@ -132,7 +143,7 @@ pub fn layout_step_cost(
         model,
         &cost::SparseStepInput {
             gpus,
-            replicas: &replicas,
+            replicas: cost::LayerRows::Each(&replicas),
             loads,
             dispatch: Dispatch::Unpadded,
             ep_groups: None,
@@ -153,7 +164,11 @@ fn layout(ctx: &Ctx, nodes: Vec<NodeId>, copies: usize, placement: ShardPlacemen
         dispatch: Dispatch::Unpadded,
         ep_groups: None,
         // No expert lives anywhere between steps: only shards do.
-        holdings: vec![vec![Vec::new(); ctx.model.moe_layers]; n],
+        // Shared on purpose: every node holds the same (nothing replicated).
+        holdings: {
+            let none = std::sync::Arc::new(vec![Vec::new(); ctx.model.moe_layers]);
+            (0..n).map(|_| std::sync::Arc::clone(&none)).collect()
+        },
         plan: None,
         fsep: Some(Box::new(FsepLayout { copies, placement })),
     }

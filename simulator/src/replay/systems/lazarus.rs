@@ -552,7 +552,7 @@ mod tests {
             let ranked = layout.replicas.ranked(hw.gpus_per_node);
             let input = |equal_nodes| cost::SparseStepInput {
                 gpus,
-                replicas: &ranked,
+                replicas: cost::LayerRows::Each(&ranked),
                 loads: &loads,
                 dispatch: Dispatch::Unpadded,
                 ep_groups: None,

@@ -31,7 +31,8 @@ pub struct Layout {
     /// `[node index][moe_layer]` = expert ids held (what survives a failure). Empty when
     /// `plan` is set: a plan's holdings are its grid rows, read by [`Layout::held`] (a
     /// node-major copy of the plan cost about 15 MB per reconfiguration at 2,048 nodes).
-    pub holdings: Vec<Vec<Vec<u32>>>,
+    /// Nodes with equal holdings may share one copy (standard EP: one per group position).
+    pub holdings: Vec<std::sync::Arc<Vec<Vec<u32>>>>,
     /// Lazarus: the planner's plan.
     pub plan: Option<ModelPlan>,
     /// `laer`, `lazarus-fsep`: the sharded expert storage ([`fsep`]); `None` for the others.
@@ -45,7 +46,7 @@ impl Layout {
             Some(plan) if self.holdings.is_empty() => {
                 plan.layers.iter().map(|l| l.grid()[i].to_vec()).collect()
             }
-            _ => self.holdings[i].clone(),
+            _ => self.holdings[i].as_ref().clone(),
         }
     }
 
@@ -64,7 +65,7 @@ impl Layout {
                 }
                 all
             }
-            _ => self.holdings.clone(),
+            _ => self.holdings.iter().map(|h| h.as_ref().clone()).collect(),
         }
     }
 
@@ -81,6 +82,12 @@ pub enum Replicas {
     /// A plan's layers in runs of equal nodes ([`crate::cost::LayerRuns`]): one row per run,
     /// about 250 per layer at 2,048 nodes instead of 65,536 pairs.
     Runs(Vec<crate::cost::LayerRuns>),
+    /// The same `[expert]` → `(rank, replicas)` rows in each of `layers` MoE layers (standard
+    /// EP), held once instead of `layers` times.
+    Uniform {
+        rows: Vec<Vec<(u32, u32)>>,
+        layers: usize,
+    },
 }
 
 impl Replicas {
@@ -94,6 +101,22 @@ impl Replicas {
             Replicas::Runs(layers) => {
                 std::borrow::Cow::Owned(crate::cost::expand_runs(layers, gpus_per_node))
             }
+            Replicas::Uniform { rows, layers } => {
+                std::borrow::Cow::Owned(vec![rows.clone(); *layers])
+            }
+        }
+    }
+
+    /// The rows of every layer as the cost model reads them; `None` for runs (see
+    /// [`crate::cost::step_cost_runs`]).
+    pub fn rows(&self) -> Option<crate::cost::LayerRows<'_>> {
+        match self {
+            Replicas::Ranked(r) => Some(crate::cost::LayerRows::Each(r)),
+            Replicas::Uniform { rows, layers } => Some(crate::cost::LayerRows::Same {
+                rows,
+                layers: *layers,
+            }),
+            Replicas::Runs(_) => None,
         }
     }
 

@@ -38,7 +38,7 @@ fn fsep_step_exceeds_replicated_by_the_shard_traffic() {
         &model,
         &cost::SparseStepInput {
             gpus: 10,
-            replicas: &replicas,
+            replicas: cost::LayerRows::Each(&replicas),
             loads: &loads,
             dispatch: Dispatch::Unpadded,
             ep_groups: None,
