@@ -109,19 +109,25 @@ pub fn plan_model(
             slots: cluster.total_slots(),
         });
     }
-    // Allocations first, in layer order, up to the first layer that fails (its error is
-    // reported unless an earlier layer's placement fails).
+    // Allocations first (layers in parallel: pure and independent), kept in layer order up to
+    // the first layer that fails (its error is reported unless an earlier layer's placement
+    // fails).
+    let allocated: Vec<Result<Allocation, PlanError>> = loads
+        .par_iter()
+        .map(|layer_loads| {
+            if layer_loads.len() != model.experts {
+                return Err(PlanError::LoadCount {
+                    expected: model.experts,
+                    got: layer_loads.len(),
+                });
+            }
+            allocate(alloc, layer_loads, cluster.total_slots(), model.f)
+        })
+        .collect();
     let mut allocations = Vec::with_capacity(model.layers);
     let mut failed = None;
-    for layer_loads in loads {
-        if layer_loads.len() != model.experts {
-            failed = Some(PlanError::LoadCount {
-                expected: model.experts,
-                got: layer_loads.len(),
-            });
-            break;
-        }
-        match allocate(alloc, layer_loads, cluster.total_slots(), model.f) {
+    for a in allocated {
+        match a {
             Ok(a) => allocations.push(a),
             Err(e) => {
                 failed = Some(e);
@@ -134,7 +140,7 @@ pub fn plan_model(
     // equal sorted counts are placed by one placer each, and the runs in parallel: a placer
     // gives `place`'s result whatever it holds, so the placements are the sequential ones.
     let sorted: Vec<Vec<usize>> = allocations
-        .iter()
+        .par_iter()
         .map(|a| {
             let mut r = a.replicas.clone();
             r.sort_unstable();

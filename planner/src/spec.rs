@@ -145,9 +145,14 @@ pub struct LoadHistory {
     aggregation: Aggregation,
     layers: usize,
     experts: usize,
-    /// The window's steps, each `layers × experts` counts flat (layer-major); a step leaving
-    /// the window lends its buffer to the next one.
-    window: VecDeque<Vec<u64>>,
+    /// The window's steps as runs of equal steps: `(counts, steps)`, counts `layers × experts`
+    /// flat (layer-major). A training run routes alike for many steps in a row (the
+    /// simulator's loads change per epoch): a step equal to the one leaving the window leaves
+    /// the sums as they are, and a run that leaves lends its buffer to the next one.
+    window: VecDeque<(Vec<u64>, usize)>,
+    /// Steps in `window`.
+    #[serde(default)]
+    window_steps_held: usize,
     sum: Vec<Vec<u64>>,
     ema: Vec<Vec<f64>>,
     steps_seen: u64,
@@ -167,6 +172,7 @@ impl LoadHistory {
             layers,
             experts,
             window: VecDeque::new(),
+            window_steps_held: 0,
             sum: vec![vec![0; experts]; layers],
             ema: vec![vec![0.0; experts]; layers],
             steps_seen: 0,
@@ -193,29 +199,52 @@ impl LoadHistory {
         }
         match self.aggregation {
             Aggregation::Sum { window_steps } => {
-                for (s, c) in self.sum.iter_mut().zip(counts) {
-                    for (a, b) in s.iter_mut().zip(c) {
-                        *a += b;
-                    }
-                }
-                let mut step = if self.window.len() >= window_steps {
-                    let old = self.window.pop_front().expect("window is non-empty");
-                    for (s, c) in self
-                        .sum
-                        .iter_mut()
-                        .zip(old.chunks_exact(self.experts.max(1)))
-                    {
+                let equal = |flat: &[u64]| {
+                    flat.chunks_exact(self.experts.max(1))
+                        .zip(counts)
+                        .all(|(a, b)| a == b.as_slice())
+                };
+                let full = self.window_steps_held >= window_steps;
+                // A full window whose oldest step equals this one keeps its sums.
+                let same_sums = full && self.window.front().is_some_and(|(c, _)| equal(c));
+                if !same_sums {
+                    for (s, c) in self.sum.iter_mut().zip(counts) {
                         for (a, b) in s.iter_mut().zip(c) {
-                            *a -= b;
+                            *a += b;
                         }
                     }
-                    old
-                } else {
-                    Vec::with_capacity(self.layers * self.experts)
-                };
-                step.clear();
-                counts.iter().for_each(|c| step.extend_from_slice(c));
-                self.window.push_back(step);
+                }
+                let mut spare = None;
+                if full {
+                    let (oldest, steps) = self.window.front_mut().expect("window is non-empty");
+                    if !same_sums {
+                        for (s, c) in self
+                            .sum
+                            .iter_mut()
+                            .zip(oldest.chunks_exact(self.experts.max(1)))
+                        {
+                            for (a, b) in s.iter_mut().zip(c) {
+                                *a -= b;
+                            }
+                        }
+                    }
+                    *steps -= 1;
+                    if *steps == 0 {
+                        spare = self.window.pop_front().map(|(c, _)| c);
+                    }
+                    self.window_steps_held -= 1;
+                }
+                match self.window.back_mut() {
+                    Some((c, steps)) if equal(c) => *steps += 1,
+                    _ => {
+                        let mut step =
+                            spare.unwrap_or_else(|| Vec::with_capacity(self.layers * self.experts));
+                        step.clear();
+                        counts.iter().for_each(|c| step.extend_from_slice(c));
+                        self.window.push_back((step, 1));
+                    }
+                }
+                self.window_steps_held += 1;
             }
             Aggregation::Ema { alpha } => {
                 let first = self.steps_seen == 0;
@@ -262,8 +291,8 @@ mod tests {
         assert_eq!(h.loads(), vec![vec![6, 60]]);
     }
 
-    /// The window's buffers are reused as steps leave it: the sums stay those of the last
-    /// `window_steps` steps, recomputed naively (seeded pushes, windows 1 to 5), and a
+    /// Runs of equal steps and reused buffers: the sums stay those of the last `window_steps`
+    /// steps, recomputed naively (seeded pushes, many of them repeats, windows 1 to 5), and a
     /// serialised history reads back equal and slides on the same.
     #[test]
     fn sum_window_matches_a_naive_sum_while_buffers_are_reused() {
@@ -279,10 +308,21 @@ mod tests {
             let mut h =
                 LoadHistory::new(Aggregation::Sum { window_steps }, layers, experts).unwrap();
             let mut pushed: Vec<Vec<Vec<u64>>> = Vec::new();
-            for step in 0..20 {
-                let counts: Vec<Vec<u64>> = (0..layers)
-                    .map(|_| (0..experts).map(|_| next(1000)).collect())
-                    .collect();
+            // Runs of equal steps (the fast path) as well as fresh ones.
+            let pool: Vec<Vec<Vec<u64>>> = (0..3)
+                .map(|_| {
+                    (0..layers)
+                        .map(|_| (0..experts).map(|_| next(1000)).collect())
+                        .collect()
+                })
+                .collect();
+            for step in 0..40 {
+                let counts: Vec<Vec<u64>> = match next(4) {
+                    0 => (0..layers)
+                        .map(|_| (0..experts).map(|_| next(1000)).collect())
+                        .collect(),
+                    _ => pool[next(2) as usize + usize::from(step % 7 == 0)].clone(),
+                };
                 h.push(&counts).unwrap();
                 pushed.push(counts);
                 let from = pushed.len().saturating_sub(window_steps);
@@ -294,7 +334,7 @@ mod tests {
                     })
                     .collect();
                 assert_eq!(h.loads(), naive, "window {window_steps}, step {step}");
-                if step == 10 {
+                if step == 20 {
                     let json = serde_json::to_string(&h).unwrap();
                     let back: LoadHistory = serde_json::from_str(&json).unwrap();
                     assert_eq!(back, h);

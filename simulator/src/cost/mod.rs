@@ -50,7 +50,9 @@
 //!   `P = max(0, cap − T)`, and the overflow split proportionally to the residuals,
 //!   `O_i·P_j/S` — Algorithm 1 without its integer rounding (each count is off by < 1 token).
 //!   Because local tokens are kept first, a rank's remote volume does not depend on how the
-//!   overflow is split, so with one GPU per node the two paths agree up to rounding.
+//!   overflow is split, so with one GPU per node the two paths agree up to rounding. A plan's
+//!   layout in runs of equal nodes ([`LayerRuns`], [`step_cost_runs`]) is evaluated once per
+//!   run, with the same result bit for bit.
 //! * [`Dispatch::Padded`] (DeepSpeed-MoE standard EP, §4.1/§6.3): tokens of rank `r` for
 //!   expert `e` go to the replicas of `e` inside `r`'s EP group (split evenly when the group
 //!   holds `k_e > 1` of them). The send buffer has one block per expert slot of the group,

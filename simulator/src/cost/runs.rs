@@ -120,6 +120,17 @@ impl LayerRuns {
             .sum()
     }
 
+    /// Replicas of expert `e`'s items over all their runs' nodes.
+    fn replicas(&self, items: &[(u32, u32, u32)]) -> u64 {
+        items
+            .iter()
+            .map(|&(run, _, c)| {
+                let (first, end) = self.runs[run as usize];
+                u64::from(end - first) * u64::from(c)
+            })
+            .sum()
+    }
+
     /// Calls `f(rank, count)` for expert `e`'s replicas in rank order.
     fn for_each_rank(&self, e: usize, g: usize, mut f: impl FnMut(usize, u32)) {
         for same_run in self.expert(e).chunk_by(|a, b| a.0 == b.0) {
@@ -324,13 +335,7 @@ fn analytic_runs(t: &[u64], layer: &LayerRuns, g: usize) -> Result<RunTraffic> {
             bail!("expert {e} receives {te} tokens per rank but has no replica");
         }
         // Integers: exact in any order, as in the ranked form.
-        let r_e = items
-            .iter()
-            .map(|&(run, _, c)| {
-                let (first, end) = layer.runs[run as usize];
-                u64::from(end - first) * u64::from(c)
-            })
-            .sum::<u64>() as f64;
+        let r_e = layer.replicas(items) as f64;
         let te = te as f64;
         let per_replica = te * gpus as f64 / r_e;
         let holders = layer.holder_ranks(items);
@@ -649,13 +654,7 @@ mod tests {
             let layer = &layers[0];
             overflowed += usize::from((0..model.experts).any(|e| {
                 let items = layer.expert(e);
-                let r_e = items
-                    .iter()
-                    .map(|&(run, _, c)| {
-                        let (first, end) = layer.runs[run as usize];
-                        u64::from(end - first) * u64::from(c)
-                    })
-                    .sum::<u64>() as f64;
+                let r_e = layer.replicas(items) as f64;
                 let te = t[e] as f64;
                 te > 0.0
                     && items
