@@ -150,9 +150,6 @@ pub struct LoadHistory {
     /// simulator's loads change per epoch): a step equal to the one leaving the window leaves
     /// the sums as they are, and a run that leaves lends its buffer to the next one.
     window: VecDeque<(Vec<u64>, usize)>,
-    /// Steps in `window`.
-    #[serde(default)]
-    window_steps_held: usize,
     sum: Vec<Vec<u64>>,
     ema: Vec<Vec<f64>>,
     steps_seen: u64,
@@ -172,7 +169,6 @@ impl LoadHistory {
             layers,
             experts,
             window: VecDeque::new(),
-            window_steps_held: 0,
             sum: vec![vec![0; experts]; layers],
             ema: vec![vec![0.0; experts]; layers],
             steps_seen: 0,
@@ -204,7 +200,8 @@ impl LoadHistory {
                         .zip(counts)
                         .all(|(a, b)| a == b.as_slice())
                 };
-                let full = self.window_steps_held >= window_steps;
+                // Steps held: a sum over the runs (few: equal steps share one).
+                let full = self.window.iter().map(|r| r.1).sum::<usize>() >= window_steps;
                 // A full window whose oldest step equals this one keeps its sums.
                 let same_sums = full && self.window.front().is_some_and(|(c, _)| equal(c));
                 if !same_sums {
@@ -232,7 +229,6 @@ impl LoadHistory {
                     if *steps == 0 {
                         spare = self.window.pop_front().map(|(c, _)| c);
                     }
-                    self.window_steps_held -= 1;
                 }
                 match self.window.back_mut() {
                     Some((c, steps)) if equal(c) => *steps += 1,
@@ -244,7 +240,6 @@ impl LoadHistory {
                         self.window.push_back((step, 1));
                     }
                 }
-                self.window_steps_held += 1;
             }
             Aggregation::Ema { alpha } => {
                 let first = self.steps_seen == 0;
