@@ -6,8 +6,14 @@
 //!
 //! **Status.** This backend is compiled and type-checked in CI (`--features cuda`), its failure
 //! paths without CUDA are tested (one rank, and a whole mesh through [`connect_over`]), and
-//! managed workers use it with `--comm nccl` (`worker::migrate`); it has not yet been executed on
-//! a GPU here (no device was available): `kernels/check-gpu.sh` runs it on one.
+//! managed workers use it with `--comm nccl` (`worker::plane`: migration and training, shrunk
+//! after a loss); it has not yet been executed on a GPU here (no device was available):
+//! `kernels/check-gpu.sh` runs it on one.
+//!
+//! Communicators are **non-blocking** (`ncclCommInitRankConfig` with `blocking = 0`): no NCCL
+//! call waits on a peer, so every wait is this module's own poll, bounded by the timeout and
+//! the abort flag, and it also polls `ncclCommGetAsyncError`, so a peer failure NCCL detects
+//! ends the operation at once instead of at the timeout.
 //!
 //! ## Libraries
 //!
@@ -23,21 +29,30 @@
 //!
 //! Rank 0 creates an [`NcclUniqueId`] ([`NcclUniqueId::new`], `ncclGetUniqueId`); it holds the
 //! address of rank 0's bootstrap listener. Its 128 bytes go to the other ranks of the membership
-//! over the TCP mesh every membership forms anyway ([`connect_over`]: the mesh carries the
-//! state migration first; the type is also serde-serializable for a control plane that ships
-//! it), and every rank, rank 0 included,
-//! calls [`NcclCommunicator::new`] with its rank, the world size, its device ordinal and that id
-//! (`ncclCommInitRank`). A new membership takes a new id and new communicators; a communicator is
-//! never repaired in place (the id plays the role of the TCP backend's epoch: a stale worker
-//! holding an old id cannot join the new communicator).
+//! over the TCP mesh every membership forms anyway ([`connect_over`]; the type is also
+//! serde-serializable for a control plane that ships it), and every rank, rank 0 included,
+//! calls [`NcclCommunicator::new`] with its rank, the world size, its device ordinal and that id.
+//! A new membership takes a new id and new communicators; a communicator is never repaired in
+//! place (the id plays the role of the TCP backend's epoch: a stale worker holding an old id
+//! cannot join the new communicator).
 //!
-//! `ncclCommInitRank` blocks until every rank has joined and cannot be cancelled, so it runs on a
-//! helper thread, followed by a warm-up exchange with every other rank: one element each way,
-//! which makes NCCL set up every point-to-point connection now, while all ranks are known to be
-//! present, and checks that every peer holds the rank it should. The caller waits at most
-//! `timeout_ms` for both and then fails with [`CommError::Timeout`] (op `"rendezvous"`, naming the
-//! lowest other rank: NCCL does not say which rank is missing). A helper thread still stuck in
-//! `ncclCommInitRank` then stays behind; if it ever returns, it aborts the late communicator.
+//! `ncclCommInitRankConfig` of a non-blocking communicator returns at once; the initialization
+//! is then polled until it completes, NCCL reports an error, or `timeout_ms` passes — then the
+//! half-made communicator is aborted (`ncclCommAbort` cancels an initialization), so nothing is
+//! left behind. A warm-up round follows, one element each way with every other rank: NCCL sets
+//! up every point-to-point connection now, while all ranks are known to be present, and every
+//! peer proves it holds the rank it should. Both share the timeout, which then fails with
+//! [`CommError::Timeout`] (op `"rendezvous"`, naming the lowest other rank: NCCL does not say
+//! which rank is missing).
+//!
+//! ## Shrinking after a loss
+//!
+//! [`NcclCommunicator::shrink`] (`ncclCommShrink`, NCCL 2.27 and later, looked up at run time so
+//! the binary still starts with an older library) gives the survivors a communicator of
+//! themselves, in their old order, without a new unique id or a whole new bootstrap. A
+//! communicator that failed keeps its handle for this (see below), and the shrink then first
+//! terminates its outstanding operations (`NCCL_SHRINK_ABORT`). The worker decides when to
+//! shrink and when to form a fresh communicator (`worker::plane`).
 //!
 //! ## Data path
 //!
@@ -76,26 +91,23 @@
 //!
 //! ## Timeouts and aborts
 //!
-//! NCCL operations are asynchronous: after launching a round, the caller records an event on the
-//! stream and polls it until `timeout_ms` has passed. Each round has its own deadline, so, as
-//! with the TCP backend, `timeout_ms` bounds how long the peers may stay silent, not a whole
-//! operation. On expiry the communicator aborts (`ncclCommAbort`, which also makes the stuck
-//! kernels exit) and the operation fails with [`CommError::Timeout`] naming the lowest peer the
-//! round was receiving from (else sending to): NCCL does not report which peer stalled.
-//! Peer failures reported asynchronously by NCCL are not polled (cudarc's safe `Comm` does not
-//! expose `ncclCommGetAsyncError`); they surface as this timeout.
+//! NCCL operations are asynchronous. A round is posted as one NCCL group; a non-blocking
+//! `ncclGroupEnd` returns `ncclInProgress` while NCCL still connects and enqueues, so the caller
+//! polls `ncclCommGetAsyncError` until the group is accepted, then records an event on the
+//! stream and polls it until the transfers completed. Both polls end early when NCCL reports an
+//! error (a peer died, the network broke: [`CommError::Io`] with NCCL's description) or the
+//! abort flag is raised ([`CommError::Aborted`]), and at the deadline ([`CommError::Timeout`]).
+//! Each round has its own deadline, so, as with the TCP backend, `timeout_ms` bounds how long
+//! the peers may stay silent, not a whole operation. NCCL does not report which peer stalled or
+//! failed; the error names the lowest peer the round was receiving from (else sending to).
 //!
-//! Any error once I/O has started aborts the communicator (errors are final): later operations
-//! fail fast with [`CommError::Aborted`], and peers blocked on this rank time out (NCCL does not
-//! tell peers about an abort, so they do not see [`CommError::PeerClosed`]). cudarc's `Comm` has
-//! no abort method; dropping it calls `ncclCommAbort` (and panics if that fails, which is
-//! contained with `catch_unwind`; this needs the default `panic = "unwind"`).
-//!
-//! Limits of the blocking NCCL mode used by cudarc's `Comm`: `ncclGroupEnd` returns once the
-//! work is enqueued, but may first wait on a peer to set up a connection. The warm-up at
-//! rendezvous sets up every point-to-point connection in advance, so this wait is not expected
-//! afterwards; a non-blocking communicator (`ncclCommInitRankConfig` with `blocking = 0`, polling
-//! `ncclCommGetAsyncError`) would remove it entirely and is a possible later step.
+//! Any error once I/O has started fails the communicator (errors are final): later operations
+//! fail fast with [`CommError::Aborted`]. The handle itself is kept, with the device buffers of
+//! the failed round (kernels stuck on a dead peer may still use them), until
+//! [`Communicator::abort`] or drop (`ncclCommAbort`, which also makes stuck kernels exit; only
+//! then are those buffers freed) or a [`shrink`](NcclCommunicator::shrink). Peers blocked on
+//! this rank see their own timeout or NCCL's error (NCCL does not tell peers about a local
+//! failure, so they do not see [`CommError::PeerClosed`]).
 //!
 //! ## Errors
 //!
@@ -103,20 +115,20 @@
 //! failures become [`CommError::Io`] with the message, malformed headers
 //! [`CommError::Protocol`]). `From<NcclError> for CommError` converts the former.
 
-use std::ffi::c_char;
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::fmt;
 use std::ops::Range;
-use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits,
+    CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DriverError,
+    ValidAsZeroBits,
 };
 use cudarc::nccl::result::NcclError as RawNcclError;
-use cudarc::nccl::{Comm, Id, NcclType, ReduceOp, group_end, group_start};
+use cudarc::nccl::{Id, NcclType, sys};
 use serde::de::{self, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -124,9 +136,6 @@ use super::{CommError, Communicator, Rank, check_group, split_send_recv};
 
 /// Longest pause between two polls of a launched round (the pause starts short and doubles).
 const POLL_MAX: Duration = Duration::from_micros(200);
-/// Extra time the constructor grants the rendezvous thread to report its own, more precise,
-/// timeout before giving up on it.
-const RENDEZVOUS_GRACE: Duration = Duration::from_millis(100);
 
 /// Why the NCCL backend is unavailable or could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -158,6 +167,12 @@ pub enum NcclError {
         /// NCCL's result code.
         msg: String,
     },
+    /// The loaded NCCL library lacks a function (it is older than the one this build targets).
+    #[error("the loaded NCCL library has no {what}")]
+    Unsupported {
+        /// The missing function.
+        what: &'static str,
+    },
     /// A communicator-level failure: bad arguments, rendezvous timeout, a rank mix-up.
     #[error(transparent)]
     Comm(#[from] CommError),
@@ -171,9 +186,9 @@ impl From<NcclError> for CommError {
             e @ (NcclError::NoDevice(_) | NcclError::BadDevice { .. }) => {
                 CommError::Io(Error::new(ErrorKind::NotFound, e.to_string()))
             }
-            e @ (NcclError::Cuda { .. } | NcclError::Nccl { .. }) => {
-                CommError::Io(Error::other(e.to_string()))
-            }
+            e @ (NcclError::Cuda { .. }
+            | NcclError::Nccl { .. }
+            | NcclError::Unsupported { .. }) => CommError::Io(Error::other(e.to_string())),
         }
     }
 }
@@ -197,8 +212,161 @@ fn cuda_failed(op: &'static str) -> impl Fn(DriverError) -> CommError {
     move |e| cuda_error(op)(e).into()
 }
 
-fn nccl_failed(op: &'static str) -> impl Fn(RawNcclError) -> CommError {
-    move |e| nccl_error(op)(e).into()
+/// Whether an NCCL call accepted its work: `ncclSuccess`, or `ncclInProgress` from a
+/// non-blocking communicator (the work is then finished in the background; see [`settle`]).
+fn accepted(r: sys::ncclResult_t) -> bool {
+    matches!(
+        r,
+        sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
+    )
+}
+
+/// An NCCL result code with NCCL's own description of the last error (`ncclGetLastError`).
+fn describe(code: sys::ncclResult_t, comm: Option<&RawComm>) -> String {
+    let handle = comm.map_or(std::ptr::null_mut(), |c| c.handle);
+    // SAFETY: `handle` is null or a live communicator; NCCL returns a static, NUL-terminated
+    // string (possibly empty) that we copy at once.
+    let last = unsafe {
+        let p = sys::ncclGetLastError(handle);
+        if p.is_null() {
+            String::new()
+        } else {
+            CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    };
+    if last.is_empty() {
+        format!("{code:?}")
+    } else {
+        format!("{code:?}: {last}")
+    }
+}
+
+/// Fails unless NCCL accepted the call.
+fn check(op: &'static str, r: sys::ncclResult_t, comm: &RawComm) -> Result<(), CommError> {
+    if accepted(r) {
+        Ok(())
+    } else {
+        Err(NcclError::Nccl {
+            op,
+            msg: describe(r, Some(comm)),
+        }
+        .into())
+    }
+}
+
+/// `ncclConfig_t` as the `nccl.h` of NCCL 2.30.7 (the pinned wheel) lays it out, every field up
+/// to `graphStreamOrdering` (cudarc's binding stops one field short). NCCL copies at most its own
+/// `sizeof(ncclConfig_t)` from the caller's `size`, then reads fields by `version`, so an older
+/// library (PyTorch's, on a GPU machine) reads the prefix it knows and ignores the rest.
+#[repr(C)]
+struct Config {
+    size: usize,
+    magic: c_uint,
+    version: c_uint,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+    split_share: c_int,
+    traffic_class: c_int,
+    comm_name: *const c_char,
+    collnet_enable: c_int,
+    cta_policy: c_int,
+    shrink_share: c_int,
+    nvls_ctas: c_int,
+    n_channels_per_net_peer: c_int,
+    nvlink_centric_sched: c_int,
+    graph_usage_mode: c_int,
+    num_rma_ctx: c_int,
+    max_p2p_peers: c_int,
+    graph_stream_ordering: c_int,
+}
+
+impl Config {
+    /// `NCCL_API_MAGIC`.
+    const MAGIC: c_uint = 0xcafe_beef;
+    /// `NCCL_VERSION(2, 30, 7)` = 2·10000 + 30·100 + 7: the layout above.
+    const VERSION: c_uint = 23_007;
+    /// `NCCL_CONFIG_UNDEF_INT`: NCCL's default for the field.
+    const UNDEF: c_int = c_int::MIN;
+
+    /// `NCCL_CONFIG_INITIALIZER` with `blocking = 0`: every call on the communicator returns at
+    /// once (`ncclInProgress` while NCCL still works on it), so no call can hang on a dead peer
+    /// and `ncclCommAbort` can cancel anything, initialization included.
+    fn non_blocking() -> Self {
+        let u = Self::UNDEF;
+        Self {
+            size: std::mem::size_of::<Self>(),
+            magic: Self::MAGIC,
+            version: Self::VERSION,
+            blocking: 0,
+            cga_cluster_size: u,
+            min_ctas: u,
+            max_ctas: u,
+            net_name: std::ptr::null(),
+            split_share: u,
+            traffic_class: u,
+            comm_name: std::ptr::null(),
+            collnet_enable: u,
+            cta_policy: u,
+            shrink_share: u,
+            nvls_ctas: u,
+            n_channels_per_net_peer: u,
+            nvlink_centric_sched: u,
+            graph_usage_mode: u,
+            num_rma_ctx: u,
+            max_p2p_peers: u,
+            graph_stream_ordering: u,
+        }
+    }
+
+    fn as_sys(&mut self) -> *mut sys::ncclConfig_t {
+        (self as *mut Self).cast()
+    }
+}
+
+/// An NCCL communicator handle, owned. Dropping it aborts it (`ncclCommAbort`, which also makes
+/// kernels stuck on a dead peer exit; `ncclCommDestroy` would wait for them). A null handle
+/// (an initialization NCCL rejected outright) is nothing to abort.
+#[derive(Debug)]
+struct RawComm {
+    handle: sys::ncclComm_t,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: an `ncclComm_t` is a pointer to NCCL's heap object, usable from any thread as long as
+// calls on it are not concurrent. `RawComm` is not `Sync`; `NcclCommunicator` uses it only
+// through `&mut self` (or `&self` within such a call), and binds the CUDA context first.
+unsafe impl Send for RawComm {}
+
+impl Drop for RawComm {
+    fn drop(&mut self) {
+        if self.handle.is_null() {
+            return;
+        }
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: the handle is live and owned; nothing uses it after this. The result is
+        // ignored: there is nothing left to do if the abort itself fails.
+        let _ = unsafe { sys::ncclCommAbort(self.handle) };
+        self.handle = std::ptr::null_mut();
+    }
+}
+
+impl RawComm {
+    /// `ncclCommGetAsyncError`: `ncclSuccess` once everything the communicator accepted has been
+    /// enqueued (or, for initialization, the communicator is ready), `ncclInProgress` while it
+    /// still works on it, an error once it failed (a peer died, the network broke, ...).
+    fn state(&self) -> sys::ncclResult_t {
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: a live handle (callers hold `&self`) and a valid out-pointer.
+        let r = unsafe { sys::ncclCommGetAsyncError(self.handle, &mut state) };
+        if r == sys::ncclResult_t::ncclSuccess {
+            state
+        } else {
+            r
+        }
+    }
 }
 
 /// Checks that the CUDA driver and NCCL libraries can be loaded and that at least one CUDA device
@@ -309,25 +477,6 @@ impl<'de> Deserialize<'de> for NcclUniqueId {
 
         deserializer.deserialize_bytes(IdVisitor)
     }
-}
-
-/// cudarc's `Comm`, made `Send`.
-#[derive(Debug)]
-struct SendComm(Comm);
-
-// SAFETY: `Comm` holds an `ncclComm_t` (a raw pointer, hence not auto-`Send`) and an
-// `Arc<CudaStream>` (`Send + Sync`). NCCL allows a communicator to be used from any thread as
-// long as it is not used concurrently; `SendComm` is not `Sync`, `NcclCommunicator` uses it
-// only through `&mut self` (or `&self` within such a call), and every use binds the CUDA context
-// to the calling thread first.
-unsafe impl Send for SendComm {}
-
-/// Drops (hence aborts, `ncclCommAbort`) a communicator; cudarc's `Drop` panics if the abort
-/// fails, which is contained here.
-fn release(comm: SendComm) {
-    let ctx = Arc::clone(comm.0.context());
-    let _ = ctx.bind_to_thread();
-    let _ = catch_unwind(AssertUnwindSafe(move || drop(comm)));
 }
 
 /// Element types this backend moves.
@@ -496,19 +645,51 @@ impl<T: Elem> Staged<T> {
     }
 
     /// Posts the part's transfers (inside an NCCL group).
-    fn post(&mut self, comm: &Comm, layout: &Layout, op: &'static str) -> Result<(), CommError> {
+    fn post(
+        &mut self,
+        comm: &RawComm,
+        stream: &CudaStream,
+        layout: &Layout,
+        op: &'static str,
+    ) -> Result<(), CommError> {
         let out_of_range = || CommError::Protocol(format!("{op}: internal error: bad range"));
+        let cu_stream = stream.cu_stream() as sys::cudaStream_t;
         if let Some(buf) = &self.send {
             for (dst, r) in layout.posted_sends() {
                 let view = buf.try_slice(r.clone()).ok_or_else(out_of_range)?;
-                comm.send(&view, peer_i32(*dst)).map_err(nccl_failed(op))?;
+                let (ptr, _sync) = view.device_ptr(stream);
+                // SAFETY: `ptr` addresses `view.len()` elements of a live device buffer that
+                // outlives the transfer (see `Staged`); the handle is live.
+                let r = unsafe {
+                    sys::ncclSend(
+                        ptr as *const c_void,
+                        view.len(),
+                        T::as_nccl_type(),
+                        peer_i32(*dst),
+                        comm.handle,
+                        cu_stream,
+                    )
+                };
+                check(op, r, comm)?;
             }
         }
         if let Some(buf) = &mut self.recv {
             for (src, r) in layout.posted_recvs() {
                 let mut view = buf.try_slice_mut(r.clone()).ok_or_else(out_of_range)?;
-                comm.recv(&mut view, peer_i32(*src))
-                    .map_err(nccl_failed(op))?;
+                let len = view.len();
+                let (ptr, _sync) = view.device_ptr_mut(stream);
+                // SAFETY: as for the sends; the receive ranges do not overlap.
+                let r = unsafe {
+                    sys::ncclRecv(
+                        ptr as *mut c_void,
+                        len,
+                        T::as_nccl_type(),
+                        peer_i32(*src),
+                        comm.handle,
+                        cu_stream,
+                    )
+                };
+                check(op, r, comm)?;
             }
         }
         Ok(())
@@ -537,7 +718,7 @@ impl<T: Elem> Staged<T> {
     }
 }
 
-/// How a wait for the work enqueued on a stream ended.
+/// How a wait on NCCL ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Wait {
     Done,
@@ -545,20 +726,27 @@ enum Wait {
     Expired,
     /// The abort flag was raised first (another thread aborted the communicator).
     Aborted,
+    /// NCCL reported an error for the communicator (`ncclCommGetAsyncError`): a peer failed,
+    /// the network broke, ...
+    Failed(sys::ncclResult_t),
 }
 
-/// Polls the work enqueued on `stream` so far until it completes, `deadline` passes or `abort`
-/// is raised.
-fn wait_until(
-    stream: &CudaStream,
+/// Polls `ready` until it holds, NCCL reports an error on `comm`, `abort` is raised or
+/// `deadline` passes (pauses start at 2 µs and double up to [`POLL_MAX`]).
+fn poll(
+    comm: &RawComm,
     deadline: Instant,
     abort: Option<&AtomicBool>,
+    mut ready: impl FnMut() -> Result<bool, DriverError>,
 ) -> Result<Wait, DriverError> {
-    let done = stream.record_event(None)?;
     let mut pause = Duration::from_micros(2);
     loop {
-        if done.try_is_complete()? {
+        if ready()? {
             return Ok(Wait::Done);
+        }
+        match comm.state() {
+            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => {}
+            e => return Ok(Wait::Failed(e)),
         }
         if abort.is_some_and(|a| a.load(Ordering::SeqCst)) {
             return Ok(Wait::Aborted);
@@ -569,6 +757,60 @@ fn wait_until(
         }
         thread::sleep(pause.min(deadline - now));
         pause = (pause * 2).min(POLL_MAX);
+    }
+}
+
+/// Waits until a non-blocking communicator has finished what it accepted (its state leaves
+/// `ncclInProgress`): an initialization, or a group it is still connecting and enqueueing.
+fn settle(
+    comm: &RawComm,
+    deadline: Instant,
+    abort: Option<&AtomicBool>,
+) -> Result<Wait, DriverError> {
+    poll(comm, deadline, abort, || {
+        Ok(comm.state() == sys::ncclResult_t::ncclSuccess)
+    })
+}
+
+/// Runs `post` (NCCL calls on `comm` and `stream`) as one NCCL group and waits, until
+/// `deadline`, first for the communicator to accept the whole group (a non-blocking
+/// `ncclGroupEnd` returns `ncclInProgress` while it connects and enqueues), then for the stream
+/// to run it. NCCL errors reported meanwhile end the wait ([`Wait::Failed`]).
+fn run_group(
+    op: &'static str,
+    comm: &RawComm,
+    stream: &CudaStream,
+    deadline: Instant,
+    abort: Option<&AtomicBool>,
+    post: impl FnOnce() -> Result<(), CommError>,
+) -> Result<Wait, CommError> {
+    // SAFETY: group calls only mark this thread's NCCL calls as one group.
+    check(op, unsafe { sys::ncclGroupStart() }, comm)?;
+    let posted = post();
+    // SAFETY: as above; a group is always closed, even after a failed post.
+    let ended = unsafe { sys::ncclGroupEnd() };
+    posted?;
+    check(op, ended, comm)?;
+    match settle(comm, deadline, abort).map_err(cuda_failed(op))? {
+        Wait::Done => {}
+        other => return Ok(other),
+    }
+    let done = stream.record_event(None).map_err(cuda_failed(op))?;
+    poll(comm, deadline, abort, || done.try_is_complete()).map_err(cuda_failed(op))
+}
+
+/// The error of a wait that did not end with [`Wait::Done`]; `peer` is the rank blamed (NCCL
+/// does not say which transfer stalled or which peer failed).
+fn wait_error(op: &'static str, wait: Wait, peer: Rank, ms: u64, comm: &RawComm) -> CommError {
+    match wait {
+        Wait::Done => CommError::Protocol(format!("{op}: internal error: no error to report")),
+        Wait::Expired => CommError::Timeout { peer, op, ms },
+        Wait::Aborted => CommError::Aborted,
+        Wait::Failed(code) => CommError::Io(std::io::Error::other(format!(
+            "{op}: NCCL reports {} (rank {peer} is the lowest peer of the operation; NCCL does \
+             not say which one failed)",
+            describe(code, Some(comm))
+        ))),
     }
 }
 
@@ -589,11 +831,74 @@ pub struct NcclCommunicator {
     timeout_ms: u64,
     stream: Arc<CudaStream>,
     /// `None` once aborted.
-    comm: Option<SendComm>,
+    comm: Option<RawComm>,
+    /// An operation failed: every later one fails fast with [`CommError::Aborted`], but the
+    /// handle is kept until [`abort`](Communicator::abort) or drop, so that the survivors can
+    /// still [`shrink`](Self::shrink) it (`NCCL_SHRINK_ABORT`).
+    failed: bool,
+    /// Device buffers of failed operations: kernels stuck on a dead peer may still use them, so
+    /// they are freed only after the handle is aborted.
+    parked: Vec<Box<dyn std::any::Any + Send>>,
     /// [`Communicator::payload_bytes_sent`].
     payload_bytes_sent: u64,
     /// Raised by another thread to abort (see [`NcclCommunicator::set_abort_flag`]).
     abort_flag: Option<Arc<AtomicBool>>,
+}
+
+/// `ncclCommShrink` (NCCL 2.27 and later), as `nccl.h` declares it.
+type ShrinkFn = unsafe extern "C" fn(
+    sys::ncclComm_t,
+    *mut c_int,
+    c_int,
+    *mut sys::ncclComm_t,
+    *mut sys::ncclConfig_t,
+    c_int,
+) -> sys::ncclResult_t;
+
+/// `NCCL_SHRINK_DEFAULT`: shrink a healthy communicator.
+const SHRINK_DEFAULT: c_int = 0;
+/// `NCCL_SHRINK_ABORT`: first terminate the parent's outstanding operations (after a failure).
+const SHRINK_ABORT: c_int = 1;
+
+/// `ncclCommShrink` of the NCCL library this process loaded, if it has one. Looked up at run
+/// time (`dlsym`) rather than linked, so that the binary still starts with an older NCCL (the
+/// one a GPU machine's PyTorch ships, say) and falls back to a fresh communicator there.
+fn shrink_fn() -> Option<ShrinkFn> {
+    // SAFETY: `dlsym` with `RTLD_DEFAULT` and a NUL-terminated name only searches the loaded
+    // libraries.
+    let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"ncclCommShrink".as_ptr()) };
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: the symbol of that name in the loaded NCCL is the function declared above.
+    Some(unsafe { std::mem::transmute::<*mut c_void, ShrinkFn>(p) })
+}
+
+/// Whether the loaded NCCL can shrink a communicator ([`NcclCommunicator::shrink`]).
+pub fn shrink_available() -> bool {
+    shrink_fn().is_some()
+}
+
+/// Checks the ranks a shrink excludes (below `world`, sorted and distinct, not `rank`) and
+/// returns `rank`'s place in the shrunk communicator: `(new rank, new world)`.
+fn shrunk_rank(rank: Rank, world: usize, exclude: &[Rank]) -> Result<(Rank, usize), CommError> {
+    if let Some(&bad) = exclude.iter().find(|&&r| r >= world) {
+        return Err(CommError::BadShape(format!(
+            "shrink: excluded rank {bad} is not below world size {world}"
+        )));
+    }
+    if !exclude.windows(2).all(|w| w[0] < w[1]) {
+        return Err(CommError::BadShape(format!(
+            "shrink: excluded ranks {exclude:?} are not sorted and distinct"
+        )));
+    }
+    if exclude.contains(&rank) {
+        return Err(CommError::BadShape(format!(
+            "shrink: rank {rank} excludes itself"
+        )));
+    }
+    let below = exclude.iter().filter(|&&r| r < rank).count();
+    Ok((rank - below, world - exclude.len()))
 }
 
 impl NcclCommunicator {
@@ -630,17 +935,106 @@ impl NcclCommunicator {
         let deadline = Instant::now() + Duration::from_millis(timeout_ms);
         let ctx = CudaContext::new(device_ordinal).map_err(cuda_error("cuCtx (device)"))?;
         let stream = ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?;
-        let comm = rendezvous(&stream, rank, world, *id, timeout_ms, deadline)?;
-        Ok(Self {
+        let comm = init_rank(&ctx, rank, world, id, timeout_ms, deadline)?;
+        let mut me = Self {
             rank,
             world,
             device_ordinal,
             timeout_ms,
             stream,
             comm: Some(comm),
+            failed: false,
+            parked: Vec::new(),
             payload_bytes_sent: 0,
             abort_flag: None,
-        })
+        };
+        me.warm_up(deadline)?;
+        Ok(me)
+    }
+
+    /// The survivors' communicator (`ncclCommShrink`): every member except the ranks in
+    /// `exclude` (sorted, distinct) calls this with the same `exclude`, and gets a communicator
+    /// of the others, in the same order (this rank's new rank is its old one less the excluded
+    /// ranks below it). No unique id, no bootstrap of a new communicator: NCCL reuses the
+    /// parent's. After a failure (this communicator failed an operation) the parent's
+    /// outstanding operations are terminated first (`NCCL_SHRINK_ABORT`).
+    ///
+    /// The shrink is polled like an initialization, within `timeout_ms`, and followed by the
+    /// same warm-up as [`new`](Self::new). Whatever the outcome, this communicator is aborted
+    /// afterwards (NCCL leaves the parent to be freed by its owner). Fails with
+    /// [`NcclError::Unsupported`] (and leaves this communicator as it was) when the loaded NCCL
+    /// predates `ncclCommShrink` (2.27): the caller then forms a fresh communicator instead.
+    pub fn shrink(&mut self, exclude: &[Rank], timeout_ms: u64) -> Result<Self, NcclError> {
+        const OP: &str = "ncclCommShrink";
+        let shrink = shrink_fn().ok_or(NcclError::Unsupported {
+            what: "ncclCommShrink (NCCL 2.27 or later)",
+        })?;
+        let (rank, world) = shrunk_rank(self.rank, self.world, exclude)?;
+        let timeout_ms = timeout_ms.max(1);
+        let deadline = Instant::now() + Duration::from_millis(timeout_ms);
+        let made = {
+            let parent = self.comm.as_ref().ok_or(CommError::Aborted)?;
+            let ctx = Arc::clone(&parent.ctx);
+            ctx.bind_to_thread().map_err(cuda_error(OP))?;
+            let stream = ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?;
+            let mut list: Vec<c_int> = exclude.iter().map(|&r| peer_i32(r)).collect();
+            let mut config = Config::non_blocking();
+            let mut handle: sys::ncclComm_t = std::ptr::null_mut();
+            let flags = if self.failed {
+                SHRINK_ABORT
+            } else {
+                SHRINK_DEFAULT
+            };
+            // SAFETY: a live parent handle, a valid list of `list.len()` ranks, a valid
+            // out-pointer and config.
+            let r = unsafe {
+                shrink(
+                    parent.handle,
+                    list.as_mut_ptr(),
+                    peer_i32(list.len()),
+                    &mut handle,
+                    config.as_sys(),
+                    flags,
+                )
+            };
+            let child = RawComm { handle, ctx };
+            if !accepted(r) || child.handle.is_null() {
+                Err(NcclError::Nccl {
+                    op: OP,
+                    msg: describe(r, Some(parent)),
+                })
+            } else {
+                match settle(&child, deadline, None).map_err(cuda_error(OP))? {
+                    Wait::Done => Ok((child, stream)),
+                    Wait::Failed(code) => Err(NcclError::Nccl {
+                        op: OP,
+                        msg: describe(code, Some(&child)),
+                    }),
+                    Wait::Expired | Wait::Aborted => Err(CommError::Timeout {
+                        peer: lowest_other(rank, world),
+                        op: OP,
+                        ms: timeout_ms,
+                    }
+                    .into()),
+                }
+            }
+        };
+        Communicator::abort(self);
+        let (child, stream) = made?;
+        let mut me = Self {
+            rank,
+            world,
+            device_ordinal: self.device_ordinal,
+            timeout_ms,
+            stream,
+            comm: Some(child),
+            failed: false,
+            parked: Vec::new(),
+            payload_bytes_sent: 0,
+            abort_flag: None,
+        };
+        me.warm_up(deadline)?;
+        Ok(me)
     }
 
     /// The CUDA device this rank runs on.
@@ -674,7 +1068,13 @@ impl NcclCommunicator {
 
     /// Whether this communicator has been aborted (explicitly or by an error).
     pub fn is_aborted(&self) -> bool {
-        self.comm.is_none()
+        self.comm.is_none() || self.failed
+    }
+
+    /// Whether the NCCL handle is still held (not aborted yet), even if an operation failed:
+    /// what [`shrink`](Self::shrink) needs.
+    pub fn can_shrink(&self) -> bool {
+        self.comm.is_some()
     }
 
     fn check_live(&self) -> Result<(), CommError> {
@@ -685,8 +1085,8 @@ impl NcclCommunicator {
         }
     }
 
-    fn comm(&self) -> Result<&Comm, CommError> {
-        self.comm.as_ref().map(|c| &c.0).ok_or(CommError::Aborted)
+    fn comm(&self) -> Result<&RawComm, CommError> {
+        self.comm.as_ref().ok_or(CommError::Aborted)
     }
 
     fn others(&self) -> Vec<Rank> {
@@ -695,13 +1095,13 @@ impl NcclCommunicator {
 
     /// Aborts after an error during I/O.
     fn fail(&mut self, e: CommError) -> CommError {
-        self.abort();
+        self.failed = true;
         e
     }
 
     /// Runs `io`, which may park device buffers in its second argument; on error the
-    /// communicator aborts *before* those buffers are freed (see [`Staged`]).
-    fn guarded<K, R>(
+    /// communicator fails and keeps those buffers until its handle is aborted (see [`Staged`]).
+    fn guarded<K: Send + 'static, R>(
         &mut self,
         io: impl FnOnce(&Self, &mut Option<K>) -> Result<R, CommError>,
     ) -> Result<R, CommError> {
@@ -710,7 +1110,9 @@ impl NcclCommunicator {
         let result = io(self, &mut keep);
         result.map_err(|e| {
             let e = self.fail(e);
-            drop(keep);
+            if let Some(k) = keep {
+                self.parked.push(Box::new(k));
+            }
             e
         })
     }
@@ -722,6 +1124,19 @@ impl NcclCommunicator {
         op: &'static str,
         words: &Part<'_, u64>,
         floats: &Part<'_, f32>,
+    ) -> Result<Received, CommError> {
+        let deadline = Instant::now() + Duration::from_millis(self.timeout_ms);
+        self.round_until(op, words, floats, deadline)
+    }
+
+    /// [`round`](Self::round) with an explicit deadline (the rendezvous' warm-up shares the
+    /// rendezvous deadline).
+    fn round_until(
+        &mut self,
+        op: &'static str,
+        words: &Part<'_, u64>,
+        floats: &Part<'_, f32>,
+        deadline: Instant,
     ) -> Result<Received, CommError> {
         self.check_live()?;
         if self.abort_flag().is_some_and(|a| a.load(Ordering::SeqCst)) {
@@ -752,22 +1167,13 @@ impl NcclCommunicator {
                 Staged::upload(stream, words, &lw, op)?,
                 Staged::upload(stream, floats, &lf, op)?,
             ));
-            group_start().map_err(nccl_failed(op))?;
-            let posted = sw.post(comm, &lw, op).and_then(|()| sf.post(comm, &lf, op));
-            let ended = group_end().map_err(nccl_failed(op));
-            posted?;
-            ended?;
-            let deadline = Instant::now() + Duration::from_millis(me.timeout_ms);
-            match wait_until(stream, deadline, me.abort_flag()).map_err(cuda_failed(op))? {
-                Wait::Done => {}
-                Wait::Aborted => return Err(CommError::Aborted),
-                Wait::Expired => {
-                    return Err(CommError::Timeout {
-                        peer: blame(&[&lw, &lf]).unwrap_or_else(|| lowest_other(me.rank, me.world)),
-                        op,
-                        ms: me.timeout_ms,
-                    });
-                }
+            let wait = run_group(op, comm, stream, deadline, me.abort_flag(), || {
+                sw.post(comm, stream, &lw, op)?;
+                sf.post(comm, stream, &lf, op)
+            })?;
+            if wait != Wait::Done {
+                let peer = blame(&[&lw, &lf]).unwrap_or_else(|| lowest_other(me.rank, me.world));
+                return Err(wait_error(op, wait, peer, me.timeout_ms, comm));
             }
             Ok((sw.download(stream, &lw, op)?, sf.download(stream, &lf, op)?))
         })?;
@@ -866,133 +1272,96 @@ fn id_from_words(words: &[u64]) -> Option<NcclUniqueId> {
     NcclUniqueId::from_slice(&bytes).ok()
 }
 
-/// The `ncclCommInitRank` and warm-up of [`NcclCommunicator::new`], on a helper thread (see the
-/// module docs).
-fn rendezvous(
-    stream: &Arc<CudaStream>,
+/// `ncclCommInitRankConfig` of a non-blocking communicator (see the module docs on
+/// rendezvous): returns at once, then the initialization is polled until it is done, NCCL reports
+/// an error, or `deadline` passes — then the half-made communicator is aborted, which cancels
+/// the initialization; nothing is left behind.
+fn init_rank(
+    ctx: &Arc<CudaContext>,
     rank: Rank,
     world: usize,
-    id: NcclUniqueId,
+    id: &NcclUniqueId,
     timeout_ms: u64,
     deadline: Instant,
-) -> Result<SendComm, NcclError> {
+) -> Result<RawComm, NcclError> {
     const OP: &str = "rendezvous";
-    let timed_out = move || CommError::Timeout {
-        peer: lowest_other(rank, world),
-        op: OP,
-        ms: timeout_ms,
+    ctx.bind_to_thread().map_err(cuda_error(OP))?;
+    let mut config = Config::non_blocking();
+    let mut handle: sys::ncclComm_t = std::ptr::null_mut();
+    let unique = sys::ncclUniqueId {
+        internal: id.to_internal(),
     };
-    let (tx, rx) = mpsc::channel::<Result<SendComm, NcclError>>();
-    let stream = Arc::clone(stream);
-    let id = Id::uninit(id.to_internal());
-    thread::Builder::new()
-        .name(format!("nccl-rendezvous-{rank}"))
-        .spawn(move || {
-            let joined = stream
-                .context()
-                .bind_to_thread()
-                .map_err(cuda_error(OP))
-                .and_then(|()| {
-                    Comm::from_rank(Arc::clone(&stream), rank, world, id)
-                        .map(SendComm)
-                        .map_err(nccl_error("ncclCommInitRank"))
-                });
-            let result = joined.and_then(|comm| {
-                if Instant::now() >= deadline {
-                    // The caller has given up: do not leave a half-joined communicator behind.
-                    release(comm);
-                    return Err(timed_out().into());
-                }
-                warm_up(comm, &stream, rank, world, deadline, timeout_ms)
-            });
-            if let Err(mpsc::SendError(Ok(late))) = tx.send(result) {
-                release(late);
-            }
-        })
-        .map_err(CommError::Io)?;
-    let wait = deadline.saturating_duration_since(Instant::now()) + RENDEZVOUS_GRACE;
-    match rx.recv_timeout(wait) {
-        Ok(result) => result,
-        Err(mpsc::RecvTimeoutError::Timeout) => Err(timed_out().into()),
-        Err(mpsc::RecvTimeoutError::Disconnected) => Err(NcclError::Nccl {
-            op: OP,
-            msg: "the rendezvous thread panicked".into(),
+    // SAFETY: valid out-pointer and config; rank and world were checked to fit an `int`.
+    let r = unsafe {
+        sys::ncclCommInitRankConfig(
+            &mut handle,
+            peer_i32(world),
+            unique,
+            peer_i32(rank),
+            config.as_sys(),
+        )
+    };
+    // From here on every failure aborts the communicator (a null handle is nothing to abort).
+    let comm = RawComm {
+        handle,
+        ctx: Arc::clone(ctx),
+    };
+    if !accepted(r) || comm.handle.is_null() {
+        return Err(NcclError::Nccl {
+            op: "ncclCommInitRankConfig",
+            msg: describe(r, Some(&comm)),
+        });
+    }
+    match settle(&comm, deadline, None).map_err(cuda_error(OP))? {
+        Wait::Done => Ok(comm),
+        Wait::Failed(code) => Err(NcclError::Nccl {
+            op: "ncclCommInitRankConfig",
+            msg: describe(code, Some(&comm)),
         }),
-    }
-}
-
-/// Sends this rank's number to every other rank and receives theirs, in one NCCL group: sets up
-/// every point-to-point connection while all ranks are present, and checks the rank assignment.
-/// On failure the communicator is aborted (before its buffers are freed, see [`Staged`]).
-fn warm_up(
-    comm: SendComm,
-    stream: &Arc<CudaStream>,
-    rank: Rank,
-    world: usize,
-    deadline: Instant,
-    timeout_ms: u64,
-) -> Result<SendComm, NcclError> {
-    let mut keep = None;
-    match warm_up_io(
-        &comm.0, stream, rank, world, deadline, timeout_ms, &mut keep,
-    ) {
-        Ok(()) => Ok(comm),
-        Err(e) => {
-            release(comm);
-            drop(keep);
-            Err(e)
-        }
-    }
-}
-
-fn warm_up_io(
-    comm: &Comm,
-    stream: &Arc<CudaStream>,
-    rank: Rank,
-    world: usize,
-    deadline: Instant,
-    timeout_ms: u64,
-    keep: &mut Option<(CudaSlice<u64>, CudaSlice<u64>)>,
-) -> Result<(), NcclError> {
-    const OP: &str = "rendezvous";
-    if world == 1 {
-        return Ok(());
-    }
-    let (mine, theirs) = keep.insert((
-        stream.clone_htod(&[rank as u64]).map_err(cuda_error(OP))?,
-        stream.alloc_zeros::<u64>(world).map_err(cuda_error(OP))?,
-    ));
-    group_start().map_err(nccl_error(OP))?;
-    let posted = (0..world).filter(|&p| p != rank).try_for_each(|p| {
-        comm.send(&*mine, peer_i32(p)).map_err(nccl_error(OP))?;
-        let mut slot = theirs
-            .try_slice_mut(p..p + 1)
-            .ok_or_else(|| NcclError::Nccl {
-                op: OP,
-                msg: "internal error: bad range".into(),
-            })?;
-        comm.recv(&mut slot, peer_i32(p))
-            .map(|_| ())
-            .map_err(nccl_error(OP))
-    });
-    let ended = group_end().map_err(nccl_error(OP));
-    posted?;
-    ended?;
-    if wait_until(stream, deadline, None).map_err(cuda_error(OP))? != Wait::Done {
-        return Err(CommError::Timeout {
+        Wait::Expired | Wait::Aborted => Err(CommError::Timeout {
             peer: lowest_other(rank, world),
             op: OP,
             ms: timeout_ms,
         }
-        .into());
-    }
-    let got = stream.clone_dtoh(&*theirs).map_err(cuda_error(OP))?;
-    match check_ranks(rank, &got) {
-        None => Ok(()),
-        Some((p, q)) => Err(CommError::Protocol(format!(
-            "{OP}: rank {p} of this communicator says it is rank {q}"
-        ))
         .into()),
+    }
+}
+
+impl NcclCommunicator {
+    /// Sends this rank's number to every other rank and receives theirs, in one round before
+    /// `deadline`: sets up every point-to-point connection while all ranks are present, and
+    /// checks the rank assignment. On failure the communicator is aborted.
+    fn warm_up(&mut self, deadline: Instant) -> Result<(), NcclError> {
+        const OP: &str = "rendezvous";
+        let others = self.others();
+        if others.is_empty() {
+            return Ok(());
+        }
+        let mine = [self.rank as u64];
+        let mut words = Part::new();
+        let m = words.msg(vec![&mine[..]]);
+        for &p in &others {
+            words.send(p, m);
+            words.recv(p, 1);
+        }
+        let (got, _) = self.round_until(OP, &words, &Part::new(), deadline)?;
+        let mut by_rank = vec![self.rank as u64; self.world];
+        for (&p, g) in others.iter().zip(&got) {
+            by_rank[p] = match g[..] {
+                [v] => v,
+                _ => u64::MAX,
+            };
+        }
+        match check_ranks(self.rank, &by_rank) {
+            None => Ok(()),
+            Some((p, q)) => {
+                self.abort();
+                Err(CommError::Protocol(format!(
+                    "{OP}: rank {p} of this communicator says it is rank {q}"
+                ))
+                .into())
+            }
+        }
     }
 }
 
@@ -1384,6 +1753,9 @@ impl Communicator for NcclCommunicator {
         if self.world == 1 {
             return Ok(());
         }
+        if self.abort_flag().is_some_and(|a| a.load(Ordering::SeqCst)) {
+            return Err(self.fail(CommError::Aborted));
+        }
         self.guarded(|me, keep: &mut Option<(CudaSlice<f32>, CudaSlice<f32>)>| {
             let comm = me.comm()?;
             let stream = &me.stream;
@@ -1392,19 +1764,28 @@ impl Communicator for NcclCommunicator {
                 stream.clone_htod(&[1.0f32]).map_err(cuda_failed(OP))?,
                 stream.alloc_zeros::<f32>(1).map_err(cuda_failed(OP))?,
             ));
-            comm.all_reduce(&*one, sum, &ReduceOp::Sum)
-                .map_err(nccl_failed(OP))?;
             let deadline = Instant::now() + Duration::from_millis(me.timeout_ms);
-            match wait_until(stream, deadline, me.abort_flag()).map_err(cuda_failed(OP))? {
-                Wait::Done => {}
-                Wait::Aborted => return Err(CommError::Aborted),
-                Wait::Expired => {
-                    return Err(CommError::Timeout {
-                        peer: lowest_other(me.rank, me.world),
-                        op: OP,
-                        ms: me.timeout_ms,
-                    });
-                }
+            let wait = run_group(OP, comm, stream, deadline, me.abort_flag(), || {
+                let (src, _sync_src) = one.device_ptr(stream);
+                let (dst, _sync_dst) = sum.device_ptr_mut(stream);
+                // SAFETY: one-element device buffers that outlive the operation (`keep`); the
+                // handle is live.
+                let r = unsafe {
+                    sys::ncclAllReduce(
+                        src as *const c_void,
+                        dst as *mut c_void,
+                        1,
+                        sys::ncclDataType_t::ncclFloat32,
+                        sys::ncclRedOp_t::ncclSum,
+                        comm.handle,
+                        stream.cu_stream() as sys::cudaStream_t,
+                    )
+                };
+                check(OP, r, comm)
+            })?;
+            if wait != Wait::Done {
+                let peer = lowest_other(me.rank, me.world);
+                return Err(wait_error(OP, wait, peer, me.timeout_ms, comm));
             }
             let got = stream.clone_dtoh(&*sum).map_err(cuda_failed(OP))?;
             // Exact in f32 for any realistic world size.
@@ -1419,9 +1800,10 @@ impl Communicator for NcclCommunicator {
     }
 
     fn abort(&mut self) {
-        if let Some(comm) = self.comm.take() {
-            release(comm);
-        }
+        // Dropping the handle aborts it (`ncclCommAbort`); only then are the buffers of failed
+        // operations freed.
+        drop(self.comm.take());
+        self.parked.clear();
     }
 
     fn set_timeout_ms(&mut self, timeout_ms: u64) -> Result<(), CommError> {
@@ -1542,6 +1924,59 @@ mod tests {
         for h in handles {
             h.join().expect("rank thread");
         }
+    }
+
+    /// The survivors' communicator: with one GPU, a world of one shrinks to itself; with two,
+    /// rank 0 shrinks away rank 1 (which only stays alive until then). Both after a failure
+    /// too: a raised abort flag fails the next round, and the failed communicator still shrinks
+    /// (`NCCL_SHRINK_ABORT`).
+    #[test]
+    fn gpu_smoke_shrink() {
+        let Some(n) = gpu_or_skip() else { return };
+        if !shrink_available() {
+            assert!(
+                std::env::var_os("LZ_REQUIRE_GPU").is_none(),
+                "LZ_REQUIRE_GPU is set but the loaded NCCL has no ncclCommShrink"
+            );
+            return;
+        }
+        let world = n.min(2);
+        let id = NcclUniqueId::new().expect("ncclGetUniqueId");
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let done_rx = std::sync::Mutex::new(done_rx);
+        thread::scope(|s| {
+            for rank in 0..world {
+                let done_tx = done_tx.clone();
+                let done_rx = &done_rx;
+                s.spawn(move || {
+                    let mut c = NcclCommunicator::new(rank, world, rank, &id, 30_000)
+                        .expect("communicator");
+                    c.barrier().expect("barrier");
+                    if rank == 1 {
+                        // Stay until rank 0 has shrunk us away.
+                        let _ = done_rx
+                            .lock()
+                            .unwrap()
+                            .recv_timeout(Duration::from_secs(60));
+                        return;
+                    }
+                    let exclude: Vec<Rank> = (1..world).collect();
+                    let mut s1 = c.shrink(&exclude, 30_000).expect("shrink");
+                    assert!(c.is_aborted() && !c.can_shrink());
+                    assert_eq!((s1.rank(), s1.world()), (0, 1));
+                    s1.barrier().expect("barrier after shrink");
+                    let flag = Arc::new(AtomicBool::new(true));
+                    s1.set_abort_flag(flag);
+                    assert!(matches!(s1.all_gather_u64(&[7]), Err(CommError::Aborted)));
+                    assert!(s1.is_aborted() && s1.can_shrink());
+                    let mut s2 = s1.shrink(&[], 30_000).expect("shrink after a failure");
+                    let mut buf = vec![1.5f32];
+                    s2.all_reduce_sum(&[0], &mut buf).expect("all-reduce");
+                    s2.barrier().expect("barrier after the second shrink");
+                    let _ = done_tx.send(());
+                });
+            }
+        });
     }
 
     #[test]
@@ -1717,6 +2152,40 @@ mod tests {
             assemble(&[1], long),
             Err(CommError::Protocol(m)) if m.contains("more")
         ));
+    }
+
+    #[test]
+    fn shrinking_keeps_the_survivors_in_order() {
+        assert_eq!(shrunk_rank(3, 6, &[1, 4]).unwrap(), (2, 4));
+        assert_eq!(shrunk_rank(0, 6, &[1, 4]).unwrap(), (0, 4));
+        assert_eq!(shrunk_rank(5, 6, &[]).unwrap(), (5, 6));
+        for bad in [&[1, 1][..], &[4, 1], &[6], &[3]] {
+            assert!(
+                matches!(shrunk_rank(3, 6, bad), Err(CommError::BadShape(_))),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn config_is_the_initializer_with_blocking_off() {
+        let c = Config::non_blocking();
+        // size_t, two unsigned, six int, a pointer, two int, a pointer, ten int (2.30.7).
+        assert_eq!(c.size, std::mem::size_of::<Config>());
+        assert_eq!(c.size, 8 + 4 + 4 + 4 * 4 + 8 + 4 * 2 + 8 + 4 * 10);
+        assert_eq!((c.magic, c.version, c.blocking), (0xcafe_beef, 23_007, 0));
+        assert_eq!(c.graph_stream_ordering, c_int::MIN);
+        assert!(c.net_name.is_null() && c.comm_name.is_null());
+        // cudarc's binding is a prefix of this layout.
+        assert!(std::mem::size_of::<sys::ncclConfig_t>() <= c.size);
+    }
+
+    #[test]
+    fn shrink_is_found_exactly_when_the_loaded_nccl_has_it() {
+        // Looked up, not linked: an NCCL before 2.27 would not have it, and the binary must
+        // still start there. Needs no device: `ncclGetVersion` is the loaded library's.
+        let version = cudarc::nccl::result::get_nccl_version().expect("ncclGetVersion");
+        assert_eq!(shrink_available(), version >= 22_700, "NCCL {version}");
     }
 
     #[test]

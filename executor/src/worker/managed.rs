@@ -47,6 +47,7 @@ use lazarus_planner::deadline::StepTimes;
 use super::abort::AbortSlot;
 use super::background::{Mesh, Migration};
 use super::migrate::reconfigure;
+use super::plane::KeptPlane;
 use super::protocol::{
     Checksums, Command, JobSpec, Reconfigure, StateSource, StepLine, WorkerEvent,
 };
@@ -170,6 +171,7 @@ where
         migration: None,
         peers: Vec::new(),
         secret: MeshSecret::unset(),
+        kept_plane: KeptPlane::default(),
     };
     let mut addr = w.listener.local_addr()?;
     if addr.ip().is_unspecified() {
@@ -212,6 +214,8 @@ struct Worker<'a, E> {
     /// The epoch's data-plane addresses (rank order) and mesh secret.
     peers: Vec<std::net::SocketAddr>,
     secret: MeshSecret,
+    /// The last epoch's NCCL communicator, which the next epoch may shrink (`worker::plane`).
+    kept_plane: KeptPlane,
     /// Times from one reported step to the next (the step deadline's measure).
     step_times: StepTimes,
     /// When the last step of this epoch was reported.
@@ -311,7 +315,15 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
             self.step
         );
         let timeout_ms = self.step_limit_ms();
-        match reconfigure(cmd, &mut self.st, &self.listener, timeout_ms, self.abort) {
+        let reconfigured = reconfigure(
+            cmd,
+            &mut self.st,
+            &self.listener,
+            timeout_ms,
+            self.abort,
+            &mut self.kept_plane,
+        );
+        match reconfigured {
             Ok((mut dist, bytes_in)) => {
                 self.peer_timeout_ms = timeout_ms;
                 self.last_step_end = None;

@@ -15,11 +15,11 @@ use anyhow::{Context, Result, anyhow, ensure};
 
 use super::abort::AbortSlot;
 use super::held_replicas;
+use super::plane::{KeptPlane, data_plane};
 use super::protocol::{Reconfigure, StateSource};
 use super::state::State;
 use crate::checkpoint;
 use crate::comm::{Communicator, TcpCommunicator};
-use crate::device::CommKind;
 use crate::model::{ExpertMode, ShardState, ShardStore, one_per_rank};
 use crate::runtime::DistributedExperts;
 
@@ -56,21 +56,23 @@ fn from_words(words: &[f32]) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// Applies `cmd`: new mesh, state from its source, transfers, drop of replicas no longer
-/// held. On error the store still holds at least what it held before (imports only add), so
-/// the worker can report its holdings truthfully. Returns the new runtime and the bytes
-/// received.
+/// Applies `cmd`: new mesh and data plane (`plane`), state from its source, transfers over
+/// the data plane (NCCL with `--comm nccl`), drop of replicas no longer held. On error the
+/// store still holds at least what it held before (imports only add), so the worker can report
+/// its holdings truthfully. `kept` is the last epoch's data plane, which this one may shrink,
+/// and then this epoch's. Returns the new runtime and the bytes received.
 pub(super) fn reconfigure(
     cmd: &Reconfigure,
     st: &mut State,
     listener: &TcpListener,
     timeout_ms: u64,
     abort: &AbortSlot,
+    kept: &mut KeptPlane,
 ) -> Result<(DistributedExperts, u64)> {
     let me = cmd.rank;
     ensure!(me < cmd.peers.len(), "new rank {me} outside the peer list");
     if st.mode == ExpertMode::Fsep {
-        return reconfigure_sharded(cmd, st, listener, timeout_ms, abort);
+        return reconfigure_sharded(cmd, st, listener, timeout_ms, abort, kept);
     }
     let mine: BTreeSet<(usize, usize)> = held_replicas(&cmd.replicas, me).into_iter().collect();
     match &cmd.source {
@@ -90,7 +92,8 @@ pub(super) fn reconfigure(
         }
         StateSource::Peers { .. } => {}
     }
-    let mut comm = connect(cmd, listener, timeout_ms, abort)?;
+    let mesh = connect(cmd, listener, timeout_ms, abort)?;
+    let mut comm = data_plane(mesh, cmd, timeout_ms, abort, kept)?;
     let mut sends = Vec::new();
     let mut recv_from = Vec::new();
     let mut incoming: Vec<Option<(usize, usize)>> = Vec::new();
@@ -166,50 +169,8 @@ pub(super) fn reconfigure(
             "the plan gives rank {me} expert {e} of layer {l}, but no state arrived for it"
         );
     }
-    let comm = data_plane(comm, timeout_ms, abort)?;
     let dist = DistributedExperts::new(comm, &st.store, cmd.replicas.clone())?;
     Ok((dist, bytes_in))
-}
-
-/// The epoch's data plane: the TCP mesh itself, or, with `--comm nccl`, an NCCL communicator
-/// formed over it — the mesh has carried the state transfers, now it carries rank 0's NCCL
-/// unique id ([`crate::comm::nccl::connect_over`]) and closes. A new epoch always forms a new
-/// mesh, hence a new NCCL communicator: a communicator is never repaired in place.
-fn data_plane(
-    tcp: TcpCommunicator,
-    timeout_ms: u64,
-    abort: &AbortSlot,
-) -> Result<Box<dyn Communicator>> {
-    let choice = crate::device::process_choice();
-    match choice.comm {
-        CommKind::Tcp => Ok(Box::new(tcp)),
-        CommKind::Nccl => nccl_plane(tcp, choice.ordinal, timeout_ms, abort),
-    }
-}
-
-#[cfg(feature = "cuda")]
-fn nccl_plane(
-    mut tcp: TcpCommunicator,
-    ordinal: usize,
-    timeout_ms: u64,
-    abort: &AbortSlot,
-) -> Result<Box<dyn Communicator>> {
-    let me = tcp.rank();
-    let comm = crate::comm::nccl::connect_over(&mut tcp, ordinal, timeout_ms, abort.flag())
-        .with_context(|| format!("rank {me}: forming the NCCL communicator on device {ordinal}"))?;
-    Ok(Box::new(comm))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn nccl_plane(
-    _tcp: TcpCommunicator,
-    _ordinal: usize,
-    _timeout_ms: u64,
-    _abort: &AbortSlot,
-) -> Result<Box<dyn Communicator>> {
-    Err(anyhow!(
-        "--comm nccl needs an lzrun built with --features cuda"
-    ))
 }
 
 /// The epoch's mesh, abortable from the command reader.
@@ -269,6 +230,7 @@ fn reconfigure_sharded(
     listener: &TcpListener,
     timeout_ms: u64,
     abort: &AbortSlot,
+    kept: &mut KeptPlane,
 ) -> Result<(DistributedExperts, u64)> {
     let (me, world) = (cmd.rank, cmd.peers.len());
     let placed = !cmd.shard_holders.is_empty();
@@ -314,13 +276,14 @@ fn reconfigure_sharded(
         .shards
         .clone()
         .context("no shards after the reconfiguration")?;
-    let mut comm = connect(cmd, listener, timeout_ms, abort)?;
+    let mesh = connect(cmd, listener, timeout_ms, abort)?;
+    let mut comm = data_plane(mesh, cmd, timeout_ms, abort, kept)?;
     let mut bytes_in = 0u64;
     let from_peers = matches!(cmd.source, StateSource::Peers { .. });
     if from_peers && placed {
-        bytes_in = copy_shards(&mut comm, &cmd.shard_transfers, &shards)?;
+        bytes_in = copy_shards(comm.as_mut(), &cmd.shard_transfers, &shards)?;
     } else if from_peers {
-        bytes_in = renumber_shards(&mut comm, st, &shards)?;
+        bytes_in = renumber_shards(comm.as_mut(), st, &shards)?;
     }
     comm.barrier()
         .with_context(|| format!("rank {me}: barrier after the shard transfers"))?;
@@ -331,7 +294,6 @@ fn reconfigure_sharded(
             .map_err(|_| anyhow!("shard store: lock poisoned"))?
             .set_placement(me, holders)?;
     }
-    let comm = data_plane(comm, timeout_ms, abort)?;
     let dist = DistributedExperts::new_sharded(comm, shards, cmd.replicas.clone())?;
     Ok((dist, bytes_in))
 }
@@ -339,7 +301,7 @@ fn reconfigure_sharded(
 /// Sends and receives the shard copies of an in-place repair, `(shard, src, dst)` each, and
 /// imports those that arrive. Returns the bytes received.
 fn copy_shards(
-    comm: &mut TcpCommunicator,
+    comm: &mut dyn Communicator,
     transfers: &[(usize, usize, usize)],
     shards: &crate::runtime::SharedShards,
 ) -> Result<u64> {
@@ -396,7 +358,7 @@ fn copy_shards(
 /// rank `w` of the new mesh, so each rank sends its shards to the rank numbered as its shards
 /// are (nothing moves when no rank changed number). Returns the bytes received.
 fn renumber_shards(
-    comm: &mut TcpCommunicator,
+    comm: &mut dyn Communicator,
     st: &State,
     shards: &crate::runtime::SharedShards,
 ) -> Result<u64> {

@@ -52,6 +52,7 @@ pub mod abort;
 mod background;
 pub mod managed;
 pub mod migrate;
+mod plane;
 pub mod protocol;
 pub mod standalone;
 pub mod state;
