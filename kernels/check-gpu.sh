@@ -77,7 +77,7 @@ step lzrun_local 180 "$work/lzrun" local --device cuda --comm tcp --nodes 3 --ki
 # One worker on the GPU with the default data plane for --device cuda: NCCL (world 1; NCCL
 # cannot put two ranks on one GPU), its unique id carried over the worker's TCP mesh.
 step lzrun_nccl_default 60 "$work/lzrun" local --device cuda --nodes 1 --steps 3 --format json
-step nccl_smoke 120 "$work/executor_lib" --test-threads=1 comm::nccl device::
+step nccl_smoke 120 "$work/executor_lib" --test-threads=1 comm::nccl device:: runtime::dispatch::
 
 "$py" - "$logs" "$results/report.json" <<'PY'
 import json, os, sys

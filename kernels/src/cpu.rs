@@ -108,6 +108,52 @@ pub fn permute_rows<T: Copy + Default>(
     Ok(send)
 }
 
+/// The un-permute (`lz_unpermute_rows_*`): `out[s] = back[pos[s]]`, rows of `row_len` elements
+/// copied bit for bit (any element type). With the positions of a top_k = 1 permutation it is
+/// the exact inverse of [`permute_rows`] (`unpermute_rows(permute_rows(x, 1, pos), pos) == x`,
+/// `-0.0` and NaN payloads included, which a [`combine`] with weight 1 does not guarantee:
+/// `fma(1, -0.0, +0.0) = +0.0`); with top_k > 1 it gives every slot its own row. `back` has the
+/// send buffer's layout (whole rows, any number of them: the rows that came back after the
+/// return all-to-all); `out` has `rows_out == pos.len()` rows, and the row of a slot whose
+/// position is [`NO_POSITION`] is left `T::default()`.
+///
+/// Errors: `row_len == 0`, `back` not a whole number of rows, `pos.len() != rows_out`, or a
+/// position past the end of `back`.
+pub fn unpermute_rows<T: Copy + Default>(
+    back: &[T],
+    row_len: usize,
+    pos: &[u32],
+    rows_out: usize,
+) -> Result<Vec<T>, KernelError> {
+    if row_len == 0 || !back.len().is_multiple_of(row_len) {
+        return Err(KernelError::Shape(format!(
+            "back has {} elements, not a whole number of rows of {row_len} (row length must be > 0)",
+            back.len()
+        )));
+    }
+    if pos.len() != rows_out {
+        return Err(KernelError::Shape(format!(
+            "{} positions for {rows_out} output rows (one position per row)",
+            pos.len()
+        )));
+    }
+    let back_rows = back.len() / row_len;
+    let mut out = vec![T::default(); rows_out * row_len];
+    for (s, &p) in pos.iter().enumerate() {
+        if p == NO_POSITION {
+            continue;
+        }
+        let p = p as usize;
+        if p >= back_rows {
+            return Err(KernelError::Shape(format!(
+                "slot {s} maps to row {p} of a {back_rows}-row buffer"
+            )));
+        }
+        out[s * row_len..(s + 1) * row_len].copy_from_slice(&back[p * row_len..(p + 1) * row_len]);
+    }
+    Ok(out)
+}
+
 /// The weighted un-permute (`lz_combine_*`): `out[t][i] = Σ_{j<top_k} w[t·top_k + j] ·
 /// back[pos[t·top_k + j]][i]`, accumulated in f32 with fused multiply-adds in ascending `j`
 /// (the kernel's order). `back` has the send buffer's layout (the expert outputs after the

@@ -6,12 +6,20 @@
 //! all-gather) → the planner's [`DispatchPlan`](lazarus_planner::dispatch::DispatchPlan) →
 //! [`DispatchKernels::positions`] with its [`DispatchTables`] → [`DispatchKernels::permute`]
 //! (send buffer) → all-to-all, experts, all-to-all back → [`DispatchKernels::combine_f32`] or
-//! [`DispatchKernels::combine_bf16`].
+//! [`DispatchKernels::combine_bf16`] (weighted), or [`DispatchKernels::unpermute`] (the exact
+//! inverse of a top_k = 1 permutation, what the executor's workers use).
+//!
+//! The row kernels also come in `_view` forms ([`DispatchKernels::permute_view`],
+//! [`DispatchKernels::unpermute_view`]) that take cudarc views, so that a caller can pass
+//! memory it does not own as a [`CudaSlice`] of 2-byte words: e.g. a candle tensor's f32
+//! storage, reinterpreted with `CudaView::transmute`. They pick the 16-byte variant only when
+//! the rows are a multiple of 16 bytes *and* both buffers are 16-byte aligned.
 
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
+    DriverError, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -59,6 +67,8 @@ pub struct DispatchKernels {
     permute_u16: CudaFunction,
     combine_f32: CudaFunction,
     combine_bf16: CudaFunction,
+    unpermute_v16: CudaFunction,
+    unpermute_u16: CudaFunction,
 }
 
 impl DispatchKernels {
@@ -77,6 +87,8 @@ impl DispatchKernels {
             permute_u16: f("lz_permute_rows_u16")?,
             combine_f32: f("lz_combine_f32")?,
             combine_bf16: f("lz_combine_bf16")?,
+            unpermute_v16: f("lz_unpermute_rows_v16")?,
+            unpermute_u16: f("lz_unpermute_rows_u16")?,
             stream,
         })
     }
@@ -226,6 +238,27 @@ impl DispatchKernels {
         slots: usize,
         send: &mut CudaSlice<u16>,
     ) -> Result<(), KernelError> {
+        self.permute_view(
+            &x.as_view(),
+            row_words,
+            top_k,
+            &pos.as_view(),
+            slots,
+            &mut send.as_view_mut(),
+        )
+    }
+
+    /// [`permute`](Self::permute) on views (see the [module docs](self): 16-byte vectors only
+    /// when both buffers are 16-byte aligned).
+    pub fn permute_view(
+        &self,
+        x: &CudaView<'_, u16>,
+        row_words: usize,
+        top_k: usize,
+        pos: &CudaView<'_, u32>,
+        slots: usize,
+        send: &mut CudaViewMut<'_, u16>,
+    ) -> Result<(), KernelError> {
         if top_k == 0 || !slots.is_multiple_of(top_k) || pos.len() < slots || row_words == 0 {
             return Err(KernelError::Shape(format!(
                 "permute: {slots} slots, top_k {top_k}, {} positions, rows of {row_words} words",
@@ -243,14 +276,9 @@ impl DispatchKernels {
         let n = to_u32("slots", slots as u64)?;
         let k = to_u32("top_k", top_k as u64)?;
         to_u32("send words", send.len() as u64)?;
-        let vec16 = row_words.is_multiple_of(8);
+        let vec16 = row_words.is_multiple_of(8) && self.aligned16(x) && self.aligned16(&*send);
         let words = if vec16 { row_words / 8 } else { row_words };
         let w = to_u32("row words", words as u64)?;
-        let cfg = LaunchConfig {
-            grid_dim: (n.clamp(1, 65_535 * 8), 1, 1),
-            block_dim: (w.clamp(32, 256).next_multiple_of(32), 1, 1),
-            shared_mem_bytes: 0,
-        };
         let s = &self.stream;
         let mut b = s.launch_builder(if vec16 {
             &self.permute_v16
@@ -258,12 +286,88 @@ impl DispatchKernels {
             &self.permute_u16
         });
         b.arg(x).arg(&w).arg(&k).arg(&n).arg(pos).arg(send);
-        // SAFETY: matches `lz_permute_rows_*` (a u16 buffer read as uint4 when rows are 16-byte
-        // multiples; cudarc allocations are 256-byte aligned). Positions come from
-        // `positions`, a permutation of the send rows; the send buffer must hold them (a
+        // SAFETY: matches `lz_permute_rows_*` (a u16 buffer read as uint4 only when rows are
+        // 16-byte multiples and both buffers are 16-byte aligned, checked above). Positions come
+        // from `positions`, a permutation of the send rows; the send buffer must hold them (a
         // position past its end is the caller's bug: the tables fix `send_rows`).
-        unsafe { b.launch(cfg) }.map_err(cuda("lz_permute_rows"))?;
+        unsafe { b.launch(row_cfg(n, w)) }.map_err(cuda("lz_permute_rows"))?;
         Ok(())
+    }
+
+    /// The un-permute (device twin of [`crate::cpu::unpermute_rows`]): `out[s] = back[pos[s]]`
+    /// for `s < slots`, rows of `row_words` 2-byte words copied bit for bit; with the
+    /// positions of a top_k = 1 permutation, the exact inverse of [`permute`](Self::permute).
+    /// `back` holds whole rows (any number: the returned send buffer); `out` exactly `slots`
+    /// rows, every one of them written (a slot whose position is [`NO_POSITION`] or past the end
+    /// of `back` gets a zero row: the kernel never reads outside `back`, where the CPU reference
+    /// reports an error), so it needs no initialisation.
+    pub fn unpermute(
+        &self,
+        back: &CudaSlice<u16>,
+        row_words: usize,
+        pos: &CudaSlice<u32>,
+        slots: usize,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<(), KernelError> {
+        self.unpermute_view(
+            &back.as_view(),
+            row_words,
+            &pos.as_view(),
+            slots,
+            &mut out.as_view_mut(),
+        )
+    }
+
+    /// [`unpermute`](Self::unpermute) on views (see the [module docs](self)).
+    pub fn unpermute_view(
+        &self,
+        back: &CudaView<'_, u16>,
+        row_words: usize,
+        pos: &CudaView<'_, u32>,
+        slots: usize,
+        out: &mut CudaViewMut<'_, u16>,
+    ) -> Result<(), KernelError> {
+        if row_words == 0
+            || !back.len().is_multiple_of(row_words)
+            || pos.len() < slots
+            || out.len() != slots * row_words
+        {
+            return Err(KernelError::Shape(format!(
+                "unpermute: {slots} slots, {} positions, rows of {row_words} words, back has {} \
+                 words, out {} (whole rows, one per slot)",
+                pos.len(),
+                back.len(),
+                out.len()
+            )));
+        }
+        let n = to_u32("slots", slots as u64)?;
+        let back_rows = to_u32("back rows", (back.len() / row_words) as u64)?;
+        to_u32("out words", out.len() as u64)?;
+        let vec16 = row_words.is_multiple_of(8) && self.aligned16(back) && self.aligned16(&*out);
+        let words = if vec16 { row_words / 8 } else { row_words };
+        let w = to_u32("row words", words as u64)?;
+        let mut b = self.stream.launch_builder(if vec16 {
+            &self.unpermute_v16
+        } else {
+            &self.unpermute_u16
+        });
+        b.arg(back)
+            .arg(&w)
+            .arg(&back_rows)
+            .arg(&n)
+            .arg(pos)
+            .arg(out);
+        // SAFETY: matches `lz_unpermute_rows_*` (uint4 words only for 16-byte multiples on
+        // 16-byte aligned buffers, checked above). `pos` holds at least `slots` words and `out`
+        // exactly `slots` rows; the kernel reads `back` only at positions below `back_rows`.
+        unsafe { b.launch(row_cfg(n, w)) }.map_err(cuda("lz_unpermute_rows"))?;
+        Ok(())
+    }
+
+    /// Whether a buffer starts on a 16-byte boundary (the `uint4` kernels need it).
+    fn aligned16<T>(&self, buf: &impl DevicePtr<T>) -> bool {
+        let (ptr, _record) = buf.device_ptr(&self.stream);
+        ptr % 16 == 0
     }
 
     /// The weighted combine in f32 (device twin of [`crate::cpu::combine`]).
@@ -344,6 +448,15 @@ impl DispatchKernels {
             to_u32("top_k", top_k as u64)?,
             to_u32("hidden", hidden as u64)?,
         ))
+    }
+}
+
+/// One block per row (grid-stride past 65 535·8 rows), up to 256 threads over its words.
+fn row_cfg(rows: u32, words: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.clamp(1, 65_535 * 8), 1, 1),
+        block_dim: (words.clamp(32, 256).next_multiple_of(32), 1, 1),
+        shared_mem_bytes: 0,
     }
 }
 

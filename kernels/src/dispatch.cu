@@ -16,10 +16,12 @@
 //      through the plan's tables to its row in the send buffer: pos[s];
 //   4. lz_permute_rows_*: send[pos[s]] = x[s / top_k] (row copy, 16-byte vectors when possible);
 //   5. lz_combine_*: out[t] = sum_j w[t*top_k + j] * back[pos[t*top_k + j]] (f32 accumulation in
-//      ascending j, i.e. the weighted un-permute after the return all-to-all).
+//      ascending j, i.e. the weighted un-permute after the return all-to-all);
+//   6. lz_unpermute_rows_*: out[s] = back[pos[s]] (row copy: the exact inverse of step 4 for
+//      top_k = 1, what the executor's workers use to bring rows back into local order).
 //
 // Targets: compiled to PTX for compute_80 (A100 and later; the driver JITs it for sm_90/sm_100);
-// `kernels/build-ptx.sh` assembles it with ptxas for sm_80, sm_90 and sm_100.
+// `kernels/build-ptx.sh` assembles it with ptxas for sm_80, sm_90, sm_100 and sm_120.
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -216,4 +218,43 @@ extern "C" __global__ void lz_combine_bf16(const __nv_bfloat16 *__restrict__ bac
                                            uint32_t top_k, uint32_t hidden,
                                            __nv_bfloat16 *__restrict__ out) {
     combine(back, pos, w, n_tokens, top_k, hidden, out);
+}
+
+// 6. out[s] = back[pos[s]], rows of `row_words` words (the same word types as step 4), one
+// block per slot (grid-stride): the un-permute of a top_k = 1 permutation, bit for bit. A slot
+// with pos == LZ_NONE, or a position past back's `back_rows` rows (never produced by
+// lz_send_positions: it only guards memory; the CPU reference reports it as an error), gets a
+// zero row, so `out` needs no initialisation.
+template <typename W>
+__device__ __forceinline__ void unpermute_rows(const W *__restrict__ back, uint32_t row_words,
+                                               uint32_t back_rows, uint32_t n_slots,
+                                               const uint32_t *__restrict__ pos,
+                                               W *__restrict__ out) {
+    for (uint32_t s = blockIdx.x; s < n_slots; s += gridDim.x) {
+        const uint32_t p = pos[s];
+        W *dst = out + (uint64_t)s * row_words;
+        if (p >= back_rows) {
+            const W zero = {};
+            for (uint32_t i = threadIdx.x; i < row_words; i += blockDim.x) dst[i] = zero;
+            continue;
+        }
+        const W *src = back + (uint64_t)p * row_words;
+        for (uint32_t i = threadIdx.x; i < row_words; i += blockDim.x) dst[i] = src[i];
+    }
+}
+
+extern "C" __global__ void lz_unpermute_rows_v16(const uint4 *__restrict__ back,
+                                                 uint32_t row_words, uint32_t back_rows,
+                                                 uint32_t n_slots,
+                                                 const uint32_t *__restrict__ pos,
+                                                 uint4 *__restrict__ out) {
+    unpermute_rows(back, row_words, back_rows, n_slots, pos, out);
+}
+
+extern "C" __global__ void lz_unpermute_rows_u16(const uint16_t *__restrict__ back,
+                                                 uint32_t row_words, uint32_t back_rows,
+                                                 uint32_t n_slots,
+                                                 const uint32_t *__restrict__ pos,
+                                                 uint16_t *__restrict__ out) {
+    unpermute_rows(back, row_words, back_rows, n_slots, pos, out);
 }

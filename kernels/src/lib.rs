@@ -1,11 +1,14 @@
 //! Data path of the flexible token dispatcher (Lazarus, arXiv 2407.04656, §4.3) on one source
 //! rank: per-expert slot counting, the permutation of token rows into the send buffer in the
-//! planner's order, and the weighted un-permute/combine after the return all-to-all.
+//! planner's order, and after the return all-to-all either the weighted un-permute/combine or
+//! the exact un-permute (the inverse of a top_k = 1 permutation, which the executor's workers
+//! use for every MoE layer: `executor/src/runtime/dispatch.rs`).
 //!
 //! * [`cpu`] — the CPU references, always built. They *define* the results: the counts and
 //!   the send positions equal what [`lazarus_planner::dispatch`] computes
 //!   ([`DispatchPlan::send_order`] is the inverse permutation of [`cpu::send_positions`]), and
-//!   the CUDA kernels must match them bit for bit (counts, positions, permuted rows) or within a
+//!   the CUDA kernels must match them bit for bit (counts, positions, permuted and un-permuted
+//!   rows) or within a
 //!   tolerance (combine, because of floating-point contraction).
 //! * `cuda` (feature `cuda`) — the same operations as CUDA kernels (`src/dispatch.cu`, compiled
 //!   to PTX for `compute_80` by `build.rs` with nvcc and loaded through cudarc), with launch

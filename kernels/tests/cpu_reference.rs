@@ -1,11 +1,13 @@
 //! The CPU references against the planner: counts and send positions bit for bit
 //! (`DispatchPlan::send_order` is the inverse of `send_positions`), the permutation row by row,
-//! the combine within a tolerance of an f64 evaluation.
+//! the un-permute as its exact inverse (bits, -0.0 and NaN payloads included), the combine
+//! within a tolerance of an f64 evaluation.
 
 use lazarus_kernels::cpu::{
     combine, combine_bf16, count_experts, order_from_positions, permute_rows, send_positions,
+    unpermute_rows,
 };
-use lazarus_kernels::{DispatchTables, KernelError, bf16_from_f32, f32_from_bf16};
+use lazarus_kernels::{DispatchTables, KernelError, NO_POSITION, bf16_from_f32, f32_from_bf16};
 use lazarus_planner::dispatch::{DispatchPlan, plan};
 use proptest::prelude::*;
 
@@ -80,6 +82,65 @@ proptest! {
             }
         }
     }
+
+    /// top_k = 1 (the worker's case): the un-permute gives back every bit of `x`, signed zeros
+    /// and NaN payloads included.
+    #[test]
+    fn unpermute_inverts_permute_bit_for_bit(
+        (gate, replicas, _k) in scenario(),
+        hidden in 1usize..6,
+        bits in prop::collection::vec(any::<u32>(), 0..64),
+    ) {
+        let p = plan_for(&gate, &replicas);
+        // Interesting bit patterns first (both zeros, infinities, quiet and signalling NaNs
+        // with payloads), then arbitrary ones.
+        let special = [
+            0x8000_0000u32, 0x0000_0000, 0x7f80_0000, 0xff80_0000, 0x7fc0_0001, 0xffc1_2345,
+            0x7f80_0001, 0xff9a_bcde, 0x0000_0001, 0x8000_0001,
+        ];
+        let pool: Vec<u32> = special.iter().copied().chain(bits).collect();
+        for (src, slots) in gate.iter().enumerate() {
+            let t = DispatchTables::from_plan(&p, src).unwrap();
+            let pos = send_positions(slots, &t).unwrap();
+            let x: Vec<f32> = (0..slots.len() * hidden)
+                .map(|i| f32::from_bits(pool[(i * 7 + src) % pool.len()]))
+                .collect();
+            let send = permute_rows(&x, hidden, 1, &pos, t.send_rows).unwrap();
+            let back = unpermute_rows(&send, hidden, &pos, slots.len()).unwrap();
+            let (a, b): (Vec<u32>, Vec<u32>) = (
+                back.iter().map(|v| v.to_bits()).collect(),
+                x.iter().map(|v| v.to_bits()).collect(),
+            );
+            prop_assert_eq!(a, b);
+            // And the rows land where `send_order` says they come from.
+            let order = p.send_order(src, slots).unwrap();
+            for (row, &slot) in order.iter().enumerate() {
+                prop_assert_eq!(
+                    &back[slot * hidden..(slot + 1) * hidden].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    &send[row * hidden..(row + 1) * hidden].iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn unpermute_is_exact_where_a_unit_combine_is_not() {
+    // fma(1, -0.0, +0.0) = +0.0: the weighted combine loses the sign of a zero, the un-permute
+    // copies it.
+    let x = [-0.0f32, f32::from_bits(0x7fc0_1234)];
+    let pos = [1u32, 0];
+    let send = permute_rows(&x, 1, 1, &pos, 2).unwrap();
+    let back = unpermute_rows(&send, 1, &pos, 2).unwrap();
+    assert_eq!(back[0].to_bits(), 0x8000_0000);
+    assert_eq!(back[1].to_bits(), 0x7fc0_1234);
+    let unit = combine(&send, 1, 1, &pos, &[1.0, 1.0]).unwrap();
+    assert_eq!(unit[0].to_bits(), 0, "the combine turns -0.0 into +0.0");
+    // Any element type: bf16 bits.
+    let x16 = [0x8000u16, 0x7fc1, 0x3f80, 0x0001];
+    let pos = [3u32, 0, 2, 1];
+    let send16 = permute_rows(&x16, 1, 1, &pos, 4).unwrap();
+    assert_eq!(unpermute_rows(&send16, 1, &pos, 4).unwrap(), x16);
 }
 
 #[test]
@@ -166,4 +227,36 @@ fn bad_input_is_an_error_not_a_panic() {
         combine(&[1.0; 4], 2, 2, &[0, 1, 2], &[1.0; 3]),
         Err(KernelError::Shape(_))
     ));
+}
+
+#[test]
+fn unpermute_shape_errors() {
+    let back = [1.0f32, 2.0, 3.0, 4.0];
+    // Row length 0, or back not whole rows.
+    assert!(matches!(
+        unpermute_rows(&back, 0, &[0], 1),
+        Err(KernelError::Shape(_))
+    ));
+    assert!(matches!(
+        unpermute_rows(&back, 3, &[0], 1),
+        Err(KernelError::Shape(_))
+    ));
+    // One position per output row.
+    assert!(matches!(
+        unpermute_rows(&back, 2, &[0, 1], 3),
+        Err(KernelError::Shape(_))
+    ));
+    // A position past the end of back names the slot and the row.
+    let e = unpermute_rows(&back, 2, &[1, 2], 2).unwrap_err();
+    assert!(matches!(e, KernelError::Shape(_)));
+    assert!(e.to_string().contains("slot 1 maps to row 2"), "{e}");
+    // NO_POSITION leaves the row at its default; empty input is fine.
+    assert_eq!(
+        unpermute_rows(&back, 2, &[NO_POSITION, 0], 2).unwrap(),
+        vec![0.0, 0.0, 1.0, 2.0]
+    );
+    assert_eq!(
+        unpermute_rows::<f32>(&[], 2, &[], 0).unwrap(),
+        Vec::<f32>::new()
+    );
 }

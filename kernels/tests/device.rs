@@ -1,4 +1,5 @@
-//! The CUDA kernels against the CPU references (feature `cuda`). Without a device (CI: the
+//! The CUDA kernels against the CPU references (feature `cuda`): counts, positions, permutation and
+//! un-permute bit for bit, the combine within a tolerance. Without a device (CI: the
 //! driver is the link stub) the comparison is skipped and only the clean failure is checked;
 //! `LZ_REQUIRE_GPU=1` (set by `kernels/check-gpu.sh`) turns a missing device into a failure.
 #![cfg(feature = "cuda")]
@@ -101,7 +102,70 @@ fn check(
                 want_send,
                 "permute, hidden {h}"
             );
+            // Un-permute of the send buffer: every slot gets its row back (bit-exact).
+            let slots = gate[src].len();
+            let want_back = cpu::unpermute_rows(&want_send, h, &want, slots).unwrap();
+            let mut d_back = s.alloc_zeros::<u16>((slots * h).max(1)).unwrap();
+            let mut d_out = d_back.slice_mut(0..slots * h);
+            k.unpermute_view(&d_send.as_view(), h, &d_pos.as_view(), slots, &mut d_out)
+                .unwrap();
+            let got = s.clone_dtoh(&d_back.slice(0..slots * h)).unwrap();
+            assert_eq!(got, want_back, "unpermute, hidden {h}");
         }
+        // f32 rows (2·hidden words) with top_k = 1 positions: the un-permute inverts the
+        // permutation bit for bit, signed zeros and NaN payloads included.
+        let slots = gate[src].len();
+        let specials = [0x8000_0000u32, 0, 0x7fc0_0001, 0xffc1_2345, 0x7f80_0001];
+        let x: Vec<f32> = (0..slots * hidden)
+            .map(|i| {
+                if i % 5 == 0 {
+                    f32::from_bits(specials[i / 5 % specials.len()])
+                } else {
+                    rng.random_range(-4.0f32..4.0)
+                }
+            })
+            .collect();
+        let words: Vec<u16> = x
+            .iter()
+            .flat_map(|v| {
+                let b = v.to_bits();
+                [b as u16, (b >> 16) as u16]
+            })
+            .collect();
+        let want_send = cpu::permute_rows(&words, 2 * hidden, 1, &want, t.send_rows).unwrap();
+        let d_x = s.clone_htod(&words).unwrap();
+        let mut d_send = s
+            .alloc_zeros::<u16>((t.send_rows * 2 * hidden).max(1))
+            .unwrap();
+        let mut d_send_rows = d_send.slice_mut(0..t.send_rows * 2 * hidden);
+        k.permute_view(
+            &d_x.as_view(),
+            2 * hidden,
+            1,
+            &d_pos.as_view(),
+            slots,
+            &mut d_send_rows,
+        )
+        .unwrap();
+        let send_host = s
+            .clone_dtoh(&d_send.slice(0..t.send_rows * 2 * hidden))
+            .unwrap();
+        assert_eq!(send_host, want_send, "permute f32 rows");
+        let mut d_out = s.alloc_zeros::<u16>((slots * 2 * hidden).max(1)).unwrap();
+        let mut d_out_rows = d_out.slice_mut(0..slots * 2 * hidden);
+        k.unpermute_view(
+            &d_send.slice(0..t.send_rows * 2 * hidden),
+            2 * hidden,
+            &d_pos.as_view(),
+            slots,
+            &mut d_out_rows,
+        )
+        .unwrap();
+        assert_eq!(
+            s.clone_dtoh(&d_out.slice(0..slots * 2 * hidden)).unwrap(),
+            words,
+            "unpermute inverts permute (f32 rows)"
+        );
         // Combine: f32 and bf16, against the reference within a tolerance.
         let w: Vec<f32> = (0..tokens * top_k)
             .map(|_| rng.random_range(0.0..1.0))
@@ -145,6 +209,62 @@ fn kernels_match_the_cpu_references() {
     // Several blocks (chunks of 4096 slots) and many experts.
     check(&k, 3, 8, 64, 9000, 2, 128);
     check(&k, 4, 3, 256, 5000, 3, 24);
+}
+
+/// Views that are not 16-byte aligned fall back to the 2-byte kernels (same result).
+#[test]
+fn unaligned_views_use_the_word_kernels() {
+    let Some(k) = kernels() else { return };
+    let s = k.stream().clone();
+    let (rows, h) = (5usize, 8usize); // 16-byte rows: the vector kernels when aligned
+    let x: Vec<u16> = (0..(rows * h) as u16).collect();
+    let pos: Vec<u32> = vec![3, 0, 4, 1, 2];
+    let want_send = cpu::permute_rows(&x, h, 1, &pos, rows).unwrap();
+    let want_back = cpu::unpermute_rows(&want_send, h, &pos, rows).unwrap();
+    assert_eq!(want_back, x);
+    // One extra word in front: every view starts 2 bytes past an aligned address.
+    let mut padded = vec![0u16];
+    padded.extend(&x);
+    let d_x = s.clone_htod(&padded).unwrap();
+    let d_pos = s.clone_htod(&pos).unwrap();
+    let mut d_send = s.alloc_zeros::<u16>(rows * h + 1).unwrap();
+    k.permute_view(
+        &d_x.slice(1..),
+        h,
+        1,
+        &d_pos.as_view(),
+        rows,
+        &mut d_send.slice_mut(1..),
+    )
+    .unwrap();
+    assert_eq!(s.clone_dtoh(&d_send.slice(1..)).unwrap(), want_send);
+    let mut d_out = s.alloc_zeros::<u16>(rows * h + 1).unwrap();
+    k.unpermute_view(
+        &d_send.slice(1..),
+        h,
+        &d_pos.as_view(),
+        rows,
+        &mut d_out.slice_mut(1..),
+    )
+    .unwrap();
+    assert_eq!(s.clone_dtoh(&d_out.slice(1..)).unwrap(), x);
+    // A position past the end of back gives a zero row (memory guard), NO_POSITION too.
+    let d_bad = s.clone_htod(&[0u32, 99, u32::MAX]).unwrap();
+    let d_back = s.clone_htod(&x[..h]).unwrap();
+    let mut d_out = s.clone_htod(&vec![7u16; 3 * h]).unwrap();
+    k.unpermute(&d_back, h, &d_bad, 3, &mut d_out).unwrap();
+    let got = s.clone_dtoh(&d_out).unwrap();
+    assert_eq!(&got[..h], &x[..h]);
+    assert!(got[h..].iter().all(|&w| w == 0), "{got:?}");
+    // Shape errors before any launch.
+    assert!(matches!(
+        k.unpermute(&d_back, h, &d_bad, 2, &mut d_out),
+        Err(KernelError::Shape(_))
+    ));
+    assert!(matches!(
+        k.unpermute(&d_back, 3, &d_bad, 3, &mut d_out),
+        Err(KernelError::Shape(_))
+    ));
 }
 
 #[test]

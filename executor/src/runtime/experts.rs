@@ -1,5 +1,6 @@
 //! [`DistributedExperts`]: expert execution across workers (see the [module docs](super)).
 
+use super::dispatch::{self, LayerRoute};
 use super::fsep::{self, ShardGrads, SharedShards, Traffic, bytes_to_others};
 use crate::comm::{Communicator, Rank};
 use crate::model::{DenseModel, ExpertExec, ExpertState, ExpertStore, ExpertWeights, ShardStore};
@@ -51,6 +52,8 @@ struct Inner {
     joining: BTreeMap<(usize, usize), Vec<Rank>>,
     /// `(d_model, d_ff)` and device of the zeros a joining rank contributes.
     joining_shape: Option<(usize, usize, Device)>,
+    /// The dispatch kernels of the CUDA devices layers ran on (feature `cuda`).
+    kernels: dispatch::Kernels,
 }
 
 impl Inner {
@@ -92,39 +95,6 @@ fn scatter(out: &mut [f32], blocks: &[RecvBlock], d: usize, data: &[f32]) {
     }
 }
 
-/// Rows of `local` (local order) in send order, split per destination.
-fn to_send(local: &[f32], order: &[usize], counts: &[u64], d: usize) -> Vec<Vec<f32>> {
-    let mut rows = order.iter().map(|&i| &local[i * d..(i + 1) * d]);
-    counts
-        .iter()
-        .map(|&c| {
-            let mut v = Vec::with_capacity(c as usize * d);
-            for _ in 0..c {
-                v.extend_from_slice(rows.next().expect("send_order covers every row"));
-            }
-            v
-        })
-        .collect()
-}
-
-/// Inverse of [`to_send`]: rows in send order (concatenated per destination) back to local
-/// order.
-fn from_send(sent: &[Vec<f32>], order: &[usize], d: usize) -> Result<Vec<f32>> {
-    let flat: Vec<f32> = sent.concat();
-    if flat.len() != order.len() * d {
-        candle_core::bail!(
-            "reverse exchange returned {} values, expected {}",
-            flat.len(),
-            order.len() * d
-        );
-    }
-    let mut out = vec![0f32; flat.len()];
-    for (k, &i) in order.iter().enumerate() {
-        out[i * d..(i + 1) * d].copy_from_slice(&flat[k * d..(k + 1) * d]);
-    }
-    Ok(out)
-}
-
 /// Splits a receive-layout buffer into per-source chunks (`counts[src]` rows each).
 fn split_rows(buf: &[f32], counts: &[u64], d: usize) -> Vec<Vec<f32>> {
     let mut pos = 0;
@@ -145,13 +115,15 @@ struct LayerCtx {
     rank: Rank,
     d: usize,
     plan: DispatchPlan,
-    /// Send permutation of the local rows (see `DispatchPlan::send_order`).
-    order: Vec<usize>,
+    /// Send positions of the local rows and the permutations through the dispatch kernels
+    /// (on the layer's CUDA device, or the CPU references on host copies).
+    route: LayerRoute,
     /// Receive buffer of the forward exchange (inputs of the local experts).
     recv_x: Vec<f32>,
     groups: BTreeMap<usize, Vec<RecvBlock>>,
-    /// The layer's outputs in local order (what the op's forward returns).
-    y_local: Vec<f32>,
+    /// The layer's outputs in local order (what the op's forward returns), `rows × d` f32 on
+    /// the route's device.
+    y_local: Tensor,
 }
 
 /// The custom op that carries the outputs forward and performs the reverse exchange in
@@ -210,20 +182,32 @@ impl CustomOp1 for ExchangeOp {
 
     fn cpu_fwd(&self, _s: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let shape = layout.shape().clone();
-        if shape.elem_count() != self.ctx.y_local.len() {
+        if shape.elem_count() != self.ctx.y_local.elem_count() {
             candle_core::bail!("moe-exchange: input {shape:?} does not match the outputs");
         }
-        Ok((CpuStorage::F32(self.ctx.y_local.clone()), shape))
+        let y = self.ctx.y_local.flatten_all()?.to_vec1::<f32>()?;
+        Ok((CpuStorage::F32(y), shape))
+    }
+
+    /// The layer ran on a CUDA device (feature `cuda`): its outputs were un-permuted there.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _s: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let shape = layout.shape().clone();
+        if shape.elem_count() != self.ctx.y_local.elem_count() {
+            candle_core::bail!("moe-exchange: input {shape:?} does not match the outputs");
+        }
+        Ok((dispatch::cuda_storage_of(&self.ctx.y_local)?, shape))
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         let c = &*self.ctx;
-        let g = grad_res
-            .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
+        // dL/dy in the forward's send layout (permuted where the layer's rows live).
+        let send = c.route.send_buffers(grad_res)?;
         let mut inner = lock(&self.shared)?;
-        let send = to_send(&g, &c.order, &c.plan.send_counts[c.rank], c.d);
         inner.traffic.token_bytes += bytes_to_others(&send, c.rank);
         let recv_g = inner.comm.all_to_all_v(send).map_err(wrap)?.concat();
         if recv_g.len() != c.recv_x.len() {
@@ -264,9 +248,11 @@ impl CustomOp1 for ExchangeOp {
         inner.traffic.token_bytes += bytes_to_others(&back, c.rank);
         let back = inner.comm.all_to_all_v(back).map_err(wrap)?;
         drop(inner);
-        let dx = from_send(&back, &c.order, c.d)?;
-        let n = c.order.len();
-        let dx = Tensor::from_vec(dx, (n, c.d), arg.device())?.to_dtype(arg.dtype())?;
+        let dx = c
+            .route
+            .unpermute(&back)?
+            .to_device(arg.device())?
+            .to_dtype(arg.dtype())?;
         Ok(Some(dx))
     }
 }
@@ -345,6 +331,7 @@ impl DistributedExperts {
                 sent_bytes_at_reset: 0,
                 joining: BTreeMap::new(),
                 joining_shape: None,
+                kernels: dispatch::Kernels::default(),
             })),
             replicas,
             rank,
@@ -391,6 +378,7 @@ impl DistributedExperts {
                 sent_bytes_at_reset: 0,
                 joining: BTreeMap::new(),
                 joining_shape: None,
+                kernels: dispatch::Kernels::default(),
             })),
             replicas,
             rank,
@@ -753,8 +741,15 @@ impl ExpertExec for DistributedExperts {
             xs.push(x.to_dtype(DType::F32)?);
             sizes.push(n);
         }
-        let x_all = Tensor::cat(&xs, 0)?.to_device(&Device::Cpu)?;
-        let x_data = x_all.flatten_all()?.to_vec1::<f32>()?;
+        // On a CUDA device (feature `cuda`) the rows stay there and the dispatch kernels move
+        // them; elsewhere the exchange works on a host copy (moved with differentiable
+        // `to_device`).
+        let x_all = Tensor::cat(&xs, 0)?;
+        let x_all = if dispatch::routes_on_device(&dev) {
+            x_all
+        } else {
+            x_all.to_device(&Device::Cpu)?
+        };
 
         let mut inner = lock(&self.shared)?;
         let (me, world) = (self.rank, self.world);
@@ -777,8 +772,15 @@ impl ExpertExec for DistributedExperts {
                 inner.weights.insert((layer, e), w);
             }
         }
-        let order = p.send_order(me, &token_experts).map_err(wrap)?;
-        let send = to_send(&x_data, &order, &p.send_counts[me], d);
+        let route = LayerRoute::new(
+            &mut inner.kernels,
+            &p,
+            me,
+            &token_experts,
+            d,
+            x_all.device(),
+        )?;
+        let send = route.send_buffers(&x_all)?;
         inner.traffic.token_bytes += bytes_to_others(&send, me);
         let recv_x = inner.comm.all_to_all_v(send).map_err(wrap)?.concat();
         if recv_x.len() as u64 != p.recv_tokens(me) * d as u64 {
@@ -802,7 +804,7 @@ impl ExpertExec for DistributedExperts {
         let back = split_rows(&y_recv, &p.recv_counts[me], d);
         inner.traffic.token_bytes += bytes_to_others(&back, me);
         let back = inner.comm.all_to_all_v(back).map_err(wrap)?;
-        let y_local = from_send(&back, &order, d)?;
+        let y_local = route.unpermute(&back)?;
         for (e, row) in t.iter().enumerate() {
             *inner.routed.entry((layer, e)).or_insert(0) += row.iter().sum::<u64>();
         }
@@ -820,7 +822,7 @@ impl ExpertExec for DistributedExperts {
                 rank: me,
                 d,
                 plan: p,
-                order,
+                route,
                 recv_x,
                 groups,
                 y_local,

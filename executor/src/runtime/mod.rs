@@ -63,9 +63,28 @@
 //! bit-identical. A re-layout ([`DistributedExperts::set_layout`]) changes the table and
 //! nothing else.
 //!
-//! Host staging: activations travel as f32 through host memory; on a non-CPU device the op runs
-//! on a host copy of the inputs (moved with differentiable `to_device`).
+//! ## Data path: the dispatch kernels
+//!
+//! The rows move between local order and the plan's send layout through the `lazarus-kernels`
+//! crate (`dispatch.rs`, `LayerRoute`), in the forward (tokens out, expert outputs back) and in
+//! the op's backward (`dL/dy` out, `dL/dx` back): per layer, the send position of every local
+//! row (`DispatchTables::from_plan` + `send_positions`, which checks the rows' per-expert
+//! counts against the plan: a row routed to an unknown expert is an error, not a panic), the
+//! permutation into the send buffer (`permute_rows`, top_k = 1 since `run_layer` receives
+//! per-expert batches), split per destination by `send_counts[me]`, and on the way back the
+//! exact inverse (`unpermute_rows` of the concatenated returned buffers: rows copied bit for
+//! bit). On the CPU it runs the crate's CPU references. With feature `cuda`, when the layer's
+//! rows live on a CUDA device, it runs the crate's CUDA kernels on candle's stream of that
+//! device: the op then runs on the device (its `cuda_fwd` hands out the outputs un-permuted
+//! there), and the only host traffic is one device-to-host copy of each permuted send buffer and
+//! one host-to-device copy of each returned one.
+//!
+//! Host staging: activations travel as f32 through host memory (the
+//! [`Communicator`](crate::comm::Communicator) moves host buffers); on a device other than the
+//! CPU or CUDA the op runs on a host copy of the inputs (moved with differentiable
+//! `to_device`).
 
+mod dispatch;
 mod experts;
 mod fsep;
 
