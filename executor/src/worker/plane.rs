@@ -10,7 +10,7 @@
 //!   operations when it failed). No new unique id, no bootstrap of a whole new communicator.
 //! * **Fresh** (`ncclCommInitRankConfig`): otherwise — a first epoch, a newcomer, a
 //!   renumbering, an older NCCL without shrink — rank 0 creates a unique id and sends it over
-//!   the mesh ([`crate::comm::nccl::connect_over`]).
+//!   the mesh (`comm::nccl::connect_over`, feature `cuda`).
 //!
 //! Shrinking is collective among the survivors, so they first agree over the mesh
 //! ([`agree_on_shrink`]): each proposes the epoch of the communicator it kept and the ranks to
