@@ -998,26 +998,13 @@ impl NcclCommunicator {
                 )
             };
             let child = RawComm { handle, ctx };
-            if !accepted(r) || child.handle.is_null() {
-                Err(NcclError::Nccl {
-                    op: OP,
-                    msg: describe(r, Some(parent)),
-                })
-            } else {
-                match settle(&child, deadline, None).map_err(cuda_error(OP))? {
-                    Wait::Done => Ok((child, stream)),
-                    Wait::Failed(code) => Err(NcclError::Nccl {
-                        op: OP,
-                        msg: describe(code, Some(&child)),
-                    }),
-                    Wait::Expired | Wait::Aborted => Err(CommError::Timeout {
-                        peer: lowest_other(rank, world),
-                        op: OP,
-                        ms: timeout_ms,
-                    }
-                    .into()),
-                }
-            }
+            let waited = Waited {
+                rank,
+                world,
+                timeout_ms,
+                deadline,
+            };
+            when_made(OP, OP, r, child, waited).map(|child| (child, stream))
         };
         Communicator::abort(self);
         let (child, stream) = made?;
@@ -1306,22 +1293,49 @@ fn init_rank(
         handle,
         ctx: Arc::clone(ctx),
     };
+    let waited = Waited {
+        rank,
+        world,
+        timeout_ms,
+        deadline,
+    };
+    when_made(OP, "ncclCommInitRankConfig", r, comm, waited)
+}
+
+/// How long the making of a communicator may take, and whom a timeout names.
+struct Waited {
+    rank: Rank,
+    world: usize,
+    timeout_ms: u64,
+    deadline: Instant,
+}
+
+/// A communicator NCCL is making (`call`, which returned `r`: an initialization or a shrink),
+/// once it is ready. Rejected outright, failed, or not ready by the deadline (a
+/// [`CommError::Timeout`] of `op`), it is dropped, hence aborted, which cancels the making.
+fn when_made(
+    op: &'static str,
+    call: &'static str,
+    r: sys::ncclResult_t,
+    comm: RawComm,
+    w: Waited,
+) -> Result<RawComm, NcclError> {
     if !accepted(r) || comm.handle.is_null() {
         return Err(NcclError::Nccl {
-            op: "ncclCommInitRankConfig",
+            op: call,
             msg: describe(r, Some(&comm)),
         });
     }
-    match settle(&comm, deadline, None).map_err(cuda_error(OP))? {
+    match settle(&comm, w.deadline, None).map_err(cuda_error(op))? {
         Wait::Done => Ok(comm),
         Wait::Failed(code) => Err(NcclError::Nccl {
-            op: "ncclCommInitRankConfig",
+            op: call,
             msg: describe(code, Some(&comm)),
         }),
         Wait::Expired | Wait::Aborted => Err(CommError::Timeout {
-            peer: lowest_other(rank, world),
-            op: OP,
-            ms: timeout_ms,
+            peer: lowest_other(w.rank, w.world),
+            op,
+            ms: w.timeout_ms,
         }
         .into()),
     }
