@@ -936,6 +936,27 @@ impl NcclCommunicator {
         let ctx = CudaContext::new(device_ordinal).map_err(cuda_error("cuCtx (device)"))?;
         let stream = ctx.new_stream().map_err(cuda_error("cuStreamCreate"))?;
         let comm = init_rank(&ctx, rank, world, id, timeout_ms, deadline)?;
+        Self::warmed_up(
+            rank,
+            world,
+            device_ordinal,
+            timeout_ms,
+            stream,
+            comm,
+            deadline,
+        )
+    }
+
+    /// A communicator NCCL has just made, once its warm-up (before `deadline`) passed.
+    fn warmed_up(
+        rank: Rank,
+        world: usize,
+        device_ordinal: usize,
+        timeout_ms: u64,
+        stream: Arc<CudaStream>,
+        comm: RawComm,
+        deadline: Instant,
+    ) -> Result<Self, NcclError> {
         let mut me = Self {
             rank,
             world,
@@ -1008,20 +1029,8 @@ impl NcclCommunicator {
         };
         Communicator::abort(self);
         let (child, stream) = made?;
-        let mut me = Self {
-            rank,
-            world,
-            device_ordinal: self.device_ordinal,
-            timeout_ms,
-            stream,
-            comm: Some(child),
-            failed: false,
-            parked: Vec::new(),
-            payload_bytes_sent: 0,
-            abort_flag: None,
-        };
-        me.warm_up(deadline)?;
-        Ok(me)
+        let ordinal = self.device_ordinal;
+        Self::warmed_up(rank, world, ordinal, timeout_ms, stream, child, deadline)
     }
 
     /// The CUDA device this rank runs on.
