@@ -731,10 +731,14 @@ enum Wait {
     Failed(sys::ncclResult_t),
 }
 
-/// Polls `ready` until it holds, NCCL reports an error on `comm`, `abort` is raised or
-/// `deadline` passes (pauses start at 2 µs and double up to [`POLL_MAX`]).
+/// NCCL's state of a communicator ([`RawComm::state`]; tests substitute a script).
+type State<'a> = &'a dyn Fn() -> sys::ncclResult_t;
+
+/// Polls `ready` until it holds, NCCL reports an error (`state`), `abort` is raised or
+/// `deadline` passes (pauses start at 2 µs and double up to [`POLL_MAX`]). `ready` is asked
+/// first, so work that completed is not reported as failed.
 fn poll(
-    comm: &RawComm,
+    state: State<'_>,
     deadline: Instant,
     abort: Option<&AtomicBool>,
     mut ready: impl FnMut() -> Result<bool, DriverError>,
@@ -744,7 +748,7 @@ fn poll(
         if ready()? {
             return Ok(Wait::Done);
         }
-        match comm.state() {
+        match state() {
             sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => {}
             e => return Ok(Wait::Failed(e)),
         }
@@ -763,12 +767,12 @@ fn poll(
 /// Waits until a non-blocking communicator has finished what it accepted (its state leaves
 /// `ncclInProgress`): an initialization, or a group it is still connecting and enqueueing.
 fn settle(
-    comm: &RawComm,
+    state: State<'_>,
     deadline: Instant,
     abort: Option<&AtomicBool>,
 ) -> Result<Wait, DriverError> {
-    poll(comm, deadline, abort, || {
-        Ok(comm.state() == sys::ncclResult_t::ncclSuccess)
+    poll(state, deadline, abort, || {
+        Ok(state() == sys::ncclResult_t::ncclSuccess)
     })
 }
 
@@ -791,12 +795,13 @@ fn run_group(
     let ended = unsafe { sys::ncclGroupEnd() };
     posted?;
     check(op, ended, comm)?;
-    match settle(comm, deadline, abort).map_err(cuda_failed(op))? {
+    let state = || comm.state();
+    match settle(&state, deadline, abort).map_err(cuda_failed(op))? {
         Wait::Done => {}
         other => return Ok(other),
     }
     let done = stream.record_event(None).map_err(cuda_failed(op))?;
-    poll(comm, deadline, abort, || done.try_is_complete()).map_err(cuda_failed(op))
+    poll(&state, deadline, abort, || done.try_is_complete()).map_err(cuda_failed(op))
 }
 
 /// The error of a wait that did not end with [`Wait::Done`]; `peer` is the rank blamed (NCCL
@@ -1335,7 +1340,7 @@ fn when_made(
             msg: describe(r, Some(&comm)),
         });
     }
-    match settle(&comm, w.deadline, None).map_err(cuda_error(op))? {
+    match settle(&|| comm.state(), w.deadline, None).map_err(cuda_error(op))? {
         Wait::Done => Ok(comm),
         Wait::Failed(code) => Err(NcclError::Nccl {
             op: call,
@@ -2175,6 +2180,66 @@ mod tests {
             assemble(&[1], long),
             Err(CommError::Protocol(m)) if m.contains("more")
         ));
+    }
+
+    /// A scripted `ncclCommGetAsyncError`: the given states in turn, then the last one forever.
+    fn script(states: &[sys::ncclResult_t]) -> impl Fn() -> sys::ncclResult_t + '_ {
+        let next = std::cell::Cell::new(0usize);
+        move || {
+            let i = next.get();
+            next.set(i + 1);
+            states[i.min(states.len() - 1)]
+        }
+    }
+
+    #[test]
+    fn settling_waits_out_in_progress_and_stops_at_errors_aborts_and_the_deadline() {
+        use sys::ncclResult_t::{ncclInProgress as P, ncclRemoteError, ncclSuccess as S};
+        let later = Instant::now() + Duration::from_secs(30);
+        // Initialization (or a group) accepted after a few polls.
+        let st = script(&[P, P, P, S]);
+        assert_eq!(settle(&st, later, None).unwrap(), Wait::Done);
+        // A peer fails while NCCL still connects.
+        let st = script(&[P, P, ncclRemoteError]);
+        assert_eq!(
+            settle(&st, later, None).unwrap(),
+            Wait::Failed(ncclRemoteError)
+        );
+        // The command reader raises the abort flag.
+        let st = script(&[P]);
+        let flag = AtomicBool::new(true);
+        assert_eq!(settle(&st, later, Some(&flag)).unwrap(), Wait::Aborted);
+        // Nobody else joins: the deadline passes (promptly: 20 ms, not the 30 s above).
+        let st = script(&[P]);
+        let t = Instant::now();
+        let soon = t + Duration::from_millis(20);
+        assert_eq!(settle(&st, soon, None).unwrap(), Wait::Expired);
+        assert!(t.elapsed() >= Duration::from_millis(20));
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn a_wait_reports_completed_work_before_an_error_and_an_error_before_the_deadline() {
+        use sys::ncclResult_t::{ncclInProgress as P, ncclSuccess as S, ncclSystemError};
+        let past = Instant::now() - Duration::from_millis(1);
+        // The stream's work completed: done, even if NCCL has an error to report by now.
+        let st = script(&[ncclSystemError]);
+        assert_eq!(poll(&st, past, None, || Ok(true)).unwrap(), Wait::Done);
+        // Not complete, an error, deadline passed: the error is what happened.
+        assert_eq!(
+            poll(&st, past, None, || Ok(false)).unwrap(),
+            Wait::Failed(ncclSystemError)
+        );
+        // The stream completes on the third poll, NCCL healthy throughout.
+        let st = script(&[S, P, S]);
+        let mut polls = 0;
+        let later = Instant::now() + Duration::from_secs(30);
+        let got = poll(&st, later, None, || {
+            polls += 1;
+            Ok(polls == 3)
+        });
+        assert_eq!(got.unwrap(), Wait::Done);
+        assert_eq!(polls, 3);
     }
 
     #[test]
