@@ -213,7 +213,10 @@ pub struct DeviceArgs {
           value_parser = parse_device)]
     pub device: DeviceKind,
     /// The workers' data plane: tcp, or nccl (default: nccl with --device cuda, else tcp).
-    /// Several workers sharing one GPU need tcp (NCCL cannot put two ranks on one GPU).
+    /// With nccl, expert states migrate over NCCL too, and after a lost node the survivors
+    /// shrink the last communicator (ncclCommShrink, NCCL 2.27 and later) instead of forming a
+    /// new one. Several workers sharing one GPU need tcp (NCCL cannot put two ranks on one
+    /// GPU).
     #[arg(long, value_name = "tcp|nccl", env = device::ENV_COMM, value_parser = parse_comm)]
     pub comm: Option<CommKind>,
     /// GPUs per node: an agent runs one worker per GPU (device ordinals 0..G), registered as
