@@ -222,8 +222,8 @@ fn accepted(r: sys::ncclResult_t) -> bool {
 }
 
 /// An NCCL result code with NCCL's own description of the last error (`ncclGetLastError`).
-fn describe(code: sys::ncclResult_t, comm: Option<&RawComm>) -> String {
-    let handle = comm.map_or(std::ptr::null_mut(), |c| c.handle);
+fn describe(code: sys::ncclResult_t, comm: &RawComm) -> String {
+    let handle = comm.handle;
     // SAFETY: `handle` is null or a live communicator; NCCL returns a static, NUL-terminated
     // string (possibly empty) that we copy at once.
     let last = unsafe {
@@ -248,7 +248,7 @@ fn check(op: &'static str, r: sys::ncclResult_t, comm: &RawComm) -> Result<(), C
     } else {
         Err(NcclError::Nccl {
             op,
-            msg: describe(r, Some(comm)),
+            msg: describe(r, comm),
         }
         .into())
     }
@@ -814,7 +814,7 @@ fn wait_error(op: &'static str, wait: Wait, peer: Rank, ms: u64, comm: &RawComm)
         Wait::Failed(code) => CommError::Io(std::io::Error::other(format!(
             "{op}: NCCL reports {} (rank {peer} is the lowest peer of the operation; NCCL does \
              not say which one failed)",
-            describe(code, Some(comm))
+            describe(code, comm)
         ))),
     }
 }
@@ -1337,14 +1337,14 @@ fn when_made(
     if !accepted(r) || comm.handle.is_null() {
         return Err(NcclError::Nccl {
             op: call,
-            msg: describe(r, Some(&comm)),
+            msg: describe(r, &comm),
         });
     }
     match settle(&|| comm.state(), w.deadline, None).map_err(cuda_error(op))? {
         Wait::Done => Ok(comm),
         Wait::Failed(code) => Err(NcclError::Nccl {
             op: call,
-            msg: describe(code, Some(&comm)),
+            msg: describe(code, &comm),
         }),
         Wait::Expired | Wait::Aborted => Err(CommError::Timeout {
             peer: lowest_other(w.rank, w.world),
@@ -1358,7 +1358,7 @@ fn when_made(
 impl NcclCommunicator {
     /// Sends this rank's number to every other rank and receives theirs, in one round before
     /// `deadline`: sets up every point-to-point connection while all ranks are present, and
-    /// checks the rank assignment. On failure the communicator is aborted.
+    /// checks the rank assignment. On failure the caller drops (hence aborts) the communicator.
     fn warm_up(&mut self, deadline: Instant) -> Result<(), NcclError> {
         const OP: &str = "rendezvous";
         let others = self.others();
@@ -1382,13 +1382,10 @@ impl NcclCommunicator {
         }
         match check_ranks(self.rank, &by_rank) {
             None => Ok(()),
-            Some((p, q)) => {
-                self.abort();
-                Err(CommError::Protocol(format!(
-                    "{OP}: rank {p} of this communicator says it is rank {q}"
-                ))
-                .into())
-            }
+            Some((p, q)) => Err(CommError::Protocol(format!(
+                "{OP}: rank {p} of this communicator says it is rank {q}"
+            ))
+            .into()),
         }
     }
 }

@@ -34,18 +34,6 @@ pub(super) struct KeptPlane {
     nccl: Option<nccl::Kept>,
 }
 
-impl std::fmt::Debug for KeptPlane {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        #[cfg(feature = "cuda")]
-        let kept = self.nccl.as_ref().map(|k| k.epoch);
-        #[cfg(not(feature = "cuda"))]
-        let kept: Option<u64> = None;
-        f.debug_struct("KeptPlane")
-            .field("nccl_epoch", &kept)
-            .finish()
-    }
-}
-
 /// The ranks of the `old` membership that the `new` one drops, when `new` is `old` less those
 /// members in the same order (the condition for `ncclCommShrink`, whose survivors keep their
 /// order); `None` when `new` has a member `old` lacks or orders them differently. Members are
@@ -122,7 +110,7 @@ mod nccl {
     /// The NCCL communicator of one epoch, shared by the epoch's runtime and the worker (which
     /// keeps it for the next epoch to shrink).
     pub(super) struct Kept {
-        pub(super) epoch: u64,
+        epoch: u64,
         peers: Vec<SocketAddr>,
         comm: Arc<Mutex<NcclCommunicator>>,
     }
@@ -196,7 +184,7 @@ mod nccl {
         });
         let agreed = agree_on_shrink(&mut tcp, proposal.as_ref().map(|(e, x)| (*e, &x[..])))
             .with_context(|| format!("rank {me}: agreeing on how to form the NCCL communicator"))?;
-        let comm = match (agreed, previous, proposal) {
+        let mut comm = match (agreed, previous, proposal) {
             (true, Some(p), Some((_, exclude))) => {
                 drop(tcp);
                 let mut parent = p
@@ -223,7 +211,6 @@ mod nccl {
                 )?
             }
         };
-        let mut comm = comm;
         comm.set_abort_flag(abort.flag());
         let shared = Arc::new(Mutex::new(comm));
         kept.nccl = Some(Kept {
