@@ -390,7 +390,7 @@ impl DispatchKernels {
             .arg(&h)
             .arg(out);
         // SAFETY: matches `lz_combine_f32`; shapes checked by `combine_shape`.
-        unsafe { b.launch(combine_cfg(t, h)) }.map_err(cuda("lz_combine_f32"))?;
+        unsafe { b.launch(row_cfg(t, h)) }.map_err(cuda("lz_combine_f32"))?;
         Ok(())
     }
 
@@ -414,7 +414,7 @@ impl DispatchKernels {
             .arg(&h)
             .arg(out);
         // SAFETY: matches `lz_combine_bf16`; shapes checked by `combine_shape`.
-        unsafe { b.launch(combine_cfg(t, h)) }.map_err(cuda("lz_combine_bf16"))?;
+        unsafe { b.launch(row_cfg(t, h)) }.map_err(cuda("lz_combine_bf16"))?;
         Ok(())
     }
 
@@ -451,19 +451,12 @@ impl DispatchKernels {
     }
 }
 
-/// One block per row (grid-stride past 65 535·8 rows), up to 256 threads over its words.
+/// One block per row (grid-stride past 65 535·8 rows), up to 256 threads over its words (or, for
+/// the combine, over a token's hidden values).
 fn row_cfg(rows: u32, words: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (rows.clamp(1, 65_535 * 8), 1, 1),
         block_dim: (words.clamp(32, 256).next_multiple_of(32), 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-fn combine_cfg(tokens: u32, hidden: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (tokens.clamp(1, 65_535 * 8), 1, 1),
-        block_dim: (hidden.clamp(32, 256).next_multiple_of(32), 1, 1),
         shared_mem_bytes: 0,
     }
 }
