@@ -99,11 +99,20 @@
 //!   and report it with [`StepReport::nonfinite`]. It is counted (its data is consumed), and
 //!   `max_nonfinite_steps` such steps in a row end the job: the state stopped improving and
 //!   the learning rate is almost certainly too high.
-//! * **Stop.** When every member finished the last step, every node is told to
-//!   [`Action::Stop`]; the job is over when every node sent its state checksums, which must
-//!   agree (one dense state, every replica of an expert identical) — else the job fails. Members
-//!   that say they finished while steps are still uncounted (their reports never arrived) fail
-//!   the job: it must not look complete.
+//! * **Done: a job that ends well holds its whole final state.** When every member finished
+//!   the last step, the job stops only if (1) the members hold all of its state, as they
+//!   reported it when they went idle: the dense state and a replica of every
+//!   `(layer, expert)` (a copy of every shard, when sharded) — else it is recovered first, by
+//!   the failure rules (a restore and the lost steps trained again, or an in-place repair) —
+//!   and (2) with checkpoints on, the checkpoint of the last step is committed (it is always
+//!   due, [`checkpoint_due`]); one that failed or lacks parts is written again after an
+//!   in-place reconfiguration, [`FINAL_CHECKPOINT_TRIES`] tries in all, then the job fails
+//!   saying so. Then every node is told to [`Action::Stop`]; the job is over when every node
+//!   sent its state checksums, which must agree (one dense state, every replica of an expert
+//!   and every copy of a shard identical) and cover the whole state; a member lost while
+//!   stopping is excused only when the committed last-step checkpoint holds the state — else
+//!   the job fails naming what is missing. Members that say they finished while steps are
+//!   still uncounted (their reports never arrived) fail the job: it must not look complete.
 //! * **Hosts.** Nodes that say they share a host ([`Event::Joined`]'s `host`: one node per GPU
 //!   of the host) are placed per host — MRO over the hosts with `c·G` slots each, each host's
 //!   slots split over its `G` nodes — and fail together: a node lost takes its host, whose
@@ -259,9 +268,14 @@ impl JobConfig {
 
     /// Whether members write a checkpoint once `completed_steps` steps are done (a fresh start
     /// writes one at step 0, so a lost expert before the first periodic one is recoverable).
+    /// The last step's state is always checkpointed: a job that ends holds its final state on
+    /// disk, whatever the cadence (see "Done" in the [module docs](JobMachine)).
     pub fn checkpoint_due(&self, completed_steps: u64) -> bool {
-        self.checkpoint_every_steps > 0
-            && completed_steps.is_multiple_of(self.checkpoint_every_steps)
+        checkpoint_due(
+            self.checkpoint_every_steps,
+            self.total_steps,
+            completed_steps,
+        )
     }
 
     pub fn validate(&self) -> Result<(), JobConfigError> {
@@ -285,6 +299,17 @@ impl JobConfig {
         Ok(())
     }
 }
+
+/// Whether a job of `total_steps` that checkpoints every `every_steps` steps (0: never) writes
+/// a checkpoint once `completed_steps` are done: every multiple of the cadence (a fresh start
+/// writes one at step 0) and the last step. One function for the machine and the workers.
+pub fn checkpoint_due(every_steps: u64, total_steps: u64, completed_steps: u64) -> bool {
+    every_steps > 0
+        && (completed_steps.is_multiple_of(every_steps) || completed_steps == total_steps)
+}
+
+/// How many times the checkpoint of the last step is tried before the job fails saying so.
+pub const FINAL_CHECKPOINT_TRIES: u64 = 3;
 
 /// When a member whose worker heartbeats is logged as slow: past the floor, and past the
 /// slowest recent step (a job whose every step is long is not slow at each of them).
@@ -366,6 +391,10 @@ pub struct StateChecksums {
     pub dense: u64,
     /// `(layer, expert, checksum)` of every replica held.
     pub replicas: Vec<(u32, u32, u64)>,
+    /// Sharded experts: `(shard, checksum)` of every shard copy held (each folds that slice of
+    /// every expert of every layer, with its optimizer state).
+    #[serde(default)]
+    pub shards: Vec<(u32, u64)>,
 }
 
 /// What a member reports holding when it stops ([`Event::Idle`]).
@@ -877,6 +906,13 @@ pub struct JobMachine {
     /// A layout switch sent to the members and not yet seen in force.
     #[serde(default)]
     switch: Option<PendingSwitch>,
+    /// Failed tries of the last step's checkpoint (see "Done" in the [module docs](self)).
+    #[serde(default)]
+    final_checkpoint_failures: u64,
+    /// The last step's checkpoint failed in this epoch (kept apart from `failed_checkpoints`,
+    /// which a later commit of an older step clears).
+    #[serde(default)]
+    final_checkpoint_failed: bool,
 }
 
 impl JobMachine {
@@ -917,6 +953,8 @@ impl JobMachine {
             slow_noted: BTreeMap::new(),
             shards: sharded::Shards::default(),
             switch: None,
+            final_checkpoint_failures: 0,
+            final_checkpoint_failed: false,
         })
     }
 
@@ -2002,6 +2040,7 @@ impl JobMachine {
             || !self.members.contains(&node)
             || !self.cfg.checkpoint_due(step)
             || self.commit_asked.is_some_and(|s| step <= s)
+            || self.last_committed.is_some_and(|c| step <= c)
         {
             return;
         }
@@ -2019,6 +2058,9 @@ impl JobMachine {
     }
 
     fn checkpoint_failed(&mut self, step: u64, error: &str, out: &mut Vec<Action>) {
+        if step == self.cfg.total_steps {
+            self.final_checkpoint_failed = true;
+        }
         if !self.failed_checkpoints.insert((self.epoch, step)) {
             return;
         }
@@ -2090,11 +2132,7 @@ impl JobMachine {
                     );
                 }
                 if finished {
-                    self.enter(Phase::Stopping, now_ms);
-                    for &id in self.nodes.keys() {
-                        out.push(Action::Stop { node: id });
-                    }
-                    out.push(Action::Log("every member finished; stopping".into()));
+                    self.finish_or_recover(now_ms, out);
                 } else {
                     self.plan_next(now_ms, out);
                 }
@@ -2103,11 +2141,93 @@ impl JobMachine {
             Phase::Stopping => {
                 if self.nodes.values().all(|n| n.done.is_some()) {
                     self.phase = Phase::Over;
-                    out.push(Action::Finished(self.check_consistency()));
+                    let result = self.check_final_state(out);
+                    out.push(Action::Finished(result));
                 }
             }
             Phase::Training | Phase::Restoring | Phase::Over => {}
         }
+    }
+
+    /// Every member finished the last step. The job stops only once the members hold its
+    /// whole final state and, with checkpoints, the last step's checkpoint is committed;
+    /// otherwise the state is recovered first (see "Done" in the [module docs](self)).
+    fn finish_or_recover(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        if let Some(missing) = self.final_state_missing() {
+            out.push(Action::Log(format!(
+                "every member finished, but {missing}: recovering the final state before the \
+                 job ends"
+            )));
+            self.note_cause(ReconfigKind::InPlace, now_ms);
+            return self.plan_next(now_ms, out);
+        }
+        let total = self.cfg.total_steps;
+        if self.cfg.checkpoint_every_steps > 0 && self.last_committed.is_none_or(|c| c < total) {
+            if self.commit_asked == Some(total) && !self.final_checkpoint_failed {
+                // Every member wrote its parts; the commit's answer is due.
+                return;
+            }
+            // A member reports its parts of a checkpoint before it reports that it finished
+            // (the driver keeps each node's messages in order): every member finished, so a
+            // part that is missing now will not come.
+
+            self.final_checkpoint_failures += 1;
+            let newest = self
+                .last_committed
+                .map_or("none".to_owned(), |s| format!("step {s}"));
+            if self.final_checkpoint_failures >= FINAL_CHECKPOINT_TRIES {
+                return self.fail(
+                    format!(
+                        "the checkpoint of the last step ({total}) failed {} times, so the \
+                         final state is not saved (the newest committed checkpoint: {newest})",
+                        self.final_checkpoint_failures
+                    ),
+                    out,
+                );
+            }
+            out.push(Action::Log(format!(
+                "the checkpoint of the last step ({total}) was not committed (try {} of \
+                 {FINAL_CHECKPOINT_TRIES}): the members write it again",
+                self.final_checkpoint_failures
+            )));
+            self.note_cause(ReconfigKind::InPlace, now_ms);
+            return self.plan_next(now_ms, out);
+        }
+        self.enter(Phase::Stopping, now_ms);
+        for &id in self.nodes.keys() {
+            out.push(Action::Stop { node: id });
+        }
+        out.push(Action::Log("every member finished; stopping".into()));
+    }
+
+    /// What of the job's state the members do not hold (from what they reported when they
+    /// went idle); `None` when they hold all of it.
+    fn final_state_missing(&self) -> Option<String> {
+        if !self.members.iter().any(|m| self.nodes[m].has_state) {
+            return Some("no member holds the dense state".into());
+        }
+        if self.cfg.sharded_experts {
+            let lost: Vec<usize> = self
+                .shards
+                .holders()
+                .iter()
+                .enumerate()
+                .filter(|(_, h)| !h.iter().any(|id| self.members.contains(id)))
+                .map(|(s, _)| s)
+                .collect();
+            return (!lost.is_empty()).then(|| format!("shards {lost:?} lost every copy"));
+        }
+        let held = self.reported_held(&self.members);
+        let lost = lost_experts_held(
+            Holders::Rows {
+                ids: &self.members,
+                held: &held,
+                layers: self.planned_layers(),
+            },
+            self.cfg.model.layers,
+            self.cfg.model.experts,
+        );
+        (!lost.is_empty()).then(|| format!("{} lost every replica", describe_lost(&lost)))
     }
 
     fn finish_reconfiguration(&mut self, now_ms: u64, out: &mut Vec<Action>) {
@@ -2627,6 +2747,7 @@ impl JobMachine {
         self.step_reports.clear();
         self.checkpoint_parts.clear();
         self.commit_asked = None;
+        self.final_checkpoint_failed = false;
         self.resuming = None;
         if !matches!(source, StateSource::Peers { .. }) {
             // A new lineage: nobody holds its state until it reports `Migrated`.
@@ -2696,6 +2817,9 @@ impl JobMachine {
         out.push(Action::Log(format!(
             "restoring the checkpoint of step {step}"
         )));
+        // The lineage goes on from this checkpoint: a newer one (damaged, or of an abandoned
+        // history) does not hold its final state.
+        self.last_committed = Some(step);
         self.send_plan(kind, StateSource::Checkpoint { step }, step, now_ms, out);
     }
 
@@ -2712,6 +2836,63 @@ impl JobMachine {
             out.push(Action::Stop { node: id });
         }
         out.push(Action::Finished(Err(why)));
+    }
+
+    /// The end of a job: the final checksums agree ([`Self::check_consistency`]) and cover the
+    /// whole state — the dense state and every `(layer, expert)` (every shard, when sharded) —
+    /// unless a member was lost before it reported them and the committed checkpoint of the
+    /// last step holds the state instead.
+    fn check_final_state(&self, out: &mut Vec<Action>) -> Result<(), String> {
+        self.check_consistency()?;
+        let Some(missing) = self.final_checksums_missing() else {
+            return Ok(());
+        };
+        let total = self.cfg.total_steps;
+        if self.cfg.checkpoint_every_steps > 0 && self.last_committed.is_some_and(|c| c >= total) {
+            out.push(Action::Log(format!(
+                "{missing} in the members' final checksums (lost while stopping); the committed \
+                 checkpoint of step {total} holds the final state"
+            )));
+            return Ok(());
+        }
+        Err(format!(
+            "the final state is incomplete: {missing} in the final checksums of the members \
+             that stopped, and no checkpoint of the last step ({total}) was committed"
+        ))
+    }
+
+    /// What the members' final checksums ([`Event::Done`]) do not cover; `None`: everything.
+    fn final_checksums_missing(&self) -> Option<String> {
+        let sums: Vec<&StateChecksums> = self
+            .members
+            .iter()
+            .filter_map(|m| self.nodes.get(m).and_then(|n| n.done.as_ref()))
+            .collect();
+        if sums.is_empty() {
+            return Some("no member's state".into());
+        }
+        if self.cfg.sharded_experts {
+            let shards = self.shards.holders().len() as u32;
+            let held: BTreeSet<u32> = sums
+                .iter()
+                .flat_map(|s| s.shards.iter().map(|c| c.0))
+                .collect();
+            let lost: Vec<u32> = (0..shards).filter(|s| !held.contains(s)).collect();
+            return (!lost.is_empty()).then(|| format!("shards {lost:?} are missing"));
+        }
+        let held: BTreeSet<(u32, u32)> = sums
+            .iter()
+            .flat_map(|s| s.replicas.iter().map(|&(l, e, _)| (l, e)))
+            .collect();
+        let mut lost = Vec::new();
+        for l in 0..self.cfg.model.layers as u32 {
+            for e in 0..self.cfg.model.experts as u32 {
+                if !held.contains(&(l, e)) {
+                    lost.push((l, e));
+                }
+            }
+        }
+        (!lost.is_empty()).then(|| format!("{} are missing", describe_lost(&lost)))
     }
 
     /// Every node's final state: one dense state, identical replicas of each expert.
@@ -2742,6 +2923,20 @@ impl JobMachine {
                     Some(_) => {}
                     None => {
                         replicas.insert((l, e), (*id, c));
+                    }
+                }
+            }
+        }
+        let mut shards: BTreeMap<u32, (NodeId, u64)> = BTreeMap::new();
+        for (id, s) in &sums {
+            for &(shard, c) in &s.shards {
+                match shards.get(&shard) {
+                    Some(&(other, c0)) if c0 != c => problems.push(format!(
+                        "shard {shard}: node {id}'s copy differs from node {other}'s"
+                    )),
+                    Some(_) => {}
+                    None => {
+                        shards.insert(shard, (*id, c));
                     }
                 }
             }

@@ -133,6 +133,24 @@ impl Job {
     }
 }
 
+/// The checksums a worker holding `node`'s replicas of the plan in force reports at `Stop`
+/// (every copy of an expert has the same checksum, `1000·layer + expert`).
+fn checksums_of(j: &Job, node: NodeId) -> StateChecksums {
+    StateChecksums {
+        dense: 1,
+        replicas: j
+            .held(node)
+            .iter()
+            .enumerate()
+            .flat_map(|(l, es)| {
+                es.iter()
+                    .map(move |&e| (l as u32, e, 1000 * l as u64 + u64::from(e)))
+            })
+            .collect(),
+        shards: Vec::new(),
+    }
+}
+
 fn reconfig(actions: &[Action]) -> Option<Reconfiguration> {
     actions.iter().find_map(|a| match a {
         Action::Reconfigure(r) => Some((**r).clone()),
@@ -650,14 +668,11 @@ fn the_job_ends_when_every_member_finished_and_checks_the_replicas() {
         let a = j.idle(1, IdleReason::Finished, 3);
         assert!(a.contains(&Action::Stop { node: 0 }) && a.contains(&Action::Stop { node: 1 }));
         for n in [0u32, 1] {
-            let dense = if diverge && n == 1 { 2 } else { 1 };
-            j.ev(Event::Done {
-                node: n,
-                checksums: StateChecksums {
-                    dense,
-                    replicas: vec![(0, 0, 7)],
-                },
-            });
+            let mut checksums = checksums_of(&j, n);
+            if diverge && n == 1 {
+                checksums.dense = 2;
+            }
+            j.ev(Event::Done { node: n, checksums });
         }
         let fin = j
             .out
@@ -821,10 +836,9 @@ fn a_node_lost_while_stopping_leaves_the_membership_and_the_job_ends() {
     j.idle(0, IdleReason::Finished, 3);
     j.idle(1, IdleReason::Finished, 3);
     assert_eq!(j.m.phase(), Phase::Stopping);
-    j.ev(Event::Done {
-        node: 0,
-        checksums: StateChecksums::default(),
-    });
+    // f = 2 on 2 nodes of 4 slots: node 0 holds every expert, so its state is the whole job's.
+    let checksums = checksums_of(&j, 0);
+    j.ev(Event::Done { node: 0, checksums });
     let a = j.ev(Event::Lost {
         node: 1,
         reason: "killed".into(),
@@ -924,10 +938,8 @@ fn a_node_that_does_not_stop_is_fenced_and_the_job_ends() {
     let (mut j, _) = started(config(4, 3), &[0, 1], 3);
     j.idle(0, IdleReason::Finished, 3);
     j.idle(1, IdleReason::Finished, 3);
-    j.ev(Event::Done {
-        node: 0,
-        checksums: StateChecksums::default(),
-    });
+    let checksums = checksums_of(&j, 0);
+    j.ev(Event::Done { node: 0, checksums });
     j.at(4_000).ev(Event::Heartbeat { node: 1 });
     j.ev(Event::Heartbeat { node: 0 });
     let a = j.ev(Event::Tick);
@@ -1234,10 +1246,8 @@ fn a_stopping_job_sends_stop_again_and_ends_when_the_checksums_arrive() {
         "{a:?}"
     );
     for n in [0, 1] {
-        j.ev(Event::Done {
-            node: n,
-            checksums: StateChecksums::default(),
-        });
+        let checksums = checksums_of(&j, n);
+        j.ev(Event::Done { node: n, checksums });
     }
     assert_eq!(finished(&j.out), Some(Ok(())));
 }
@@ -1626,4 +1636,311 @@ fn planned_holdings_of_another_version_count_as_nothing() {
         if l.contains(&format!("plan v{stale}")) && l.contains("counted as holding nothing"))));
     // Nobody holds anything: the experts are lost, and without checkpoints the job ends.
     assert!(!a.iter().any(|a| matches!(a, Action::Reconfigure(_))));
+}
+
+// Issue 33, item 1: a job that ends 0 holds its whole final state.
+
+/// 4 experts × 2 layers with `f = 1` on 3 nodes of 2 slots: some experts have one replica.
+fn single_copy_config(steps: u64, ckpt_every: u64) -> JobConfig {
+    let mut cfg = config(2, steps);
+    cfg.model.f = 1;
+    cfg.checkpoint_every_steps = ckpt_every;
+    cfg
+}
+
+/// A member of `r` whose loss leaves some expert without a replica.
+fn sole_holder(j: &Job, r: &Reconfiguration) -> NodeId {
+    *r.members()
+        .iter()
+        .find(|&&victim| {
+            (0..2).any(|l| {
+                (0..4u32).any(|e| {
+                    r.members()
+                        .iter()
+                        .filter(|&&m| m != victim)
+                        .all(|&m| !j.held(m)[l].contains(&e))
+                })
+            })
+        })
+        .expect("f = 1 leaves sole holders")
+}
+
+/// Every member writes its parts of the checkpoint of `step`; the commit succeeds.
+fn checkpoint_all(j: &mut Job, step: u64) -> Vec<Action> {
+    let epoch = j.m.epoch();
+    let mut a = Vec::new();
+    for m in j.m.members().to_vec() {
+        a.extend(j.ev(Event::CheckpointWritten {
+            node: m,
+            epoch,
+            step,
+        }));
+    }
+    assert!(
+        a.contains(&Action::CommitCheckpoint {
+            step,
+            members: j.m.members().len(),
+            plan_version: j.m.plan_version()
+        }),
+        "{a:?}"
+    );
+    a.extend(j.ev(Event::CheckpointCommitted { step }));
+    a
+}
+
+fn stepped(j: &mut Job, node: NodeId, step: u64) -> Vec<Action> {
+    let epoch = j.m.epoch();
+    j.ev(Event::Stepped {
+        node,
+        epoch,
+        step,
+        report: StepReport::default(),
+    })
+}
+
+/// The issue's reproduction (`kill -STOP` of an agent near the end): the survivors trained
+/// the last steps alone and finished; the stopped node was then declared gone. It held the
+/// only replica of some experts, so the survivors do not hold the final state: the job must
+/// not stop (it stopped with half the experts and reported success), it restores the newest
+/// checkpoint and trains the lost steps again.
+#[test]
+fn members_that_finish_without_every_expert_restore_and_train_the_lost_steps_again() {
+    let (mut j, r) = started(single_copy_config(10, 4), &[0, 1, 2], 8);
+    checkpoint_all(&mut j, 8);
+    let victim = sole_holder(&j, &r);
+    let survivors: Vec<NodeId> = r
+        .members()
+        .iter()
+        .copied()
+        .filter(|&m| m != victim)
+        .collect();
+    for &n in &survivors {
+        stepped(&mut j, n, 8);
+        stepped(&mut j, n, 9);
+    }
+    for &n in &survivors {
+        j.idle(n, IdleReason::Finished, 10);
+    }
+    let a = j.ev(Event::Lost {
+        node: victim,
+        reason: "no heartbeat from its agent".into(),
+    });
+    assert!(
+        !a.iter()
+            .any(|a| matches!(a, Action::Stop { .. } | Action::Finished(_))),
+        "{a:?}"
+    );
+    assert!(
+        logs(&a)
+            .iter()
+            .any(|l| l.contains("every member finished, but")),
+        "{a:?}"
+    );
+    assert!(a.contains(&Action::FindCheckpoint), "{a:?}");
+    let a = j.ev(Event::CheckpointFound { step: 8 });
+    let r2 = reconfig(&a).expect("a restore");
+    assert_eq!((r2.kind, r2.resume_step), (ReconfigKind::Restore, 8));
+    j.migrated_all(&r2);
+    j.step_all(8);
+    j.step_all(9);
+    checkpoint_all(&mut j, 10);
+    for m in j.m.members().to_vec() {
+        j.idle(m, IdleReason::Finished, 10);
+    }
+    assert_eq!(j.m.phase(), Phase::Stopping);
+    for m in j.m.members().to_vec() {
+        let checksums = checksums_of(&j, m);
+        j.ev(Event::Done { node: m, checksums });
+    }
+    assert_eq!(finished(&j.out), Some(Ok(())));
+}
+
+/// The last step is always checkpointed, whatever the cadence, and the job stops only once
+/// that checkpoint is committed.
+#[test]
+fn the_job_stops_only_once_the_last_steps_checkpoint_is_committed() {
+    let cfg = single_copy_config(6, 4);
+    assert!(cfg.checkpoint_due(6) && cfg.checkpoint_due(4) && !cfg.checkpoint_due(5));
+    let (mut j, _) = started(cfg, &[0, 1, 2], 6);
+    let members = j.m.members().to_vec();
+    let epoch = j.m.epoch();
+    // Each member reports its parts before it reports that it finished (one ordered stream
+    // per node); the driver answers the commit later.
+    let mut commit = 0;
+    for &m in &members {
+        let a = j.ev(Event::CheckpointWritten {
+            node: m,
+            epoch,
+            step: 6,
+        });
+        commit += a
+            .iter()
+            .filter(|a| matches!(a, Action::CommitCheckpoint { step: 6, .. }))
+            .count();
+        let a = j.idle(m, IdleReason::Finished, 6);
+        assert!(!a.iter().any(|a| matches!(a, Action::Stop { .. })), "{a:?}");
+    }
+    assert_eq!(commit, 1);
+    assert_eq!(
+        j.m.phase(),
+        Phase::Quiescing,
+        "waits for the commit's answer"
+    );
+    let a = j.ev(Event::CheckpointCommitted { step: 6 });
+    assert!(a.contains(&Action::Stop { node: 0 }), "{a:?}");
+}
+
+/// A last-step checkpoint that failed is written again (after an in-place reconfiguration
+/// that resumes at the last step), and after [`FINAL_CHECKPOINT_TRIES`] failures the job fails
+/// saying its final state is not saved.
+#[test]
+fn a_failed_last_step_checkpoint_is_tried_again_then_fails_the_job() {
+    use lazarus_planner::job::FINAL_CHECKPOINT_TRIES;
+    let (mut j, _) = started(single_copy_config(6, 4), &[0, 1, 2], 6);
+    for attempt in 1..=FINAL_CHECKPOINT_TRIES {
+        let epoch = j.m.epoch();
+        for m in j.m.members().to_vec() {
+            j.ev(Event::CheckpointWritten {
+                node: m,
+                epoch,
+                step: 6,
+            });
+        }
+        j.ev(Event::CheckpointFailed {
+            step: 6,
+            error: "No space left on device".into(),
+        });
+        let mut a = Vec::new();
+        for m in j.m.members().to_vec() {
+            a.extend(j.idle(m, IdleReason::Finished, 6));
+        }
+        if attempt < FINAL_CHECKPOINT_TRIES {
+            let r = reconfig(&a).expect("the members write it again");
+            assert_eq!(r.resume_step, 6);
+            assert!(matches!(r.source, StateSource::Peers { .. }), "{r:?}");
+            j.migrated_all(&r);
+        } else {
+            let err = finished(&a)
+                .expect("the job ends")
+                .expect_err("not a success");
+            assert!(
+                err.contains("checkpoint of the last step (6) failed 3 times"),
+                "{err}"
+            );
+        }
+    }
+}
+
+/// Checkpoints off: a member lost while stopping, before its checksums arrived, held the only
+/// replica of some experts. Nobody holds the final state any more: the job fails naming it.
+#[test]
+fn a_member_lost_while_stopping_with_state_nobody_else_holds_fails_the_job() {
+    let (mut j, r) = started(single_copy_config(4, 0), &[0, 1, 2], 4);
+    let victim = sole_holder(&j, &r);
+    for m in r.members().to_vec() {
+        j.idle(m, IdleReason::Finished, 4);
+    }
+    assert_eq!(j.m.phase(), Phase::Stopping);
+    for m in r.members().iter().copied().filter(|&m| m != victim) {
+        let checksums = checksums_of(&j, m);
+        j.ev(Event::Done { node: m, checksums });
+    }
+    let a = j.ev(Event::Lost {
+        node: victim,
+        reason: "killed".into(),
+    });
+    let err = finished(&a)
+        .expect("the job ends")
+        .expect_err("not a success");
+    assert!(
+        err.contains("the final state is incomplete: expert"),
+        "{err}"
+    );
+}
+
+/// With the last step's checkpoint committed, the same loss is excused: the state is on disk.
+#[test]
+fn a_member_lost_while_stopping_is_excused_by_the_committed_last_checkpoint() {
+    let (mut j, r) = started(single_copy_config(4, 4), &[0, 1, 2], 4);
+    let victim = sole_holder(&j, &r);
+    checkpoint_all(&mut j, 4);
+    for m in r.members().to_vec() {
+        j.idle(m, IdleReason::Finished, 4);
+    }
+    for m in r.members().iter().copied().filter(|&m| m != victim) {
+        let checksums = checksums_of(&j, m);
+        j.ev(Event::Done { node: m, checksums });
+    }
+    let a = j.ev(Event::Lost {
+        node: victim,
+        reason: "killed".into(),
+    });
+    assert_eq!(finished(&a), Some(Ok(())));
+    assert!(
+        logs(&a)
+            .iter()
+            .any(|l| l.contains("the committed checkpoint of step 4 holds the final state")),
+        "{a:?}"
+    );
+}
+
+/// Sharded experts: copies of one shard that disagree at the end fail the job, naming it.
+#[test]
+fn diverged_shard_copies_fail_the_job() {
+    let mut cfg = config(4, 3);
+    cfg.sharded_experts = true;
+    cfg.shard_copies = 2;
+    let (mut j, _) = started(cfg, &[0, 1, 2], 3);
+    for m in j.m.members().to_vec() {
+        j.idle(m, IdleReason::Finished, 3);
+    }
+    for (i, m) in j.m.members().to_vec().into_iter().enumerate() {
+        // 3 shards, 2 copies each: member i holds shards i and i+1 (mod 3), in some order;
+        // report every shard with checksum 7 except shard 0 on the last member.
+        let shards = (0..3u32)
+            .map(|s| (s, if s == 0 && i == 2 { 8 } else { 7 }))
+            .collect();
+        j.ev(Event::Done {
+            node: m,
+            checksums: StateChecksums {
+                dense: 1,
+                replicas: Vec::new(),
+                shards,
+            },
+        });
+    }
+    let err = finished(&j.out)
+        .expect("the job ends")
+        .expect_err("diverged");
+    assert!(err.contains("shard 0: node"), "{err}");
+}
+
+/// Found by the swarm test (seed 1398 of 5000): the last step's checkpoint failed, then the
+/// commit of an older one succeeded (which clears the failures in a row), and the machine
+/// waited for ever for an answer about the last one.
+#[test]
+fn a_later_commit_of_an_older_checkpoint_does_not_hide_a_failed_last_one() {
+    let (mut j, _) = started(single_copy_config(6, 4), &[0, 1, 2], 6);
+    let epoch = j.m.epoch();
+    let members = j.m.members().to_vec();
+    for step in [4, 6] {
+        for &m in &members {
+            j.ev(Event::CheckpointWritten {
+                node: m,
+                epoch,
+                step,
+            });
+        }
+    }
+    j.ev(Event::CheckpointFailed {
+        step: 6,
+        error: "simulated storage error".into(),
+    });
+    j.ev(Event::CheckpointCommitted { step: 4 });
+    let mut a = Vec::new();
+    for &m in &members {
+        a.extend(j.idle(m, IdleReason::Finished, 6));
+    }
+    let r = reconfig(&a).expect("the last step's checkpoint is written again");
+    assert_eq!(r.resume_step, 6);
 }

@@ -56,6 +56,11 @@ pub(super) struct Shards {
 }
 
 impl Shards {
+    /// `[shard]` = the nodes holding a copy after the last completed reconfiguration.
+    pub(super) fn holders(&self) -> &[Vec<NodeId>] {
+        &self.holders
+    }
+
     /// Every member finished the reconfiguration in flight: its placement is the truth.
     pub(super) fn commit(&mut self) {
         if let Some(next) = self.next.take() {

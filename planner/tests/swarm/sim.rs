@@ -217,6 +217,7 @@ enum TraceItem {
 pub struct Stats {
     pub finished_ok: u64,
     pub finished_no_checkpoint: u64,
+    pub final_checkpoint_failed: u64,
     pub ended_waiting: u64,
     pub in_place: u64,
     pub restores: u64,
@@ -234,6 +235,7 @@ impl Stats {
     pub fn add(&mut self, o: &Stats) {
         self.finished_ok += o.finished_ok;
         self.finished_no_checkpoint += o.finished_no_checkpoint;
+        self.final_checkpoint_failed += o.final_checkpoint_failed;
         self.ended_waiting += o.ended_waiting;
         self.in_place += o.in_place;
         self.restores += o.restores;
@@ -570,6 +572,14 @@ impl Sim {
                     // The only acceptable failure: a restore with no checkpoint committed.
                     Err(e) if self.no_checkpoint_said && e.contains("no checkpoint") => {
                         self.stats.finished_no_checkpoint += 1
+                    }
+                    // Or the simulated storage failed every try of the last step's checkpoint:
+                    // the job must not end well without its final state saved.
+                    Err(e)
+                        if self.commit_fail_p > 0.0
+                            && e.contains("checkpoint of the last step") =>
+                    {
+                        self.stats.final_checkpoint_failed += 1
                     }
                     Err(e) => self.fail(format!("the job failed: {e}")),
                 }
@@ -965,6 +975,7 @@ impl Sim {
                             .enumerate()
                             .flat_map(|(l, es)| es.iter().map(move |&(e, v)| (l as u32, e, v)))
                             .collect(),
+                        shards: Vec::new(),
                     }
                 };
                 n.status = Status::Stopped;
