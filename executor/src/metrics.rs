@@ -170,7 +170,8 @@ pub struct RecoveryRecord {
 pub struct Summary {
     /// Distinct steps completed: max step + 1 (0 without records).
     pub steps: u64,
-    /// Loss of the first record of step 0 (NaN, `null` in JSON, if none).
+    /// Loss of the first step this run trained: step 0, or the checkpoint's step of a resumed
+    /// run (NaN, `null` in JSON, if none).
     #[serde(deserialize_with = "nan_if_missing")]
     pub initial_loss: f64,
     /// Loss of the last record (NaN if none).
@@ -218,10 +219,7 @@ pub fn summarize(
     let last = records.last();
     Summary {
         steps: records.iter().map(|r| r.step).max().map_or(0, |m| m + 1),
-        initial_loss: records
-            .iter()
-            .find(|r| r.step == 0)
-            .map_or(f64::NAN, |r| r.loss),
+        initial_loss: records.first().map_or(f64::NAN, |r| r.loss),
         final_loss: last.map_or(f64::NAN, |r| r.loss),
         recoveries: count(KIND_IN_PLACE),
         fallbacks: count(KIND_CHECKPOINT),

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use lazarus_executor::comm::MeshSecret;
 use lazarus_executor::model::{ExpertMode, MoeConfig};
 use lazarus_executor::worker::{
-    AbortSlot, Checksums, Command, JobSpec, Reconfigure, StateSource, StepDelay, WorkerEvent,
-    WorkerLine, run_managed_worker,
+    AbortSlot, Checksums, Command, JobSpec, Reconfigure, StateSource, StepDelay, TestHooks,
+    WorkerEvent, WorkerLine, run_managed_worker,
 };
 
 const WORLD: usize = 4;
@@ -99,7 +99,15 @@ fn start(cfg: &MoeConfig) -> (Vec<Node>, Receiver<(usize, String)>, Vec<SocketAd
                 node: 0,
                 ms: DELAY_MS,
             };
-            run_managed_worker(&rx, &AbortSlot::default(), emit, Some(delay))
+            run_managed_worker(
+                &rx,
+                &AbortSlot::default(),
+                emit,
+                TestHooks {
+                    delay: Some(delay),
+                    flip_bit: None,
+                },
+            )
         });
         let job = JobSpec {
             config: cfg.clone(),
@@ -114,6 +122,7 @@ fn start(cfg: &MoeConfig) -> (Vec<Node>, Receiver<(usize, String)>, Vec<SocketAd
             out: None,
             expert_mode: ExpertMode::Replicated,
             router_skew: 0.0,
+            verify_every: 1,
         };
         tx.send(Command::Job(job)).unwrap();
         nodes.push(Node { tx, handle });

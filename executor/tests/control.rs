@@ -49,6 +49,7 @@ fn params(nodes: usize) -> JobParams {
         out: None,
         resume: None,
         router_skew: 0.0,
+        verify_every: 1,
     }
 }
 

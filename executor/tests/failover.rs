@@ -43,6 +43,7 @@ fn params(nodes: usize, heartbeat_timeout_ms: u64) -> JobParams {
         out: None,
         resume: None,
         router_skew: 0.0,
+        verify_every: 1,
     }
 }
 

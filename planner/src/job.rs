@@ -99,6 +99,12 @@
 //!   and report it with [`StepReport::nonfinite`]. It is counted (its data is consumed), and
 //!   `max_nonfinite_steps` such steps in a row end the job: the state stopped improving and
 //!   the learning rate is almost certainly too high.
+//! * **Copies agree, at every step.** A member may report with a step the fingerprints of
+//!   everything it holds after that step's update ([`StepReport::fingerprints`]: the dense
+//!   state with its optimizer, each replica, each shard copy). When the step is counted, the
+//!   copies of each object must have equal fingerprints; the first disagreement ends the job
+//!   at once, naming the object, the two members and the step (a silent divergence would
+//!   otherwise train on, and be checkpointed, for the rest of the job).
 //! * **Done: a job that ends well holds its whole final state.** When every member finished
 //!   the last step, the job stops only if (1) the members hold all of its state, as they
 //!   reported it when they went idle: the dense state and a replica of every
@@ -367,6 +373,10 @@ pub struct StepReport {
     /// epoch's plan after a [`LayoutSwitch`].
     #[serde(default)]
     pub layout_version: u64,
+    /// Fingerprints of everything the member holds after the step's update (see "Copies
+    /// agree" in the [module docs](JobMachine)); `None`: not taken at this step.
+    #[serde(default)]
+    pub fingerprints: Option<StateChecksums>,
 }
 
 fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
@@ -384,7 +394,8 @@ pub enum IdleReason {
     Finished,
 }
 
-/// A worker's final state, for the end-of-job consistency check.
+/// Fingerprints of what a worker holds: at a step boundary ([`StepReport::fingerprints`]) or
+/// at the end ([`Event::Done`]). Copies of one object must have equal fingerprints.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct StateChecksums {
     /// Dense model + optimizer state.
@@ -1608,6 +1619,22 @@ impl JobMachine {
                 break;
             }
             let (step, by_node) = entry.remove_entry();
+            let problems = diverged_copies(
+                by_node
+                    .iter()
+                    .filter_map(|(&id, r)| r.fingerprints.as_ref().map(|f| (id, f))),
+                |id| self.nodes.get(&id).map_or("", |n| n.name.as_str()),
+            );
+            if !problems.is_empty() {
+                return self.fail(
+                    format!(
+                        "copies of the state diverged at step {step} (fingerprints taken after \
+                         its update): {}",
+                        problems.join("; ")
+                    ),
+                    out,
+                );
+            }
             let on_switch = self.switch.as_ref().is_some_and(|p| {
                 let v = p.switch.plan.version;
                 self.members
@@ -2895,52 +2922,16 @@ impl JobMachine {
         (!lost.is_empty()).then(|| format!("{} are missing", describe_lost(&lost)))
     }
 
-    /// Every node's final state: one dense state, identical replicas of each expert.
+    /// Every node's final state: one dense state, identical replicas of each expert and copies
+    /// of each shard.
     fn check_consistency(&self) -> Result<(), String> {
-        let sums: Vec<(NodeId, &StateChecksums)> = self
-            .nodes
-            .iter()
-            .filter_map(|(&id, n)| n.done.as_ref().map(|d| (id, d)))
-            .filter(|(id, _)| self.members.contains(id))
-            .collect();
-        let mut problems = Vec::new();
-        if let Some((first_id, first)) = sums.first() {
-            for (id, s) in &sums[1..] {
-                if s.dense != first.dense {
-                    problems.push(format!(
-                        "dense state of node {id} differs from node {first_id}'s"
-                    ));
-                }
-            }
-        }
-        let mut replicas: BTreeMap<(u32, u32), (NodeId, u64)> = BTreeMap::new();
-        for (id, s) in &sums {
-            for &(l, e, c) in &s.replicas {
-                match replicas.get(&(l, e)) {
-                    Some(&(other, c0)) if c0 != c => problems.push(format!(
-                        "expert {e} of layer {l}: node {id}'s replica differs from node {other}'s"
-                    )),
-                    Some(_) => {}
-                    None => {
-                        replicas.insert((l, e), (*id, c));
-                    }
-                }
-            }
-        }
-        let mut shards: BTreeMap<u32, (NodeId, u64)> = BTreeMap::new();
-        for (id, s) in &sums {
-            for &(shard, c) in &s.shards {
-                match shards.get(&shard) {
-                    Some(&(other, c0)) if c0 != c => problems.push(format!(
-                        "shard {shard}: node {id}'s copy differs from node {other}'s"
-                    )),
-                    Some(_) => {}
-                    None => {
-                        shards.insert(shard, (*id, c));
-                    }
-                }
-            }
-        }
+        let problems = diverged_copies(
+            self.nodes
+                .iter()
+                .filter(|(id, _)| self.members.contains(id))
+                .filter_map(|(&id, n)| n.done.as_ref().map(|d| (id, d))),
+            |id| self.nodes.get(&id).map_or("", |n| n.name.as_str()),
+        );
         if problems.is_empty() {
             Ok(())
         } else {
@@ -3012,6 +3003,58 @@ fn add_counts(sum: &mut Vec<Vec<u64>>, counts: &[Vec<u64>]) {
             *a = a.saturating_add(b);
         }
     }
+}
+
+/// Where copies of one object disagree among `sums` (node id, its fingerprints): the dense
+/// state (every node holds one), each `(layer, expert)` replica and each shard copy; one line
+/// per object that differs, naming it, the two nodes and (by `name`) their names.
+fn diverged_copies<'a>(
+    sums: impl Iterator<Item = (NodeId, &'a StateChecksums)>,
+    name: impl Fn(NodeId) -> &'a str,
+) -> Vec<String> {
+    let node = |id: NodeId| format!("node {id} ({})", name(id));
+    let mut problems = Vec::new();
+    let mut dense: Option<(NodeId, u64)> = None;
+    let mut replicas: BTreeMap<(u32, u32), (NodeId, u64)> = BTreeMap::new();
+    let mut shards: BTreeMap<u32, (NodeId, u64)> = BTreeMap::new();
+    for (id, s) in sums {
+        match dense {
+            Some((first, d)) if d != s.dense => problems.push(format!(
+                "the dense state of {} differs from {}'s",
+                node(id),
+                node(first)
+            )),
+            Some(_) => {}
+            None => dense = Some((id, s.dense)),
+        }
+        for &(l, e, c) in &s.replicas {
+            match replicas.get(&(l, e)) {
+                Some(&(other, c0)) if c0 != c => problems.push(format!(
+                    "expert {e} of layer {l}: {}'s replica differs from {}'s",
+                    node(id),
+                    node(other)
+                )),
+                Some(_) => {}
+                None => {
+                    replicas.insert((l, e), (id, c));
+                }
+            }
+        }
+        for &(shard, c) in &s.shards {
+            match shards.get(&shard) {
+                Some(&(other, c0)) if c0 != c => problems.push(format!(
+                    "shard {shard}: {}'s copy differs from {}'s",
+                    node(id),
+                    node(other)
+                )),
+                Some(_) => {}
+                None => {
+                    shards.insert(shard, (id, c));
+                }
+            }
+        }
+    }
+    problems
 }
 
 fn describe_lost(lost: &[(u32, u32)]) -> String {

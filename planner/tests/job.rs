@@ -1944,3 +1944,45 @@ fn a_later_commit_of_an_older_checkpoint_does_not_hide_a_failed_last_one() {
     let r = reconfig(&a).expect("the last step's checkpoint is written again");
     assert_eq!(r.resume_step, 6);
 }
+
+/// Issue 33, item 2: the fingerprints a step's reports carry are compared when the step is
+/// counted; copies that differ end the job at that step, naming the object and the members.
+#[test]
+fn replicas_whose_fingerprints_differ_at_a_step_end_the_job_naming_them() {
+    let (mut j, _) = started(config(4, 10), &[0, 1], 3);
+    let epoch = j.m.epoch();
+    let report = |j: &Job, node: NodeId, flip: bool| {
+        let mut f = checksums_of(j, node);
+        if flip {
+            f.replicas[1].2 ^= 1;
+        }
+        StepReport {
+            fingerprints: Some(f),
+            ..StepReport::default()
+        }
+    };
+    for step in 3..5 {
+        let mut a = Vec::new();
+        for node in [0, 1] {
+            let report = report(&j, node, step == 4 && node == 1);
+            a.extend(j.ev(Event::Stepped {
+                node,
+                epoch,
+                step,
+                report,
+            }));
+        }
+        if step == 3 {
+            assert_eq!(records(&a), vec![3], "equal copies: counted");
+        } else {
+            let err = finished(&a).expect("the job ends").expect_err("diverged");
+            assert!(
+                err.contains("diverged at step 4")
+                    && err.contains(
+                        "expert 1 of layer 0: node 1 (n1)'s replica differs from node 0 (n0)'s"
+                    ),
+                "{err}"
+            );
+        }
+    }
+}

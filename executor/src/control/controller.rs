@@ -75,6 +75,9 @@ pub struct JobParams {
     /// Zipf router bias of the workers (forced routing skew; 0: none).
     #[serde(default)]
     pub router_skew: f64,
+    /// Workers fingerprint their whole state after every this many steps (0: never).
+    #[serde(default = "crate::worker::default_verify_every")]
+    pub verify_every: u64,
 }
 
 /// What the controller tells whoever runs the job.
@@ -573,6 +576,7 @@ impl Controller {
                     sent_bytes: s.sent_bytes,
                     copy_bytes: s.copy_bytes,
                     layout_version: s.layout_version,
+                    fingerprints: s.fingerprints,
                 },
             },
             WorkerLine::Event(ev) => match self.worker_event(node, ev) {
@@ -644,6 +648,11 @@ impl Controller {
                         .replicas
                         .iter()
                         .map(|r| (r.layer as u32, r.expert as u32, r.checksum))
+                        .collect(),
+                    shards: sums
+                        .shards
+                        .iter()
+                        .map(|s| (s.shard as u32, s.checksum))
                         .collect(),
                 };
                 self.checksums.push(sums);
@@ -819,6 +828,7 @@ impl Controller {
                 ExpertMode::Replicated
             },
             router_skew: self.params.router_skew,
+            verify_every: self.params.verify_every,
         }
     }
 

@@ -24,6 +24,7 @@ mod config;
 mod data;
 mod dense;
 mod experts;
+pub mod fingerprint;
 mod fsep;
 mod init;
 mod optim;

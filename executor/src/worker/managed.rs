@@ -52,7 +52,8 @@ use super::protocol::{
     Checksums, Command, JobSpec, Reconfigure, StateSource, StepLine, WorkerEvent,
 };
 use super::state::{
-    Snapshot, State, StepVotes, checkpoint_writers, train_step_votes, write_checkpoint,
+    Snapshot, State, StepVotes, checkpoint_writers, fingerprints, flip_one_bit, train_step_votes,
+    write_checkpoint,
 };
 use crate::comm::MeshSecret;
 use crate::model::Corpus;
@@ -86,6 +87,22 @@ enum Phase {
 pub struct StepDelay {
     pub node: u32,
     pub ms: u64,
+}
+
+/// A test failpoint: after step `step`'s update, the worker of node `node` flips one bit of
+/// one replica or shard copy (a silent fault the step fingerprints must catch at that step).
+/// `lzrun worker --managed` takes it from `LZRUN_TEST_FLIP_BIT=NODE:STEP`; only tests set it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlipBit {
+    pub node: u32,
+    pub step: u64,
+}
+
+/// The test hooks of a managed worker; none outside tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TestHooks {
+    pub delay: Option<StepDelay>,
+    pub flip_bit: Option<FlipBit>,
 }
 
 /// Says [`WorkerEvent::Alive`] every `every_ms` from a thread that does nothing else, until
@@ -123,12 +140,12 @@ impl Drop for Heartbeat {
 /// [`Command::Stop`]. `abort` is shared with the thread that reads `commands`, which aborts
 /// the current epoch's communicator on [`Command::Abort`]. `emit` gets every output line
 /// (JSON), from this thread and from the heartbeat thread (one whole line per call).
-/// `delay` is a test hook ([`StepDelay`]).
+/// `hooks` are for tests ([`TestHooks`]).
 pub fn run_managed_worker<E>(
     commands: &Receiver<Command>,
     abort: &AbortSlot,
     emit: E,
-    delay: Option<StepDelay>,
+    hooks: TestHooks,
 ) -> Result<Checksums>
 where
     E: Fn(&str) -> Result<()> + Clone + Send + 'static,
@@ -146,9 +163,14 @@ where
     let listener = TcpListener::bind(job.listen)
         .map_err(|e| anyhow!("binding the data-plane listener {}: {e}", job.listen))?;
     let window = job.step_deadline.map_or(1, |d| d.window_steps);
-    let delay = delay
+    let delay = hooks
+        .delay
         .filter(|d| d.node == job.node_id)
         .map(|d| Duration::from_millis(d.ms));
+    let flip_bit_at = hooks
+        .flip_bit
+        .filter(|f| f.node == job.node_id)
+        .map(|f| f.step);
     let mut w = Worker {
         st: fresh_state(&job)?,
         peer_timeout_ms: job.timeout_ms,
@@ -156,6 +178,7 @@ where
         step_times: StepTimes::new(window),
         last_step_end: None,
         delay,
+        flip_bit_at,
         listener,
         abort,
         emit,
@@ -224,6 +247,8 @@ struct Worker<'a, E> {
     peer_timeout_ms: u64,
     /// [`StepDelay`], if it names this worker.
     delay: Option<Duration>,
+    /// [`FlipBit`]'s step, if it names this worker.
+    flip_bit_at: Option<u64>,
 }
 
 impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
@@ -332,8 +357,11 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
                 self.peers = cmd.peers.clone();
                 self.secret = cmd.secret.clone();
                 // A fresh start checkpoints its initial state, so that losing every replica
-                // of an expert before the first periodic checkpoint is still recoverable.
-                if cmd.source == StateSource::Fresh {
+                // of an expert before the first periodic checkpoint is still recoverable; a
+                // reconfiguration after the last step writes the final checkpoint again (the
+                // job machine asks for one when it was not committed; a duplicate of a
+                // committed one is ignored).
+                if cmd.source == StateSource::Fresh || self.step == self.job.steps {
                     self.checkpoint_if_due(&mut dist)?;
                 }
                 let ev = WorkerEvent::Migrated {
@@ -362,7 +390,7 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         let Some(spec) = self.job.checkpoint.clone().filter(|c| c.every_steps > 0) else {
             return Ok(());
         };
-        if !self.step.is_multiple_of(spec.every_steps) {
+        if !lazarus_planner::job::checkpoint_due(spec.every_steps, self.job.steps, self.step) {
             return Ok(());
         }
         let (epoch, step) = (self.epoch, self.step);
@@ -520,6 +548,22 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
             Ok(c) => c,
             Err(e) => return self.failed(&anyhow::Error::from(e)),
         };
+        if self.flip_bit_at == Some(self.step) {
+            let what = flip_one_bit(&mut self.st)?;
+            eprintln!(
+                "test failpoint: flipped one bit of {what} after step {}",
+                self.step
+            );
+        }
+        let verify = self.job.verify_every > 0 && (self.step + 1) % self.job.verify_every == 0;
+        let fingerprints = if verify {
+            match fingerprints(&self.st) {
+                Ok(f) => Some(f),
+                Err(e) => return self.failed(&e.context("fingerprinting the state")),
+            }
+        } else {
+            None
+        };
         let line = StepLine {
             step: self.step,
             epoch: self.epoch,
@@ -536,6 +580,7 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
                 .as_mut()
                 .map_or(0, Migration::take_copy_bytes),
             layout_version: self.layout_version,
+            fingerprints,
         };
         (self.emit)(&serde_json::to_string(&line)?)?;
         let now = Instant::now();
@@ -616,8 +661,22 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
             .first()
             .and_then(|l| l.first())
             .map_or(0, Vec::len);
-        let mut sums =
-            Checksums::collect(self.rank, world, self.step, &self.st.model, &self.st.store)?;
+        let shards = match &self.st.shards {
+            Some(sh) => Some(
+                sh.lock()
+                    .map_err(|_| anyhow!("shard store: lock poisoned"))?,
+            ),
+            None => None,
+        };
+        let mut sums = Checksums::collect(
+            self.rank,
+            world,
+            self.step,
+            &self.st.opt,
+            &self.st.store,
+            shards.as_deref(),
+        )?;
+        drop(shards);
         sums.node = Some(self.job.node_id);
         if let Some(dir) = &self.job.out {
             sums.write_named(dir, &format!("node{}.json", self.job.node_id))?;

@@ -11,8 +11,9 @@ use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::checkpoint;
 use crate::comm::MeshSecret;
-use crate::model::{DenseModel, ExpertMode, ExpertStore, Fnv64, MoeConfig};
+use crate::model::{AdamW, ExpertMode, ExpertStore, MoeConfig, ShardStore, fingerprint};
 use lazarus_planner::deadline::StepDeadline;
+use lazarus_planner::job::StateChecksums;
 
 /// One training step as a worker reports it (one JSON line on stdout).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -54,6 +55,11 @@ pub struct StepLine {
     /// [`Command::Relayout`] (0: not reported).
     #[serde(default)]
     pub layout_version: u64,
+    /// Fingerprints of everything this worker holds after the step's update, every
+    /// [`JobSpec::verify_every`] steps (`worker::state::fingerprints`); the job machine
+    /// compares the copies of each object.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprints: Option<StateChecksums>,
 }
 
 fn nan_if_null<'de, D: Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
@@ -80,24 +86,48 @@ pub struct Checksums {
     pub rank: usize,
     pub world: usize,
     pub steps: u64,
-    /// FNV-1a over every dense variable's f32 values, in `named_vars` order.
+    /// [`fingerprint::optim_state`] of the dense model's optimizer: every dense variable's
+    /// values and AdamW moments, and the step counter.
     pub dense: u64,
     pub replicas: Vec<ReplicaChecksum>,
+    /// FSEP: a fingerprint of every shard copy held ([`fingerprint::shard_copy`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shards: Vec<ShardChecksum>,
+}
+
+/// Fingerprint of one held FSEP shard copy: that slice of every expert, with moments and step.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardChecksum {
+    pub shard: usize,
+    pub checksum: u64,
 }
 
 impl Checksums {
-    /// Checksums of a worker's dense weights and of every replica it holds.
+    /// Fingerprints of everything a worker holds: the dense state with its optimizer (values,
+    /// AdamW moments, step counter), every replica (weights, moments, step) and, in FSEP mode,
+    /// every shard copy.
     pub fn collect(
         rank: usize,
         world: usize,
         steps: u64,
-        model: &DenseModel,
+        opt: &AdamW,
         store: &ExpertStore,
+        shards: Option<&ShardStore>,
     ) -> Result<Self> {
-        let mut dense = Fnv64::default();
-        for (_, v) in model.named_vars() {
-            dense.write_f32s(&v.as_tensor().flatten_all()?.to_vec1::<f32>()?);
-        }
+        let dense = fingerprint::optim_state(&opt.export()?);
+        let shards = match shards {
+            None => Vec::new(),
+            Some(sh) => sh
+                .held_shards()
+                .into_iter()
+                .map(|w| {
+                    Ok(ShardChecksum {
+                        shard: w,
+                        checksum: fingerprint::shard_copy(&sh.export_shard(w)?),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?,
+        };
         let replicas = store
             .replicas()
             .into_iter()
@@ -116,8 +146,9 @@ impl Checksums {
             rank,
             world,
             steps,
-            dense: dense.finish(),
+            dense,
             replicas,
+            shards,
         })
     }
 
@@ -189,6 +220,14 @@ pub struct JobSpec {
     /// Zipf router bias ([`crate::model::DenseModel::set_router_skew`]); 0: none.
     #[serde(default)]
     pub router_skew: f64,
+    /// Report [`StepLine::fingerprints`] after every this many steps (0: never).
+    #[serde(default = "default_verify_every")]
+    pub verify_every: u64,
+}
+
+/// Every step: measured to cost little next to the step (`results/executor/`).
+pub fn default_verify_every() -> u64 {
+    1
 }
 
 fn default_alive_every_ms() -> u64 {
@@ -387,12 +426,18 @@ mod tests {
                 sent_bytes: 0,
                 copy_bytes: 0,
                 layout_version: 0,
+                fingerprints: Some(StateChecksums {
+                    dense: 1,
+                    replicas: vec![(0, 1, 2)],
+                    shards: vec![(3, 4)],
+                }),
             };
             let text = serde_json::to_string(&line).unwrap();
             let Some(WorkerLine::Step(back)) = WorkerLine::parse(&text) else {
                 panic!("{text} does not parse as a step");
             };
             assert!(back.loss.is_nan() && back.nonfinite, "{back:?}");
+            assert_eq!(back.fingerprints, line.fingerprints);
         }
         let plain = r#"{"step":3,"loss":2.5,"tokens":10,"ms":1.0}"#;
         assert!(matches!(WorkerLine::parse(plain), Some(WorkerLine::Step(s)) if !s.nonfinite));

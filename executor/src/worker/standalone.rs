@@ -128,6 +128,8 @@ pub fn run_worker(
             sent_bytes,
             copy_bytes: 0,
             layout_version: 0,
+            // Nobody compares them: the stand-alone ranks compare their checksum files.
+            fingerprints: None,
         })?;
         // The same rule as under a controller: every rank decided the same skips, so every
         // rank stops here together.
@@ -139,7 +141,7 @@ pub fn run_worker(
         );
     }
 
-    let sums = Checksums::collect(rank, world, opts.steps, &model, &store)?;
+    let sums = Checksums::collect(rank, world, opts.steps, &opt, &store, None)?;
     if let Some(dir) = &opts.out {
         sums.write(dir)?;
     }

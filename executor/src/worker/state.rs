@@ -7,11 +7,13 @@ use candle_core::{Device, Tensor};
 
 use super::protocol::CheckpointSpec;
 use crate::checkpoint;
+use crate::model::fingerprint;
 use crate::model::{
     AdamW, DenseModel, ExpertMode, ExpertState, ExpertStore, MoeConfig, OptimState, RoutingStats,
     ShardState, ShardStore, apply_update, grad_scale, sq_norm,
 };
 use crate::runtime::{DistributedExperts, ShardGrads, SharedShards};
+use lazarus_planner::job::StateChecksums;
 
 /// A worker's training state.
 pub(super) struct State {
@@ -50,6 +52,63 @@ impl State {
         self.mode = mode;
         self
     }
+}
+
+/// Fingerprints of everything `st` holds (issue 33, item 2): the dense state with its
+/// optimizer, every replica and every FSEP shard copy ([`fingerprint`]). Costs one copy of the
+/// state to the host and one pass over it (`results/executor/fingerprints.md`).
+pub(super) fn fingerprints(st: &State) -> Result<StateChecksums> {
+    let dense = fingerprint::optim_state(&st.opt.export()?);
+    let replicas = st
+        .store
+        .replicas()
+        .into_iter()
+        .map(|(l, e)| {
+            let s = st.store.export(l, e)?;
+            Ok((l as u32, e as u32, fingerprint::expert_state(&s)))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let shards = match &st.shards {
+        None => Vec::new(),
+        Some(sh) => {
+            let sh = sh
+                .lock()
+                .map_err(|_| anyhow!("shard store: lock poisoned"))?;
+            sh.held_shards()
+                .into_iter()
+                .map(|w| Ok((w as u32, fingerprint::shard_copy(&sh.export_shard(w)?))))
+                .collect::<Result<Vec<_>>>()?
+        }
+    };
+    Ok(StateChecksums {
+        dense,
+        replicas,
+        shards,
+    })
+}
+
+/// A test failpoint: flips the lowest mantissa bit of the first weight of the first replica
+/// (or shard copy) `st` holds, as a silent memory or transfer fault would. Returns what it
+/// flipped.
+pub(super) fn flip_one_bit(st: &mut State) -> Result<String> {
+    if let Some((l, e)) = st.store.replicas().first().copied() {
+        let mut s = st.store.export(l, e)?;
+        s.w1[0] = f32::from_bits(s.w1[0].to_bits() ^ 1);
+        st.store.import(&s)?;
+        return Ok(format!("expert {e} of layer {l}"));
+    }
+    if let Some(sh) = &st.shards {
+        let mut sh = sh
+            .lock()
+            .map_err(|_| anyhow!("shard store: lock poisoned"))?;
+        if let Some(w) = sh.held_shards().first().copied() {
+            let mut s = sh.export(w, 0, 0)?;
+            s.value[0] = f32::from_bits(s.value[0].to_bits() ^ 1);
+            sh.import(&s)?;
+            return Ok(format!("shard {w}"));
+        }
+    }
+    Err(anyhow!("no replica or shard to flip a bit of"))
 }
 
 /// State before the last optimizer update (to roll one step back).

@@ -281,8 +281,10 @@ pub struct JobArgs {
     /// expert; a node of G GPUs holds G times as many).
     #[arg(long)]
     pub slots: Option<usize>,
-    /// Directory of the checkpoints (default: `<metrics-out>/ckpt` or `<out>/ckpt`, else a
-    /// temporary directory, removed at the end unless the job failed: then its path is printed).
+    /// Directory of the checkpoints (default: the --resume directory, else `<metrics-out>/ckpt`
+    /// or `<out>/ckpt`, else a temporary directory, removed at the end unless the job failed:
+    /// then its path is printed). The last step is always checkpointed, whatever --ckpt-every:
+    /// a job that ends 0 has its final state committed there.
     /// One job at a time: the job locks it (`lzrun.lock`), and a second job on it exits 2
     /// naming the holder. It must be writable.
     #[arg(long, value_name = "DIR")]
@@ -306,8 +308,17 @@ pub struct JobArgs {
     /// is logged and counted. A checkpoint never holds a non-finite value.
     #[arg(long, value_name = "N", default_value_t = MAX_NONFINITE_STEPS)]
     pub max_nonfinite_steps: u64,
+    /// Every K steps, each worker fingerprints everything it holds after the step's update
+    /// (dense weights with their AdamW moments and step counter, every expert replica, every
+    /// FSEP shard copy) and the controller compares the copies of each object: the first
+    /// disagreement ends the job (exit 2) naming the object, the nodes and the step. 0: only
+    /// at the end of the job. Costs one pass over the worker's state (see
+    /// results/executor/fingerprints.md).
+    #[arg(long, value_name = "K", default_value_t = 1)]
+    pub verify_every: u64,
     /// Start from the newest valid checkpoint under DIR (a checkpoint root) instead of a fresh
-    /// model; steps before the checkpoint's are not trained again.
+    /// model; steps before the checkpoint's are not trained again. The run goes on
+    /// checkpointing into DIR unless --ckpt-dir says otherwise.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
     /// Replan from the routing statistics every K steps and migrate through the same path

@@ -229,10 +229,12 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
     let checkpoint = if a.ckpt_every == 0 {
         None
     } else {
-        let root = match (&a.ckpt_dir, &a.metrics_out, &a.out) {
-            (Some(d), _, _) => d.clone(),
-            (None, Some(d), _) | (None, None, Some(d)) => d.join("ckpt"),
-            (None, None, None) => {
+        // A resumed run goes on checkpointing where it resumed from: its continuation must
+        // not end up in a directory removed on success.
+        let root = match (&a.ckpt_dir, &a.resume, &a.metrics_out, &a.out) {
+            (Some(d), _, _, _) | (None, Some(d), _, _) => d.clone(),
+            (None, None, Some(d), _) | (None, None, None, Some(d)) => d.join("ckpt"),
+            (None, None, None, None) => {
                 let d = std::env::temp_dir().join(format!("lzrun-ckpt-{}", std::process::id()));
                 temp_ckpt = Some(d.clone());
                 d
@@ -316,6 +318,7 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
             out: a.out.clone(),
             resume: a.resume.clone(),
             router_skew: a.router_skew,
+            verify_every: a.verify_every,
         },
         temp_ckpt,
         _ckpt_lock: ckpt_lock,

@@ -6,7 +6,8 @@ use std::thread;
 
 use anyhow::{Result, anyhow, bail, ensure};
 use lazarus_executor::worker::{
-    AbortSlot, Command as WorkerCommand, StepDelay, WorkerOptions, run_managed_worker, run_worker,
+    AbortSlot, Command as WorkerCommand, FlipBit, StepDelay, TestHooks, WorkerOptions,
+    run_managed_worker, run_worker,
 };
 
 use crate::args::WorkerArgs;
@@ -35,13 +36,32 @@ fn step_delay_from_env() -> Result<Option<StepDelay>> {
     Ok(Some(StepDelay { node, ms }))
 }
 
+/// The test failpoint `LZRUN_TEST_FLIP_BIT=NODE:STEP` ([`FlipBit`]): node NODE's worker flips
+/// one bit of one replica or shard copy after step STEP's update.
+fn flip_bit_from_env() -> Result<Option<FlipBit>> {
+    const VAR: &str = "LZRUN_TEST_FLIP_BIT";
+    let Some(v) = std::env::var_os(VAR) else {
+        return Ok(None);
+    };
+    let v = v.to_string_lossy();
+    let parsed = v
+        .split_once(':')
+        .and_then(|(n, s)| Some((n.trim().parse().ok()?, s.trim().parse().ok()?)));
+    let (node, step) =
+        parsed.ok_or_else(|| anyhow!("{VAR}={v:?}: expected NODE:STEP, e.g. 1:7"))?;
+    Ok(Some(FlipBit { node, step }))
+}
+
 /// Trains as a managed worker (commands on stdin) or as one rank of a fixed cluster.
 pub fn worker(a: WorkerArgs) -> Result<()> {
     let choice = a.device.choice()?.with_ordinal_from_env()?;
     choice.preflight()?;
     lazarus_executor::device::set_process_choice(choice);
     if a.managed {
-        let delay = step_delay_from_env()?;
+        let hooks = TestHooks {
+            delay: step_delay_from_env()?,
+            flip_bit: flip_bit_from_env()?,
+        };
         let (tx, rx) = mpsc::channel::<WorkerCommand>();
         let abort = AbortSlot::default();
         let slot = abort.clone();
@@ -69,7 +89,7 @@ pub fn worker(a: WorkerArgs) -> Result<()> {
             // The agent went away: so does its node.
             std::process::exit(3);
         });
-        run_managed_worker(&rx, &abort, emit, delay)?;
+        run_managed_worker(&rx, &abort, emit, hooks)?;
         return Ok(());
     }
     let (Some(rank), Some(world)) = (a.rank, a.world) else {
