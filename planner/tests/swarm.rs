@@ -52,84 +52,228 @@ mod sim;
 use std::time::Instant;
 
 use rayon::prelude::*;
-use sim::{Failure, Stats, run_seed};
+use sim::{Failure, Mode, Stats, run_seed};
 
+/// Seeds per mode of the default run.
 const DEFAULT_SEEDS: u64 = 300;
+/// Seeds per mode of the long run (`--ignored`): 100,000 over the 8 modes.
+const LONG_SEEDS: u64 = 12_500;
 
-fn replay_line(seed: u64) -> String {
-    format!("LAZARUS_SWARM_SEED={seed} cargo test -p lazarus-planner --test swarm -- --nocapture")
+fn final_state_on() -> bool {
+    std::env::var("LAZARUS_SWARM_FINAL_STATE").map_or(true, |v| v != "0")
 }
 
-fn report(seed: u64, f: &Failure) -> String {
+/// The modes to run: all, or those named in `LAZARUS_SWARM_MODE` (comma-separated).
+fn modes() -> Vec<Mode> {
+    match std::env::var("LAZARUS_SWARM_MODE") {
+        Ok(names) => names
+            .split(',')
+            .map(|n| Mode::parse(n.trim()).unwrap_or_else(|| panic!("no swarm mode {n:?}")))
+            .collect(),
+        Err(_) => Mode::ALL.to_vec(),
+    }
+}
+
+fn replay_line(mode: Mode, seed: u64) -> String {
     format!(
-        "swarm seed {seed} failed at t={} ms: {}\n  replay: {}\n  trace tail:\n{}",
+        "LAZARUS_SWARM_MODE={} LAZARUS_SWARM_SEED={seed} cargo test -p lazarus-planner --test \
+         swarm -- --nocapture",
+        mode.name()
+    )
+}
+
+fn report(mode: Mode, seed: u64, f: &Failure) -> String {
+    format!(
+        "swarm {} seed {seed} failed at t={} ms: {}\n  replay: {}\n  trace tail:\n{}",
+        mode.name(),
         f.at_ms,
         f.why,
-        replay_line(seed),
+        replay_line(mode, seed),
         f.trace
     )
+}
+
+struct ModeRun {
+    mode: Mode,
+    seeds: u64,
+    secs: f64,
+    failures: Vec<(u64, Failure)>,
+    total: Stats,
+}
+
+fn run_mode(mode: Mode, seeds: u64, final_state: bool) -> ModeRun {
+    let t0 = Instant::now();
+    let results: Vec<(u64, Result<Stats, Failure>)> = (0..seeds)
+        .into_par_iter()
+        .map(|seed| (seed, run_seed(mode, seed, final_state)))
+        .collect();
+    let secs = t0.elapsed().as_secs_f64();
+    let mut total = Stats::default();
+    let mut failures = Vec::new();
+    for (seed, r) in results {
+        match r {
+            Ok(s) => total.add(&s),
+            Err(f) => failures.push((seed, f)),
+        }
+    }
+    ModeRun {
+        mode,
+        seeds,
+        secs,
+        failures,
+        total,
+    }
+}
+
+/// The schedule must really exercise what the checks of each mode are about, or a passing
+/// run proves little.
+fn check_mix(run: &ModeRun) {
+    let (t, seeds, name) = (&run.total, run.seeds, run.mode.name());
+    if seeds < 100 {
+        return;
+    }
+    let mut want: Vec<(&str, bool)> = vec![
+        ("most seeds finish", t.finished_ok > seeds / 2),
+        ("in-place recovery", t.in_place > 0),
+        ("checkpoint restore", t.restores > 0),
+        ("scale-out", t.joins > 0),
+        ("too few nodes", t.waited_for_nodes > 0),
+        ("ended waiting for nodes", t.ended_waiting > 0),
+        ("stuck member fenced", t.fenced_stuck > 0),
+    ];
+    match run.mode {
+        Mode::Base => want.push(("a member rolled back", t.rolled_back > 0)),
+        Mode::Failover => {
+            want.push(("driver restarts", t.restarts > seeds / 2));
+            want.push(("nodes reattached", t.reattached > 0));
+            want.push(("a lost command resent", t.resent > 0));
+        }
+        Mode::Sharded => want.push(("a shard repair", t.shard_repairs > 0)),
+        Mode::Laer => {
+            want.push(("a layout switch in force", t.switches_done > 0));
+            want.push(("a switch sent", t.switches_sent > 0));
+        }
+        Mode::AsyncMigration => {
+            want.push(("a layout switch in force", t.switches_done > 0));
+            want.push(("replicas copied in the background", t.async_copies > 0));
+        }
+        Mode::Hosts => want.push(("a host fenced whole", t.fenced_host > 0)),
+        Mode::Deadline => {
+            want.push(("slow members", t.slow_members > 0));
+            want.push(("a silent worker fenced", t.fenced_silent > 0));
+        }
+        Mode::Nonfinite => {
+            want.push(("non-finite steps counted", t.nonfinite_counted > 0));
+            want.push(("a diverged job", t.diverged > 0));
+        }
+    }
+    let missing: Vec<&str> = want.iter().filter(|(_, ok)| !ok).map(|(w, _)| *w).collect();
+    assert!(missing.is_empty(), "swarm {name}: never {missing:?}: {t:?}");
+}
+
+fn load() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
+}
+
+/// Runs `seeds` seeds of every mode; panics on failures (listing them, and the first's
+/// trace), final-state failures last.
+fn swarm_run(seeds: u64) {
+    let final_state = final_state_on();
+    let t0 = Instant::now();
+    let runs: Vec<ModeRun> = modes()
+        .into_iter()
+        .map(|m| run_mode(m, seeds, final_state))
+        .collect();
+    let secs = t0.elapsed().as_secs_f64();
+    let mut lines = Vec::new();
+    let mut final_lines = Vec::new();
+    let mut first = None;
+    let mut first_final = None;
+    for r in &runs {
+        println!(
+            "swarm {:<9} {} seeds in {:.2} s ({:.0} seeds/s), {} failed; {:?}",
+            r.mode.name(),
+            r.seeds,
+            r.secs,
+            r.seeds as f64 / r.secs,
+            r.failures.len(),
+            r.total
+        );
+        for (seed, f) in &r.failures {
+            let line = format!("  {} seed {seed}: {}", r.mode.name(), f.why);
+            if f.final_state {
+                final_lines.push(line);
+                first_final.get_or_insert_with(|| report(r.mode, *seed, f));
+            } else {
+                lines.push(line);
+                first.get_or_insert_with(|| report(r.mode, *seed, f));
+            }
+        }
+    }
+    let n = seeds * runs.len() as u64;
+    println!(
+        "swarm: {n} seeds in {secs:.2} s ({:.0} seeds/s), {} failed, {} on the final-state \
+         oracle only; load average {}",
+        n as f64 / secs,
+        lines.len(),
+        final_lines.len(),
+        load()
+    );
+    if let Some(first) = first {
+        let shown: Vec<&String> = lines.iter().take(40).collect();
+        panic!(
+            "{} of {n} seeds failed:\n{}\n{first}",
+            lines.len(),
+            shown
+                .iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+    for r in &runs {
+        check_mix(r);
+    }
+    if let Some(first) = first_final {
+        let shown: Vec<&String> = final_lines.iter().take(60).collect();
+        panic!(
+            "{} of {n} seeds failed the final-state oracle (LAZARUS_SWARM_FINAL_STATE=0 turns \
+             it off):\n{}\n{first}",
+            final_lines.len(),
+            shown
+                .iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
 }
 
 #[test]
 fn swarm() {
     if let Ok(seed) = std::env::var("LAZARUS_SWARM_SEED") {
         let seed: u64 = seed.parse().expect("LAZARUS_SWARM_SEED is a number");
-        match run_seed(seed) {
-            Ok(s) => println!("seed {seed} passed: {s:?}"),
-            Err(f) => panic!("{}", report(seed, &f)),
+        for mode in modes() {
+            match run_seed(mode, seed, final_state_on()) {
+                Ok(s) => println!("{} seed {seed} passed: {s:?}", mode.name()),
+                Err(f) => panic!("{}", report(mode, seed, &f)),
+            }
         }
         return;
     }
     let seeds: u64 = std::env::var("LAZARUS_SWARM_SEEDS")
         .map(|s| s.parse().expect("LAZARUS_SWARM_SEEDS is a number"))
         .unwrap_or(DEFAULT_SEEDS);
-    let t0 = Instant::now();
-    let results: Vec<(u64, Result<Stats, Failure>)> = (0..seeds)
-        .into_par_iter()
-        .map(|seed| (seed, run_seed(seed)))
-        .collect();
-    let secs = t0.elapsed().as_secs_f64();
-    let failures: Vec<String> = results
-        .iter()
-        .filter_map(|(seed, r)| r.as_ref().err().map(|f| report(*seed, f)))
-        .collect();
-    let mut total = Stats::default();
-    for s in results.iter().filter_map(|(_, r)| r.as_ref().ok()) {
-        total.add(s);
-    }
-    println!(
-        "swarm: {seeds} seeds in {secs:.2} s ({:.0} seeds/s), {} failed; {total:?}",
-        seeds as f64 / secs,
-        failures.len()
-    );
-    if let Some(first) = failures.first() {
-        let lines: Vec<String> = results
-            .iter()
-            .filter_map(|(s, r)| r.as_ref().err().map(|f| format!("  seed {s}: {}", f.why)))
-            .take(30)
-            .collect();
-        panic!(
-            "{} of {seeds} seeds failed:\n{}\n{first}",
-            failures.len(),
-            lines.join("\n")
-        );
-    }
-    // The schedule must really exercise what the checks are about, or a passing run proves
-    // little.
-    if seeds >= 100 {
-        assert!(total.finished_ok > seeds / 2, "{total:?}");
-        assert!(total.in_place > 0, "no in-place recovery: {total:?}");
-        assert!(total.restores > 0, "no checkpoint restore: {total:?}");
-        assert!(total.joins > 0, "no scale-out: {total:?}");
-        assert!(total.waited_for_nodes > 0, "never too few nodes: {total:?}");
-        assert!(
-            total.ended_waiting > 0,
-            "never ended waiting for nodes: {total:?}"
-        );
-        assert!(total.fenced_stuck > 0, "no stuck member fenced: {total:?}");
-        assert!(
-            total.rolled_back > 0,
-            "no member rolled back a step: {total:?}"
-        );
-    }
+    swarm_run(seeds);
+}
+
+/// The long run: `LONG_SEEDS` seeds of every mode (100,000 in all). Run it in release:
+/// `cargo test --release -p lazarus-planner --test swarm -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn swarm_long() {
+    swarm_run(LONG_SEEDS);
 }
