@@ -238,16 +238,25 @@ fn swarm_run(seeds: u64) {
         check_mix(r);
     }
     if let Some(first) = first_final {
-        let shown: Vec<&String> = final_lines.iter().take(60).collect();
+        let shown: Vec<&str> = final_lines.iter().take(30).map(String::as_str).collect();
+        let per_mode: Vec<String> = runs
+            .iter()
+            .map(|r| {
+                let seeds: Vec<String> = r
+                    .failures
+                    .iter()
+                    .filter(|(_, f)| f.final_state)
+                    .map(|(s, _)| s.to_string())
+                    .collect();
+                format!("  {}: {}", r.mode.name(), seeds.join(" "))
+            })
+            .collect();
         panic!(
             "{} of {n} seeds failed the final-state oracle (LAZARUS_SWARM_FINAL_STATE=0 turns \
-             it off):\n{}\n{first}",
+             it off):\n{}\nall of them:\n{}\n{first}",
             final_lines.len(),
-            shown
-                .iter()
-                .map(|s| s.as_str())
-                .collect::<Vec<_>>()
-                .join("\n")
+            shown.join("\n"),
+            per_mode.join("\n")
         );
     }
 }

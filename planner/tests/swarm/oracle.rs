@@ -5,7 +5,7 @@
 use lazarus_planner::job::{NodeId, Phase, ReconfigKind, Reconfiguration, StateSource, StepRecord};
 
 use super::model::State;
-use super::{Mode, Sim, Status, first_uncovered, resolve};
+use super::{Mode, Sim, first_uncovered, resolve};
 
 impl Sim {
     /// Every expert has a replica (every shard a copy) on a live member while the members
@@ -362,12 +362,10 @@ impl Sim {
         let count = self.mesh.as_ref().map_or(0, |m| m.shard_count());
         let mut shards = vec![false; count];
         for &id in &members {
-            let n = &self.nodes[&id];
-            if !n.alive || n.status != Status::Stopped {
-                problems.push(format!("member {id} did not stop with its state"));
+            let Some(st) = &self.nodes[&id].stopped else {
+                problems.push(format!("member {id} never stopped (sent no checksums)"));
                 continue;
-            }
-            let st = &n.state;
+            };
             if st.next_step != total || st.dense != self.canon.dense[total as usize] {
                 problems.push(format!(
                     "member {id} holds the dense state of step {}, not the final one",

@@ -85,6 +85,8 @@ struct SimNode {
     /// Reports from a node travel one connection too.
     report_free_ms: u64,
     last_idle: Option<Event>,
+    /// What it held when it stopped (the state its `Done` checksums describe).
+    stopped: Option<State>,
     /// Hosts: the host and the batch of nodes that joined with it (its siblings).
     host: Option<String>,
     batch: u64,
@@ -808,6 +810,7 @@ impl Sim {
                 cmd_free_ms: 0,
                 report_free_ms: 0,
                 last_idle: None,
+                stopped: None,
                 host: host.clone(),
                 batch,
             },
@@ -953,6 +956,7 @@ impl Sim {
                     }
                 };
                 n.status = Status::Stopped;
+                n.stopped = Some(n.state.clone());
                 self.send(Event::Done {
                     node: id,
                     checksums,
