@@ -4,19 +4,21 @@
 //! whose barrier shows every member holding it (and every copy arrived): one boundary for
 //! all, whenever the command reached each of them. The steps report the layout they ran on.
 
-use lazarus_planner::job::{LayoutSwitch, NodeId};
+use lazarus_planner::job::relayout::Relayout;
+use lazarus_planner::job::{LayoutSwitch, NodeId, ReplicaMigration};
 use rand::RngExt;
 
 use super::model::{Piece, State};
-use super::{Cmd, Mode, Sim, Status};
+use super::{Cmd, Sim, Status};
 
 impl Sim {
     /// The driver sends a switch to every member of its epoch.
     pub(super) fn switch_layout(&mut self, sw: LayoutSwitch) {
-        if !matches!(
-            self.mode,
-            Mode::Laer | Mode::AsyncMigration | Mode::Failover
-        ) {
+        // Only sharded experts with LAER and asynchronous replica migration switch (the latter
+        // not over hosts planned per host; hosts of unequal sizes are planned per node).
+        let laer = matches!(self.cfg.relayout, Relayout::Laer(_));
+        let sharded_laer = self.cfg.sharded_experts && laer;
+        if !sharded_laer && self.cfg.replica_migration != ReplicaMigration::Async {
             return self.fail(format!(
                 "unexpected layout switch to plan v{} in mode {}",
                 sw.plan.version,
