@@ -111,7 +111,7 @@ impl Sim {
                     self.note(format!("fault: worker of node {id} freezes (hung: {hung})"));
                 }
             }
-            90..95 if self.mode == Mode::Deadline => {
+            90..95 if self.cfg.step_deadline.is_some() => {
                 if let Some(id) = self.pick_alive() {
                     let slow = self.rng.random_range(3..=8);
                     self.note(format!("fault: node {id} becomes {slow}x slower"));

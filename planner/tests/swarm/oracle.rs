@@ -5,7 +5,7 @@
 use lazarus_planner::job::{NodeId, Phase, ReconfigKind, Reconfiguration, StateSource, StepRecord};
 
 use super::model::State;
-use super::{Mode, Sim, first_uncovered, resolve};
+use super::{Sim, first_uncovered, resolve};
 
 impl Sim {
     /// Every expert has a replica (every shard a copy) on a live member while the members
@@ -318,7 +318,7 @@ impl Sim {
     /// Slow is not dead: with worker heartbeats, a member fenced as stuck must really be
     /// stuck (its worker frozen or hung), not merely slow or waiting on a peer.
     pub(super) fn check_fenced_stuck(&mut self, node: NodeId, reason: &str) {
-        if self.mode != Mode::Deadline {
+        if self.cfg.step_deadline.is_none() {
             return;
         }
         // A healthy member blocked in a collective by a hung or frozen peer cannot be told
