@@ -318,9 +318,6 @@ impl Sim {
     /// Slow is not dead: with worker heartbeats, a member fenced as stuck must really be
     /// stuck (its worker frozen or hung), not merely slow or waiting on a peer.
     pub(super) fn check_fenced_stuck(&mut self, node: NodeId, reason: &str) {
-        if self.cfg.step_deadline.is_none() {
-            return;
-        }
         // A healthy member blocked in a collective by a hung or frozen peer cannot be told
         // from one that is stuck itself: fenced with it.
         let blocked = self.mesh.as_ref().is_some_and(|mesh| {
@@ -328,13 +325,15 @@ impl Sim {
             mesh.r.members().iter().any(|m| self.nodes[m].worker_frozen)
         });
         let n = &self.nodes[&node];
-        if !blocked
-            && n.alive
+        let healthy = n.alive
             && !n.worker_frozen
             && !n.agent_frozen
             && n.started
-            && n.status != super::Status::Starting
-        {
+            && n.status != super::Status::Starting;
+        if healthy && blocked {
+            self.stats.fenced_collateral += 1;
+        }
+        if healthy && !blocked && self.cfg.step_deadline.is_some() {
             let why = format!(
                 "node {node} (healthy, {}x slow) fenced as stuck: {reason}",
                 n.slow

@@ -205,6 +205,8 @@ pub struct Stats {
     pub fenced_stuck: u64,
     pub fenced_silent: u64,
     pub fenced_host: u64,
+    /// Healthy members fenced as stuck with a hung or frozen peer that blocked them.
+    pub fenced_collateral: u64,
     pub kills: u64,
     pub rolled_back: u64,
     pub restarts: u64,
@@ -237,6 +239,7 @@ impl Stats {
             fenced_stuck,
             fenced_silent,
             fenced_host,
+            fenced_collateral,
             kills,
             rolled_back,
             restarts,
