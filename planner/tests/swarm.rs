@@ -232,6 +232,7 @@ fn check_mix(run: &ModeRun) {
             want.push(("driver restarts", t.restarts > seeds / 2));
             want.push(("nodes reattached", t.reattached > 0));
             want.push(("a lost command resent", t.resent > 0));
+            want.push(("a recovery in place", t.recovered_in_place > 0));
         }
         Mode::Sharded => want.push(("a shard repair", t.shard_repairs > 0)),
         Mode::Laer => {
@@ -245,6 +246,7 @@ fn check_mix(run: &ModeRun) {
         Mode::Hosts => want.push(("a host fenced whole", t.fenced_host > 0)),
         Mode::Deadline => {
             want.push(("slow members", t.slow_members > 0));
+            want.push(("a member logged slow, not gone", t.slow_logged > 0));
             want.push(("a silent worker fenced", t.fenced_silent > 0));
         }
         Mode::Nonfinite => {

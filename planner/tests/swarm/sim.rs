@@ -213,6 +213,10 @@ pub struct Stats {
     pub reattached: u64,
     pub resent: u64,
     pub slow_members: u64,
+    /// The machine said a heartbeating member is slow, not gone.
+    pub slow_logged: u64,
+    /// Driver restarts after which every node came back consistent.
+    pub recovered_in_place: u64,
     pub nonfinite_counted: u64,
     pub steps: u64,
 }
@@ -246,6 +250,8 @@ impl Stats {
             reattached,
             resent,
             slow_members,
+            slow_logged,
+            recovered_in_place,
             nonfinite_counted,
             steps
         );
@@ -666,7 +672,15 @@ impl Sim {
             }
             Action::WaitForNodes { .. } => self.stats.waited_for_nodes += 1,
             Action::Record(r) => self.check_record(&r),
-            Action::Reconfigured(_) | Action::Log(_) => {}
+            Action::Log(line) => {
+                if line.contains("is slow, not gone") {
+                    self.stats.slow_logged += 1;
+                }
+                if line.contains("controller recovery complete") && line.contains("in place") {
+                    self.stats.recovered_in_place += 1;
+                }
+            }
+            Action::Reconfigured(_) => {}
             Action::Finished(res) => {
                 match &res {
                     Ok(()) if self.counted_next != self.cfg.total_steps => self.fail(format!(
