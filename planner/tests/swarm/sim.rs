@@ -1,26 +1,35 @@
 //! The simulated cluster of the swarm test: nodes (an agent that heartbeats, a worker that
 //! answers the machine's actions), a network that delays, reorders and duplicates what the
-//! nodes report, a checkpoint store, a seeded fault schedule, and the checks made after every
-//! event the machine handles.
-//!
-//! Simulated state: every piece of training state (the dense state, each expert replica) is a
-//! hash chain of the steps trained on it, so the correct value at each step is known
-//! (`Canon`): a restore or a peer transfer reproduces it, a process's own initialisation, a
-//! replica that was never sent or a state at another step does not. Checking every member
-//! against the canonical chain at every counted step catches a member training on the wrong
-//! state even when it is the only holder.
+//! nodes report, a checkpoint store, and the driver that feeds the real machine and performs
+//! its actions. The concerns live in submodules: the simulated state (`model`), the modes
+//! (`mode`), the faults and the driver's crash (`faults`), layout switches (`switch`) and the
+//! checks (`oracle`).
+
+#[path = "faults.rs"]
+mod faults;
+#[path = "mode.rs"]
+pub mod mode;
+#[path = "model.rs"]
+mod model;
+#[path = "oracle.rs"]
+mod oracle;
+#[path = "switch.rs"]
+mod switch;
 
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::fmt::Write as _;
 
-use lazarus_planner::ModelSpec;
+use lazarus_planner::job::reconcile::{WorkerProcess, WorkerReport};
 use lazarus_planner::job::{
-    Action, Event, IdleReason, JobConfig, JobMachine, NodeId, Phase, ReconfigKind, Reconfiguration,
-    StateChecksums, StateSource, StepRecord, StepReport,
+    Action, Event, IdleReason, JobConfig, JobMachine, LayoutSwitch, NodeId, Reconfiguration,
+    StateChecksums, StateSource, StepReport,
 };
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
+
+pub use mode::Mode;
+use model::{Canon, Piece, State};
 
 const TICK_MS: u64 = 100;
 const HEARTBEAT_MS: u64 = 200;
@@ -28,85 +37,7 @@ const HEARTBEAT_MS: u64 = 200;
 /// finished or be waiting for nodes within this much simulated time: a generous multiple of
 /// the longest job (90 steps of 40 ms, a few reconfigurations, the timeouts).
 const SETTLE_MS: u64 = 40_000;
-const TRACE_LEN: usize = 80;
-
-fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// One step of training applied to a state value.
-fn train(v: u64, step: u64) -> u64 {
-    splitmix64(v ^ splitmix64(step))
-}
-
-/// The correct value of every piece of state after each number of completed steps.
-struct Canon {
-    /// `dense[s]`: after `s` completed steps.
-    dense: Vec<u64>,
-    /// `experts[l][e][s]`.
-    experts: Vec<Vec<Vec<u64>>>,
-}
-
-impl Canon {
-    fn new(layers: usize, experts: usize, steps: u64) -> Self {
-        let chain = |seed: u64| {
-            let mut c = vec![splitmix64(seed)];
-            for s in 0..steps {
-                c.push(train(c[s as usize], s));
-            }
-            c
-        };
-        Self {
-            dense: chain(0xDE45E),
-            experts: (0..layers)
-                .map(|l| {
-                    (0..experts)
-                        .map(|e| chain(((l as u64) << 32) | e as u64))
-                        .collect()
-                })
-                .collect(),
-        }
-    }
-}
-
-/// What a worker holds: dense state, replicas `[layer] → (expert, value)`, next step to train.
-#[derive(Debug, Clone, Default)]
-struct State {
-    dense: u64,
-    held: Vec<Vec<(u32, u64)>>,
-    next_step: u64,
-}
-
-impl State {
-    fn trained(&self) -> Self {
-        let s = self.next_step;
-        Self {
-            dense: train(self.dense, s),
-            held: self
-                .held
-                .iter()
-                .map(|l| l.iter().map(|&(e, v)| (e, train(v, s))).collect())
-                .collect(),
-            next_step: s + 1,
-        }
-    }
-    fn value(&self, layer: usize, expert: u32) -> Option<u64> {
-        self.held
-            .get(layer)?
-            .iter()
-            .find(|(e, _)| *e == expert)
-            .map(|(_, v)| *v)
-    }
-    fn holdings(&self) -> Vec<Vec<u32>> {
-        self.held
-            .iter()
-            .map(|l| l.iter().map(|(e, _)| *e).collect())
-            .collect()
-    }
-}
+const TRACE_LEN: usize = 400;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Status {
@@ -122,29 +53,62 @@ struct SimNode {
     alive: bool,
     /// The worker stopped answering (its agent may still heartbeat).
     worker_frozen: bool,
+    /// A frozen worker whose heartbeat thread goes on (hung in compute): still `WorkerAlive`.
+    hung: bool,
     /// The agent stopped heartbeating (its worker may still answer).
     agent_frozen: bool,
+    /// Its steps take this many times as long (a slow member).
+    slow: u64,
+    /// The agent got the job (`StartWorker`).
+    started: bool,
+    /// The machine handled its `Joined` (as the `delivered`-th event).
+    registered: bool,
+    registered_at: u64,
+    /// The driver incarnation its agent is connected to (reattached after a restart).
+    attached: u64,
     status: Status,
     /// Epoch of the last reconfiguration it took part in.
     epoch: u64,
+    /// Plan version of the layout it trains on (its reconfiguration's, or a switch's).
+    plan_version: u64,
+    /// `[layer]`: the experts its layout gives it (what a sharded member reports holding).
+    rows: Vec<Vec<u32>>,
     state: State,
     /// The state before the last step trained: a member one step ahead rolls back to it.
     prev: Option<State>,
     pause: bool,
+    /// The newest layout switch of its epoch it was sent, and when its copies arrive.
+    switch_held: Option<u64>,
+    copies_at_ms: u64,
     /// Commands to a node travel one connection: in order.
     cmd_free_ms: u64,
     /// Reports from a node travel one connection too.
     report_free_ms: u64,
     last_idle: Option<Event>,
+    /// What it held when it stopped (the state its `Done` checksums describe).
+    stopped: Option<State>,
+    /// Hosts: the host and the batch of nodes that joined with it (its siblings).
+    host: Option<String>,
+    batch: u64,
 }
 
 /// The collective of one epoch's members.
 struct Mesh {
     r: Reconfiguration,
-    /// `rows[rank][layer]`: what the plan puts on each member.
+    /// `rows[rank][layer]`: what the plan in use puts on each member.
     rows: Vec<Vec<Vec<u32>>>,
     arrived: BTreeSet<NodeId>,
     broken: bool,
+    /// The layout version the members train on.
+    layout: u64,
+    /// Layout switches sent to this epoch, by version.
+    switches: BTreeMap<u64, LayoutSwitch>,
+}
+
+impl Mesh {
+    fn shard_count(&self) -> usize {
+        self.r.shard_holders.len()
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -153,12 +117,16 @@ enum Cmd {
     Pause,
     Abort(u64),
     Reconfigure(u64),
+    /// `(epoch, version)` of a layout switch.
+    Switch(u64, u64),
     Stop,
 }
 
 enum Item {
     ToMachine(Event),
-    Cmd(NodeId, Cmd),
+    /// A command, the driver incarnation that sent it, and whether a crash of that driver
+    /// loses it (it was saved but not yet sent).
+    Cmd(NodeId, Cmd, u64, bool),
     Beat(NodeId),
     Tick,
     WorkerReady(NodeId),
@@ -168,6 +136,8 @@ enum Item {
     Kill(NodeId),
     Fault,
     Heal,
+    Crash,
+    Restart,
 }
 
 struct Entry {
@@ -197,13 +167,17 @@ impl Ord for Entry {
 struct Ckpt {
     dense: u64,
     experts: BTreeMap<(usize, u32), u64>,
+    /// Sharded experts: the cut and the shards written.
+    shard_count: usize,
+    shards: BTreeMap<u32, u64>,
 }
 
 /// States of the members that trained one step of one epoch.
 struct Trained {
     /// Every member of the mesh trained it together (not a partial step before a failure).
     full: bool,
-    states: Vec<(NodeId, State)>,
+    /// Member, its state after the step, the layout version it trained on.
+    states: Vec<(NodeId, State, u64)>,
 }
 
 enum TraceItem {
@@ -218,35 +192,71 @@ pub struct Stats {
     pub finished_ok: u64,
     pub finished_no_checkpoint: u64,
     pub final_checkpoint_failed: u64,
+    pub diverged: u64,
     pub ended_waiting: u64,
     pub in_place: u64,
     pub restores: u64,
     pub joins: u64,
     pub rebalances: u64,
+    pub shard_repairs: u64,
+    pub switches_sent: u64,
+    pub switches_done: u64,
+    pub async_copies: u64,
     pub waited_for_nodes: u64,
     pub fenced_stuck: u64,
     pub fenced_silent: u64,
+    pub fenced_host: u64,
+    /// Healthy members fenced as stuck with a hung or frozen peer that blocked them.
+    pub fenced_collateral: u64,
     pub kills: u64,
     pub rolled_back: u64,
+    pub restarts: u64,
+    pub reattached: u64,
+    pub resent: u64,
+    pub slow_members: u64,
+    /// The machine said a heartbeating member is slow, not gone.
+    pub slow_logged: u64,
+    /// Driver restarts after which every node came back consistent.
+    pub recovered_in_place: u64,
+    pub nonfinite_counted: u64,
     pub steps: u64,
 }
 
 impl Stats {
     pub fn add(&mut self, o: &Stats) {
-        self.finished_ok += o.finished_ok;
-        self.finished_no_checkpoint += o.finished_no_checkpoint;
-        self.final_checkpoint_failed += o.final_checkpoint_failed;
-        self.ended_waiting += o.ended_waiting;
-        self.in_place += o.in_place;
-        self.restores += o.restores;
-        self.joins += o.joins;
-        self.rebalances += o.rebalances;
-        self.waited_for_nodes += o.waited_for_nodes;
-        self.fenced_stuck += o.fenced_stuck;
-        self.fenced_silent += o.fenced_silent;
-        self.kills += o.kills;
-        self.rolled_back += o.rolled_back;
-        self.steps += o.steps;
+        macro_rules! sum {
+            ($($f:ident),*) => { $(self.$f += o.$f;)* };
+        }
+        sum!(
+            finished_ok,
+            finished_no_checkpoint,
+            final_checkpoint_failed,
+            diverged,
+            ended_waiting,
+            in_place,
+            restores,
+            joins,
+            rebalances,
+            shard_repairs,
+            switches_sent,
+            switches_done,
+            async_copies,
+            waited_for_nodes,
+            fenced_stuck,
+            fenced_silent,
+            fenced_host,
+            fenced_collateral,
+            kills,
+            rolled_back,
+            restarts,
+            reattached,
+            resent,
+            slow_members,
+            slow_logged,
+            recovered_in_place,
+            nonfinite_counted,
+            steps
+        );
     }
 }
 
@@ -255,10 +265,13 @@ pub struct Failure {
     pub at_ms: u64,
     pub why: String,
     pub trace: String,
+    /// Only the final-state oracle failed (see `oracle::check_final_state`).
+    pub final_state: bool,
 }
 
-pub fn run_seed(seed: u64) -> Result<Stats, Failure> {
-    let mut sim = Sim::new(seed);
+/// Runs one seed of one mode; `final_state`: whether the final-state oracle is on.
+pub fn run_seed(mode: Mode, seed: u64, final_state: bool) -> Result<Stats, Failure> {
+    let mut sim = Sim::new(mode, seed, final_state);
     sim.run();
     match sim.fail.take() {
         None => Ok(sim.stats),
@@ -266,11 +279,13 @@ pub fn run_seed(seed: u64) -> Result<Stats, Failure> {
             at_ms: sim.now_ms,
             why,
             trace: sim.trace_text(),
+            final_state: sim.final_state_failed,
         }),
     }
 }
 
 struct Sim {
+    mode: Mode,
     rng: Xoshiro256PlusPlus,
     m: JobMachine,
     cfg: JobConfig,
@@ -281,6 +296,9 @@ struct Sim {
     nodes: BTreeMap<NodeId, SimNode>,
     names: BTreeMap<NodeId, String>,
     next_id: NodeId,
+    /// GPUs per host (1: a node per host).
+    gpus: usize,
+    next_batch: u64,
     mesh: Option<Mesh>,
     step_ms: u64,
     ckpt_parts: BTreeMap<(u64, u64), Vec<State>>,
@@ -289,47 +307,53 @@ struct Sim {
     trained: BTreeMap<(u64, u64), Trained>,
     faults_until_ms: u64,
     kill_in_reconfig: u32,
+    // The driver's crash (fail-over mode).
+    driver_down: bool,
+    incarnation: u64,
+    /// Reports the nodes' agents hold while the driver is down, in order.
+    buffered: BTreeMap<NodeId, Vec<Event>>,
     // What the checks remember.
     last_epoch: u64,
     last_version: u64,
     record_epoch: u64,
     /// The next step the machine may count.
     counted_next: u64,
+    /// The resume step of the last reconfiguration of the current lineage.
+    lineage_resume: u64,
+    /// Counted non-finite steps in a row.
+    nonfinite_run: u64,
     /// The machine's members before the event it handles now.
     members_before: Vec<NodeId>,
+    /// Nodes the machine knew and dropped, with the `delivered` count then.
+    machine_lost: BTreeMap<NodeId, u64>,
+    /// Events the machine handled.
+    delivered: u64,
     finished: Option<Result<(), String>>,
     no_checkpoint_said: bool,
+    final_state: bool,
+    final_state_failed: bool,
     trace: VecDeque<(u64, TraceItem)>,
     stats: Stats,
     fail: Option<String>,
 }
 
 impl Sim {
-    fn new(seed: u64) -> Self {
-        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
-        let experts = [4, 6, 8][rng.random_range(0..3)];
-        let layers = rng.random_range(1..=2);
-        let slots: usize = rng.random_range(2..=4);
-        let model = ModelSpec {
-            experts,
-            layers,
-            f: 2,
-        };
-        let mut cfg = JobConfig::new(model, slots, rng.random_range(30..=90));
-        // Enough nodes for f replicas of every expert, sometimes one more.
-        cfg.initial_nodes = (experts * 2).div_ceil(slots).max(2) + rng.random_range(0..=1);
-        cfg.heartbeat_timeout_ms = 1_000;
-        cfg.member_timeout_ms = 2_500;
-        cfg.scale_out_wait_ms = [0, 200, 800][rng.random_range(0..3)];
-        cfg.rebalance_every_steps = [0, 12, 25][rng.random_range(0..3)];
-        cfg.checkpoint_every_steps = [5, 10, 15][rng.random_range(0..3)];
-        cfg.bytes_per_expert = 1 << 20;
+    fn new(mode: Mode, seed: u64, final_state: bool) -> Self {
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(mode.stream(seed));
+        let setup = mode::setup(mode, &mut rng);
+        let cfg = setup.cfg;
         let m = JobMachine::new(cfg.clone()).expect("a valid config");
         let faults_until_ms = rng.random_range(1_500..12_000);
         let commit_fail_p = [0.0, 0.1, 0.3][rng.random_range(0..3)];
         let step_ms = rng.random_range(10..=40);
-        let canon = Canon::new(layers, experts, cfg.total_steps);
+        let canon = Canon::new(
+            cfg.model.layers,
+            cfg.model.experts,
+            cfg.total_steps,
+            setup.nonfinite,
+        );
         let mut sim = Self {
+            mode,
             rng,
             m,
             cfg,
@@ -340,6 +364,8 @@ impl Sim {
             nodes: BTreeMap::new(),
             names: BTreeMap::new(),
             next_id: 0,
+            gpus: setup.gpus,
+            next_batch: 0,
             mesh: None,
             step_ms,
             ckpt_parts: BTreeMap::new(),
@@ -348,26 +374,36 @@ impl Sim {
             trained: BTreeMap::new(),
             faults_until_ms,
             kill_in_reconfig: 0,
+            driver_down: false,
+            incarnation: 0,
+            buffered: BTreeMap::new(),
             last_epoch: 0,
             last_version: 0,
             record_epoch: 0,
             counted_next: 0,
+            lineage_resume: 0,
+            nonfinite_run: 0,
             members_before: Vec::new(),
+            machine_lost: BTreeMap::new(),
+            delivered: 0,
             finished: None,
             no_checkpoint_said: false,
+            final_state,
+            final_state_failed: false,
             trace: VecDeque::new(),
             stats: Stats::default(),
             fail: None,
         };
-        for _ in 0..sim.cfg.initial_nodes {
-            sim.join(None);
+        if sim.gpus == 1 {
+            for _ in 0..sim.cfg.initial_nodes {
+                sim.join(None);
+            }
+        } else {
+            for _ in 0..sim.cfg.initial_nodes / sim.gpus {
+                sim.join_host(None);
+            }
         }
-        let faults = sim.rng.random_range(0..=10);
-        for _ in 0..faults {
-            let at = sim.rng.random_range(300..faults_until_ms);
-            sim.at(at, Item::Fault);
-        }
-        sim.at(faults_until_ms, Item::Heal);
+        sim.schedule_faults();
         sim.at(TICK_MS, Item::Tick);
         sim
     }
@@ -389,13 +425,18 @@ impl Sim {
     /// one connection, in order (reports of different nodes overtake each other); a copy of
     /// it (a retransmission) may arrive later, after newer reports.
     fn send(&mut self, ev: Event) {
+        let dup = self.rng.random_bool(0.05);
+        self.send_with(ev, dup);
+    }
+
+    fn send_with(&mut self, ev: Event, dup: bool) {
         let d = self.net_ms();
         let mut at = self.now_ms + d;
         if let Some(n) = event_node(&ev).and_then(|id| self.nodes.get_mut(&id)) {
             at = at.max(n.report_free_ms);
             n.report_free_ms = at;
         }
-        if self.rng.random_bool(0.05) {
+        if dup {
             let d2 = self.net_ms();
             self.at(at + d2, Item::ToMachine(ev.clone()));
         }
@@ -412,12 +453,14 @@ impl Sim {
 
     fn cmd(&mut self, node: NodeId, c: Cmd) {
         let d = self.rng.random_range(1..15);
+        let lost_on_crash = self.rng.random_bool(0.5);
         let Some(n) = self.nodes.get_mut(&node) else {
             return;
         };
         let at = (self.now_ms + d).max(n.cmd_free_ms);
         n.cmd_free_ms = at;
-        self.at(at, Item::Cmd(node, c));
+        let inc = self.incarnation;
+        self.at(at, Item::Cmd(node, c, inc, lost_on_crash));
     }
 
     fn note(&mut self, s: String) {
@@ -456,21 +499,38 @@ impl Sim {
 
     fn step(&mut self, item: Item) {
         match item {
-            Item::ToMachine(ev) => self.deliver(ev),
+            Item::ToMachine(ev) => self.arrive(ev),
             Item::Tick => {
-                self.deliver(Event::Tick);
+                if !self.driver_down {
+                    self.deliver(Event::Tick);
+                }
                 self.at(self.now_ms + TICK_MS, Item::Tick);
             }
             Item::Beat(id) => {
                 let n = &self.nodes[&id];
                 if n.alive {
+                    let deadline = self.cfg.step_deadline.is_some();
+                    let worker = n.started
+                        && !matches!(n.status, Status::Starting | Status::Stopped)
+                        && (!n.worker_frozen || n.hung);
                     if !n.agent_frozen {
-                        self.send(Event::Heartbeat { node: id });
+                        self.send_with(Event::Heartbeat { node: id }, false);
+                        if deadline && worker {
+                            self.send_with(Event::WorkerAlive { node: id }, false);
+                        }
                     }
                     self.at(self.now_ms + HEARTBEAT_MS, Item::Beat(id));
                 }
             }
-            Item::Cmd(id, c) => self.command(id, c),
+            Item::Cmd(id, c, inc, lost_on_crash) => {
+                if inc < self.incarnation && lost_on_crash {
+                    return self.note(format!("{c:?} to node {id} lost with the driver"));
+                }
+                if self.driver_down && inc == self.incarnation {
+                    return;
+                }
+                self.command(id, c)
+            }
             Item::WorkerReady(id) => {
                 let layers = self.cfg.model.layers;
                 let dense = self.garbage();
@@ -481,6 +541,7 @@ impl Sim {
                     n.state = State {
                         dense,
                         held: vec![Vec::new(); layers],
+                        shards: Vec::new(),
                         next_step: 0,
                     };
                     self.send(Event::Ready { node: id });
@@ -497,21 +558,64 @@ impl Sim {
             }
             Item::Fault => self.fault(),
             Item::Heal => self.heal(),
+            Item::Crash => self.crash(),
+            Item::Restart => self.restart(),
         }
     }
 
     // ---------------------------------------------------------------- the machine's side
 
+    /// A report reaches the driver, or, while it is down, waits in its node's agent.
+    fn arrive(&mut self, ev: Event) {
+        let attached = event_node(&ev)
+            .and_then(|id| self.nodes.get(&id))
+            .is_none_or(|n| n.attached == self.incarnation);
+        if !self.driver_down && (attached || matches!(ev, Event::Lost { .. })) {
+            return self.deliver(ev);
+        }
+        match event_node(&ev) {
+            // A closed connection is the driver's observation: nobody reports it later.
+            _ if matches!(ev, Event::Lost { .. } | Event::Heartbeat { .. }) => {}
+            Some(id) if self.nodes[&id].alive => self.buffered.entry(id).or_default().push(ev),
+            // A dead node's agent is gone with its lines; the driver's own answers (checkpoint
+            // store) are lost with the driver.
+            _ => {}
+        }
+    }
+
     fn deliver(&mut self, ev: Event) {
-        if !matches!(ev, Event::Heartbeat { .. } | Event::Tick) {
+        if !matches!(
+            ev,
+            Event::Heartbeat { .. } | Event::Tick | Event::WorkerAlive { .. }
+        ) {
             self.push_trace(TraceItem::In(ev.clone()));
+        }
+        self.delivered += 1;
+        if let Event::Joined { node, .. } = &ev
+            && let Some(n) = self.nodes.get_mut(node)
+            && !n.registered
+        {
+            n.registered = true;
+            n.registered_at = self.delivered;
         }
         let mut out = Vec::new();
         self.members_before.clear();
         self.members_before.extend_from_slice(self.m.members());
+        let known: Vec<NodeId> = self.m.live_nodes();
         self.m.handle(self.now_ms, ev, &mut out);
+        self.after_machine(&known, out);
+    }
+
+    /// Checks the machine after it handled something, then performs its actions.
+    fn after_machine(&mut self, known_before: &[NodeId], out: Vec<Action>) {
         if let Err(e) = self.m.check_invariants() {
             return self.fail(format!("check_invariants: {e}"));
+        }
+        let live = self.m.live_nodes();
+        for id in known_before {
+            if !live.contains(id) {
+                self.machine_lost.entry(*id).or_insert(self.delivered);
+            }
         }
         for a in out {
             if !matches!(a, Action::Log(_)) {
@@ -523,6 +627,7 @@ impl Sim {
             }
         }
         self.check_coverage();
+        self.check_hosts();
     }
 
     fn perform(&mut self, a: Action) {
@@ -532,15 +637,20 @@ impl Sim {
             Action::Abort { node, epoch } => self.cmd(node, Cmd::Abort(epoch)),
             Action::Stop { node } => self.cmd(node, Cmd::Stop),
             Action::Reconfigure(r) => self.reconfigure(*r),
-            // Only a restarted driver re-sends (the swarm's driver never restarts).
+            // Only a restarted driver re-sends.
             Action::Resend { node, epoch } => {
-                self.fail(format!("unexpected resend of epoch {epoch} to node {node}"))
+                if self.mode != Mode::Failover {
+                    return self.fail(format!("unexpected resend of epoch {epoch} to {node}"));
+                }
+                if self.mesh.as_ref().is_none_or(|m| m.r.epoch != epoch) {
+                    return self.fail(format!(
+                        "resend of epoch {epoch} to node {node}, not the last reconfiguration"
+                    ));
+                }
+                self.stats.resent += 1;
+                self.cmd(node, Cmd::Reconfigure(epoch));
             }
-            // Only sharded experts with LAER re-layout switch layouts (the swarm replicates).
-            Action::SwitchLayout(sw) => self.fail(format!(
-                "unexpected layout switch to plan v{}",
-                sw.plan.version
-            )),
+            Action::SwitchLayout(sw) => self.switch_layout(*sw),
             Action::CommitCheckpoint { step, .. } => self.commit(step),
             Action::FindCheckpoint => match self.committed.keys().next_back() {
                 Some(&step) => self.send(Event::CheckpointFound { step }),
@@ -552,24 +662,39 @@ impl Sim {
                 }
             },
             Action::Fence { node, reason } => {
-                if reason.contains("heartbeat") {
+                if reason.contains("its host") {
+                    self.stats.fenced_host += 1;
+                } else if reason.contains("heartbeat from") || reason.contains("come back") {
                     self.stats.fenced_silent += 1;
                 } else {
                     self.stats.fenced_stuck += 1;
+                    self.check_fenced_stuck(node, &reason);
                 }
                 self.kill(node, false);
             }
             Action::WaitForNodes { .. } => self.stats.waited_for_nodes += 1,
             Action::Record(r) => self.check_record(&r),
-            Action::Reconfigured(_) | Action::Log(_) => {}
+            Action::Log(line) => {
+                if line.contains("is slow, not gone") {
+                    self.stats.slow_logged += 1;
+                }
+                if line.contains("controller recovery complete") && line.contains("in place") {
+                    self.stats.recovered_in_place += 1;
+                }
+            }
+            Action::Reconfigured(_) => {}
             Action::Finished(res) => {
                 match &res {
                     Ok(()) if self.counted_next != self.cfg.total_steps => self.fail(format!(
                         "finished after counting {} of {} steps",
                         self.counted_next, self.cfg.total_steps
                     )),
-                    Ok(()) => self.stats.finished_ok += 1,
-                    // The only acceptable failure: a restore with no checkpoint committed.
+                    Ok(()) => {
+                        self.stats.finished_ok += 1;
+                        self.check_final_state();
+                    }
+                    // The acceptable failures: a restore with no checkpoint committed, a
+                    // diverged job.
                     Err(e) if self.no_checkpoint_said && e.contains("no checkpoint") => {
                         self.stats.finished_no_checkpoint += 1
                     }
@@ -581,239 +706,17 @@ impl Sim {
                     {
                         self.stats.final_checkpoint_failed += 1
                     }
+                    Err(e)
+                        if e.contains("training diverged")
+                            && self.nonfinite_run >= self.cfg.max_nonfinite_steps =>
+                    {
+                        self.stats.diverged += 1
+                    }
                     Err(e) => self.fail(format!("the job failed: {e}")),
                 }
                 self.finished = Some(res);
             }
         }
-    }
-
-    /// Every expert has a replica on a live member while the members train or take a plan in
-    /// (a lost expert must have sent the machine to Quiescing/Restoring/WaitingForNodes).
-    fn check_coverage(&mut self) {
-        if !matches!(self.m.phase(), Phase::Training | Phase::Reconfiguring) {
-            return;
-        }
-        let Some(plan) = self.m.plan() else {
-            return self.fail(format!("{:?} without a plan", self.m.phase()));
-        };
-        let members = self.m.members();
-        let mut covered = vec![vec![false; self.cfg.model.experts]; self.cfg.model.layers];
-        for p in plan.physical_nodes() {
-            if members.contains(&p.id) {
-                for (l, es) in p.holdings.iter().enumerate() {
-                    for &e in es {
-                        covered[l][e as usize] = true;
-                    }
-                }
-            }
-        }
-        if let Some((l, e)) = first_uncovered(&covered) {
-            self.fail(format!(
-                "phase {:?}: expert {e} of layer {l} has no replica on a live member",
-                self.m.phase()
-            ));
-        }
-    }
-
-    fn check_record(&mut self, r: &StepRecord) {
-        if r.epoch != self.record_epoch {
-            return self.fail(format!(
-                "step {} counted in epoch {} but the plan in force is epoch {}",
-                r.step, r.epoch, self.record_epoch
-            ));
-        }
-        if r.step != self.counted_next {
-            return self.fail(format!(
-                "step {} counted, expected step {} (a step counted twice or skipped)",
-                r.step, self.counted_next
-            ));
-        }
-        if r.step >= self.cfg.total_steps {
-            return self.fail(format!("step {} counted past the end", r.step));
-        }
-        self.counted_next += 1;
-        self.stats.steps += 1;
-        let Some(t) = self.trained.get(&(r.epoch, r.step)) else {
-            return self.fail(format!("step {} counted but no member trained it", r.step));
-        };
-        let mut problems = Vec::new();
-        // Members only leave within an epoch until a new plan replaces them (in the same
-        // batch of actions, after this record): every member at counting time was a member
-        // before the event, and each of them must have trained the step.
-        let trainers = t
-            .states
-            .iter()
-            .filter(|(id, _)| self.members_before.contains(id))
-            .count();
-        if trainers < r.members {
-            problems.push(format!(
-                "{} members counted it but only {trainers} of {:?} trained it",
-                r.members, self.members_before
-            ));
-        }
-        let s = r.step as usize + 1;
-        let mut covered = vec![vec![false; self.cfg.model.experts]; self.cfg.model.layers];
-        for (id, st) in &t.states {
-            if st.dense != self.canon.dense[s] {
-                problems.push(format!("node {id} trained on a wrong dense state"));
-            }
-            for (l, es) in st.held.iter().enumerate() {
-                for &(e, v) in es {
-                    covered[l][e as usize] = true;
-                    if v != self.canon.experts[l][e as usize][s] {
-                        problems.push(format!(
-                            "node {id}'s replica of expert {e} of layer {l} is wrong"
-                        ));
-                    }
-                }
-            }
-        }
-        if t.full
-            && let Some((l, e)) = first_uncovered(&covered)
-        {
-            problems.push(format!("expert {e} of layer {l} had no replica"));
-        }
-        if !problems.is_empty() {
-            problems.dedup();
-            self.fail(format!(
-                "counted step {} of epoch {}: {}",
-                r.step,
-                r.epoch,
-                problems.join("; ")
-            ));
-        }
-    }
-
-    /// Checks a new plan against what the nodes really hold, then sends it.
-    fn reconfigure(&mut self, r: Reconfiguration) {
-        if r.epoch <= self.last_epoch || r.plan.version <= self.last_version {
-            return self.fail(format!(
-                "epoch {} / plan v{} after epoch {} / plan v{}",
-                r.epoch, r.plan.version, self.last_epoch, self.last_version
-            ));
-        }
-        self.last_epoch = r.epoch;
-        self.last_version = r.plan.version;
-        match r.kind {
-            ReconfigKind::InPlace => self.stats.in_place += 1,
-            ReconfigKind::Restore => self.stats.restores += 1,
-            ReconfigKind::Join => self.stats.joins += 1,
-            ReconfigKind::Rebalance => self.stats.rebalances += 1,
-            ReconfigKind::Start => {}
-        }
-        let rows = r.plan.plan_node_contents();
-        match &r.source {
-            StateSource::Fresh if r.resume_step != 0 => {
-                return self.fail(format!("a fresh start resumes at {}", r.resume_step));
-            }
-            StateSource::Fresh => {}
-            StateSource::Checkpoint { step } => {
-                let newest = self.committed.keys().next_back().copied();
-                if r.resume_step != *step
-                    || !self.committed.contains_key(step)
-                    || newest.is_none_or(|n| *step > n)
-                {
-                    return self.fail(format!(
-                        "restore of step {step} resuming at {}: newest committed {newest:?}",
-                        r.resume_step
-                    ));
-                }
-            }
-            StateSource::Peers {
-                dense_from,
-                dense_to,
-            } => {
-                if r.resume_step != self.counted_next {
-                    return self.fail(format!(
-                        "in-place replan resumes at step {} but steps up to {} were counted",
-                        r.resume_step, self.counted_next
-                    ));
-                }
-                if let Some(p) = self.peers_plan_problem(&r, &rows, *dense_from, dense_to) {
-                    return self.fail(format!("epoch {}: {p}", r.epoch));
-                }
-            }
-        }
-        self.counted_next = r.resume_step;
-        self.record_epoch = r.epoch;
-        self.trained.clear();
-        self.ckpt_parts.retain(|&(e, _), _| e >= r.epoch);
-        let epoch = r.epoch;
-        let members = r.members().to_vec();
-        if members.iter().any(|m| !self.nodes[m].alive) {
-            let d = self.detect_ms();
-            self.at(self.now_ms + d, Item::PeerFail(epoch));
-        }
-        if self.kill_in_reconfig > 0 {
-            self.kill_in_reconfig -= 1;
-            let victim = members[self.rng.random_range(0..members.len())];
-            let d = self.rng.random_range(0..150);
-            self.at(self.now_ms + d, Item::Kill(victim));
-        }
-        self.mesh = Some(Mesh {
-            r,
-            rows,
-            arrived: BTreeSet::new(),
-            broken: false,
-        });
-        for m in members {
-            self.cmd(m, Cmd::Reconfigure(epoch));
-        }
-    }
-
-    /// An in-place plan may only keep and send replicas and a dense state that exist at the
-    /// resume step (a member not in `dense_to` must hold the job's dense state).
-    fn peers_plan_problem(
-        &self,
-        r: &Reconfiguration,
-        rows: &[Vec<Vec<u32>>],
-        dense_from: usize,
-        dense_to: &[usize],
-    ) -> Option<String> {
-        let resume = r.resume_step;
-        let good_dense = self.canon.dense[resume as usize];
-        let states: Vec<Option<State>> = r
-            .members()
-            .iter()
-            .map(|m| {
-                let n = &self.nodes[m];
-                // A node that is already dead is the machine's to learn about, not a bad plan.
-                n.alive.then(|| resolve(n, resume).unwrap_or_default())
-            })
-            .collect();
-        for (q, st) in states.iter().enumerate() {
-            let Some(st) = st else { continue };
-            let id = r.members()[q];
-            let wants_dense = dense_to.contains(&q);
-            if (!wants_dense || q == dense_from) && st.dense != good_dense {
-                return Some(format!(
-                    "rank {q} (node {id}) is not sent the dense state but does not hold it \
-                     at step {resume}"
-                ));
-            }
-            for (l, es) in rows[q].iter().enumerate() {
-                for &e in es {
-                    let src = r
-                        .transfers
-                        .iter()
-                        .find(|t| t.dst_rank == q && t.layer == l && t.expert == e as usize)
-                        .map_or(q, |t| t.src_rank);
-                    let Some(src_state) = &states[src] else {
-                        continue;
-                    };
-                    if src_state.value(l, e)
-                        != Some(self.canon.experts[l][e as usize][resume as usize])
-                    {
-                        return Some(format!(
-                            "rank {q} (node {id}) gets expert {e} of layer {l} from rank {src}, \
-                             which does not hold it at step {resume}"
-                        ));
-                    }
-                }
-            }
-        }
-        None
     }
 
     fn commit(&mut self, step: u64) {
@@ -831,21 +734,73 @@ impl Sim {
         // Parts that disagree make a corrupt checkpoint: a restore of it is caught later.
         let mut dense = parts[0].dense;
         let mut experts = BTreeMap::new();
+        let mut shards = BTreeMap::new();
+        fn merge<K: Ord>(map: &mut BTreeMap<K, u64>, k: K, v: u64) {
+            let c = map.entry(k).or_insert(v);
+            if *c != v {
+                *c = model::splitmix64(*c ^ v);
+            }
+        }
         for p in &parts {
             if p.dense != dense {
-                dense = splitmix64(dense ^ p.dense);
+                dense = model::splitmix64(dense ^ p.dense);
             }
             for (l, es) in p.held.iter().enumerate() {
                 for &(e, v) in es {
-                    let c = experts.entry((l, e)).or_insert(v);
-                    if *c != v {
-                        *c = splitmix64(*c ^ v);
-                    }
+                    merge(&mut experts, (l, e), v);
                 }
             }
+            for &(s, v) in &p.shards {
+                merge(&mut shards, s, v);
+            }
         }
-        self.committed.insert(step, Ckpt { dense, experts });
+        let shard_count = self.mesh.as_ref().map_or(0, Mesh::shard_count);
+        self.committed.insert(
+            step,
+            Ckpt {
+                dense,
+                experts,
+                shard_count,
+                shards,
+            },
+        );
         self.send(Event::CheckpointCommitted { step });
+    }
+
+    /// Sends a new plan (after the oracle checked it against what the nodes really hold).
+    fn reconfigure(&mut self, r: Reconfiguration) {
+        if !self.check_reconfiguration(&r) {
+            return;
+        }
+        self.counted_next = r.resume_step;
+        self.record_epoch = r.epoch;
+        self.trained.clear();
+        self.ckpt_parts.retain(|&(e, _), _| e >= r.epoch);
+        let epoch = r.epoch;
+        let members = r.members().to_vec();
+        if members.iter().any(|m| !self.nodes[m].alive) {
+            let d = self.detect_ms();
+            self.at(self.now_ms + d, Item::PeerFail(epoch));
+        }
+        if self.kill_in_reconfig > 0 {
+            self.kill_in_reconfig -= 1;
+            let victim = members[self.rng.random_range(0..members.len())];
+            let d = self.rng.random_range(0..150);
+            self.at(self.now_ms + d, Item::Kill(victim));
+        }
+        let rows = r.plan.plan_node_contents();
+        let layout = r.plan.version;
+        self.mesh = Some(Mesh {
+            r,
+            rows,
+            arrived: BTreeSet::new(),
+            broken: false,
+            layout,
+            switches: BTreeMap::new(),
+        });
+        for m in members {
+            self.cmd(m, Cmd::Reconfigure(epoch));
+        }
     }
 
     // ---------------------------------------------------------------- the nodes' side
@@ -854,7 +809,7 @@ impl Sim {
         self.rng.random_range(20..300)
     }
 
-    fn join(&mut self, name: Option<String>) {
+    fn new_node(&mut self, name: Option<String>, host: Option<String>, batch: u64) {
         let id = self.next_id;
         self.next_id += 1;
         let name = name.unwrap_or_else(|| format!("n{id}"));
@@ -863,24 +818,56 @@ impl Sim {
             SimNode {
                 alive: true,
                 worker_frozen: false,
+                hung: false,
                 agent_frozen: false,
+                slow: 1,
+                started: false,
+                registered: false,
+                registered_at: 0,
+                attached: self.incarnation,
                 status: Status::Starting,
                 epoch: 0,
+                plan_version: 0,
+                rows: Vec::new(),
                 state: State::default(),
                 prev: None,
                 pause: false,
+                switch_held: None,
+                copies_at_ms: 0,
                 cmd_free_ms: 0,
                 report_free_ms: 0,
                 last_idle: None,
+                stopped: None,
+                host: host.clone(),
+                batch,
             },
         );
         self.names.insert(id, name.clone());
         self.send(Event::Joined {
             node: id,
             name,
-            host: None,
+            host,
         });
         self.at(self.now_ms + HEARTBEAT_MS, Item::Beat(id));
+    }
+
+    fn join(&mut self, name: Option<String>) {
+        if self.gpus > 1 {
+            return self.join_host(None);
+        }
+        let batch = self.next_batch;
+        self.next_batch += 1;
+        self.new_node(name, None, batch);
+    }
+
+    /// A host of `gpus` nodes joins (under a dead host's name, or a new one).
+    fn join_host(&mut self, host: Option<String>) {
+        let batch = self.next_batch;
+        self.next_batch += 1;
+        let host = host.unwrap_or_else(|| format!("h{batch}"));
+        for g in 0..self.gpus {
+            self.new_node(Some(format!("{host}g{g}")), Some(host.clone()), batch);
+        }
     }
 
     fn kill(&mut self, id: NodeId, say_lost: bool) {
@@ -890,6 +877,7 @@ impl Sim {
         }
         n.alive = false;
         self.stats.kills += 1;
+        self.buffered.remove(&id);
         if let Some(mesh) = &self.mesh
             && !mesh.broken
             && mesh.r.members().contains(&id)
@@ -908,15 +896,22 @@ impl Sim {
     }
 
     fn idle(&mut self, id: NodeId, why: IdleReason) {
+        let sharded = self.cfg.sharded_experts;
         let n = self.nodes.get_mut(&id).unwrap();
         n.status = Status::Idle;
         n.pause = false;
+        // A sharded member reports the experts its layout gave it to compute.
+        let held = if sharded {
+            n.rows.clone()
+        } else {
+            n.state.holdings()
+        };
         let ev = Event::Idle {
             node: id,
             epoch: n.epoch,
             why,
             step: n.state.next_step,
-            held: n.state.holdings().into(),
+            held: held.into(),
         };
         n.last_idle = Some(ev.clone());
         self.send(ev);
@@ -930,6 +925,11 @@ impl Sim {
         let (status, node_epoch, last_idle) = (n.status, n.epoch, n.last_idle.clone());
         match c {
             Cmd::Start => {
+                let n = self.nodes.get_mut(&id).unwrap();
+                if n.started {
+                    return;
+                }
+                n.started = true;
                 // Now and then a worker that never becomes ready.
                 if !self.rng.random_bool(0.03) {
                     let d = self.rng.random_range(20..300);
@@ -961,24 +961,29 @@ impl Sim {
                 }
             }
             Cmd::Reconfigure(epoch) => self.reconfigure_arrived(id, epoch),
+            Cmd::Switch(epoch, version) => self.switch_arrived(id, epoch, version),
             Cmd::Stop => {
                 let n = self.nodes.get_mut(&id).unwrap();
+                if n.status == Status::Stopped {
+                    return;
+                }
                 let checksums = if n.status == Status::Starting {
                     StateChecksums::default()
                 } else {
+                    let experts = n
+                        .state
+                        .held
+                        .iter()
+                        .enumerate()
+                        .flat_map(|(l, es)| es.iter().map(move |&(e, v)| (l as u32, e, v)));
                     StateChecksums {
                         dense: n.state.dense,
-                        replicas: n
-                            .state
-                            .held
-                            .iter()
-                            .enumerate()
-                            .flat_map(|(l, es)| es.iter().map(move |&(e, v)| (l as u32, e, v)))
-                            .collect(),
-                        shards: Vec::new(),
+                        replicas: experts.collect(),
+                        shards: n.state.shards.clone(),
                     }
                 };
                 n.status = Status::Stopped;
+                n.stopped = Some(n.state.clone());
                 self.send(Event::Done {
                     node: id,
                     checksums,
@@ -987,17 +992,40 @@ impl Sim {
         }
     }
 
+    /// What a node's agent says when it comes back to a restarted driver.
+    fn worker_report(&self, id: NodeId) -> WorkerReport {
+        let n = &self.nodes[&id];
+        let process = if !n.started {
+            WorkerProcess::NotStarted
+        } else if n.status == Status::Stopped {
+            WorkerProcess::Stopped
+        } else {
+            WorkerProcess::Running
+        };
+        WorkerReport {
+            process,
+            epoch: n.epoch,
+            plan_version: n.plan_version,
+            next_step: n.state.next_step,
+        }
+    }
+
     fn reconfigure_arrived(&mut self, id: NodeId, epoch: u64) {
         let Some(mesh) = &self.mesh else { return };
         if mesh.r.epoch != epoch {
             return;
         }
-        let (peers, resume, broken) = (
+        let (peers, resume, broken, version) = (
             matches!(mesh.r.source, StateSource::Peers { .. }),
             mesh.r.resume_step,
             mesh.broken,
+            mesh.r.plan.version,
         );
         let n = self.nodes.get_mut(&id).unwrap();
+        if n.epoch == epoch {
+            // A resent plan that had arrived after all.
+            return;
+        }
         if !matches!(n.status, Status::Idle) {
             let why = format!(
                 "node {id} got the plan of epoch {epoch} while {:?} in epoch {}",
@@ -1007,6 +1035,8 @@ impl Sim {
         }
         n.status = Status::Migrating;
         n.epoch = epoch;
+        n.plan_version = version;
+        n.switch_held = None;
         n.pause = false;
         n.last_idle = None;
         if peers {
@@ -1021,12 +1051,7 @@ impl Sim {
                 }
                 None => {
                     n.state.next_step = resume;
-                    n.state.dense = splitmix64(n.state.dense ^ 0x57A1E);
-                    for l in &mut n.state.held {
-                        for (_, v) in l {
-                            *v = splitmix64(*v ^ 0x57A1E);
-                        }
-                    }
+                    n.state.spoil();
                 }
             }
             n.prev = None;
@@ -1060,74 +1085,144 @@ impl Sim {
             .then_some(members)
     }
 
+    /// What rank `q` of the mesh is to hold once the plan's state arrived: each piece with
+    /// its value from its source (`None`: the source has nothing to give), and the dense
+    /// state. `bases[r]`: rank `r`'s state at the resume step, `None` when it did not take
+    /// the plan in (it sends nothing).
+    fn arrivals(
+        &self,
+        q: usize,
+        bases: &[Option<State>],
+    ) -> (Option<u64>, Vec<(Piece, Option<u64>)>) {
+        let mesh = self.mesh.as_ref().unwrap();
+        let r = &mesh.r;
+        let count = mesh.shard_count();
+        let mut pieces: Vec<Piece> = Vec::new();
+        if self.cfg.sharded_experts {
+            for (s, holders) in r.shard_holders.iter().enumerate() {
+                if holders.contains(&q) {
+                    pieces.push(Piece::Shard(s as u32));
+                }
+            }
+        } else {
+            for (l, es) in mesh.rows[q].iter().enumerate() {
+                pieces.extend(es.iter().map(|&e| Piece::Expert(l, e)));
+            }
+        }
+        let from = |src: usize, p: Piece| bases[src].as_ref().and_then(|b| b.piece(p));
+        // A peer that did not take the plan in sends nothing.
+        let sends = |src: usize| bases[src].is_some();
+        let values: Vec<(Piece, Option<u64>)> = pieces
+            .into_iter()
+            .filter(|&p| {
+                let src = match (&r.source, p) {
+                    (StateSource::Peers { .. }, Piece::Expert(l, e)) => r
+                        .transfers
+                        .iter()
+                        .find(|t| t.dst_rank == q && t.layer == l && t.expert == e as usize)
+                        .map_or(q, |t| t.src_rank),
+                    (StateSource::Peers { .. }, Piece::Shard(s)) => r
+                        .shard_transfers
+                        .iter()
+                        .find(|t| t.dst_rank == q && t.shard == s as usize)
+                        .map_or(q, |t| t.src_rank),
+                    _ => return true,
+                };
+                sends(src)
+            })
+            .map(|p| {
+                let v = match (&r.source, p) {
+                    (StateSource::Fresh, Piece::Expert(l, e)) => {
+                        Some(self.canon.experts[l][e as usize][0])
+                    }
+                    (StateSource::Fresh, Piece::Shard(s)) => Some(self.canon.shard(count, s, 0)),
+                    (StateSource::Checkpoint { step }, Piece::Expert(l, e)) => self
+                        .committed
+                        .get(step)
+                        .and_then(|c| c.experts.get(&(l, e)).copied()),
+                    (StateSource::Checkpoint { step }, Piece::Shard(s)) => self
+                        .committed
+                        .get(step)
+                        .filter(|c| self.reshards(c, *step))
+                        .map(|_| self.canon.shard(count, s, *step)),
+                    (StateSource::Peers { .. }, Piece::Expert(l, e)) => {
+                        let src = r
+                            .transfers
+                            .iter()
+                            .find(|t| t.dst_rank == q && t.layer == l && t.expert == e as usize)
+                            .map_or(q, |t| t.src_rank);
+                        from(src, p)
+                    }
+                    (StateSource::Peers { .. }, Piece::Shard(s)) => {
+                        let src = r
+                            .shard_transfers
+                            .iter()
+                            .find(|t| t.dst_rank == q && t.shard == s as usize)
+                            .map_or(q, |t| t.src_rank);
+                        from(src, p)
+                    }
+                };
+                (p, v)
+            })
+            .collect();
+        let dense = match &r.source {
+            StateSource::Fresh => Some(self.canon.dense[0]),
+            StateSource::Checkpoint { step } => self.committed.get(step).map(|c| c.dense),
+            StateSource::Peers {
+                dense_from,
+                dense_to,
+            } => {
+                let src = if dense_to.contains(&q) {
+                    *dense_from
+                } else {
+                    q
+                };
+                bases[src].as_ref().map(|b| b.dense)
+            }
+        };
+        (dense, values)
+    }
+
+    /// Whether a committed sharded checkpoint holds every shard of its cut, correct: then a
+    /// restore can cut it anew for any membership.
+    fn reshards(&self, c: &Ckpt, step: u64) -> bool {
+        c.shard_count > 0
+            && (0..c.shard_count as u32)
+                .all(|s| c.shards.get(&s) == Some(&self.canon.shard(c.shard_count, s, step)))
+    }
+
     fn migrate_done(&mut self, epoch: u64) {
         let Some(members) = self.mesh_ready(epoch, Status::Migrating) else {
             return;
         };
         let mesh = self.mesh.as_ref().unwrap();
-        let (source, resume, rows) = (mesh.r.source.clone(), mesh.r.resume_step, mesh.rows.clone());
-        let transfers = mesh.r.transfers.clone();
-        let bases: Vec<State> = members
+        let (resume, rows) = (mesh.r.resume_step, mesh.rows.clone());
+        let bases: Vec<Option<State>> = members
             .iter()
-            .map(|m| self.nodes[m].state.clone())
+            .map(|m| Some(self.nodes[m].state.clone()))
             .collect();
         for (q, &id) in members.iter().enumerate() {
-            let fill = |l: usize, e: u32, sim: &mut Self| -> u64 {
-                let v = match &source {
-                    StateSource::Fresh => Some(sim.canon.experts[l][e as usize][0]),
-                    StateSource::Checkpoint { step } => sim
-                        .committed
-                        .get(step)
-                        .and_then(|c| c.experts.get(&(l, e)).copied()),
-                    StateSource::Peers { .. } => {
-                        let src = transfers
-                            .iter()
-                            .find(|t| t.dst_rank == q && t.layer == l && t.expert == e as usize)
-                            .map_or(q, |t| t.src_rank);
-                        bases[src].value(l, e)
-                    }
-                };
-                // A slot with nothing to put in it: whatever the process had there.
-                v.unwrap_or_else(|| sim.garbage())
-            };
-            let mut held = Vec::new();
-            for (l, es) in rows[q].iter().enumerate() {
-                let mut layer = Vec::new();
-                for &e in es {
-                    layer.push((e, fill(l, e, self)));
-                }
-                held.push(layer);
-            }
-            let dense = match &source {
-                StateSource::Fresh => self.canon.dense[0],
-                StateSource::Checkpoint { step } => match self.committed.get(step) {
-                    Some(c) => c.dense,
-                    None => self.garbage(),
-                },
-                StateSource::Peers {
-                    dense_from,
-                    dense_to,
-                } => {
-                    if dense_to.contains(&q) {
-                        bases[*dense_from].dense
-                    } else {
-                        bases[q].dense
-                    }
-                }
-            };
-            let n = self.nodes.get_mut(&id).unwrap();
-            n.state = State {
-                dense,
-                held,
+            let (dense, pieces) = self.arrivals(q, &bases);
+            // A slot with nothing to put in it: whatever the process had there.
+            let mut st = State {
+                dense: dense.unwrap_or_else(|| self.garbage()),
+                held: vec![Vec::new(); self.cfg.model.layers],
+                shards: Vec::new(),
                 next_step: resume,
             };
+            for (p, v) in pieces {
+                let v = v.unwrap_or_else(|| self.garbage());
+                st.set(p, v);
+            }
+            let n = self.nodes.get_mut(&id).unwrap();
+            n.state = st;
+            n.rows = rows[q].clone();
             n.prev = None;
             n.status = Status::Training;
-            let bytes_in = 1 << 20;
             self.send(Event::Migrated {
                 node: id,
                 epoch,
-                bytes_in,
+                bytes_in: 1 << 20,
             });
         }
         self.write_checkpoint(epoch, &members, resume);
@@ -1150,16 +1245,23 @@ impl Sim {
         }
     }
 
-    fn report(&mut self) -> StepReport {
+    fn report(&mut self, step: u64, layout_version: u64) -> StepReport {
         let (layers, experts) = (self.cfg.model.layers, self.cfg.model.experts);
+        // Skewed routing (low experts hot), so LAER sees imbalance worth a re-layout.
+        let routing = (0..layers)
+            .map(|_| {
+                (0..experts)
+                    .map(|e| self.rng.random_range(0..50) * (experts - e) as u64)
+                    .collect()
+            })
+            .collect();
         StepReport {
             loss: self.rng.random_range(1.0..3.0),
             tokens: 64,
             step_ms: self.step_ms as f64,
-            routing: (0..layers)
-                .map(|_| (0..experts).map(|_| self.rng.random_range(0..50)).collect())
-                .collect(),
-            nonfinite: false,
+            routing,
+            nonfinite: self.canon.skipped(step),
+            layout_version,
             ..StepReport::default()
         }
     }
@@ -1169,14 +1271,15 @@ impl Sim {
     fn train_one(&mut self, id: NodeId, epoch: u64, full: bool) {
         let n = self.nodes.get_mut(&id).unwrap();
         let step = n.state.next_step;
-        let next = n.state.trained();
+        let next = n.state.trained(&self.canon);
+        let layout = n.plan_version;
         n.prev = Some(std::mem::replace(&mut n.state, next.clone()));
         let t = self.trained.entry((epoch, step)).or_insert(Trained {
             full,
             states: Vec::new(),
         });
-        t.states.push((id, next));
-        let report = self.report();
+        t.states.push((id, next, layout));
+        let report = self.report(step, layout);
         self.send(Event::Stepped {
             node: id,
             epoch,
@@ -1221,7 +1324,14 @@ impl Sim {
             }
             return;
         }
-        let d = self.step_ms + self.rng.random_range(0..5);
+        // The barrier of this step may show every member ready for a new layout.
+        self.maybe_switch(epoch, &members, step);
+        let slowest = members
+            .iter()
+            .map(|m| self.nodes[m].slow)
+            .max()
+            .unwrap_or(1);
+        let d = self.step_ms * slowest + self.rng.random_range(0..5);
         self.at(self.now_ms + d, Item::MeshStep(epoch));
     }
 
@@ -1257,55 +1367,24 @@ impl Sim {
             Status::Migrating => {
                 let q = mesh.r.members().iter().position(|&m| m == id).unwrap();
                 let resume = mesh.r.resume_step;
-                let mut arrived: Vec<(usize, u32, Option<u64>)> = Vec::new();
-                let mut dense = None;
-                match &mesh.r.source {
-                    StateSource::Peers {
-                        dense_from,
-                        dense_to,
-                    } => {
-                        for t in mesh.r.transfers.iter().filter(|t| t.dst_rank == q) {
-                            // Only a source that took the plan in (and rolled back to the
-                            // resume step) sends anything.
-                            let src = &self.nodes[&mesh.r.members()[t.src_rank]];
-                            if src.epoch == epoch && src.state.next_step == resume {
-                                let v = src.state.value(t.layer, t.expert as u32);
-                                arrived.push((t.layer, t.expert as u32, v));
-                            }
-                        }
-                        let src = &self.nodes[&mesh.r.members()[*dense_from]];
-                        if dense_to.contains(&q) && src.epoch == epoch {
-                            dense = Some(src.state.dense);
-                        }
-                    }
-                    StateSource::Fresh => {
-                        for (l, es) in mesh.rows[q].iter().enumerate() {
-                            for &e in es {
-                                arrived.push((l, e, Some(self.canon.experts[l][e as usize][0])));
-                            }
-                        }
-                        dense = Some(self.canon.dense[0]);
-                    }
-                    StateSource::Checkpoint { step } => {
-                        let c = self.committed.get(step);
-                        for (l, es) in mesh.rows[q].iter().enumerate() {
-                            for &e in es {
-                                arrived.push((
-                                    l,
-                                    e,
-                                    c.and_then(|c| c.experts.get(&(l, e)).copied()),
-                                ));
-                            }
-                        }
-                        dense = c.map(|c| c.dense);
-                    }
-                }
-                for (l, e, v) in arrived {
+                // Only a source that took the plan in (and rolled back to the resume step)
+                // sends anything.
+                let bases: Vec<Option<State>> = mesh
+                    .r
+                    .members()
+                    .iter()
+                    .map(|m| {
+                        let n = &self.nodes[m];
+                        (n.epoch == epoch && n.state.next_step == resume).then(|| n.state.clone())
+                    })
+                    .collect();
+                let (dense, pieces) = self.arrivals(q, &bases);
+                for (p, v) in pieces {
                     if self.rng.random_bool(0.5) {
                         let v = v.unwrap_or_else(|| self.garbage());
                         let n = self.nodes.get_mut(&id).unwrap();
-                        if n.state.value(l, e).is_none() {
-                            n.state.held[l].push((e, v));
+                        if n.state.piece(p).is_none() {
+                            n.state.set(p, v);
                         }
                     }
                 }
@@ -1321,89 +1400,6 @@ impl Sim {
         self.idle(id, IdleReason::Failed(why.into()));
     }
 
-    // ---------------------------------------------------------------- faults
-
-    fn pick_alive(&mut self) -> Option<NodeId> {
-        let alive: Vec<NodeId> = self
-            .nodes
-            .iter()
-            .filter(|(_, n)| n.alive)
-            .map(|(&id, _)| id)
-            .collect();
-        (!alive.is_empty()).then(|| alive[self.rng.random_range(0..alive.len())])
-    }
-
-    fn fault(&mut self) {
-        let kind = self.rng.random_range(0..100);
-        match kind {
-            0..30 => {
-                if let Some(id) = self.pick_alive() {
-                    self.note(format!("fault: kill node {id}"));
-                    self.deliver(Event::FaultInjected);
-                    self.kill(id, true);
-                }
-            }
-            30..40 => {
-                let k = self.rng.random_range(2..=3);
-                for _ in 0..k {
-                    if let Some(id) = self.pick_alive() {
-                        self.note(format!("fault: kill node {id} (simultaneous)"));
-                        self.kill(id, true);
-                    }
-                }
-            }
-            40..50 => {
-                self.note("fault: kill a member during the next reconfiguration".into());
-                self.kill_in_reconfig += 1;
-            }
-            50..68 => {
-                self.note("fault: a new node joins".into());
-                self.join(None);
-            }
-            68..80 => {
-                // A dead node comes back under a new id and its old name.
-                let dead: Vec<NodeId> = self
-                    .nodes
-                    .iter()
-                    .filter(|(_, n)| !n.alive)
-                    .map(|(&id, _)| id)
-                    .collect();
-                let name = (!dead.is_empty())
-                    .then(|| self.names[&dead[self.rng.random_range(0..dead.len())]].clone());
-                self.note(format!("fault: node {name:?} rejoins"));
-                self.join(name);
-            }
-            80..90 => {
-                if let Some(id) = self.pick_alive() {
-                    self.note(format!("fault: worker of node {id} freezes"));
-                    self.nodes.get_mut(&id).unwrap().worker_frozen = true;
-                }
-            }
-            _ => {
-                if let Some(id) = self.pick_alive() {
-                    self.note(format!("fault: agent of node {id} freezes"));
-                    self.nodes.get_mut(&id).unwrap().agent_frozen = true;
-                }
-            }
-        }
-    }
-
-    /// Faults stop; most seeds replace the lost nodes (the job must then finish), the others
-    /// may be left with too few (the job must then wait for nodes).
-    fn heal(&mut self) {
-        self.commit_fail_p = 0.0;
-        self.kill_in_reconfig = 0;
-        if !self.rng.random_bool(0.75) {
-            self.note("faults stop; no healing".into());
-            return;
-        }
-        let healthy = self.healthy_nodes();
-        self.note(format!("faults stop; healing from {healthy} healthy nodes"));
-        for _ in healthy..self.cfg.initial_nodes {
-            self.join(None);
-        }
-    }
-
     fn healthy_nodes(&self) -> usize {
         self.nodes
             .values()
@@ -1411,54 +1407,54 @@ impl Sim {
             .count()
     }
 
-    /// Liveness: the job finished, or it waits for nodes because there are too few.
-    fn check_end(&mut self) {
-        if self.finished.is_some() {
-            return;
-        }
-        let healthy = self.healthy_nodes();
-        let too_few = healthy * self.cfg.slots_per_node < self.cfg.model.experts;
-        match self.m.phase() {
-            Phase::WaitingForNodes if too_few => self.stats.ended_waiting += 1,
-            Phase::Gathering if healthy < self.cfg.initial_nodes => self.stats.ended_waiting += 1,
-            phase => self.fail(format!(
-                "stalled: {phase:?} {} ms after faults stopped, {} of {} steps counted, \
-                 {healthy} healthy nodes, members {:?}",
-                SETTLE_MS,
-                self.counted_next,
-                self.cfg.total_steps,
-                self.m.members()
-            )),
-        }
-    }
-
     fn trace_text(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "    config: {} experts x {} layers, {} slots/node, {} initial nodes, {} steps, \
-             checkpoint every {}, rebalance every {}, faults until {} ms",
+            "    config ({}): {} experts x {} layers, {} slots/node, {} initial nodes ({} per \
+             host), {} steps, checkpoint every {}, rebalance every {}, sharded {} ({} copies), \
+             {:?}, {:?}, faults until {} ms",
+            self.mode.name(),
             self.cfg.model.experts,
             self.cfg.model.layers,
             self.cfg.slots_per_node,
             self.cfg.initial_nodes,
+            self.gpus,
             self.cfg.total_steps,
             self.cfg.checkpoint_every_steps,
             self.cfg.rebalance_every_steps,
+            self.cfg.sharded_experts,
+            self.cfg.shard_copies,
+            self.cfg.replica_migration,
+            matches!(
+                self.cfg.relayout,
+                lazarus_planner::job::relayout::Relayout::Laer(_)
+            )
+            .then_some("laer"),
             self.faults_until_ms
         );
         for (t, item) in &self.trace {
             let line = match item {
                 TraceItem::In(ev) => format!("-> {}", brief_event(ev)),
                 TraceItem::Out(Action::Reconfigure(r)) => format!(
-                    "<- Reconfigure epoch {} {:?} v{} members {:?} {:?} resume {} ({} transfers)",
+                    "<- Reconfigure epoch {} {:?} v{} members {:?} {:?} resume {} ({} transfers, \
+                     shards {:?}, {} shard transfers)",
                     r.epoch,
                     r.kind,
                     r.plan.version,
                     r.members(),
                     r.source,
                     r.resume_step,
-                    r.transfers.len()
+                    r.transfers.len(),
+                    r.shard_holders,
+                    r.shard_transfers.len()
+                ),
+                TraceItem::Out(Action::SwitchLayout(sw)) => format!(
+                    "<- SwitchLayout epoch {} v{} from step {} ({} transfers)",
+                    sw.epoch,
+                    sw.plan.version,
+                    sw.from_step,
+                    sw.transfers.len()
                 ),
                 TraceItem::Out(a) => format!("<- {a:?}"),
                 TraceItem::Note(n) => format!("** {n}"),
@@ -1474,11 +1470,13 @@ fn event_node(ev: &Event) -> Option<NodeId> {
         Event::Joined { node, .. }
         | Event::Ready { node }
         | Event::Heartbeat { node }
+        | Event::WorkerAlive { node }
         | Event::Lost { node, .. }
         | Event::Stepped { node, .. }
         | Event::Idle { node, .. }
         | Event::Migrated { node, .. }
         | Event::CheckpointWritten { node, .. }
+        | Event::Reattached { node, .. }
         | Event::Done { node, .. } => Some(*node),
         _ => None,
     }
@@ -1487,8 +1485,15 @@ fn event_node(ev: &Event) -> Option<NodeId> {
 fn brief_event(ev: &Event) -> String {
     match ev {
         Event::Stepped {
-            node, epoch, step, ..
-        } => format!("Stepped {{ node: {node}, epoch: {epoch}, step: {step} }}"),
+            node,
+            epoch,
+            step,
+            report,
+        } => format!(
+            "Stepped {{ node: {node}, epoch: {epoch}, step: {step}, layout v{}{} }}",
+            report.layout_version,
+            if report.nonfinite { ", non-finite" } else { "" }
+        ),
         ev => format!("{ev:?}"),
     }
 }
