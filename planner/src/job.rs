@@ -924,6 +924,10 @@ pub struct JobMachine {
     /// which a later commit of an older step clears).
     #[serde(default)]
     final_checkpoint_failed: bool,
+    /// Members that sent their final checksums ([`Event::Done`]) and then left (their agent
+    /// exits after its worker stopped): name and checksums, for the end-of-job checks.
+    #[serde(default)]
+    stopped: BTreeMap<NodeId, (String, StateChecksums)>,
 }
 
 impl JobMachine {
@@ -966,6 +970,7 @@ impl JobMachine {
             switch: None,
             final_checkpoint_failures: 0,
             final_checkpoint_failed: false,
+            stopped: BTreeMap::new(),
         })
     }
 
@@ -1320,7 +1325,13 @@ impl JobMachine {
         }
         self.slow_noted.remove(&node);
         if n.done.is_some() || self.phase == Phase::Stopping {
-            // No replan any more, but a member is a live node.
+            // No replan any more, but a member is a live node. Its final checksums still count
+            // (a node leaves once its worker stopped).
+            if let Some(done) = n.done.clone()
+                && self.members.contains(&node)
+            {
+                self.stopped.insert(node, (n.name.clone(), done));
+            }
             self.members.retain(|&m| m != node);
             if let Some(p) = self.pending.as_mut() {
                 p.waiting.remove(&node);
@@ -2888,13 +2899,28 @@ impl JobMachine {
         ))
     }
 
-    /// What the members' final checksums ([`Event::Done`]) do not cover; `None`: everything.
-    fn final_checksums_missing(&self) -> Option<String> {
-        let sums: Vec<&StateChecksums> = self
+    /// The final checksums ([`Event::Done`]) of the members, those still connected and those
+    /// that left after sending them, by node id.
+    fn final_sums(&self) -> BTreeMap<NodeId, &StateChecksums> {
+        let live = self
             .members
             .iter()
-            .filter_map(|m| self.nodes.get(m).and_then(|n| n.done.as_ref()))
-            .collect();
+            .filter_map(|&m| self.nodes.get(&m)?.done.as_ref().map(|d| (m, d)));
+        let left = self.stopped.iter().map(|(&id, (_, d))| (id, d));
+        live.chain(left).collect()
+    }
+
+    /// The name of node `id`, live or stopped.
+    fn node_name(&self, id: NodeId) -> &str {
+        match self.nodes.get(&id) {
+            Some(n) => &n.name,
+            None => self.stopped.get(&id).map_or("", |(name, _)| name),
+        }
+    }
+
+    /// What the members' final checksums ([`Event::Done`]) do not cover; `None`: everything.
+    fn final_checksums_missing(&self) -> Option<String> {
+        let sums: Vec<&StateChecksums> = self.final_sums().into_values().collect();
         if sums.is_empty() {
             return Some("no member's state".into());
         }
@@ -2925,13 +2951,7 @@ impl JobMachine {
     /// Every node's final state: one dense state, identical replicas of each expert and copies
     /// of each shard.
     fn check_consistency(&self) -> Result<(), String> {
-        let problems = diverged_copies(
-            self.nodes
-                .iter()
-                .filter(|(id, _)| self.members.contains(id))
-                .filter_map(|(&id, n)| n.done.as_ref().map(|d| (id, d))),
-            |id| self.nodes.get(&id).map_or("", |n| n.name.as_str()),
-        );
+        let problems = diverged_copies(self.final_sums().into_iter(), |id| self.node_name(id));
         if problems.is_empty() {
             Ok(())
         } else {

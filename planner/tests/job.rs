@@ -1986,3 +1986,24 @@ fn replicas_whose_fingerprints_differ_at_a_step_end_the_job_naming_them() {
         }
     }
 }
+
+/// Found by `tests/lzrun.rs` (a stopped worker fenced, the job finished on the others): an
+/// agent exits once its worker stopped, so the machine sees each member lost right after its
+/// checksums; those of the members that left still count for the end-of-job checks.
+#[test]
+fn final_checksums_of_members_that_left_after_sending_them_still_count() {
+    let (mut j, r) = started(single_copy_config(4, 0), &[0, 1, 2], 4);
+    for m in r.members().to_vec() {
+        j.idle(m, IdleReason::Finished, 4);
+    }
+    let mut a = Vec::new();
+    for m in r.members().to_vec() {
+        let checksums = checksums_of(&j, m);
+        a.extend(j.ev(Event::Done { node: m, checksums }));
+        a.extend(j.ev(Event::Lost {
+            node: m,
+            reason: "connection closed".into(),
+        }));
+    }
+    assert_eq!(finished(&a), Some(Ok(())));
+}
