@@ -2,6 +2,9 @@
 //! machine `lzrun` drives. This module only translates: engine happenings become the machine's
 //! [`Event`]s, and the machine's [`Action`]s become the engine's [`Order`]s, which the engine
 //! performs with modelled durations (the cost model's migration, restart and checkpoint times).
+//! `laer` and `lazarus-fsep` are the same driver with sharded experts ([`Driver::sharded`]):
+//! their plans carry the machine's shard placement, and an in-place reconfiguration's
+//! migration is its shard copies ([`super::fsep`] models their step cost).
 //!
 //! * a node becomes ready → [`Event::Joined`] + [`Event::Ready`] (the machine takes it in at the
 //!   start, after a wait for nodes, or lazily `scale_out_wait` later);
