@@ -2369,6 +2369,58 @@ fn a_kill_in_fsep_mode_with_two_shard_copies_recovers_in_place() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Issue 33 item 3: a node joining a sharded job joins in place (the job machine's one rule
+/// for sharded joins, shared with `lzsim replay`): with 2 copies of 4 shards on 4 nodes the
+/// newcomer receives one shard copy from a holder and the dense state, no checkpoint is
+/// restored, and every worker ends with the same dense state.
+#[test]
+fn a_join_in_fsep_mode_joins_in_place_with_shard_copies() {
+    let dir = scratch("fsep-f2-join");
+    let d = dir.to_str().unwrap();
+    let ck = dir.join("ckpt");
+    let o = lzrun(&[
+        "local",
+        "--expert-mode",
+        "fsep",
+        "--shard-copies",
+        "2",
+        "--nodes",
+        "4",
+        "--steps",
+        "12",
+        "--join",
+        "@4",
+        "--ckpt-every",
+        "5",
+        "--ckpt-dir",
+        ck.to_str().unwrap(),
+        "--format",
+        "json",
+        "--out",
+        d,
+    ]);
+    let s = o.summary();
+    assert_eq!(s.steps, 12);
+    assert_eq!((s.joins, s.fallbacks), (1, 0), "{}", o.show());
+    let rec = s
+        .reconfigurations
+        .iter()
+        .find(|r| r.kind == "join")
+        .unwrap_or_else(|| panic!("no join\n{}", o.show()));
+    assert_eq!((rec.nodes_before, rec.nodes_after), (4, 5), "{rec:?}");
+    assert_eq!(rec.transfers, 1, "{rec:?}");
+    assert!(rec.bytes > 0, "{rec:?}");
+    assert!(
+        o.stderr
+            .contains("1 newcomer(s) join in place; 1 shard copies re-placed"),
+        "{}",
+        o.show()
+    );
+    assert!(s.final_loss.is_finite());
+    assert_eq!(assert_fsep_consistent(&dir), 5);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Resilient FSEP: killing nodes 2 and 3 at once kills both copies of shards 2 and 3, so the
 /// survivors restore the newest checkpoint.
 #[test]

@@ -617,6 +617,168 @@ pub fn repair(
 }
 
 /// A copy an augmenting path moves: a new one (transfer index) or a surviving one (shard).
+/// The recovery action for a change of membership with newcomers: the `dead` nodes of `p`
+/// leave and `joined` nodes that hold nothing join (indices `p.nodes()..p.nodes() + joined`
+/// before renumbering). The shard count stays (shards are cut once per lineage); the copies
+/// are re-placed over the new membership, on the balanced room
+/// `⌈S·min(f, n')/n'⌉` ([`min_capacity`]) of its `n'` nodes:
+///
+/// 1. the copies the dead held are rebuilt as [`repair`] does, over the survivors *and* the
+///    newcomers (a newcomer has the most room, so it takes them first);
+/// 2. while the fullest node holds two copies more than some other node, its copy of one of
+///    its shards (the highest-numbered one such a node lacks) moves to such a node,
+///    preferring one that already took a shard of the same holder set (so shards that shared
+///    a holder set keep sharing one: few distinct sets, as MRO wants), else the emptiest. The
+///    loads end within one of each other, so within the balanced room.
+///
+/// Every new copy is one transfer from a holder of the shard before the change (the one that
+/// sent least, ties: lowest index); a copy that moved away is dropped at its old holder once
+/// every transfer arrived. `f = 1` (plain FSEP) is the same rule: a newcomer takes whole
+/// shards from the fullest nodes, and a lost node restores (its shards had no other copy).
+/// When every node is within one copy of the others already (e.g. `S = n` shards, `f = 1`,
+/// cut for `n` nodes, `n'` > `n`), nothing moves: the newcomers join holding no shard and
+/// compute on the shards the all-to-all brings them.
+///
+/// # Errors
+/// As [`repair`].
+pub fn rejoin(
+    p: &ShardPlacement,
+    f: usize,
+    dead: &[u32],
+    joined: usize,
+) -> Result<RepairOutcome, FsepError> {
+    if f == 0 {
+        return Err(FsepError::NoCopies(0));
+    }
+    if let Some(&n) = dead.iter().find(|&&n| n as usize >= p.nodes) {
+        return Err(FsepError::NodeOutOfRange {
+            node: n,
+            nodes: p.nodes,
+        });
+    }
+    let lost = p.lost_shards(dead);
+    if !lost.is_empty() {
+        return Ok(RepairOutcome::RestoreCheckpoint { lost_shards: lost });
+    }
+    let ext = ShardPlacement {
+        nodes: p.nodes + joined,
+        holders: p.holders.clone(),
+    };
+    let mut is_dead = vec![false; ext.nodes];
+    dead.iter().for_each(|&n| is_dead[n as usize] = true);
+    let alive = ext.nodes - dead.iter().filter(|&&n| is_dead[n as usize]).count();
+    let copies = f.min(alive);
+    let room = min_capacity(alive, p.shards(), copies);
+    let held_most = ext
+        .load()
+        .iter()
+        .enumerate()
+        .filter(|&(n, _)| !is_dead[n])
+        .map(|(_, &l)| l)
+        .max()
+        .unwrap_or(0);
+    let RepairOutcome::InPlace(repaired) = repair(&ext, f, dead, room.max(held_most))? else {
+        unreachable!("no shard lost every copy (checked above)");
+    };
+    let RepairPlan {
+        survivors,
+        placement,
+        ..
+    } = repaired;
+    let n = survivors.len();
+    let mut holders = placement.holders;
+    let mut load = vec![0usize; n];
+    for &h in holders.iter().flatten() {
+        load[h as usize] += 1;
+    }
+    // The holder set of each shard before the spread: the group it moves with.
+    let group_of: Vec<Vec<u32>> = holders.clone();
+    let mut group_targets: BTreeMap<Vec<u32>, Vec<u32>> = BTreeMap::new();
+    loop {
+        let over = (0..n as u32)
+            .max_by_key(|&o| (load[o as usize], std::cmp::Reverse(o)))
+            .expect("a survivor");
+        let most = load[over as usize];
+        let with_room = |w: usize, holders: &[Vec<u32>], load: &[usize]| -> Vec<u32> {
+            (0..n as u32)
+                .filter(|&d| load[d as usize] + 2 <= most && !holders[w].contains(&d))
+                .collect()
+        };
+        // Its highest shard that some node with two fewer lacks (one exists when such a node
+        // does: it holds fewer shards than `over`).
+        let Some((w, dsts)) = (0..holders.len())
+            .rev()
+            .filter(|&w| holders[w].contains(&over))
+            .map(|w| (w, with_room(w, &holders, &load)))
+            .find(|(_, d)| !d.is_empty())
+        else {
+            // Every node within one copy of the fullest: balanced (within the room).
+            break;
+        };
+        let targets = group_targets.entry(group_of[w].clone()).or_default();
+        let dst = targets
+            .iter()
+            .copied()
+            .find(|t| dsts.contains(t))
+            .unwrap_or_else(|| {
+                *dsts
+                    .iter()
+                    .min_by_key(|&&d| (load[d as usize], d))
+                    .expect("not empty")
+            });
+        if !targets.contains(&dst) {
+            targets.push(dst);
+        }
+        holders[w].retain(|&h| h != over);
+        holders[w].push(dst);
+        load[over as usize] -= 1;
+        load[dst as usize] += 1;
+    }
+    // Transfers: every copy a node did not hold before, from a holder before the change.
+    let mut index = vec![u32::MAX; ext.nodes];
+    for (i, &s) in survivors.iter().enumerate() {
+        index[s as usize] = i as u32;
+    }
+    let mut sent = vec![0usize; n];
+    let mut transfers = Vec::new();
+    for (w, h) in holders.iter_mut().enumerate() {
+        h.sort_unstable();
+        let before: Vec<u32> = p.holders[w]
+            .iter()
+            .filter(|&&x| !is_dead[x as usize])
+            .map(|&x| index[x as usize])
+            .collect();
+        for &dst in h.iter().filter(|d| !before.contains(d)) {
+            let src = *before
+                .iter()
+                .min_by_key(|&&s| (sent[s as usize], s))
+                .expect("a shard kept a live holder (checked above)");
+            sent[src as usize] += 1;
+            // In the indices before the change (newcomers after the old nodes), as
+            // [`repair`]'s.
+            transfers.push(ShardTransfer {
+                shard: w as u32,
+                src: survivors[src as usize],
+                dst: survivors[dst as usize],
+            });
+        }
+    }
+    let spec = FsepSpec {
+        nodes: n,
+        shards: p.shards(),
+        copies,
+        capacity: room,
+    };
+    let placement = ShardPlacement::new(n, holders)?;
+    placement.check(&spec)?;
+    Ok(RepairOutcome::InPlace(RepairPlan {
+        transfers,
+        survivors,
+        placement,
+        copies,
+    }))
+}
+
 #[derive(Debug, Clone, Copy)]
 enum Moved {
     New(usize),

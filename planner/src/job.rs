@@ -33,9 +33,10 @@
 //!   [`Action::FindCheckpoint`] → [`Event::CheckpointFound`]). A start or a restore that did not
 //!   complete on every member is done again as a whole (a half-restored member mixes two
 //!   lineages).
-//! * **Sharded experts** ([`JobConfig::sharded_experts`]): a change of membership restores,
-//!   unless every shard kept one of its [`JobConfig::shard_copies`] copies: then the lost
-//!   copies are rebuilt in place (the `sharded` submodule).
+//! * **Sharded experts** ([`JobConfig::sharded_experts`]): a lost member restores, unless
+//!   every shard kept one of its [`JobConfig::shard_copies`] copies: then the lost copies are
+//!   rebuilt in place; a newcomer joins in place, the shard copies re-placed over the new
+//!   membership (the `sharded` submodule).
 //! * **Resume step.** The smallest step any member with the job's state reported; members one
 //!   step ahead roll back. A restore resumes at the checkpoint's step.
 //! * **Who has the dense state.** Only a node that completed a reconfiguration
@@ -201,10 +202,11 @@ pub struct JobConfig {
     /// Bytes of one expert's state (weights + optimizer), for the migration estimates.
     pub bytes_per_expert: u64,
     /// Experts are fully sharded over the members (FSEP: member `w` holds shard `w` of every
-    /// expert, cut for exactly that membership) instead of replicated: any change of
-    /// membership — a lost member loses its shard of every expert, a newcomer has none —
-    /// restores the checkpoint; a rebalance over the same members moves no state.
-    /// With `shard_copies` ≥ 2, see [`JobConfig::shard_copies`].
+    /// expert, cut for the membership of the start or restore) instead of replicated: a lost
+    /// member loses its shard of every expert and restores the checkpoint; a newcomer joins in
+    /// place (shards re-placed over the new membership, see the `sharded` submodule); a
+    /// rebalance over the same members moves no state. With `shard_copies` ≥ 2, see
+    /// [`JobConfig::shard_copies`].
     #[serde(default)]
     pub sharded_experts: bool,
     /// Sharded experts: copies of every shard, on distinct members (`f`, placed by
@@ -2732,6 +2734,11 @@ impl JobMachine {
         if groups.is_none() {
             plan.node_map = ids;
         }
+        let source = match source {
+            // Sharded in place (`sharded`): the dense state to the ranks of this plan.
+            StateSource::Peers { .. } => self.peers_source(&plan.node_map),
+            s => s,
+        };
         plan.version = self.plan_version + 1;
         self.issue(kind, plan, None, source, resume_step, now_ms, out);
     }

@@ -2007,3 +2007,143 @@ fn final_checksums_of_members_that_left_after_sending_them_still_count() {
     }
     assert_eq!(finished(&a), Some(Ok(())));
 }
+
+/// Lets `nodes` join a started job and returns the join's reconfiguration (the members
+/// pause at `step`).
+fn join_sharded(j: &mut Job, nodes: &[NodeId], step: u64) -> (Vec<Action>, Reconfiguration) {
+    for &n in nodes {
+        j.join(n);
+    }
+    let a = j.ev(Event::Tick);
+    assert!(a.iter().any(|a| matches!(a, Action::Pause { .. })), "{a:?}");
+    let mut a = Vec::new();
+    for m in j.m.members().to_vec() {
+        a.extend(j.idle(m, IdleReason::Paused, step));
+    }
+    let r = reconfig(&a).expect("the join's plan");
+    (a, r)
+}
+
+/// Resilient FSEP, `f = 2`: newcomers join in place — no checkpoint — with the shard copies
+/// re-placed over the new membership (both copies of one shard move to the two newcomers) and
+/// the dense state; a newcomer lost afterwards is repaired in place like any member.
+#[test]
+fn with_two_shard_copies_newcomers_join_in_place_and_receive_shards() {
+    let mut cfg = config(4, 50);
+    cfg.checkpoint_every_steps = 5;
+    cfg.scale_out_wait_ms = 0;
+    cfg.sharded_experts = true;
+    cfg.shard_copies = 2;
+    let (mut j, r0) = started(cfg, &[0, 1, 2, 3], 3);
+    assert_eq!(r0.shard_holders, [[0, 1], [0, 1], [2, 3], [2, 3]]);
+    let (a, r) = join_sharded(&mut j, &[4, 5], 3);
+    assert!(!a.contains(&Action::FindCheckpoint), "{a:?}");
+    assert_eq!((r.kind, r.resume_step), (ReconfigKind::Join, 3));
+    assert_eq!(r.members(), &[0, 1, 2, 3, 4, 5]);
+    match &r.source {
+        StateSource::Peers {
+            dense_from,
+            dense_to,
+        } => assert_eq!((*dense_from, dense_to.as_slice()), (0, &[4, 5][..])),
+        s => panic!("{s:?}"),
+    }
+    // 4 shards × 2 copies over 6 members, within one copy of each other: the fullest
+    // members 0 and 1 hand shard 1 to the newcomers, which hold it as one holder set.
+    assert_eq!(r.shard_holders, [[0, 1], [4, 5], [2, 3], [2, 3]]);
+    assert_eq!(r.shard_transfers.len(), 2, "{r:?}");
+    for t in &r.shard_transfers {
+        assert!(t.dst_rank >= 4 && t.src_rank < 4, "{t:?}");
+        assert!(r0.shard_holders[t.shard].contains(&t.src_rank), "{t:?}");
+    }
+    assert!(
+        logs(&a)
+            .iter()
+            .any(|l| l.contains("2 newcomer(s) join in place")),
+        "{:?}",
+        logs(&a)
+    );
+    j.migrated_all(&r);
+    j.step_all(3);
+    j.ev(Event::Lost {
+        node: 5,
+        reason: "killed".into(),
+    });
+    let mut a = Vec::new();
+    for n in [0, 1, 2, 3, 4] {
+        a.extend(j.idle(n, IdleReason::Failed("peer".into()), 4));
+    }
+    let r = reconfig(&a).expect("an in-place repair");
+    assert_eq!(r.kind, ReconfigKind::InPlace);
+    assert_eq!(r.shard_transfers.len(), 1, "{r:?}");
+}
+
+/// Plain FSEP (`f = 1`): the same join rule — in place, never a restore. Two shards cut for
+/// two members leave a newcomer without a shard (every member within one copy): it computes
+/// on the shards the all-to-all brings it, and losing it loses nothing; losing a holder
+/// restores the checkpoint.
+#[test]
+fn with_one_shard_copy_a_newcomer_joins_in_place_and_a_lost_holder_restores() {
+    let mut cfg = config(4, 50);
+    cfg.checkpoint_every_steps = 5;
+    cfg.scale_out_wait_ms = 0;
+    cfg.sharded_experts = true;
+    let (mut j, _) = started(cfg, &[0, 1], 3);
+    let (a, r) = join_sharded(&mut j, &[2], 3);
+    assert!(!a.contains(&Action::FindCheckpoint), "{a:?}");
+    assert_eq!(r.kind, ReconfigKind::Join);
+    assert_eq!(r.shard_holders, [[0], [1]]);
+    assert!(r.shard_transfers.is_empty());
+    assert!(matches!(&r.source, StateSource::Peers { dense_to, .. } if dense_to == &[2]));
+    j.migrated_all(&r);
+    j.step_all(3);
+    // The newcomer holds no shard: in place.
+    j.ev(Event::Lost {
+        node: 2,
+        reason: "killed".into(),
+    });
+    j.idle(0, IdleReason::Failed("peer".into()), 4);
+    let r = reconfig(&j.idle(1, IdleReason::Failed("peer".into()), 4)).expect("in place");
+    assert_eq!((r.kind, r.members()), (ReconfigKind::InPlace, &[0, 1][..]));
+    j.migrated_all(&r);
+    j.step_all(4);
+    // A holder: its shard had no other copy.
+    j.ev(Event::Lost {
+        node: 1,
+        reason: "killed".into(),
+    });
+    let a = j.idle(0, IdleReason::Failed("peer".into()), 5);
+    assert!(a.contains(&Action::FindCheckpoint), "{a:?}");
+    assert!(
+        logs(&a).iter().any(|l| l.contains("[1] lost every copy")),
+        "{:?}",
+        logs(&a)
+    );
+}
+
+/// A loss and a join decided together (`f = 2`): in place when every shard kept a copy, the
+/// lost copies rebuilt on the newcomer.
+#[test]
+fn with_two_shard_copies_a_loss_and_a_join_together_stay_in_place() {
+    let mut cfg = config(4, 50);
+    cfg.checkpoint_every_steps = 5;
+    cfg.scale_out_wait_ms = 60_000;
+    cfg.sharded_experts = true;
+    cfg.shard_copies = 2;
+    let (mut j, _) = started(cfg, &[0, 1, 2, 3], 3);
+    j.join(4);
+    j.ev(Event::Lost {
+        node: 2,
+        reason: "killed".into(),
+    });
+    let mut a = Vec::new();
+    for n in [0, 1, 3] {
+        a.extend(j.idle(n, IdleReason::Failed("peer".into()), 3));
+    }
+    assert!(!a.contains(&Action::FindCheckpoint), "{a:?}");
+    let r = reconfig(&a).expect("in place");
+    assert_eq!(r.members(), &[0, 1, 3, 4]);
+    let rank4 = 3;
+    assert_eq!(r.shard_transfers.len(), 2, "{r:?}");
+    assert!(r.shard_transfers.iter().all(|t| t.dst_rank == rank4));
+    assert!(matches!(&r.source, StateSource::Peers { dense_to, .. } if dense_to == &[rank4]));
+}

@@ -65,11 +65,39 @@ out=results/fsep/sim.md
   all-reduce (`simulator/src/cost/fsep.rs`). On the 100 Gbit/s testbed profile, with GPT-L's
   small per-GPU batch, that traffic dominates the step, so laer and lazarus-fsep train fewer
   samples than lazarus even with free re-layout; on 8×H200 nodes with 400 Gbit/s NICs and
-  LAER's ~8 copies per expert the gap narrows to ~11 % (both still ahead of ds and ds-ft).
-* **Failures.** laer restores the checkpoint on every node loss (any node holds the only copy of
-  its shards); lazarus-fsep with f = 2 repairs in place (rebuilding exactly the lost shard
-  copies) and falls back only when both copies of a shard die — once here, at the 4-node loss,
-  like lazarus.
+  LAER's ~8 copies per expert the gap narrows to 8–12 % (both still ahead of ds and ds-ft).
+* **Decisions come from the job machine.** laer and lazarus-fsep are driven by the planner's
+  `JobMachine` with sharded experts (`JobConfig::sharded_experts`, `shard_copies` = 1 or f),
+  the same rules `lzrun --expert-mode fsep` runs (`planner/src/job/sharded.rs`); the simulator
+  only models their cost. laer restores the checkpoint on every loss of a node that holds
+  shards (the only copy of them); lazarus-fsep with f = 2 repairs in place (rebuilding exactly
+  the lost shard copies) and falls back only when both copies of a shard die — once here, when
+  node1 and node2 die together (51 min); lazarus also restores once. New nodes join **in
+  place** in both (one rule for every sharded job): the shard copies are re-placed over the
+  new membership (`fsep::rejoin`), the fullest members handing whole shards to the newcomers
+  until every member is within one copy of the others, each copy one transfer from a member
+  that held it; the newcomers get the dense state from a member. Shards are cut once per start or restore (`S` = its nodes), so
+  at f = 1 a newcomer to a job whose members hold one shard each joins without a shard (it
+  computes on shards the all-to-all brings it) and losing it loses nothing: laer's one
+  "recov" above is such a loss (node37), recovered in place.
+* **What changed (2026-12-05).** Before, these two systems applied their own copy of the rules
+  in `simulator/src/replay/systems/fsep.rs`, and they disagreed with lzrun: laer took new
+  nodes in by a checkpoint and restart, lazarus-fsep let newcomers join with no shard and no
+  transfer (optimistic: lzrun restored the checkpoint on every join of a sharded job). Now
+  lzrun, lzsim and the planner make one decision, an in-place join with shard transfers
+  (lzrun's worker takes a newcomer in with an empty shard store, `worker/migrate.rs`). Old →
+  new on rtx3090-100g: laer 96,600 → 98,548 samples (5 → 4 restores: the loss of a newcomer
+  without shards stays in place; its 2 joins no longer checkpoint and restart), lazarus-fsep
+  125,944 → 131,916 (same 4 repairs and 1 restore; its 2 joins now copy 2 shard copies each,
+  4.5 GB and 5.6 GB, a 0.8–1.3 s longer pause, but the newcomers then hold shards, so more
+  ranks serve the shard all-to-alls and steps are faster). On h200-400g: laer 21,366,592 →
+  21,284,384 (−0.4 %: the in-place joins keep the shards cut at the last restore, so after
+  the second join 3 of 10 members hold no shard and the 7 holders serve every shard
+  all-to-all — about 10 % slower steps than the old restart, which re-cut the shards over all
+  10 nodes; that outweighs the restore saved here, 5 → 4), lazarus-fsep 21,572,832 →
+  22,355,744 (+3.6 %, newcomers holding shards). The machine never rebalances these systems:
+  the cost model re-materialises the balanced layout at every load change for free, as
+  before.
 * **Survival.** With f copies of every shard the planner's block placement is optimal
   (brute-force checked); at f = 2 its 5 two-node blocks are more fragile than skew-aware
   replicated MRO (whose cold-expert groups are fewer), but at equal memory (f = 4) sharded

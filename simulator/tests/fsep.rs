@@ -110,3 +110,126 @@ fn recovery_reports_sharded_plans_next_to_mro() {
     let bad = lzsim(&["recovery", "--fsep-shards", "4", "--racks", "2"]);
     assert_eq!(bad.status.code(), Some(2));
 }
+
+/// The FSEP systems' failure decisions are the job machine's (`JobConfig::sharded_experts`):
+/// for every single and double failure of a 6-node start, `lazarus-fsep` (f = 2) restores
+/// exactly when the planner's shard placement loses every copy of a shard and otherwise
+/// repairs in place, moving the copies `fsep::repair` names (each one shard of every expert);
+/// `laer` (f = 1) restores on every failure.
+#[test]
+fn sharded_failure_decisions_are_the_machines() {
+    use lazarus_planner::fsep::{RepairOutcome, min_capacity, repair};
+    use lazarus_planner::job::ReconfigKind;
+    use lazarus_simulator::cost;
+    use lazarus_simulator::replay::systems::Ctx;
+    use lazarus_simulator::replay::systems::fsep::shard_bytes;
+    use lazarus_simulator::replay::systems::lazarus::{Driver, Order};
+    let (hw, model) = (
+        cost::hardware("rtx3090-100g").unwrap(),
+        cost::model("gpt-l").unwrap(),
+    );
+    let ctx = Ctx {
+        hw: &hw,
+        model: &model,
+    };
+    let nodes: Vec<u32> = (0..6).collect();
+    let routing = vec![vec![1; model.experts]; model.moe_layers];
+    for copies in [1, 2] {
+        let mut started = Driver::sharded(&ctx, Some(100), 100, 120_000, copies);
+        let Some(Order::Start { layout }) = started.nodes_ready(&ctx, 0, &nodes) else {
+            panic!("six nodes start the job");
+        };
+        started.reconfigured(&ctx, 0);
+        started.steps_done(&ctx, 1_000_000_000, 0, 99, &routing);
+        started.checkpoint_saved(&ctx, 1_000_000_000, 100);
+        let placement = layout.fsep.as_ref().unwrap().placement.clone();
+        assert_eq!(
+            (placement.shards(), placement.holders(0).len()),
+            (6, copies)
+        );
+        let (mut restores, mut in_place) = (0, 0);
+        for a in 0..6u32 {
+            for b in a..6u32 {
+                let dead: Vec<u32> = if a == b { vec![a] } else { vec![a, b] };
+                let survivors = 6 - dead.len();
+                let cap = min_capacity(survivors, 6, copies.min(survivors)).max(copies);
+                let want = repair(&placement, copies, &dead, cap).unwrap();
+                let mut d = started.clone();
+                match (
+                    d.failure_detected(&ctx, 2e9 as u64, &dead, 100, &layout),
+                    want,
+                ) {
+                    (
+                        Some(Order::Restore { step, layout: l }),
+                        RepairOutcome::RestoreCheckpoint { .. },
+                    ) => {
+                        assert_eq!(step, 100);
+                        assert_eq!(l.nodes.len(), survivors);
+                        restores += 1;
+                    }
+                    (
+                        Some(Order::Reconfigure {
+                            kind, migration, ..
+                        }),
+                        RepairOutcome::InPlace(r),
+                    ) => {
+                        assert_eq!(kind, ReconfigKind::InPlace);
+                        assert_eq!(migration.replicas, r.transfers.len() as u64);
+                        assert_eq!(migration.bytes, migration.replicas * shard_bytes(&model, 6));
+                        assert_eq!(d.machine().next_step(), 100, "progress is kept");
+                        in_place += 1;
+                    }
+                    (got, want) => panic!("f = {copies}, {dead:?}: {got:?} vs {want:?}"),
+                }
+            }
+        }
+        match copies {
+            1 => assert_eq!((restores, in_place), (21, 0)),
+            // Blocks {0, 1}, {2, 3}, {4, 5}: only losing a whole block loses shards.
+            _ => assert_eq!((restores, in_place), (3, 18)),
+        }
+    }
+}
+
+/// End to end on a scripted membership: 4 nodes, one lost at 5 min, two join at 10 min. Each
+/// system's counts are the machine's rules: `laer` restores the loss and takes the newcomers in place
+/// (no restore, no checkpoint-and-restart any more); `lazarus-fsep` repairs the loss in place
+/// and takes the newcomers in place with shard copies. Same seed, same bytes.
+#[test]
+fn sharded_systems_count_the_machines_decisions_on_a_scripted_membership() {
+    let dir = std::env::temp_dir().join(format!("lzsim-fsep-scripted-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("t.csv");
+    std::fs::write(
+        &trace,
+        "0,add,a\n0,add,b\n0,add,c\n0,add,d\n300000,remove,a\n600000,add,e\n600000,add,f\n",
+    )
+    .unwrap();
+    let args = [
+        "replay",
+        trace.to_str().unwrap(),
+        "--model",
+        "gpt-l",
+        "--system",
+        "laer,lazarus-fsep",
+        "--end",
+        "20m",
+        "--format",
+        "json",
+    ];
+    let a = ok_stdout(&args);
+    assert_eq!(a, ok_stdout(&args), "same seed, same output");
+    let v: Value = serde_json::from_slice(&a).unwrap();
+    let count = |sys: &str, k: &str| by_system(&v, sys)[k].as_u64().unwrap();
+    let laer = ["fallbacks", "recoveries", "scale_outs"].map(|k| count("laer", k));
+    assert_eq!(laer, [1, 0, 1], "{}", by_system(&v, "laer"));
+    let fsep = ["fallbacks", "recoveries", "scale_outs"].map(|k| count("lazarus-fsep", k));
+    assert_eq!(fsep, [0, 1, 1], "{}", by_system(&v, "lazarus-fsep"));
+    // The repair and the join both copied shards (f = 2 over 3 then 5 nodes).
+    assert!(count("lazarus-fsep", "migrated_bytes") > 0);
+    for sys in ["laer", "lazarus-fsep"] {
+        let used = by_system(&v, sys)["avg_used_nodes"].as_f64().unwrap();
+        assert!(used > 3.5, "{sys} used the newcomers: {used}");
+    }
+    std::fs::remove_dir_all(dir).ok();
+}

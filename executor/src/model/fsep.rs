@@ -286,6 +286,17 @@ impl ShardStore {
         Ok(s)
     }
 
+    /// A store of a newcomer to an in-place join: the placement `holders`, no shard yet (the
+    /// copies it gives `rank` arrive by [`Self::import`]; [`Self::set_placement`] checks them).
+    pub fn joining(
+        cfg: &MoeConfig,
+        device: &Device,
+        rank: usize,
+        holders: Vec<Vec<usize>>,
+    ) -> Result<Self> {
+        Self::empty(cfg, device, rank, holders)
+    }
+
     fn empty(
         cfg: &MoeConfig,
         device: &Device,

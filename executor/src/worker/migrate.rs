@@ -218,7 +218,8 @@ fn restore_dense(st: &mut State, root: &std::path::Path, step: u64) -> Result<ch
 /// [`reconfigure`] in FSEP mode: this rank's shard copies — those `cmd.shard_holders` gives
 /// it, or shard `rank` of one per rank when the command names no placement — come from the
 /// seed (a fresh start) or from the whole experts of a checkpoint. From peers (a re-layout,
-/// or an in-place repair after a lost member), the shards stay: the copies
+/// an in-place repair after a lost member, or an in-place join, whose newcomers start with no
+/// shard and get the dense state from `dense_from`), the shards stay: the copies
 /// `cmd.shard_transfers` names are sent (every `(layer, expert)` slice of the shard, with its
 /// moments and step) from a surviving holder, then each rank keeps exactly what the new
 /// placement gives it. Without a placement, shards are cut for one membership (shard `w` on
@@ -260,14 +261,20 @@ fn reconfigure_sharded(
                 ShardStore::from_states_placed(&st.cfg, &st.dev, me, holders.clone(), &states)?;
             st.shards = Some(Arc::new(Mutex::new(sh)));
         }
+        StateSource::Peers { dense_to, .. } if placed && dense_to.contains(&me) => {
+            // A newcomer of an in-place join (`job::sharded`): no shard yet; the copies the
+            // placement gives it arrive as shard transfers, the dense state from a peer.
+            let sh = ShardStore::joining(&st.cfg, &st.dev, me, holders.clone())?;
+            st.shards = Some(Arc::new(Mutex::new(sh)));
+        }
         StateSource::Peers { dense_to, .. } => {
             let same_count = st
                 .shards
                 .as_ref()
                 .is_some_and(|sh| sh.lock().is_ok_and(|sh| sh.count() == holders.len()));
             ensure!(
-                same_count && dense_to.is_empty(),
-                "FSEP: rank {me} of {world} from peers needs its copies of {} shards (a newcomer or another cut needs a checkpoint restore)",
+                same_count && (placed || dense_to.is_empty()),
+                "FSEP: rank {me} of {world} from peers needs its copies of {} shards (a newcomer without a placement, or another cut, needs a checkpoint restore)",
                 holders.len()
             );
         }
@@ -280,8 +287,17 @@ fn reconfigure_sharded(
     let mut comm = data_plane(mesh, cmd, timeout_ms, abort, kept)?;
     let mut bytes_in = 0u64;
     let from_peers = matches!(cmd.source, StateSource::Peers { .. });
+    if let StateSource::Peers {
+        dense_from,
+        dense_to,
+    } = &cmd.source
+        && placed
+        && !dense_to.is_empty()
+    {
+        bytes_in += send_dense(comm.as_mut(), st, *dense_from, dense_to)?;
+    }
     if from_peers && placed {
-        bytes_in = copy_shards(comm.as_mut(), &cmd.shard_transfers, &shards)?;
+        bytes_in += copy_shards(comm.as_mut(), &cmd.shard_transfers, &shards)?;
     } else if from_peers {
         bytes_in = renumber_shards(comm.as_mut(), st, &shards)?;
     }
@@ -296,6 +312,47 @@ fn reconfigure_sharded(
     }
     let dist = DistributedExperts::new_sharded(comm, shards, cmd.replicas.clone())?;
     Ok((dist, bytes_in))
+}
+
+/// The dense state (and optimizer step) from `dense_from` to the newcomers `dense_to` of an
+/// in-place sharded join. Returns the bytes received.
+fn send_dense(
+    comm: &mut dyn Communicator,
+    st: &mut State,
+    dense_from: usize,
+    dense_to: &[usize],
+) -> Result<u64> {
+    let me = comm.rank();
+    let mut sends = Vec::new();
+    if me == dense_from {
+        let words = to_words(&checkpoint::encode_dense(&st.opt.export()?));
+        for &dst in dense_to.iter().filter(|&&d| d != me) {
+            sends.push((dst, words.clone()));
+        }
+    }
+    let recv_from: Vec<usize> = if dense_to.contains(&me) && me != dense_from {
+        vec![dense_from]
+    } else {
+        Vec::new()
+    };
+    let got = comm
+        .send_recv(sends, &recv_from)
+        .with_context(|| format!("rank {me}: sending the dense state"))?;
+    ensure!(
+        got.len() == recv_from.len(),
+        "dense state: wrong message count"
+    );
+    let mut bytes_in = 0u64;
+    for (src, words) in got {
+        let bytes = from_words(&words).with_context(|| format!("dense state from rank {src}"))?;
+        bytes_in += bytes.len() as u64;
+        let dense = checkpoint::decode_dense(&bytes)
+            .map_err(|e| anyhow!("dense state from rank {src}: {e}"))?;
+        st.opt
+            .import(&dense)
+            .context("installing the dense state")?;
+    }
+    Ok(bytes_in)
 }
 
 /// Sends and receives the shard copies of an in-place repair, `(shard, src, dst)` each, and

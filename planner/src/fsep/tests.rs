@@ -391,3 +391,107 @@ fn large_odd_cluster() {
     assert!((s.probability - (1.0 - sets / recovery::binomial(1001, 2))).abs() < 1e-12);
     assert_eq!(survival(&p, 1, 0).unwrap().probability, 1.0);
 }
+
+/// Checks a [`rejoin`]: the new placement is valid on the balanced room of the new membership,
+/// every new copy is one transfer from a holder before the change, and nothing else moves.
+fn check_rejoin(p: &ShardPlacement, f: usize, dead: &[u32], joined: usize) -> RepairPlan {
+    let RepairOutcome::InPlace(r) = rejoin(p, f, dead, joined).unwrap() else {
+        panic!("every shard kept a copy");
+    };
+    let n = p.nodes() + joined - dead.len();
+    let copies = f.min(n);
+    let spec = FsepSpec::balanced(n, p.shards(), copies);
+    r.placement.check(&spec).unwrap();
+    assert_eq!(r.survivors.len(), n);
+    let mut want = Vec::new();
+    for (w, h) in r.placement.all_holders().iter().enumerate() {
+        for &i in h {
+            let node = r.survivors[i as usize];
+            if !p.all_holders()[w].contains(&node) {
+                want.push((w as u32, node));
+            }
+        }
+    }
+    let mut got: Vec<(u32, u32)> = r.transfers.iter().map(|t| (t.shard, t.dst)).collect();
+    got.sort_unstable();
+    want.sort_unstable();
+    assert_eq!(got, want, "one transfer per new copy");
+    for t in &r.transfers {
+        assert!(p.all_holders()[t.shard as usize].contains(&t.src), "{t:?}");
+        assert!(!dead.contains(&t.src), "{t:?}");
+    }
+    r
+}
+
+/// f = 2, 8 shards in blocks on 4 nodes ({0, 1} hold shards 0–3, {2, 3} shards 4–7), two
+/// newcomers: each old node hands one shard to a newcomer (loads 3, 3, 3, 3, 2, 2), and the
+/// shards handed keep one holder set: both copies of shard 3 go to the newcomers, and those
+/// of shard 7.
+#[test]
+fn newcomers_take_whole_shard_groups_from_the_fullest_nodes() {
+    let p = place(&FsepSpec::balanced(4, 8, 2)).unwrap();
+    assert_eq!(p.load(), [4, 4, 4, 4]);
+    let r = check_rejoin(&p, 2, &[], 2);
+    assert_eq!(r.placement.load(), [3, 3, 3, 3, 2, 2]);
+    assert_eq!(r.transfers.len(), 4);
+    let moved: Vec<&[u32]> = (0..8)
+        .filter(|&w| r.placement.holders(w).iter().any(|&i| i >= 4))
+        .map(|w| r.placement.holders(w))
+        .collect();
+    assert_eq!(moved, [&[4, 5][..], &[4, 5][..]], "{r:?}");
+}
+
+/// f = 1 (plain FSEP): a newcomer takes whole shards from the fullest node; a loss restores;
+/// shards cut for the old membership (S = N) leave a newcomer without shards: nothing moves.
+#[test]
+fn one_copy_joins_move_whole_shards_and_losses_restore() {
+    let p = ShardPlacement::new(
+        3,
+        vec![vec![0], vec![0], vec![1], vec![1], vec![2], vec![2]],
+    )
+    .unwrap();
+    let r = check_rejoin(&p, 1, &[], 1);
+    assert_eq!(r.placement.load(), [1, 2, 2, 1]);
+    assert_eq!(r.transfers.len(), 1);
+    assert!(matches!(
+        rejoin(&p, 1, &[1], 1).unwrap(),
+        RepairOutcome::RestoreCheckpoint { lost_shards } if lost_shards == [2, 3]
+    ));
+    let cut = place(&FsepSpec::balanced(4, 4, 1)).unwrap();
+    let r = check_rejoin(&cut, 1, &[], 2);
+    assert!(r.transfers.is_empty());
+    assert_eq!(r.placement.load(), [1, 1, 1, 1, 0, 0]);
+}
+
+/// A loss and a join at once (f = 2): the lost copies are rebuilt (on the newcomer first)
+/// and the result is balanced over the new membership.
+#[test]
+fn a_loss_and_a_join_together_rebuild_onto_the_newcomer() {
+    let p = place(&FsepSpec::balanced(4, 4, 2)).unwrap();
+    let r = check_rejoin(&p, 2, &[2], 1);
+    assert_eq!(r.survivors, [0, 1, 3, 4]);
+    assert_eq!(r.transfers.len(), 2, "{r:?}");
+    assert!(
+        r.transfers.iter().all(|t| t.dst == 4 && t.src == 3),
+        "{r:?}"
+    );
+}
+
+proptest! {
+    /// Any placement, any losses that keep a copy of every shard, any newcomers: a valid
+    /// balanced placement, one transfer per new copy from an old holder.
+    #[test]
+    fn rejoin_is_balanced_and_moves_only_new_copies(
+        nodes in 2usize..7,
+        shards in 1usize..9,
+        f in 1usize..4,
+        joined in 0usize..4,
+        dead_mask in 0u64..64,
+    ) {
+        let f = f.min(nodes);
+        let p = place(&FsepSpec::balanced(nodes, shards, f)).unwrap();
+        let dead: Vec<u32> = (0..nodes as u32).filter(|&n| dead_mask >> n & 1 == 1).collect();
+        prop_assume!(dead.len() < nodes && p.survives(&dead));
+        check_rejoin(&p, f, &dead, joined);
+    }
+}

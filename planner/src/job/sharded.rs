@@ -8,17 +8,30 @@
 //! shard alive with the highest probability under random node failures). Every plan carries
 //! the placement as `[shard]` → ranks ([`Reconfiguration::shard_holders`]).
 //!
-//! The rules, on a change of membership (a member lost):
-//! * **Some shard lost every copy** (or `f = 1`, or a newcomer would join, which holds no
-//!   shard): restore the checkpoint, as for a replicated expert that lost every replica.
-//! * **Every shard kept a copy**: [`fsep::repair`] picks which survivor copies which shard to
-//!   whom — one transfer per missing copy, the fewest bytes any repair moves — and the next
-//!   plan is an in-place reconfiguration over the survivors ([`ReconfigKind::InPlace`],
-//!   state from peers). Its expert layout is planned afresh over the survivors (in FSEP the
-//!   layout is only the index table of the shard all-to-all, so it moves no state), and it
-//!   carries the repaired placement and the copies to make
+//! The rules, on a change of membership (members lost, newcomers joined, or both) — the one
+//! rule set `lzrun --expert-mode fsep` and `lzsim replay`'s `laer` / `lazarus-fsep` follow:
+//! * **Some shard lost every copy** (with `f = 1`: any lost member): restore the checkpoint,
+//!   as for a replicated expert that lost every replica.
+//! * **A member lost, every shard kept a copy**: [`fsep::repair`] picks which survivor copies
+//!   which shard to whom — one transfer per missing copy, the fewest bytes any repair moves —
+//!   and the next plan is an in-place reconfiguration over the survivors
+//!   ([`ReconfigKind::InPlace`], state from peers). Its expert layout is planned afresh over
+//!   the survivors (in FSEP the layout is only the index table of the shard all-to-all, so it
+//!   moves no state), and it carries the repaired placement and the copies to make
 //!   ([`Reconfiguration::shard_transfers`]). Survivors one step ahead roll back, as in a
 //!   replicated in-place replan.
+//! * **A newcomer joins** (lazily, as a replicated join; with losses at the same time if every
+//!   shard kept a copy): it joins **in place**, for any `f` including 1 — never a restore.
+//!   [`fsep::rejoin`] re-places the shard copies over the new membership (the lost copies
+//!   rebuilt, then the fullest members hand whole shards to the newcomers until every member
+//!   is within the balanced room `⌈S·f/n⌉`), each new copy one transfer from a member that
+//!   held the shard; the newcomers get the dense state from a member
+//!   ([`StateSource::Peers`]'s `dense_to`). `S` stays (shards are cut once per lineage), so a
+//!   newcomer to a job whose members are all within the balanced room takes no shard: it
+//!   computes on the shards the all-to-all brings it, and later repairs may place copies on
+//!   it. Why not a restore: nothing is lost, a restore would roll back up to a checkpoint
+//!   interval and reload every shard from storage, and LAER-MoE / FSEP re-materialise every
+//!   expert per step from shards wherever they live — a member without shards is legal.
 //!
 //! The placement is kept by node id (ranks are renumbered by every plan). The one a
 //! reconfiguration issues is *committed* only once every member finished it: until then the
@@ -128,29 +141,37 @@ impl JobMachine {
         Some((by_rank, transfers))
     }
 
-    /// After the membership of a sharded job changed: issues the in-place repair and returns
-    /// true when every shard kept a copy (see the [module docs](self)); false when the caller
-    /// must restore the checkpoint (said why in a log line when it is not the plain `f = 1`
-    /// case).
+    /// After the membership of a sharded job changed (members lost, newcomers joined, or
+    /// both): issues the in-place reconfiguration and returns true when every shard kept a
+    /// copy (see the [module docs](self)); false when the caller must restore the checkpoint
+    /// (said why in a log line).
     pub(super) fn repair_shards(&mut self, now_ms: u64, out: &mut Vec<Action>) -> bool {
-        if !self.cfg.sharded_experts || self.cfg.shard_copies < 2 {
+        if !self.cfg.sharded_experts {
             return false;
         }
         let Some(old) = self.plan.as_ref().map(|p| p.node_map.clone()) else {
             return false;
         };
         let candidates = self.candidate_ids();
-        let why = if candidates.iter().any(|id| !old.contains(id)) {
-            Some("a newcomer holds no shard".to_owned())
-        } else if self
+        let newcomers: Vec<NodeId> = candidates
+            .iter()
+            .copied()
+            .filter(|id| !old.contains(id))
+            .collect();
+        let why = if self
             .shards
             .next
             .as_ref()
             .is_some_and(|n| *n != self.shards.holders)
         {
-            Some("the last shard placement was not completed on every member".to_owned())
-        } else if candidates.iter().any(|id| !self.nodes[id].has_state) {
-            Some("a member has no state".to_owned())
+            Some("the last shard placement was not completed on every member")
+        } else if candidates
+            .iter()
+            .any(|id| old.contains(id) && !self.nodes[id].has_state)
+        {
+            Some("a member has no state")
+        } else if !candidates.iter().any(|id| self.nodes[id].has_state) {
+            Some("no member has the state")
         } else {
             None
         };
@@ -168,24 +189,29 @@ impl JobMachine {
             .iter()
             .map(|h| h.iter().map(rank_of).collect())
             .collect();
+        let f = self.cfg.shard_copies;
         let outcome = by_rank
             .and_then(|h| ShardPlacement::new(old.len(), h).ok())
             .ok_or_else(|| "the shard placement does not match the last plan".to_owned())
             .and_then(|p| {
+                if !newcomers.is_empty() {
+                    // A join (with or without losses): re-placed over the new membership.
+                    return fsep::rejoin(&p, f, &dead, newcomers.len()).map_err(|e| e.to_string());
+                }
                 let survivors = old.len() - dead.len();
-                let copies = self.cfg.shard_copies.min(survivors);
+                let copies = f.min(survivors);
                 let most = (0..old.len())
                     .filter(|r| !dead.contains(&(*r as u32)))
                     .map(|r| p.load()[r])
                     .max()
                     .unwrap_or(0);
                 let capacity = fsep::min_capacity(survivors, p.shards(), copies).max(most);
-                fsep::repair(&p, self.cfg.shard_copies, &dead, capacity).map_err(|e| e.to_string())
+                fsep::repair(&p, f, &dead, capacity).map_err(|e| e.to_string())
             });
         let repair = match outcome {
             Ok(RepairOutcome::InPlace(r)) => r,
             Ok(RepairOutcome::RestoreCheckpoint { lost_shards }) => {
-                let line = format!("shards {lost_shards:?} lost every copy");
+                let line = format!("sharded experts: shards {lost_shards:?} lost every copy");
                 out.push(Action::Log(line));
                 return false;
             }
@@ -194,7 +220,12 @@ impl JobMachine {
                 return false;
             }
         };
-        let node = |survivor: u32| old[repair.survivors[survivor as usize] as usize];
+        // Indices before the change: the old ranks, then the newcomers.
+        let id_of = |i: u32| match old.get(i as usize) {
+            Some(&id) => id,
+            None => newcomers[i as usize - old.len()],
+        };
+        let node = |survivor: u32| id_of(repair.survivors[survivor as usize]);
         let holders = repair
             .placement
             .all_holders()
@@ -205,12 +236,20 @@ impl JobMachine {
         self.shards.transfers = repair
             .transfers
             .iter()
-            .map(|t| (t.shard as usize, old[t.src as usize], old[t.dst as usize]))
+            .map(|t| (t.shard as usize, id_of(t.src), id_of(t.dst)))
             .collect();
-        out.push(Action::Log(format!(
-            "sharded experts: every shard kept a copy; rebuilding {} shard copies in place",
-            repair.transfers.len()
-        )));
+        out.push(Action::Log(if newcomers.is_empty() {
+            format!(
+                "sharded experts: every shard kept a copy; rebuilding {} shard copies in place",
+                repair.transfers.len()
+            )
+        } else {
+            format!(
+                "sharded experts: {} newcomer(s) join in place; {} shard copies re-placed",
+                newcomers.len(),
+                repair.transfers.len()
+            )
+        }));
         let resume_step = self
             .members
             .iter()
@@ -219,11 +258,24 @@ impl JobMachine {
             // Survivors one step ahead roll back (as in `replan_in_place`).
             .map_or(self.next_step, |s| s.min(self.next_step));
         let kind = self.cause.map_or(ReconfigKind::InPlace, |c| c.kind);
+        // The ranks are the plan's: `send_plan` fills them in (`peers_source`).
         let source = StateSource::Peers {
             dense_from: 0,
             dense_to: Vec::new(),
         };
         self.send_plan(kind, source, resume_step, now_ms, out);
         true
+    }
+
+    /// The state source of an in-place sharded plan over `node_map`: the dense state from
+    /// the first member that has it to every member that has not (the newcomers of a join).
+    pub(super) fn peers_source(&self, node_map: &[NodeId]) -> StateSource {
+        let has = |id: &NodeId| self.nodes.get(id).is_some_and(|n| n.has_state);
+        StateSource::Peers {
+            dense_from: node_map.iter().position(has).unwrap_or(0),
+            dense_to: (0..node_map.len())
+                .filter(|&r| !has(&node_map[r]))
+                .collect(),
+        }
     }
 }

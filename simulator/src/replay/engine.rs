@@ -14,7 +14,8 @@
 //!   that wait is charged to the recovery that follows (reconfigure or restart);
 //! * scale-out is lazy: `scale_out_wait_s` after a node becomes ready the system is asked
 //!   whether it wants more nodes, and if so it scales at the next step boundary (§1.4);
-//! * `lazarus` is not asked: its job state machine ([`Driver`]) is told what happens (node
+//! * `lazarus`, `laer` and `lazarus-fsep` are not asked: the job state machine ([`Driver`],
+//!   with sharded experts for the last two) is told what happens (node
 //!   ready or gone, failure detected, steps done, checkpoint saved, time) and the engine
 //!   performs what it decides (start, in-place reconfiguration, restore, wait, a pause at the
 //!   next step boundary), with the same modelled durations; the machine keeps its own
@@ -297,6 +298,21 @@ impl<'a> Engine<'a> {
                     cfg.load_window_steps,
                     (cfg.scale_out_wait_s * 1e3).round() as u64,
                 ))),
+                SystemKind::Laer | SystemKind::LazarusFsep => {
+                    Control::Machine(Box::new(Driver::sharded(
+                        &Ctx {
+                            hw: &cfg.hardware,
+                            model: &cfg.model,
+                        },
+                        cfg.checkpoint_every_steps,
+                        cfg.load_window_steps,
+                        (cfg.scale_out_wait_s * 1e3).round() as u64,
+                        match system {
+                            SystemKind::Laer => 1,
+                            _ => cfg.model.f,
+                        },
+                    )))
+                }
                 _ => Control::Rules(system.build()),
             },
             queue: BinaryHeap::new(),

@@ -2,6 +2,9 @@
 //! machine `lzrun` drives. This module only translates: engine happenings become the machine's
 //! [`Event`]s, and the machine's [`Action`]s become the engine's [`Order`]s, which the engine
 //! performs with modelled durations (the cost model's migration, restart and checkpoint times).
+//! `laer` and `lazarus-fsep` are the same driver with sharded experts ([`Driver::sharded`]):
+//! their plans carry the machine's shard placement, and an in-place reconfiguration's
+//! migration is its shard copies ([`super::fsep`] models their step cost).
 //!
 //! * a node becomes ready → [`Event::Joined`] + [`Event::Ready`] (the machine takes it in at the
 //!   start, after a wait for nodes, or lazily `scale_out_wait` later);
@@ -30,11 +33,13 @@
 //! The machine's own detection (heartbeats, member timeouts) is configured off: the engine
 //! models detection, and its simulated workers always answer.
 
+use super::fsep::{FsepLayout, shard_bytes};
 use super::{Ctx, Decision, Layout, Migration, NodeId, Replicas, System};
 use crate::cost::{Dispatch, LayerRuns};
+use lazarus_planner::fsep::ShardPlacement;
 use lazarus_planner::job::{
-    Action, Event, Holdings, IdleReason, JobConfig, JobMachine, ReconfigKind, Reconfiguration,
-    StateSource,
+    Action, Event, Holdings, IdleReason, JobConfig, JobMachine, RankShardTransfer, ReconfigKind,
+    Reconfiguration, StateSource,
 };
 use lazarus_planner::migrate::MappingMethod;
 use lazarus_planner::{Aggregation, Alignment, AllocPolicy, ModelPlan, PlacePolicy, plan_model};
@@ -52,6 +57,49 @@ fn layout_of(ctx: &Ctx, mut plan: ModelPlan) -> Layout {
         holdings: Vec::new(),
         plan: Some(plan),
         fsep: None,
+    }
+}
+
+/// The cost model's view of a sharded plan (`laer`, `lazarus-fsep`): the machine's shard
+/// placement (`shard_holders`, by rank) over the plan's nodes. Its expert layout is not read
+/// for the cost (the cost model re-materialises the balanced layout per load change, LAER's
+/// free re-layout: [`super::fsep::layout_step_cost`]); the plan is kept so that the members
+/// report their holdings as the machine's plan.
+fn sharded_layout_of(plan: ModelPlan, copies: usize, shard_holders: &[Vec<usize>]) -> Layout {
+    let nodes = plan.node_map.clone();
+    let holders = shard_holders
+        .iter()
+        .map(|h| h.iter().map(|&r| r as u32).collect())
+        .collect();
+    let placement =
+        ShardPlacement::new(nodes.len(), holders).expect("the machine's placement is valid");
+    Layout {
+        nodes,
+        replicas: Replicas::Ranked(Vec::new()),
+        dispatch: Dispatch::Unpadded,
+        ep_groups: None,
+        holdings: Vec::new(),
+        plan: Some(plan),
+        fsep: Some(Box::new(FsepLayout { copies, placement })),
+    }
+}
+
+/// The migration of a sharded reconfiguration: its shard copies, each one shard index of every
+/// expert of every MoE layer ([`shard_bytes`]).
+fn shard_migration(ctx: &Ctx, shards: usize, transfers: &[RankShardTransfer]) -> Migration {
+    let per = shard_bytes(ctx.model, shards);
+    let most = |rank: fn(&RankShardTransfer) -> usize| {
+        let mut n = std::collections::BTreeMap::<usize, u64>::new();
+        transfers
+            .iter()
+            .for_each(|t| *n.entry(rank(t)).or_default() += 1);
+        n.values().copied().max().unwrap_or(0)
+    };
+    Migration {
+        replicas: transfers.len() as u64,
+        bytes: transfers.len() as u64 * per,
+        max_sent_bytes: most(|t| t.src_rank) * per,
+        max_recv_bytes: most(|t| t.dst_rank) * per,
     }
 }
 
@@ -99,6 +147,8 @@ pub struct Driver {
     newest_checkpoint: u64,
     /// Members of the last reconfiguration, in rank order.
     last_members: Vec<NodeId>,
+    /// Sharded experts (`laer`, `lazarus-fsep`): copies of every shard.
+    shard_copies: Option<usize>,
 }
 
 fn ms(now_ns: u64) -> u64 {
@@ -121,6 +171,46 @@ impl Driver {
         load_window_steps: u64,
         scale_out_wait_ms: u64,
     ) -> Self {
+        Self::with_experts(
+            ctx,
+            checkpoint_every_steps,
+            rebalance_every_steps,
+            load_window_steps,
+            scale_out_wait_ms,
+            None,
+        )
+    }
+
+    /// `laer` (`copies` = 1) and `lazarus-fsep`: the same machine with
+    /// [`JobConfig::sharded_experts`] and `copies` copies of every shard. The machine makes
+    /// every decision (restore, in-place repair, join); it rebalances never: the cost model
+    /// re-materialises the balanced layout at every load change for free (FSEP's re-layout
+    /// moves no state), which a rebalance of the machine's would only approximate.
+    pub fn sharded(
+        ctx: &Ctx,
+        checkpoint_every_steps: Option<u64>,
+        load_window_steps: u64,
+        scale_out_wait_ms: u64,
+        copies: usize,
+    ) -> Self {
+        Self::with_experts(
+            ctx,
+            checkpoint_every_steps,
+            None,
+            load_window_steps,
+            scale_out_wait_ms,
+            Some(copies.max(1)),
+        )
+    }
+
+    fn with_experts(
+        ctx: &Ctx,
+        checkpoint_every_steps: Option<u64>,
+        rebalance_every_steps: Option<u64>,
+        load_window_steps: u64,
+        scale_out_wait_ms: u64,
+        shard_copies: Option<usize>,
+    ) -> Self {
         let model = ctx.model.planner_spec();
         let slots = ctx.model.slots_per_gpu * ctx.hw.gpus_per_node;
         let window = load_window_steps.max(1);
@@ -137,6 +227,10 @@ impl Driver {
         // The optimal mapping (Hungarian) up to 256 nodes, the class-based one beyond: a
         // cubic Hungarian at 2,048 nodes took seconds per reconfiguration.
         cfg.mapping = MappingMethod::Scalable;
+        if let Some(copies) = shard_copies {
+            cfg.sharded_experts = true;
+            cfg.shard_copies = copies;
+        }
         let machine = JobMachine::new(cfg).expect("the model profile is a valid job");
         Self {
             machine,
@@ -144,6 +238,7 @@ impl Driver {
             pause_wanted: false,
             newest_checkpoint: 0,
             last_members: Vec::new(),
+            shard_copies,
         }
     }
 
@@ -207,7 +302,14 @@ impl Driver {
         self.pause_wanted = false;
         let membership_changed = r.members() != self.last_members.as_slice();
         self.last_members = r.members().to_vec();
-        let layout = Box::new(layout_of(ctx, r.plan));
+        let shards = r.shard_holders.len();
+        let (layout, shard_moves) = match self.shard_copies {
+            Some(copies) => (
+                Box::new(sharded_layout_of(r.plan, copies, &r.shard_holders)),
+                Some(shard_migration(ctx, shards, &r.shard_transfers)),
+            ),
+            None => (Box::new(layout_of(ctx, r.plan)), None),
+        };
         match r.source {
             StateSource::Fresh => Order::Start { layout },
             StateSource::Checkpoint { step } if r.kind == ReconfigKind::Start => {
@@ -218,12 +320,13 @@ impl Driver {
             StateSource::Peers { .. } => Order::Reconfigure {
                 kind: r.kind,
                 layout,
-                migration: Migration {
+                // Sharded: the shard copies; the expert layout moves no state.
+                migration: shard_moves.unwrap_or(Migration {
                     replicas: r.transfers.len() as u64,
                     bytes: r.migration_bytes,
                     max_sent_bytes: r.max_sent_bytes,
                     max_recv_bytes: r.max_recv_bytes,
-                },
+                }),
                 membership_changed,
             },
         }
@@ -440,51 +543,8 @@ impl System for Lazarus {
         ready: &[NodeId],
         loads: &[Vec<u64>],
     ) -> Decision {
-        let mut d = Driver::new(ctx, None, None, 1, 0);
-        // Members join under their position in `current`, so ranks follow it.
-        let positions: Vec<NodeId> = (0..current.nodes.len() as NodeId).collect();
-        let started = matches!(d.nodes_ready(ctx, 0, &positions), Some(Order::Start { .. }));
-        if !started {
-            return Decision::RestartFromCheckpoint;
-        }
-        d.reconfigured(ctx, 0);
-        d.steps_done(ctx, 0, 0, 0, loads);
-        // Ready nodes the layout does not use join after the start: the machine's newcomers.
-        let spares: Vec<NodeId> = ready
-            .iter()
-            .copied()
-            .filter(|id| !current.nodes.contains(id))
-            .collect();
-        for i in 0..spares.len() {
-            d.nodes_ready(ctx, 0, &[(current.nodes.len() + i) as NodeId]);
-        }
-        let physical = |p: NodeId| match current.nodes.get(p as usize) {
-            Some(&id) => id,
-            None => spares[p as usize - current.nodes.len()],
-        };
-        let dead_pos: Vec<NodeId> = dead
-            .iter()
-            .filter_map(|id| current.nodes.iter().position(|n| n == id))
-            .map(|p| p as NodeId)
-            .collect();
-        let view = Layout {
-            nodes: positions,
-            ..current.clone()
-        };
-        match d.failure_detected(ctx, 0, &dead_pos, 1, &view) {
-            Some(Order::Reconfigure {
-                mut layout,
-                migration,
-                ..
-            }) => {
-                layout.nodes = layout.nodes.iter().map(|&p| physical(p)).collect();
-                if let Some(plan) = layout.plan.as_mut() {
-                    plan.node_map = layout.nodes.clone();
-                }
-                Decision::Reconfigure { layout, migration }
-            }
-            _ => Decision::RestartFromCheckpoint,
-        }
+        let d = Driver::new(ctx, None, None, 1, 0);
+        one_shot_failure(d, ctx, current, dead, ready, loads)
     }
 
     /// The replay's lazarus system is [`Driver`]; this one-shot view answers failures only.
@@ -500,6 +560,116 @@ impl System for Lazarus {
         _loads: &[Vec<u64>],
     ) -> Decision {
         Decision::Keep
+    }
+}
+
+/// One-shot view of the machine's rules for sharded experts (`laer`: `copies` = 1,
+/// `lazarus-fsep`): the first plan for cost estimates (Young/Daly), and a failure of the
+/// machine's first plan on `current.nodes`. The replay drives [`Driver::sharded`].
+#[derive(Debug, Clone, Copy)]
+pub struct Sharded {
+    /// Copies of every shard; `None`: the model profile's `f` (`--f`).
+    pub copies: Option<usize>,
+}
+
+impl Sharded {
+    fn driver(&self, ctx: &Ctx) -> Driver {
+        let copies = self.copies.unwrap_or(ctx.model.f);
+        Driver::sharded(ctx, None, 1, 0, copies)
+    }
+}
+
+impl System for Sharded {
+    /// The machine's first plan over `ready` (its shard placement, `S` = the nodes).
+    fn start(&mut self, ctx: &Ctx, ready: &[NodeId], _loads: &[Vec<u64>]) -> Option<Layout> {
+        let mut d = self.driver(ctx);
+        match d.nodes_ready(ctx, 0, ready) {
+            Some(Order::Start { layout }) => Some(*layout),
+            _ => None,
+        }
+    }
+
+    /// The machine's decision after `dead` fail on its first plan over `current.nodes`.
+    fn on_failure(
+        &mut self,
+        ctx: &Ctx,
+        current: &Layout,
+        dead: &[NodeId],
+        ready: &[NodeId],
+        loads: &[Vec<u64>],
+    ) -> Decision {
+        let d = self.driver(ctx);
+        one_shot_failure(d, ctx, current, dead, ready, loads)
+    }
+
+    fn wants_scale_out(&self, _ctx: &Ctx, _current: &Layout, _ready: &[NodeId]) -> bool {
+        false
+    }
+
+    fn scale_out(
+        &mut self,
+        _ctx: &Ctx,
+        _current: &Layout,
+        _ready: &[NodeId],
+        _loads: &[Vec<u64>],
+    ) -> Decision {
+        Decision::Keep
+    }
+}
+
+/// `d` (fresh) started on `current.nodes` (by position), with `loads` as its routing
+/// history, then told that `dead` failed: its decision, in physical node ids.
+fn one_shot_failure(
+    mut d: Driver,
+    ctx: &Ctx,
+    current: &Layout,
+    dead: &[NodeId],
+    ready: &[NodeId],
+    loads: &[Vec<u64>],
+) -> Decision {
+    // Members join under their position in `current`, so ranks follow it.
+    let positions: Vec<NodeId> = (0..current.nodes.len() as NodeId).collect();
+    let started = matches!(d.nodes_ready(ctx, 0, &positions), Some(Order::Start { .. }));
+    if !started {
+        return Decision::RestartFromCheckpoint;
+    }
+    d.reconfigured(ctx, 0);
+    d.steps_done(ctx, 0, 0, 0, loads);
+    // Ready nodes the layout does not use join after the start: the machine's newcomers.
+    let spares: Vec<NodeId> = ready
+        .iter()
+        .copied()
+        .filter(|id| !current.nodes.contains(id))
+        .collect();
+    for i in 0..spares.len() {
+        d.nodes_ready(ctx, 0, &[(current.nodes.len() + i) as NodeId]);
+    }
+    let physical = |p: NodeId| match current.nodes.get(p as usize) {
+        Some(&id) => id,
+        None => spares[p as usize - current.nodes.len()],
+    };
+    let dead_pos: Vec<NodeId> = dead
+        .iter()
+        .filter_map(|id| current.nodes.iter().position(|n| n == id))
+        .map(|p| p as NodeId)
+        .collect();
+    let view = Layout {
+        nodes: positions,
+        ..current.clone()
+    };
+    match d.failure_detected(ctx, 0, &dead_pos, 1, &view) {
+        Some(Order::Reconfigure {
+            mut layout,
+            migration,
+            ..
+        }) => {
+            layout.nodes = layout.nodes.iter().map(|&p| physical(p)).collect();
+            if let Some(plan) = layout.plan.as_mut() {
+                plan.node_map = layout.nodes.clone();
+            }
+            Decision::Reconfigure { layout, migration }
+        }
+        _ => Decision::RestartFromCheckpoint,
     }
 }
 

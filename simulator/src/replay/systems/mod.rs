@@ -1,7 +1,8 @@
 //! The training systems compared by `lzsim replay`, one module each. They share the engine
 //! ([`super::engine`]) and the cost model ([`crate::cost`]). The baselines (`ds`, `ds-ft`)
-//! answer the engine's questions through [`System`]; `lazarus` is the planner's job state
-//! machine ([`lazarus::Driver`]), fed the engine's happenings, whose actions the engine
+//! answer the engine's questions through [`System`]; `lazarus`, `laer` and `lazarus-fsep` are
+//! the planner's job state machine ([`lazarus::Driver`]; the last two with sharded experts,
+//! whose step cost is [`fsep`]'s), fed the engine's happenings, whose actions the engine
 //! performs.
 
 pub mod ds;
@@ -234,8 +235,8 @@ impl SystemKind {
             Self::Dropless => Box::new(ds::Ds::dropless(false)),
             Self::DroplessFt => Box::new(ds::Ds::dropless(true)),
             Self::Lazarus => Box::new(lazarus::Lazarus),
-            Self::Laer => Box::new(fsep::Laer),
-            Self::LazarusFsep => Box::new(fsep::LazarusFsep),
+            Self::Laer => Box::new(lazarus::Sharded { copies: Some(1) }),
+            Self::LazarusFsep => Box::new(lazarus::Sharded { copies: None }),
         }
     }
 }
