@@ -2154,16 +2154,20 @@ impl JobMachine {
         }
     }
 
-    /// Ids of the nodes the next plan is made over: members, then ready newcomers.
+    /// Ids of the nodes the next plan is made over: members in rank order, then ready
+    /// newcomers in the natural order of their names (`n2` before `n10`), never in id order:
+    /// a driver numbers nodes as they register, and plans must not depend on that order.
     fn candidate_ids(&self) -> Vec<NodeId> {
         // Sorted for the membership test: `members.contains` per node was quadratic.
         let mut sorted = self.members.clone();
         sorted.sort_unstable();
-        let newcomers = self
+        let mut newcomers: Vec<NodeId> = self
             .nodes
             .iter()
             .filter(|(id, n)| n.ready && sorted.binary_search(id).is_err())
-            .map(|(&id, _)| id);
+            .map(|(&id, _)| id)
+            .collect();
+        newcomers.sort_by_cached_key(|id| natural_key(&self.nodes[id].name));
         self.members.iter().copied().chain(newcomers).collect()
     }
 
