@@ -659,3 +659,52 @@ fn recovery_gpu_mode() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("GPUs per node must be between 1"));
 }
+
+/// Runs lzsim with `args`, killing it after `limit`: `None` if it was still running (a hang is
+/// a test failure, not a stuck test run).
+fn lzsim_within(args: &[&str], limit: std::time::Duration) -> Option<Output> {
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lzsim"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run lzsim");
+    let start = std::time::Instant::now();
+    loop {
+        if child.try_wait().expect("poll lzsim").is_some() {
+            return Some(child.wait_with_output().expect("wait"));
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Issue 33 item 6: `lzsim reconfig --step 18446744073709551515` spun forever (the drift
+/// epoch after the step wrapped around). A step past the limit is one line, exit 2, at once;
+/// a step just inside it is answered.
+#[test]
+fn reconfig_bounds_its_step() {
+    let limit = std::time::Duration::from_secs(60);
+    for step in ["18446744073709551515", "18446744073709551615", "1000000000001"] {
+        let out = lzsim_within(&["reconfig", "--step", step], limit)
+            .unwrap_or_else(|| panic!("lzsim reconfig --step {step} still ran after {limit:?}"));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "--step {step}: {err}");
+        assert_eq!(err.lines().count(), 1, "--step {step}: {err}");
+        assert!(err.contains("--step") && err.contains("limit"), "{err}");
+    }
+    let out = lzsim_within(
+        &["reconfig", "--step", "1000000000000", "--format", "json"],
+        limit,
+    )
+    .expect("--step 1000000000000 is answered");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["step"], 1_000_000_000_000u64);
+}
