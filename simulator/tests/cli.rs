@@ -708,3 +708,29 @@ fn reconfig_bounds_its_step() {
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["step"], 1_000_000_000_000u64);
 }
+
+/// Issue 33 item 6: `lzsim replay --model deepseek-v3` on the default hardware and trace
+/// (at most 10 single-GPU nodes: 40 expert slots for 256 experts, and standard EP needs 64
+/// GPUs) printed all zeros and exited 0. A model no system can train on the trace's largest
+/// cluster is an error saying why.
+#[test]
+fn replay_of_a_model_the_cluster_cannot_hold_is_an_error() {
+    for args in [
+        &["replay", "--model", "deepseek-v3"][..],
+        &["replay", "--model", "deepseek-v3", "--system", "lazarus"],
+        &["replay", "--model", "deepseek-v3", "--system", "ds"],
+    ] {
+        let out = lzsim(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(
+            err.contains("deepseek-v3") && err.contains("256 experts"),
+            "{args:?}: {err}"
+        );
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+    // A model that fits is still replayed.
+    let out = lzsim(&["replay", "--model", "gpt-s", "--system", "lazarus"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
