@@ -824,6 +824,12 @@ pub struct JobMachine {
     nodes: BTreeMap<NodeId, Node>,
     /// Members of the plan in force, in rank order (lost ones removed).
     members: Vec<NodeId>,
+    /// `members`, sorted, for the membership test of every report ([`Self::is_member`]):
+    /// `members.contains` per report was quadratic over the reports of 200,000 members.
+    /// Rebuilt wherever `members` changes; not saved (a restored machine scans `members`
+    /// until its next plan, see [`Self::is_member`]).
+    #[serde(skip)]
+    members_sorted: Vec<NodeId>,
     epoch: u64,
     plan_version: u64,
     /// The last plan issued (the next replan's version base).
@@ -891,6 +897,7 @@ impl JobMachine {
             phase: Phase::Gathering,
             nodes: BTreeMap::new(),
             members: Vec::new(),
+            members_sorted: Vec::new(),
             epoch: 0,
             plan_version: 0,
             plan: None,
@@ -1021,7 +1028,7 @@ impl JobMachine {
             epoch: self.epoch,
             plan_version: self.plan_version,
             next_step: self.next_step,
-            member: self.members.contains(&node),
+            member: self.is_member(node),
             ready: n.ready,
             idle: n.idle.is_some(),
             migrating: self
@@ -1219,7 +1226,7 @@ impl JobMachine {
             return;
         }
         n.ready = true;
-        if !self.members.contains(&node) && self.plan.is_some() {
+        if !self.is_member(node) && self.plan.is_some() {
             self.join_waiting_since.get_or_insert(now_ms);
             out.push(Action::Log(format!(
                 "node {node} ready: joins at a step boundary"
@@ -1273,6 +1280,7 @@ impl JobMachine {
         if n.done.is_some() || self.phase == Phase::Stopping {
             // No replan any more, but a member is a live node.
             self.members.retain(|&m| m != node);
+            self.members_sorted.retain(|&m| m != node);
             if let Some(p) = self.pending.as_mut() {
                 p.waiting.remove(&node);
             }
@@ -1317,6 +1325,7 @@ impl JobMachine {
             // before.
             self.note_cause(ReconfigKind::InPlace, now_ms);
             self.members.retain(|m| !gone.contains(m));
+            self.members_sorted.retain(|m| !gone.contains(m));
             if let Some(p) = self.pending.as_mut() {
                 for g in &gone {
                     p.waiting.remove(g);
@@ -1329,11 +1338,7 @@ impl JobMachine {
                 self.count_reported(now_ms, out);
             }
         }
-        let newcomer_left = self
-            .nodes
-            .iter()
-            .any(|(id, n)| n.ready && !self.members.contains(id));
-        if !newcomer_left {
+        if !self.ready_newcomer() {
             self.join_waiting_since = None;
         }
     }
@@ -1534,7 +1539,7 @@ impl JobMachine {
 
     fn counting(&self, node: Option<NodeId>, epoch: u64) -> bool {
         epoch == self.epoch
-            && node.is_none_or(|n| self.members.contains(&n))
+            && node.is_none_or(|n| self.is_member(n))
             && matches!(
                 self.phase,
                 Phase::Training | Phase::Quiescing | Phase::Reconfiguring
@@ -1564,7 +1569,9 @@ impl JobMachine {
     /// Counts, in order, the steps every member reported.
     fn count_reported(&mut self, now_ms: u64, out: &mut Vec<Action>) {
         while let Some(entry) = self.step_reports.first_entry() {
+            // Reports come from members only: the full test once there are enough of them.
             if *entry.key() != self.next_step
+                || entry.get().len() < self.members.len()
                 || !self.members.iter().all(|m| entry.get().contains_key(m))
             {
                 break;
@@ -1941,7 +1948,7 @@ impl JobMachine {
         now_ms: u64,
         out: &mut Vec<Action>,
     ) {
-        if epoch != self.epoch || !self.members.contains(&node) {
+        if epoch != self.epoch || !self.is_member(node) {
             return;
         }
         let current = self.plan.as_ref().map(|p| p.version);
@@ -1999,7 +2006,7 @@ impl JobMachine {
 
     fn checkpoint_written(&mut self, node: NodeId, epoch: u64, step: u64, out: &mut Vec<Action>) {
         if epoch != self.epoch
-            || !self.members.contains(&node)
+            || !self.is_member(node)
             || !self.cfg.checkpoint_due(step)
             || self.commit_asked.is_some_and(|s| step <= s)
         {
@@ -2007,7 +2014,8 @@ impl JobMachine {
         }
         let parts = self.checkpoint_parts.entry(step).or_default();
         parts.insert(node);
-        if self.members.iter().all(|m| parts.contains(m)) {
+        // Parts come from members only: the full test once there are enough of them.
+        if parts.len() >= self.members.len() && self.members.iter().all(|m| parts.contains(m)) {
             self.checkpoint_parts.remove(&step);
             self.commit_asked = Some(step);
             out.push(Action::CommitCheckpoint {
@@ -2048,9 +2056,11 @@ impl JobMachine {
     fn progress(&mut self, now_ms: u64, out: &mut Vec<Action>) {
         match self.phase {
             Phase::Gathering => {
-                let ready = self.nodes.values().filter(|n| n.ready).count();
+                // Checked after every event while nodes gather: a scan that stops at the
+                // first starting node, not a count of every ready one (quadratic over a
+                // cluster of 200,000 joining at once). Once none is starting, all are ready.
                 let starting = self.nodes.values().any(|n| !n.ready);
-                if ready >= self.cfg.initial_nodes && !starting {
+                if !starting && self.nodes.len() >= self.cfg.initial_nodes {
                     self.cause = Some(Cause {
                         kind: ReconfigKind::Start,
                         since_ms: now_ms,
@@ -2145,13 +2155,27 @@ impl JobMachine {
             self.resuming = Some((rec, now_ms));
         }
         self.enter(Phase::Training, now_ms);
-        let newcomer = self
-            .nodes
-            .iter()
-            .any(|(id, n)| n.ready && !self.members.contains(id));
-        if newcomer {
+        if self.ready_newcomer() {
             self.join_waiting_since.get_or_insert(now_ms);
         }
+    }
+
+    /// Whether `node` is a member of the plan in force. `members_sorted` is `members` sorted
+    /// unless the machine was restored from a saved state (it is not saved): then the two
+    /// lengths differ (or both are empty) and `members` is scanned.
+    fn is_member(&self, node: NodeId) -> bool {
+        if self.members_sorted.len() == self.members.len() {
+            self.members_sorted.binary_search(&node).is_ok()
+        } else {
+            self.members.contains(&node)
+        }
+    }
+
+    /// Whether some ready node is not a member (a newcomer).
+    fn ready_newcomer(&self) -> bool {
+        self.nodes
+            .iter()
+            .any(|(&id, n)| n.ready && !self.is_member(id))
     }
 
     /// Ids of the nodes the next plan is made over: members in rank order, then ready
@@ -2627,6 +2651,8 @@ impl JobMachine {
         self.epoch += 1;
         self.plan_version = plan.version;
         self.members = plan.node_map.clone();
+        self.members_sorted = self.members.clone();
+        self.members_sorted.sort_unstable();
         self.next_step = resume_step;
         self.step_reports.clear();
         self.checkpoint_parts.clear();
