@@ -656,6 +656,11 @@ pub struct StepRecord {
     /// ([`StepReport::copy_bytes`]).
     #[serde(default)]
     pub copy_bytes: u64,
+    /// Routed tokens `[layer][expert]` summed over the members: what the step added to the
+    /// routing history (empty when no member reported routing). Drivers record it so a
+    /// replay can feed the same history (`lzsim predict`).
+    #[serde(default)]
+    pub routing: Vec<Vec<u64>>,
 }
 
 /// A completed reconfiguration, with its phases (the replan time is the driver's to measure).
@@ -1615,6 +1620,7 @@ impl JobMachine {
                     .collect(),
                 sent_bytes: by_node.values().map(|r| r.sent_bytes).sum(),
                 copy_bytes: by_node.values().map(|r| r.copy_bytes).sum(),
+                routing: routing.clone(),
             };
             if matches!(self.cfg.relayout, relayout::Relayout::Laer(_)) {
                 let (agg, experts) = (self.cfg.aggregation, self.cfg.model.experts);

@@ -259,6 +259,8 @@ pub struct Engine<'a> {
     summary: Summary,
     step_cache: Option<&'a StepCache>,
     local_cache: BTreeMap<u64, (u64, u64)>,
+    /// Times each step was counted (only for a recorded workload, see [`Workload::history`]).
+    counted: BTreeMap<u64, usize>,
     live_integral: f64,
     used_integral: f64,
     last_integral_t: u64,
@@ -325,6 +327,7 @@ impl<'a> Engine<'a> {
             summary: Summary::new(system),
             step_cache,
             local_cache: BTreeMap::new(),
+            counted: BTreeMap::new(),
             live_integral: 0.0,
             used_integral: 0.0,
             last_integral_t: 0,
@@ -812,7 +815,18 @@ impl<'a> Engine<'a> {
             let done = (elapsed / step_ns).min(steps);
             if done > 0 && self.driver().is_some() {
                 let (ctx, now, first) = (self.ctx(), self.now, self.steps);
-                let routing = self.workload.loads(first);
+                // A recorded run's routing of this count of the step (a rollback counts
+                // steps again, with the routing their second run recorded).
+                let nth = if self.workload.counts_repeats() {
+                    let nth = self.counted.get(&first).copied().unwrap_or(0);
+                    for s in first..first + done {
+                        *self.counted.entry(s).or_insert(0) += 1;
+                    }
+                    nth
+                } else {
+                    0
+                };
+                let routing = self.workload.history(first, nth);
                 let d = self.driver().expect("lazarus");
                 d.steps_done(&ctx, now, first, first + done - 1, &routing);
             }
