@@ -122,7 +122,7 @@ impl ZipfLoads {
         // `None` past the last epoch that starts below 2^64 (the product overflowed and
         // wrapped to an early step, which sent callers walking back to it).
         (d > 0)
-            .then(|| (step / d + 1).checked_mul(d))
+            .then(|| (step / d).checked_add(1)?.checked_mul(d))
             .flatten()
     }
 
