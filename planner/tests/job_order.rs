@@ -68,7 +68,9 @@ fn run(order: &[&str], joins: &'static [&'static str]) -> (Vec<Named>, u64) {
                         *committed = step;
                         queue.push(Event::CheckpointCommitted { step });
                     }
-                    Action::FindCheckpoint => queue.push(Event::CheckpointFound { step: *committed }),
+                    Action::FindCheckpoint => {
+                        queue.push(Event::CheckpointFound { step: *committed })
+                    }
                     Action::Reconfigure(r) => {
                         let members: Vec<String> =
                             r.members().iter().map(|id| names[id].clone()).collect();
@@ -109,10 +111,25 @@ fn run(order: &[&str], joins: &'static [&'static str]) -> (Vec<Named>, u64) {
             host: None,
         };
         feed(m, now, joined, names, reconfigs, committed);
-        feed(m, now, Event::Ready { node: id }, names, reconfigs, committed);
+        feed(
+            m,
+            now,
+            Event::Ready { node: id },
+            names,
+            reconfigs,
+            committed,
+        );
     };
     for name in order {
-        join(name, &mut m, &mut ids, &mut names, now, &mut reconfigs, &mut committed);
+        join(
+            name,
+            &mut m,
+            &mut ids,
+            &mut names,
+            now,
+            &mut reconfigs,
+            &mut committed,
+        );
     }
     let schedule: BTreeMap<u64, Do> = [
         (13, Do::Kill(&["n2"])),
@@ -151,7 +168,7 @@ fn run(order: &[&str], joins: &'static [&'static str]) -> (Vec<Named>, u64) {
             };
             feed(&mut m, now, ev, &names, &mut reconfigs, &mut committed);
         }
-        if m.next_step() == step + 1 && (step + 1) % 10 == 0 {
+        if m.next_step() == step + 1 && (step + 1).is_multiple_of(10) {
             for &node in &members {
                 let ev = Event::CheckpointWritten {
                     node,
@@ -192,7 +209,15 @@ fn run(order: &[&str], joins: &'static [&'static str]) -> (Vec<Named>, u64) {
             }
             Do::Join(newcomers) => {
                 for name in newcomers {
-                    join(name, &mut m, &mut ids, &mut names, now, &mut reconfigs, &mut committed);
+                    join(
+                        name,
+                        &mut m,
+                        &mut ids,
+                        &mut names,
+                        now,
+                        &mut reconfigs,
+                        &mut committed,
+                    );
                 }
                 let epoch = m.epoch();
                 for node in m.members().to_vec() {

@@ -250,10 +250,13 @@ pub struct RunDir {
     pub summary: RunSummary,
     pub steps: Vec<StepRow>,
     pub reconfigs: Vec<ReconfigRow>,
-    /// `routing.csv`: each step record's routed tokens `(step, [layer][expert])`, in the order
-    /// of `steps.csv` (`None`: a run of a version that did not record them).
-    pub routing: Option<Vec<(u64, Vec<Vec<u64>>)>>,
+    /// `routing.csv`: each step record's routed tokens, in the order of `steps.csv` (`None`: a
+    /// run of a version that did not record them).
+    pub routing: Option<Vec<StepRouting>>,
 }
+
+/// One step record's routed tokens: `(step, [layer][expert])`.
+pub type StepRouting = (u64, Vec<Vec<u64>>);
 
 /// Reads `routing.csv` (`lazarus_executor::metrics::routing_csv`): header
 /// `record,step,layer,e0,…`, one row per MoE layer of each step record.
@@ -262,8 +265,11 @@ fn parse_routing(
     text: &str,
     layers: usize,
     experts: usize,
-) -> Result<Vec<(u64, Vec<Vec<u64>>)>, RunDirError> {
-    let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
+) -> Result<Vec<StepRouting>, RunDirError> {
+    let mut lines = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty());
     let header = lines.next().map_or("", |(_, l)| l);
     let cols: Vec<&str> = header.split(',').map(str::trim).collect();
     if cols.len() < 3 || cols[..3] != ["record", "step", "layer"] {
@@ -275,7 +281,10 @@ fn parse_routing(
     if cols.len() > 3 && cols.len() - 3 != experts {
         return Err(malformed(
             path,
-            format!("{} expert columns, the model has {experts} experts", cols.len() - 3),
+            format!(
+                "{} expert columns, the model has {experts} experts",
+                cols.len() - 3
+            ),
         ));
     }
     // record → (step, layers in order)
@@ -309,7 +318,10 @@ fn parse_routing(
     if let Some((r, _, rows)) = out.iter().find(|(_, _, rows)| rows.len() != layers) {
         return Err(malformed(
             path,
-            format!("record {r} has {} layers, the model has {layers}", rows.len()),
+            format!(
+                "record {r} has {} layers, the model has {layers}",
+                rows.len()
+            ),
         ));
     }
     Ok(out.into_iter().map(|(_, s, rows)| (s, rows)).collect())

@@ -47,9 +47,7 @@ impl RecordedRouting {
         let first = self.by_step.get(&step).and_then(|v| v.first());
         (0..self.layers)
             .map(|l| match first.and_then(|r| r.get(l)) {
-                Some(row) if row.len() == self.experts && row.iter().any(|&c| c > 0) => {
-                    row.clone()
-                }
+                Some(row) if row.len() == self.experts && row.iter().any(|&c| c > 0) => row.clone(),
                 _ => vec![1; self.experts],
             })
             .collect()

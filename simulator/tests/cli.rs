@@ -690,7 +690,11 @@ fn lzsim_within(args: &[&str], limit: std::time::Duration) -> Option<Output> {
 #[test]
 fn reconfig_bounds_its_step() {
     let limit = std::time::Duration::from_secs(60);
-    for step in ["18446744073709551515", "18446744073709551615", "1000000000001"] {
+    for step in [
+        "18446744073709551515",
+        "18446744073709551615",
+        "1000000000001",
+    ] {
         let out = lzsim_within(&["reconfig", "--step", step], limit)
             .unwrap_or_else(|| panic!("lzsim reconfig --step {step} still ran after {limit:?}"));
         let err = String::from_utf8_lossy(&out.stderr);
@@ -732,7 +736,11 @@ fn replay_of_a_model_the_cluster_cannot_hold_is_an_error() {
     }
     // A model that fits is still replayed.
     let out = lzsim(&["replay", "--model", "gpt-s", "--system", "lazarus"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// Issue 33 item 6: a trace adding 200,000 nodes at t = 0 took minutes (20,000 nodes: 2.8 s,

@@ -68,7 +68,12 @@ const RUNS: [(&str, u64, u64, u64, u64); 3] = [
 fn predict_gives_the_recorded_counts_and_the_same_output_every_time() {
     // The held-out run records its routing; the others predate routing.csv (uniform loads).
     assert!(fixtures().join("run-heldout/routing.csv").is_file());
-    assert!(RunDir::load(&fixtures().join("run-heldout")).unwrap().routing.is_some());
+    assert!(
+        RunDir::load(&fixtures().join("run-heldout"))
+            .unwrap()
+            .routing
+            .is_some()
+    );
     let hw = profile();
     for (name, recoveries, fallbacks, joins, steps) in RUNS {
         let run = RunDir::load(&fixtures().join(name)).unwrap();
@@ -379,7 +384,11 @@ fn the_recorded_routing_decides_the_held_out_run() {
     assert!(run.routing.is_none());
     let p = predict::predict(&run, &hw).unwrap().predicted;
     assert_eq!((p.recoveries, p.fallbacks), (3, 0), "{p:?}");
-    std::fs::write(tmp.join("routing.csv"), "record,step,layer,e0,e1,e2,e3\n0,0,0,1,2\n").unwrap();
+    std::fs::write(
+        tmp.join("routing.csv"),
+        "record,step,layer,e0,e1,e2,e3\n0,0,0,1,2\n",
+    )
+    .unwrap();
     let e = RunDir::load(&tmp).unwrap_err().to_string();
     assert!(e.contains("routing.csv") && e.contains("line 2"), "{e}");
     let _ = std::fs::remove_dir_all(&tmp);
