@@ -10,6 +10,7 @@
 //! | `timeseries.csv` | [`timeseries`] rows, **exactly the columns of the simulator's `timeseries.csv`** (`lzsim replay`): [`TIMESERIES_COLUMNS`], so notebooks can overlay simulated and measured runs |
 //! | `steps.csv` | the [`StepRecord`]s ([`STEP_COLUMNS`]) |
 //! | `reconfigurations.jsonl` | one [`RecoveryRecord`] per line |
+//! | `routing.csv` | each step record's routed tokens per MoE layer and expert ([`routing_csv`]) |
 //!
 //! Every file is written to `NAME.tmp` in the same directory and renamed into place, so a
 //! reader never sees a half-written file. The CSV files always have their header line, even
@@ -128,6 +129,10 @@ pub struct StepRecord {
     /// copies started; not part of `sent_bytes`.
     #[serde(default)]
     pub copy_bytes: u64,
+    /// Routed tokens `[layer][expert]` summed over the workers (the job machine's routing
+    /// history of the step); written to `routing.csv`, not `steps.csv` ([`routing_csv`]).
+    #[serde(skip)]
+    pub routing: Vec<Vec<u64>>,
 }
 
 /// One reconfiguration of the running job.
@@ -466,8 +471,39 @@ fn csv_bytes<T: Serialize>(
     })
 }
 
-/// Writes `summary.json`, `timeseries.csv`, `steps.csv` and `reconfigurations.jsonl` into `dir`
-/// (created if missing; existing files of these names are replaced), each atomically.
+/// `routing.csv`: the routed tokens of every step record that carries them, the history the
+/// job machine plans from. Header `record,step,layer,e0,…,e{E-1}`; one row per MoE layer of
+/// each record, records in the order of `steps.csv` (`record` is the 0-based row of
+/// `steps.csv`, so a step counted twice, before and after a rollback, has two blocks), each
+/// count the tokens routed to that expert in that layer summed over the workers. The header is
+/// `record,step,layer` when no record has routing.
+pub fn routing_csv(records: &[StepRecord]) -> String {
+    let experts = records
+        .iter()
+        .flat_map(|r| r.routing.iter())
+        .map(Vec::len)
+        .max()
+        .unwrap_or(0);
+    let mut s = String::from("record,step,layer");
+    for e in 0..experts {
+        let _ = write!(s, ",e{e}");
+    }
+    s.push('\n');
+    for (i, r) in records.iter().enumerate() {
+        for (l, counts) in r.routing.iter().enumerate() {
+            let _ = write!(s, "{i},{},{l}", r.step);
+            for e in 0..experts {
+                let _ = write!(s, ",{}", counts.get(e).copied().unwrap_or(0));
+            }
+            s.push('\n');
+        }
+    }
+    s
+}
+
+/// Writes `summary.json`, `timeseries.csv`, `steps.csv`, `reconfigurations.jsonl` and
+/// `routing.csv` into `dir` (created if missing; existing files of these names are replaced),
+/// each atomically.
 pub fn write_metrics(
     dir: &Path,
     summary: &Summary,
@@ -498,6 +534,9 @@ pub fn write_metrics(
     let path = dir.join("steps.csv");
     let bytes = csv_bytes(&path, &STEP_COLUMNS, records)?;
     write_atomic(&path, &bytes)?;
+
+    let path = dir.join("routing.csv");
+    write_atomic(&path, routing_csv(records).as_bytes())?;
 
     let path = dir.join("reconfigurations.jsonl");
     let mut bytes = Vec::new();
@@ -572,6 +611,7 @@ mod tests {
             expert_tokens_mean: 0.0,
             sent_bytes: 0,
             copy_bytes: 0,
+            routing: Vec::new(),
         }
     }
 
@@ -745,7 +785,7 @@ mod tests {
     }
 
     #[test]
-    fn write_metrics_writes_four_files_atomically() {
+    fn write_metrics_writes_five_files_atomically() {
         let dir = std::env::temp_dir().join(format!(
             "lazarus-metrics-test-{}-{:?}",
             std::process::id(),
@@ -755,6 +795,8 @@ mod tests {
         let out = dir.join("nested").join("run");
         let (mut records, reconfigs) = run();
         records[1].loss = f64::NAN;
+        records[0].routing = vec![vec![3, 0, 5], vec![1, 1, 6]];
+        records[4].routing = vec![vec![2, 2, 4], vec![0, 8, 0]];
         let summary = summarize(
             &records,
             &reconfigs,
@@ -775,11 +817,19 @@ mod tests {
             names,
             [
                 "reconfigurations.jsonl",
+                "routing.csv",
                 "steps.csv",
                 "summary.json",
                 "timeseries.csv"
             ]
         );
+        // One row per layer of each record with routing; `record` is the row of steps.csv
+        // (record 4 is the redone step 3).
+        assert_eq!(
+            fs::read_to_string(out.join("routing.csv")).unwrap(),
+            "record,step,layer,e0,e1,e2\n0,0,0,3,0,5\n0,0,1,1,1,6\n4,3,0,2,2,4\n4,3,1,0,8,0\n"
+        );
+        assert_eq!(routing_csv(&records[1..2]), "record,step,layer\n");
 
         let text = fs::read_to_string(out.join("summary.json")).unwrap();
         assert!(
@@ -856,6 +906,7 @@ mod tests {
             expert_tokens_mean: 0.0,
             sent_bytes: 0,
             copy_bytes: 0,
+            routing: Vec::new(),
         };
         assert_eq!(
             log_line(&r, 20, 384),

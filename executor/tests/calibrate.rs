@@ -91,6 +91,34 @@ fn run_json_records_the_schedule_the_settings_and_the_timeline() {
         .map(|r| r["kind"].as_str().unwrap())
         .collect();
     assert_eq!(reconfigs, ["start", "in-place", "join"]);
+    // routing.csv: the routed tokens of every step record, 2 layers x 4 experts, each row
+    // top_k (2) x the step's tokens in all (what `lzsim predict` feeds its job machine).
+    let steps = std::fs::read_to_string(out.join("steps.csv")).unwrap();
+    let records = steps.lines().count() - 1;
+    let routing = std::fs::read_to_string(out.join("routing.csv")).unwrap();
+    let mut lines = routing.lines();
+    assert_eq!(lines.next(), Some("record,step,layer,e0,e1,e2,e3"));
+    let rows: Vec<Vec<u64>> = lines
+        .map(|l| l.split(',').map(|x| x.parse().unwrap()).collect())
+        .collect();
+    assert_eq!(rows.len(), 2 * records, "{routing}");
+    for (i, row) in rows.iter().enumerate() {
+        assert_eq!(
+            row[..3],
+            [(i / 2) as u64, row[1], (i % 2) as u64],
+            "{routing}"
+        );
+        let tokens: u64 = steps
+            .lines()
+            .nth(1 + i / 2)
+            .unwrap()
+            .split(',')
+            .nth(3)
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_eq!(row[3..].iter().sum::<u64>(), 2 * tokens, "{routing}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

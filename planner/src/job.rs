@@ -698,6 +698,11 @@ pub struct StepRecord {
     /// ([`StepReport::copy_bytes`]).
     #[serde(default)]
     pub copy_bytes: u64,
+    /// Routed tokens `[layer][expert]` summed over the members: what the step added to the
+    /// routing history (empty when no member reported routing). Drivers record it so a
+    /// replay can feed the same history (`lzsim predict`).
+    #[serde(default)]
+    pub routing: Vec<Vec<u64>>,
 }
 
 /// A completed reconfiguration, with its phases (the replan time is the driver's to measure).
@@ -866,6 +871,12 @@ pub struct JobMachine {
     nodes: BTreeMap<NodeId, Node>,
     /// Members of the plan in force, in rank order (lost ones removed).
     members: Vec<NodeId>,
+    /// `members`, sorted, for the membership test of every report ([`Self::is_member`]):
+    /// `members.contains` per report was quadratic over the reports of 200,000 members.
+    /// Rebuilt wherever `members` changes; not saved (a restored machine scans `members`
+    /// until its next plan, see [`Self::is_member`]).
+    #[serde(skip)]
+    members_sorted: Vec<NodeId>,
     epoch: u64,
     plan_version: u64,
     /// The last plan issued (the next replan's version base).
@@ -944,6 +955,7 @@ impl JobMachine {
             phase: Phase::Gathering,
             nodes: BTreeMap::new(),
             members: Vec::new(),
+            members_sorted: Vec::new(),
             epoch: 0,
             plan_version: 0,
             plan: None,
@@ -1077,7 +1089,7 @@ impl JobMachine {
             epoch: self.epoch,
             plan_version: self.plan_version,
             next_step: self.next_step,
-            member: self.members.contains(&node),
+            member: self.is_member(node),
             ready: n.ready,
             idle: n.idle.is_some(),
             migrating: self
@@ -1275,7 +1287,7 @@ impl JobMachine {
             return;
         }
         n.ready = true;
-        if !self.members.contains(&node) && self.plan.is_some() {
+        if !self.is_member(node) && self.plan.is_some() {
             self.join_waiting_since.get_or_insert(now_ms);
             out.push(Action::Log(format!(
                 "node {node} ready: joins at a step boundary"
@@ -1335,6 +1347,7 @@ impl JobMachine {
                 self.stopped.insert(node, (n.name.clone(), done));
             }
             self.members.retain(|&m| m != node);
+            self.members_sorted.retain(|&m| m != node);
             if let Some(p) = self.pending.as_mut() {
                 p.waiting.remove(&node);
             }
@@ -1379,6 +1392,7 @@ impl JobMachine {
             // before.
             self.note_cause(ReconfigKind::InPlace, now_ms);
             self.members.retain(|m| !gone.contains(m));
+            self.members_sorted.retain(|m| !gone.contains(m));
             if let Some(p) = self.pending.as_mut() {
                 for g in &gone {
                     p.waiting.remove(g);
@@ -1391,11 +1405,7 @@ impl JobMachine {
                 self.count_reported(now_ms, out);
             }
         }
-        let newcomer_left = self
-            .nodes
-            .iter()
-            .any(|(id, n)| n.ready && !self.members.contains(id));
-        if !newcomer_left {
+        if !self.ready_newcomer() {
             self.join_waiting_since = None;
         }
     }
@@ -1596,7 +1606,7 @@ impl JobMachine {
 
     fn counting(&self, node: Option<NodeId>, epoch: u64) -> bool {
         epoch == self.epoch
-            && node.is_none_or(|n| self.members.contains(&n))
+            && node.is_none_or(|n| self.is_member(n))
             && matches!(
                 self.phase,
                 Phase::Training | Phase::Quiescing | Phase::Reconfiguring
@@ -1626,7 +1636,9 @@ impl JobMachine {
     /// Counts, in order, the steps every member reported.
     fn count_reported(&mut self, now_ms: u64, out: &mut Vec<Action>) {
         while let Some(entry) = self.step_reports.first_entry() {
+            // Reports come from members only: the full test once there are enough of them.
             if *entry.key() != self.next_step
+                || entry.get().len() < self.members.len()
                 || !self.members.iter().all(|m| entry.get().contains_key(m))
             {
                 break;
@@ -1686,6 +1698,7 @@ impl JobMachine {
                     .collect(),
                 sent_bytes: by_node.values().map(|r| r.sent_bytes).sum(),
                 copy_bytes: by_node.values().map(|r| r.copy_bytes).sum(),
+                routing: routing.clone(),
             };
             if matches!(self.cfg.relayout, relayout::Relayout::Laer(_)) {
                 let (agg, experts) = (self.cfg.aggregation, self.cfg.model.experts);
@@ -2019,7 +2032,7 @@ impl JobMachine {
         now_ms: u64,
         out: &mut Vec<Action>,
     ) {
-        if epoch != self.epoch || !self.members.contains(&node) {
+        if epoch != self.epoch || !self.is_member(node) {
             return;
         }
         let current = self.plan.as_ref().map(|p| p.version);
@@ -2077,7 +2090,7 @@ impl JobMachine {
 
     fn checkpoint_written(&mut self, node: NodeId, epoch: u64, step: u64, out: &mut Vec<Action>) {
         if epoch != self.epoch
-            || !self.members.contains(&node)
+            || !self.is_member(node)
             || !self.cfg.checkpoint_due(step)
             || self.commit_asked.is_some_and(|s| step <= s)
             || self.last_committed.is_some_and(|c| step <= c)
@@ -2086,7 +2099,8 @@ impl JobMachine {
         }
         let parts = self.checkpoint_parts.entry(step).or_default();
         parts.insert(node);
-        if self.members.iter().all(|m| parts.contains(m)) {
+        // Parts come from members only: the full test once there are enough of them.
+        if parts.len() >= self.members.len() && self.members.iter().all(|m| parts.contains(m)) {
             self.checkpoint_parts.remove(&step);
             self.commit_asked = Some(step);
             out.push(Action::CommitCheckpoint {
@@ -2130,9 +2144,11 @@ impl JobMachine {
     fn progress(&mut self, now_ms: u64, out: &mut Vec<Action>) {
         match self.phase {
             Phase::Gathering => {
-                let ready = self.nodes.values().filter(|n| n.ready).count();
+                // Checked after every event while nodes gather: a scan that stops at the
+                // first starting node, not a count of every ready one (quadratic over a
+                // cluster of 200,000 joining at once). Once none is starting, all are ready.
                 let starting = self.nodes.values().any(|n| !n.ready);
-                if ready >= self.cfg.initial_nodes && !starting {
+                if !starting && self.nodes.len() >= self.cfg.initial_nodes {
                     self.cause = Some(Cause {
                         kind: ReconfigKind::Start,
                         since_ms: now_ms,
@@ -2305,25 +2321,43 @@ impl JobMachine {
             self.resuming = Some((rec, now_ms));
         }
         self.enter(Phase::Training, now_ms);
-        let newcomer = self
-            .nodes
-            .iter()
-            .any(|(id, n)| n.ready && !self.members.contains(id));
-        if newcomer {
+        if self.ready_newcomer() {
             self.join_waiting_since.get_or_insert(now_ms);
         }
     }
 
-    /// Ids of the nodes the next plan is made over: members, then ready newcomers.
+    /// Whether `node` is a member of the plan in force. `members_sorted` is `members` sorted
+    /// unless the machine was restored from a saved state (it is not saved): then the two
+    /// lengths differ (or both are empty) and `members` is scanned.
+    fn is_member(&self, node: NodeId) -> bool {
+        if self.members_sorted.len() == self.members.len() {
+            self.members_sorted.binary_search(&node).is_ok()
+        } else {
+            self.members.contains(&node)
+        }
+    }
+
+    /// Whether some ready node is not a member (a newcomer).
+    fn ready_newcomer(&self) -> bool {
+        self.nodes
+            .iter()
+            .any(|(&id, n)| n.ready && !self.is_member(id))
+    }
+
+    /// Ids of the nodes the next plan is made over: members in rank order, then ready
+    /// newcomers in the natural order of their names (`n2` before `n10`), never in id order:
+    /// a driver numbers nodes as they register, and plans must not depend on that order.
     fn candidate_ids(&self) -> Vec<NodeId> {
         // Sorted for the membership test: `members.contains` per node was quadratic.
         let mut sorted = self.members.clone();
         sorted.sort_unstable();
-        let newcomers = self
+        let mut newcomers: Vec<NodeId> = self
             .nodes
             .iter()
             .filter(|(id, n)| n.ready && sorted.binary_search(id).is_err())
-            .map(|(&id, _)| id);
+            .map(|(&id, _)| id)
+            .collect();
+        newcomers.sort_by_cached_key(|id| natural_key(&self.nodes[id].name));
         self.members.iter().copied().chain(newcomers).collect()
     }
 
@@ -2788,6 +2822,8 @@ impl JobMachine {
         self.epoch += 1;
         self.plan_version = plan.version;
         self.members = plan.node_map.clone();
+        self.members_sorted = self.members.clone();
+        self.members_sorted.sort_unstable();
         self.next_step = resume_step;
         self.step_reports.clear();
         self.checkpoint_parts.clear();

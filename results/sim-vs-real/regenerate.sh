@@ -33,6 +33,9 @@ scenarios=(
   "restore|--nodes 4 --steps 40 --kill 0@12 --kill 1@12 --ckpt-every 10"
   "kill-join|--nodes 5 --steps 40 --kill 3@10 --join @24 --ckpt-every 10"
   "trace|--fault-trace $out/spot-5nodes.csv --time-scale 60 --steps 40 --ckpt-every 10"
+  # The held-out run of issue 33 item 5 (80 steps): a kill, a double kill that restores the
+  # checkpoint, a join, a kill.
+  "heldout|--nodes 5 --steps 80 --kill 2@13 --kill 0@29 --kill 3@29 --join @41 --kill 4@55 --ckpt-every 10"
 )
 if [ -n "${PREDICT_ONLY:-}" ]; then
   for keep in "$out"/runs/*; do
@@ -60,7 +63,7 @@ for s in "${scenarios[@]}"; do
     $lzrun local $args --metrics-out "$dir" --format json > /dev/null 2> "$work/$name-$i.log"
     keep=$out/runs/$name-$i
     mkdir -p "$keep/measured"
-    cp "$dir"/{run.json,summary.json,steps.csv,timeseries.csv,reconfigurations.jsonl} "$keep/measured/"
+    cp "$dir"/{run.json,summary.json,steps.csv,timeseries.csv,reconfigurations.jsonl,routing.csv} "$keep/measured/"
     # The run's command names its scratch directory: keep this machine's paths out.
     sed -i "s|$work/|<work>/|g" "$keep/measured/run.json"
     $lzsim predict "$dir" --hardware "$hw" --format json --out "$keep/predicted" > /dev/null
@@ -74,6 +77,7 @@ done
 python3 - "$out" "$runs" <<'PY'
 import json, sys, os
 out, runs = sys.argv[1], int(sys.argv[2])
+counted = ["steps", "samples", "recoveries", "fallbacks", "joins", "rebalances"]
 keys = ["wall_s", "steps", "samples", "recoveries", "fallbacks", "joins",
         "compute_s", "checkpoint_s", "reconfigure_s", "restore_s", "lost_s", "idle_s"]
 phases = ["compute_s", "checkpoint_s", "reconfigure_s", "restore_s", "lost_s"]
@@ -92,15 +96,15 @@ for name in names:
 def pct(e):
     return "–" if e is None else f"{100*e:+.1f}"
 lines = []
-lines.append("| scenario | run | load | wall s meas / pred (err %) | steps | samples | recov | fallbk | joins | "
+lines.append("| scenario | run | load | wall s meas / pred (err %) | steps | samples | recov | fallbk | joins | rebal | "
              + " | ".join(k[:-2] + " s meas / pred (err %)" for k in phases) + " | idle s meas / pred |")
-lines.append("|" + "---|" * (10 + len(phases)))
+lines.append("|" + "---|" * (11 + len(phases)))
 misses = []
 for name, i, p, load in rows:
     m, q, e = p["measured"], p["predicted"], p["relative_error"]
     cells = [name, str(i), "?" if load is None else f"{load:.1f}",
              f"{m['wall_s']:.2f} / {q['wall_s']:.2f} ({pct(e['wall_s'])})"]
-    for k in ["steps", "samples", "recoveries", "fallbacks", "joins"]:
+    for k in counted:
         cells.append(f"{m[k]}" if m[k] == q[k] else f"{m[k]} ≠ {q[k]}")
     for k in phases:
         cells.append(f"{m[k]:.2f} / {q[k]:.2f} ({pct(e[k])})")
@@ -114,7 +118,7 @@ for name, i, p, load in rows:
         big = max(m[k], q[k]) >= 0.02 * m["wall_s"]
         if big and (e[k] is None or abs(e[k]) > 0.25):
             miss.append(f"{k[:-2]} {pct(e[k])} %")
-    for k in ["recoveries", "fallbacks", "joins"]:
+    for k in counted:
         if m[k] != q[k]:
             miss.append(f"{k} {m[k]} vs {q[k]}")
     if miss:
@@ -132,11 +136,12 @@ for name in names:
 within = sum(1 for _, _, p, _ in rows if p["relative_error"]["wall_s"] is not None
              and abs(p["relative_error"]["wall_s"]) <= 0.10)
 counts = sum(1 for _, _, p, _ in rows
-             if all(p["measured"][k] == p["predicted"][k] for k in ["recoveries", "fallbacks", "joins"]))
+             if all(p["measured"][k] == p["predicted"][k] for k in counted))
 with open(f"{out}/table.md", "w") as f:
     f.write("\n".join(summary) + "\n\n")
     f.write(f"Runs with the predicted wall time within 10 %: {within} of {len(rows)}; "
-            f"recoveries, fallbacks and joins equal: {counts} of {len(rows)}.\n\n")
+            f"steps, samples, recoveries, fallbacks, joins and rebalances all equal: "
+            f"{counts} of {len(rows)}.\n\n")
     f.write("\n".join(lines) + "\n")
     f.write("\nMisses of the goal (wall within 10 %, each phase with at least 2 % of the wall time "
             "within 25 %, counts equal):\n\n")

@@ -25,6 +25,12 @@ pub const MAX_F: usize = 1024;
 /// state at 24 bytes per slot).
 pub const MAX_REPLICA_SLOTS: usize = 1 << 26;
 
+/// A training step index (`lzsim reconfig --step`): 10^12 steps, thirty thousand years at one
+/// step a second. Step arithmetic near `u64::MAX` (the drift epoch after the step) overflowed,
+/// and the routing-window sum then walked from a wrapped step to the end: `--step
+/// 18446744073709551515` never returned.
+pub const MAX_STEP: u64 = 1_000_000_000_000;
+
 /// Random draws of a hazard trace (ticks x node slots): about ten seconds of generation.
 pub const MAX_HAZARD_DRAWS: usize = 1 << 30;
 

@@ -8,7 +8,8 @@
 //!
 //! `RUN_DIR/run.json` (the model, nodes, seed, steps, `f`, slots, checkpoint and rebalance
 //! settings, the fault schedule and the launch timeline), `summary.json`, `steps.csv` and
-//! `reconfigurations.jsonl`. A missing or malformed file is a [`RunDirError`] naming it.
+//! `reconfigurations.jsonl`, and `routing.csv` when present. A missing or malformed file is a
+//! [`RunDirError`] naming it.
 //!
 //! # How the run becomes a replay
 //!
@@ -20,7 +21,11 @@
 //!   ([`crate::replay::StepEvent`]): a kill of launch index `i` or of a trace name removes that
 //!   node once step `after_step` completed, a join adds a node that is ready `node_boot_s`
 //!   later (joins while the job waits for nodes fire at once, as in `lzrun local`).
-//! * Expert loads are uniform (the run's own routing is not recorded per step); checkpoints
+//! * Expert loads are the run's own (`routing.csv`: every step record's routed tokens per
+//!   layer and expert): the job machine's routing history gets exactly what `lzrun`'s got,
+//!   each time a step is counted (again after a rollback), and the cost model prices each
+//!   step with its recorded loads; a run without `routing.csv` (older versions) is replayed
+//!   with uniform loads. Checkpoints
 //!   every `checkpoint.every_steps`, rebalances as configured, lazy scale-out wait 0 (as
 //!   `lzrun` plans newcomers at once), a pause taking effect one step after the next
 //!   boundary (`pause_lag_steps = 1`: `lzrun`'s members read a pause request when a step
@@ -54,7 +59,7 @@
 use crate::cost::{self, HardwareProfile, ModelProfile};
 use crate::replay::systems::SystemKind;
 use crate::replay::{self, ReplayConfig, RunResult, Sample, StepEvent};
-use crate::workload::Workload;
+use crate::workload::{RecordedRouting, Workload};
 use lazarus_traces::zipf::ZipfLoads;
 use lazarus_traces::{NodeOp, Trace, TraceEvent};
 use serde::{Deserialize, Serialize};
@@ -245,6 +250,81 @@ pub struct RunDir {
     pub summary: RunSummary,
     pub steps: Vec<StepRow>,
     pub reconfigs: Vec<ReconfigRow>,
+    /// `routing.csv`: each step record's routed tokens, in the order of `steps.csv` (`None`: a
+    /// run of a version that did not record them).
+    pub routing: Option<Vec<StepRouting>>,
+}
+
+/// One step record's routed tokens: `(step, [layer][expert])`.
+pub type StepRouting = (u64, Vec<Vec<u64>>);
+
+/// Reads `routing.csv` (`lazarus_executor::metrics::routing_csv`): header
+/// `record,step,layer,e0,…`, one row per MoE layer of each step record.
+fn parse_routing(
+    path: &Path,
+    text: &str,
+    layers: usize,
+    experts: usize,
+) -> Result<Vec<StepRouting>, RunDirError> {
+    let mut lines = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty());
+    let header = lines.next().map_or("", |(_, l)| l);
+    let cols: Vec<&str> = header.split(',').map(str::trim).collect();
+    if cols.len() < 3 || cols[..3] != ["record", "step", "layer"] {
+        return Err(malformed(
+            path,
+            format!("header {header:?}, expected record,step,layer,e0,…"),
+        ));
+    }
+    if cols.len() > 3 && cols.len() - 3 != experts {
+        return Err(malformed(
+            path,
+            format!(
+                "{} expert columns, the model has {experts} experts",
+                cols.len() - 3
+            ),
+        ));
+    }
+    // record → (step, layers in order)
+    let mut out: Vec<(u64, u64, Vec<Vec<u64>>)> = Vec::new();
+    for (i, line) in lines {
+        let bad = |msg: String| malformed(path, format!("line {}: {msg}", i + 1));
+        let v: Vec<u64> = line
+            .split(',')
+            .map(|x| x.trim().parse::<u64>())
+            .collect::<Result<_, _>>()
+            .map_err(|e| bad(e.to_string()))?;
+        if v.len() != 3 + experts {
+            return Err(bad(format!("{} fields, expected {}", v.len(), 3 + experts)));
+        }
+        let (record, step, layer) = (v[0], v[1], v[2]);
+        match out.last_mut() {
+            Some((r, s, rows)) if *r == record => {
+                if *s != step || layer as usize != rows.len() {
+                    return Err(bad(format!("record {record}: step or layer out of order")));
+                }
+                rows.push(v[3..].to_vec());
+            }
+            last => {
+                if last.is_some_and(|(r, _, _)| *r >= record) || layer != 0 {
+                    return Err(bad(format!("record {record}: records out of order")));
+                }
+                out.push((record, step, vec![v[3..].to_vec()]));
+            }
+        }
+    }
+    if let Some((r, _, rows)) = out.iter().find(|(_, _, rows)| rows.len() != layers) {
+        return Err(malformed(
+            path,
+            format!(
+                "record {r} has {} layers, the model has {layers}",
+                rows.len()
+            ),
+        ));
+    }
+    Ok(out.into_iter().map(|(_, s, rows)| (s, rows)).collect())
 }
 
 fn read(path: &Path) -> Result<String, RunDirError> {
@@ -326,11 +406,19 @@ impl RunDir {
                     .map_err(|e| malformed(&path, format!("line {}: {e}", i + 1)))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let path = dir.join("routing.csv");
+        let routing = if path.is_file() {
+            let (layers, experts) = (config.model.n_layers, config.model.experts);
+            Some(parse_routing(&path, &read(&path)?, layers, experts)?)
+        } else {
+            None
+        };
         Ok(Self {
             config,
             summary,
             steps,
             reconfigs,
+            routing,
         })
     }
 
@@ -631,7 +719,14 @@ pub fn predict(run: &RunDir, hw: &HardwareProfile) -> anyhow::Result<Prediction>
         .map(|n| TraceEvent::add(0, n.clone()))
         .collect();
     let trace = Trace::new(events)?;
-    let workload = Workload::Zipf(ZipfLoads::new(0.0, model.experts, model.moe_layers, c.seed));
+    let workload = match &run.routing {
+        Some(records) => Workload::Recorded(RecordedRouting::new(
+            model.moe_layers,
+            model.experts,
+            records.clone(),
+        )),
+        None => Workload::Zipf(ZipfLoads::new(0.0, model.experts, model.moe_layers, c.seed)),
+    };
     let wall = run.summary.wall_s;
     // Far enough for any plausible replay, and bounded: a replay that never reaches the
     // run's steps (it waits for nodes the schedule never brings) stops there.

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 #[derive(Args, Debug, Clone)]
 pub struct PredictArgs {
     /// Run directory written by `lzrun local --metrics-out DIR` (run.json, summary.json,
-    /// steps.csv, reconfigurations.jsonl).
+    /// steps.csv, reconfigurations.jsonl; routing.csv when present, else uniform loads).
     pub run_dir: PathBuf,
     /// Hardware profile: a TOML file written by `lzrun calibrate` (or a built-in name).
     /// Default: RUN_DIR/hardware.toml.

@@ -31,7 +31,8 @@ pub struct ReconfigArgs {
     /// Nodes failing at once (fewer than --nodes).
     #[arg(long, default_value_t = 2, value_parser = limits::count(MAX_NODES))]
     pub fail: usize,
-    /// Training step whose routing history (the preceding rebalance window) drives the plan.
+    /// Training step whose routing history (the preceding rebalance window) drives the plan,
+    /// at most 1000000000000.
     #[arg(long, default_value_t = 200)]
     pub step: u64,
     /// Failure sets to evaluate: all of them when there are at most this many, else a seeded
@@ -110,6 +111,13 @@ pub fn report(a: &ReconfigArgs) -> Result<ReconfigReport> {
             "need 0 < --fail < --nodes (got --fail {} --nodes {})",
             a.fail,
             a.nodes
+        );
+    }
+    if a.step > limits::MAX_STEP {
+        bail!(
+            "--step {} is more than the limit of {} steps",
+            a.step,
+            limits::MAX_STEP
         );
     }
     if a.gpus_per_node.is_some() || a.slots.is_some() || a.experts.is_some() || a.layers.is_some() {

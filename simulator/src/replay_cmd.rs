@@ -286,6 +286,7 @@ pub fn resolve(args: &ReplayArgs) -> Result<Resolved> {
             );
         }
     }
+    check_trainable(&setup, trace.max_live())?;
     let configs = setup
         .systems
         .iter()
@@ -298,6 +299,63 @@ pub fn resolve(args: &ReplayArgs) -> Result<Resolved> {
         configs,
         workload: setup.workload,
     })
+}
+
+/// Why `sys` can train `model` on no cluster of at most `nodes` nodes of `hw` (`None`: some
+/// cluster of that size starts it). Lazarus and the FSEP systems need an expert slot per
+/// expert; standard EP (the DeepSpeed systems) a multiple of `ep_size` GPUs.
+fn why_untrainable(
+    sys: SystemKind,
+    hw: &cost::HardwareProfile,
+    model: &cost::ModelProfile,
+    nodes: usize,
+) -> Option<String> {
+    let gpus = nodes.saturating_mul(hw.gpus_per_node);
+    match sys {
+        SystemKind::Lazarus | SystemKind::Laer | SystemKind::LazarusFsep => {
+            let slots = gpus.saturating_mul(model.slots_per_gpu);
+            (slots < model.experts).then(|| {
+                format!(
+                    "{}: {gpus} GPUs x {} expert slots = {slots} slots for {} experts",
+                    sys.name(),
+                    model.slots_per_gpu,
+                    model.experts
+                )
+            })
+        }
+        SystemKind::Ds | SystemKind::DsFt | SystemKind::Dropless | SystemKind::DroplessFt => {
+            (crate::replay::systems::ep::usable_nodes(hw, model, nodes) == 0).then(|| {
+                format!(
+                    "{}: standard EP needs a multiple of ep_size = {} GPUs, there are {gpus}",
+                    sys.name(),
+                    model.ep_size
+                )
+            })
+        }
+    }
+}
+
+/// A replay where no system can ever start (the trace's largest cluster is too small for the
+/// model) is an error saying why, not a table of zeros.
+fn check_trainable(setup: &Setup, max_live: usize) -> Result<()> {
+    let (hw, model) = (&setup.base.hardware, &setup.base.model);
+    let why: Vec<String> = setup
+        .systems
+        .iter()
+        .map_while(|&sys| why_untrainable(sys, hw, model, max_live))
+        .collect();
+    if why.len() == setup.systems.len() {
+        bail!(
+            "{} cannot train on this cluster: the trace has at most {max_live} nodes of {} GPUs \
+             ({}), and the model has {} experts ({})",
+            model.name,
+            hw.gpus_per_node,
+            hw.name,
+            model.experts,
+            why.join("; ")
+        );
+    }
+    Ok(())
 }
 
 pub fn run(args: &ReplayArgs) -> Result<()> {

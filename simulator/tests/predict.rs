@@ -54,12 +54,26 @@ fn a_built_in_profile_keeps_its_costs() {
     );
 }
 
-/// `(fixture, recoveries, fallbacks, joins, steps)`.
-const RUNS: [(&str, u64, u64, u64, u64); 2] =
-    [("run-kill-join", 1, 0, 1, 16), ("run-restore", 0, 1, 0, 16)];
+/// `(fixture, recoveries, fallbacks, joins, steps)`. `run-heldout` is the held-out run of
+/// issue 33 item 5 (`lzrun local --nodes 5 --steps 80 --kill 2@13 --kill 0@29 --kill 3@29
+/// --join @41 --kill 4@55 --ckpt-every 10`), with its `routing.csv`: predicted with uniform
+/// loads it had 3 recoveries and no restore; its nodes registered as n4, n1, n3, n2, n0.
+const RUNS: [(&str, u64, u64, u64, u64); 3] = [
+    ("run-kill-join", 1, 0, 1, 16),
+    ("run-restore", 0, 1, 0, 16),
+    ("run-heldout", 2, 1, 1, 80),
+];
 
 #[test]
 fn predict_gives_the_recorded_counts_and_the_same_output_every_time() {
+    // The held-out run records its routing; the others predate routing.csv (uniform loads).
+    assert!(fixtures().join("run-heldout/routing.csv").is_file());
+    assert!(
+        RunDir::load(&fixtures().join("run-heldout"))
+            .unwrap()
+            .routing
+            .is_some()
+    );
     let hw = profile();
     for (name, recoveries, fallbacks, joins, steps) in RUNS {
         let run = RunDir::load(&fixtures().join(name)).unwrap();
@@ -71,7 +85,18 @@ fn predict_gives_the_recorded_counts_and_the_same_output_every_time() {
                 "{name}: {o:?}"
             );
         }
-        assert_eq!(p.predicted.samples, p.measured.samples, "{name}");
+        // Every count exactly: steps, samples, recoveries, restores, joins, rebalances.
+        let counts = |o: &predict::Outcome| {
+            (
+                o.steps,
+                o.samples,
+                o.recoveries,
+                o.fallbacks,
+                o.joins,
+                o.rebalances,
+            )
+        };
+        assert_eq!(counts(&p.predicted), counts(&p.measured), "{name}");
         let a = serde_json::to_string(&p.json()).unwrap();
         let b = serde_json::to_string(&predict::predict(&run, &hw).unwrap().json()).unwrap();
         assert_eq!(a, b, "{name}: the prediction changed between two calls");
@@ -334,5 +359,37 @@ fn sharded_runs_are_predicted_by_the_fsep_systems() {
     for p in [&p1, &p2] {
         assert_eq!(p.steps, 16);
     }
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// The held-out run without its `routing.csv` is replayed with uniform loads and mispredicted
+/// (3 recoveries and no restore instead of 2 and 1: the run's plans followed its routing), and
+/// a malformed `routing.csv` is an error naming the file.
+#[test]
+fn the_recorded_routing_decides_the_held_out_run() {
+    let hw = profile();
+    let tmp = std::env::temp_dir().join(format!("lzsim-predict-routing-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    for f in [
+        "run.json",
+        "summary.json",
+        "steps.csv",
+        "timeseries.csv",
+        "reconfigurations.jsonl",
+    ] {
+        std::fs::copy(fixtures().join("run-heldout").join(f), tmp.join(f)).unwrap();
+    }
+    let run = RunDir::load(&tmp).unwrap();
+    assert!(run.routing.is_none());
+    let p = predict::predict(&run, &hw).unwrap().predicted;
+    assert_eq!((p.recoveries, p.fallbacks), (3, 0), "{p:?}");
+    std::fs::write(
+        tmp.join("routing.csv"),
+        "record,step,layer,e0,e1,e2,e3\n0,0,0,1,2\n",
+    )
+    .unwrap();
+    let e = RunDir::load(&tmp).unwrap_err().to_string();
+    assert!(e.contains("routing.csv") && e.contains("line 2"), "{e}");
     let _ = std::fs::remove_dir_all(&tmp);
 }

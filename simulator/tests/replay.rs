@@ -657,7 +657,12 @@ fn events_after_the_end_do_not_overflow_the_clock() {
     let dir = tmp("overflow");
     std::fs::create_dir_all(&dir).unwrap();
     let trace = dir.join("max.csv");
-    std::fs::write(&trace, "0,add,a\n0,add,b\n18446744073709551615,remove,a\n").unwrap();
+    // Four nodes: the default model trains on them (on two, no system can, an error).
+    std::fs::write(
+        &trace,
+        "0,add,a\n0,add,b\n0,add,c\n0,add,d\n18446744073709551615,remove,a\n",
+    )
+    .unwrap();
     let v = ok_json(&[
         "replay",
         trace.to_str().unwrap(),

@@ -119,7 +119,11 @@ impl ZipfLoads {
     /// change again.
     pub fn next_change(&self, step: u64) -> Option<u64> {
         let d = self.drift_every_steps;
-        (d > 0).then(|| (step / d + 1) * d)
+        // `None` past the last epoch that starts below 2^64 (the product overflowed and
+        // wrapped to an early step, which sent callers walking back to it).
+        (d > 0)
+            .then(|| (step / d).checked_add(1)?.checked_mul(d))
+            .flatten()
     }
 
     /// Experts in popularity order (index 0 = hottest) for `layer` in drift epoch `epoch`
@@ -192,6 +196,23 @@ mod tests {
         assert_eq!(w.next_change(250), Some(300));
         assert_eq!(w.next_change(299), Some(300));
         assert_eq!(w.next_change(300), Some(400));
+    }
+
+    /// The change after a step near `u64::MAX` is later than the step or never: the product
+    /// wrapped to an early step (`lzsim reconfig --step 18446744073709551515` spun).
+    #[test]
+    fn the_next_change_never_wraps() {
+        for d in [1u64, 7, 100, 500, 1 << 40] {
+            let w = ZipfLoads {
+                drift_every_steps: d,
+                ..ZipfLoads::new(1.0, 4, 2, 1)
+            };
+            for step in [u64::MAX, u64::MAX - 1, u64::MAX - 100, u64::MAX - d] {
+                if let Some(c) = w.next_change(step) {
+                    assert!(c > step, "drift {d}: change {c} after step {step}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -777,6 +777,7 @@ impl Controller {
                     expert_tokens_mean: mean(r.expert_tokens.iter().map(|&t| t as f64)),
                     sent_bytes: r.sent_bytes,
                     copy_bytes: r.copy_bytes,
+                    routing: r.routing,
                 };
                 Self::notice(out, Notice::Step(rec));
             }

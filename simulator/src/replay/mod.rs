@@ -286,7 +286,12 @@ pub fn window_loads(workload: &Workload, step: u64, window: u64) -> Vec<Vec<u64>
     let mut x = end.saturating_sub(window.max(1));
     let mut sum: Vec<Vec<u64>> = Vec::new();
     while x < end {
-        let next = workload.next_change(x).map_or(end, |c| c.min(end));
+        // A change point at or before `x` (never from a sound workload) ends the walk
+        // rather than restarting it.
+        let next = workload
+            .next_change(x)
+            .map_or(end, |c| c.min(end))
+            .max(x + 1);
         let weight = next - x;
         let loads = workload.loads(x);
         if sum.is_empty() {

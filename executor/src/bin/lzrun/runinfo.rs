@@ -18,6 +18,12 @@
 //! | `faults` | `{source: "flags" \| "trace", trace, time_scale_s_per_step, max_nodes, dropped_after_end, events}`: `events` are the schedule's `{after_step, fault}` (a fault fires once every worker completed step `after_step`, 0-based; a trace event at `t_ms` fires after step `⌊t_ms / (1000·time_scale_s_per_step)⌋`) |
 //! | `timeline` | launch-relative seconds: `first_step_s` (when the first step record arrived: the origin of `t_s` in `steps.csv`), `injected` (every fault as it was injected: `t_s, after_step, kind, node, name, when`, and for a kill of a member `rank`, its rank in the plan in force), `reconfigurations` (when each reconfiguration record arrived, with its kind), `wall_s` |
 //! | `host` | `cpus` (available parallelism) and the 1-minute load average at the end |
+//!
+//! Next to it, `routing.csv` ([`lazarus_executor::metrics::routing_csv`]) records every step
+//! record's routed tokens per MoE layer and expert (summed over the workers): the routing
+//! history the job machine planned from, which `lzsim predict` replays into its own job
+//! machine so both plan alike. Node ids do not enter the plans: the controller numbers nodes
+//! as they register, and the plans follow the nodes' names (`lazarus_planner::job`).
 
 use std::path::Path;
 

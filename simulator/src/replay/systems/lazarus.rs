@@ -346,7 +346,10 @@ impl Driver {
             };
             order = self.feed(ctx, now_ns, joined).or(order);
         }
-        for &node in nodes {
+        // Last node first: after each report the machine looks for a node still starting, a
+        // scan from the lowest id that this order ends at once (linear, not quadratic, for
+        // 200,000 nodes at once; the outcome is the same).
+        for &node in nodes.iter().rev() {
             order = self.feed(ctx, now_ns, Event::Ready { node }).or(order);
         }
         order
