@@ -225,7 +225,7 @@ impl TokenStream {
     pub(crate) fn new(path: PathBuf, dtype: TokenDtype, bytes: Bytes) -> Result<TokenStream> {
         let len = bytes.as_slice().len() as u64;
         let size = dtype.size() as u64;
-        if len % size != 0 {
+        if !len.is_multiple_of(size) {
             return Err(DatasetError::NotMultipleOfDtype { path, len, dtype });
         }
         Ok(TokenStream {
