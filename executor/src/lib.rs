@@ -10,6 +10,7 @@
 pub mod checkpoint;
 pub mod comm;
 pub mod control;
+pub mod dataset;
 pub mod device;
 pub mod faults;
 pub mod metrics;
