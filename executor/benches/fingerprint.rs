@@ -22,7 +22,18 @@ fn median(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2]
 }
 
+/// What a worker computes after each step (`worker::state::fingerprints`): in place.
 fn state_fingerprint(t: &Trainer) -> u64 {
+    let mut acc = t.dense_optimizer().fingerprint().unwrap();
+    for (l, e) in t.experts.replicas() {
+        acc ^= t.experts.fingerprint(l, e).unwrap();
+    }
+    acc
+}
+
+/// The same through copies of the state ([`fingerprint::optim_state`] of an export), as the
+/// first version did: the baseline of the in-place fold.
+fn state_fingerprint_copied(t: &Trainer) -> u64 {
     let mut acc = fingerprint::optim_state(&t.dense_optimizer().export().unwrap());
     for (l, e) in t.experts.replicas() {
         acc ^= fingerprint::expert_state(&t.experts.export(l, e).unwrap());
@@ -37,9 +48,10 @@ fn main() {
     mid.seq_len = 256;
     mid.batch = 1;
     println!(
-        "| config | parameters (dense + experts) | tokens/step | step ms | fingerprint ms | ratio |"
+        "| config | parameters (dense + experts) | tokens/step | step ms | fingerprint ms (in \
+         place) | ratio to the step | fingerprint ms (copies) | ratio to the step |"
     );
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     for (name, cfg, runs) in [
         ("tiny", MoeConfig::tiny(), 20),
         ("gpt-s, 2 layers, 256 tokens", mid, 3),
@@ -49,6 +61,7 @@ fn main() {
         black_box(state_fingerprint(&t));
         let mut steps = Vec::new();
         let mut prints = Vec::new();
+        let mut copied = Vec::new();
         for _ in 0..runs {
             let t0 = Instant::now();
             t.step().expect("step");
@@ -56,6 +69,9 @@ fn main() {
             let t0 = Instant::now();
             black_box(state_fingerprint(&t));
             prints.push(t0.elapsed().as_secs_f64() * 1e3);
+            let t0 = Instant::now();
+            black_box(state_fingerprint_copied(&t));
+            copied.push(t0.elapsed().as_secs_f64() * 1e3);
         }
         let dense: usize = t
             .dense_optimizer()
@@ -66,11 +82,12 @@ fn main() {
             .map(|p| p.value.len())
             .sum();
         let experts = cfg.n_layers * cfg.experts * 2 * cfg.d_model * cfg.d_ff;
-        let (s, f) = (median(steps), median(prints));
+        let (s, f, c) = (median(steps), median(prints), median(copied));
         println!(
-            "| {name} | {dense} + {experts} | {} | {s:.1} | {f:.2} | {:.3} |",
+            "| {name} | {dense} + {experts} | {} | {s:.1} | {f:.2} | {:.3} | {c:.2} | {:.3} |",
             cfg.batch * cfg.seq_len,
-            f / s
+            f / s,
+            c / s
         );
     }
 }

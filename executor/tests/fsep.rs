@@ -217,8 +217,16 @@ fn assert_same(fsep: &[Run], repl: &[Run], experts: &BTreeMap<(usize, usize), Ex
         );
         assert_eq!(f.dense.step, r.dense.step, "rank {rank}: dense Adam step");
         for (i, (a, b)) in f.dense.params.iter().zip(&r.dense.params).enumerate() {
-            for (what, x, y) in [("value", &a.value, &b.value), ("m", &a.m, &b.m), ("v", &a.v, &b.v)] {
-                assert!(bits(x) == bits(y), "rank {rank} dense {i} ({}) {what} differs", a.name);
+            for (what, x, y) in [
+                ("value", &a.value, &b.value),
+                ("m", &a.m, &b.m),
+                ("v", &a.v, &b.v),
+            ] {
+                assert!(
+                    bits(x) == bits(y),
+                    "rank {rank} dense {i} ({}) {what} differs",
+                    a.name
+                );
             }
         }
     }
@@ -235,7 +243,12 @@ fn assert_same(fsep: &[Run], repl: &[Run], experts: &BTreeMap<(usize, usize), Ex
             ("m2", &s.m2, &want.m2),
             ("v2", &s.v2, &want.v2),
         ] {
-            assert!(bits(a) == bits(b), "({}, {}) {what} differs", s.layer, s.expert);
+            assert!(
+                bits(a) == bits(b),
+                "({}, {}) {what} differs",
+                s.layer,
+                s.expert
+            );
         }
     }
 }

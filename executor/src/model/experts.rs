@@ -322,6 +322,15 @@ impl ExpertStore {
         })
     }
 
+    /// Fingerprint of a held replica's whole state (its optimizer's: step, then `w1` and `w2`
+    /// each with both moments), read in place ([`AdamW::fingerprint`]).
+    pub fn fingerprint(&self, layer: usize, expert: usize) -> Result<u64> {
+        let Some(r) = self.replicas.get(&(layer, expert)) else {
+            candle_core::bail!("expert ({layer}, {expert}) is not held by this worker");
+        };
+        r.opt.fingerprint()
+    }
+
     /// Installs `state` as the replica `(state.layer, state.expert)`, creating it or
     /// overwriting it in place (existing `ExpertWeights` tensors see the new values).
     pub fn import(&mut self, state: &ExpertState) -> Result<()> {

@@ -8,6 +8,8 @@
 //! collide with probability about 2⁻⁶⁴. Not a cryptographic hash: it guards against bugs and
 //! faults, not adversaries.
 
+use candle_core::{CpuStorage, Storage, Tensor};
+
 use super::{ExpertState, OptimState, ShardState};
 
 /// The 64-bit golden-ratio constant (odd), as in Fibonacci hashing.
@@ -46,6 +48,28 @@ impl Fingerprint {
     pub fn finish(&self) -> u64 {
         self.0
     }
+}
+
+/// Folds a tensor's f32 values as [`Fingerprint::f32s`] does, in place from a contiguous
+/// f32 CPU storage (no copy: the per-step fingerprint must not double the state in memory),
+/// else from a copy (another dtype, a strided view, a device).
+pub fn tensor(h: &mut Fingerprint, t: &Tensor) -> candle_core::Result<()> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (Storage::Cpu(CpuStorage::F32(values)), Some((start, end))) =
+            (&*storage, layout.contiguous_offsets())
+            && let Some(xs) = values.get(start..end)
+        {
+            h.f32s(xs);
+            return Ok(());
+        }
+    }
+    h.f32s(
+        &t.flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1::<f32>()?,
+    );
+    Ok(())
 }
 
 /// Fingerprint of an optimizer's whole state: the step counter, then every parameter's
@@ -122,5 +146,19 @@ mod tests {
         b.f32s(&[1.0]);
         b.f32s(&[2.0, 3.0]);
         assert_ne!(a.finish(), b.finish());
+    }
+
+    #[test]
+    fn a_tensor_folds_in_place_as_its_values_do() {
+        use candle_core::{Device, Tensor};
+        let xs: Vec<f32> = (0..12).map(|i| i as f32 / 7.0).collect();
+        let t = Tensor::from_vec(xs.clone(), (3, 4), &Device::Cpu).unwrap();
+        for view in [t.clone(), t.t().unwrap(), t.narrow(1, 1, 2).unwrap()] {
+            let mut a = Fingerprint::default();
+            tensor(&mut a, &view).unwrap();
+            let mut b = Fingerprint::default();
+            b.f32s(&view.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            assert_eq!(a.finish(), b.finish());
+        }
     }
 }

@@ -152,6 +152,21 @@ impl AdamW {
         })
     }
 
+    /// [`super::fingerprint::optim_state`] of [`Self::export`], without the copy: the same
+    /// value, read in place from the tensors.
+    pub fn fingerprint(&self) -> Result<u64> {
+        use super::fingerprint::{Fingerprint, tensor};
+        let mut h = Fingerprint::default();
+        h.word(self.step);
+        h.word(self.slots.len() as u64);
+        for s in &self.slots {
+            tensor(&mut h, s.var.as_tensor())?;
+            tensor(&mut h, &s.m)?;
+            tensor(&mut h, &s.v)?;
+        }
+        Ok(h.finish())
+    }
+
     /// Overwrites values, moments and step from `state`, which must name the same parameters
     /// with the same shapes in the same order.
     pub fn import(&mut self, state: &OptimState) -> Result<()> {

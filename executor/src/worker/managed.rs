@@ -555,7 +555,8 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
                 self.step
             );
         }
-        let verify = self.job.verify_every > 0 && (self.step + 1).is_multiple_of(self.job.verify_every);
+        let verify =
+            self.job.verify_every > 0 && (self.step + 1).is_multiple_of(self.job.verify_every);
         let fingerprints = if verify {
             match fingerprints(&self.st) {
                 Ok(f) => Some(f),

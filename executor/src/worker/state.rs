@@ -55,18 +55,16 @@ impl State {
 }
 
 /// Fingerprints of everything `st` holds (issue 33, item 2): the dense state with its
-/// optimizer, every replica and every FSEP shard copy ([`fingerprint`]). Costs one copy of the
-/// state to the host and one pass over it (`results/executor/fingerprints.md`).
+/// optimizer, every replica and every FSEP shard copy ([`fingerprint`]; dense and replicas
+/// read in place, shard copies exported). Costs one pass over the state
+/// (`results/executor/fingerprints.md`).
 pub(super) fn fingerprints(st: &State) -> Result<StateChecksums> {
-    let dense = fingerprint::optim_state(&st.opt.export()?);
+    let dense = st.opt.fingerprint()?;
     let replicas = st
         .store
         .replicas()
         .into_iter()
-        .map(|(l, e)| {
-            let s = st.store.export(l, e)?;
-            Ok((l as u32, e as u32, fingerprint::expert_state(&s)))
-        })
+        .map(|(l, e)| Ok((l as u32, e as u32, st.store.fingerprint(l, e)?)))
         .collect::<Result<Vec<_>>>()?;
     let shards = match &st.shards {
         None => Vec::new(),
