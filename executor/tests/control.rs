@@ -344,6 +344,48 @@ async fn rejections_over_tcp_leave_the_controller_serving() {
     server.shutdown().await;
 }
 
+/// Issue 33 item 6.1: `--slots 18446744073709551615` made the planner panic ("capacity
+/// overflow") inside a connection task, which the server dropped unseen: the job never moved
+/// and `lzrun local` never exited. A panic in a connection task now ends the server as a panic
+/// of its own (its runner restarts it or fails the job), within a tick.
+#[tokio::test(start_paused = true)]
+async fn a_panic_while_serving_a_connection_ends_the_server_instead_of_hanging_it() {
+    let mut p = params(2);
+    // Passes the job's validation, panics in the planner's placement (MRO grid rows).
+    p.rules.slots_per_node = usize::MAX;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (tx, _notices) = mpsc::unbounded_channel();
+    let (_stop, stop_rx) = watch::channel(false);
+    // Ticks 10 s apart: no tick of the server's own task plans (and panics) meanwhile.
+    let server = ServerConfig::new(10_000, 1_000);
+    let task = tokio::spawn(run_job(listener, server, p, tx, stop_rx, |_| {}));
+    let (mut a, ida) = register(&addr, "a").await;
+    let (mut b, idb) = register(&addr, "b").await;
+    for (conn, id, port) in [(&mut a, ida, 7001), (&mut b, idb, 7002)] {
+        let line = format!("{{\"Ready\":{{\"addr\":\"127.0.0.1:{port}\"}}}}");
+        let msg = ToController::Worker {
+            node_id: id,
+            seq: 1,
+            line,
+        };
+        let _ = proto::send(conn, &msg).await;
+    }
+    let sent = Instant::now();
+    let ended = tokio::time::timeout(WAIT, task)
+        .await
+        .expect("the server hung after a panic in a connection task");
+    let e = ended.expect_err("the server must end as a panic, not report success");
+    assert!(e.is_panic(), "{e}");
+    // At once: not when a later tick (a heartbeat timeout, 1 s) happens to plan again in the
+    // server's own task.
+    assert!(
+        sent.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        sent.elapsed()
+    );
+}
+
 /// A registered node that never heartbeats is declared gone one heartbeat timeout later and
 /// fenced: it is told so and its next heartbeat is refused.
 #[tokio::test(start_paused = true)]

@@ -154,6 +154,11 @@ impl JobHandle {
     pub fn rank_of(&self, name: &str) -> Option<usize> {
         self.ctx.with(|c, _, _| c.rank_of(name))
     }
+
+    /// The loss of step 0, also when a controller before a fail-over counted it.
+    pub fn initial_loss(&self) -> Option<f64> {
+        self.ctx.with(|c, _, _| c.initial_loss())
+    }
 }
 
 /// Runs the job controller on `listener` until the job is over or `shutdown` turns `true`
@@ -227,7 +232,19 @@ pub async fn serve_controller(
                 }
                 Err(_) => tokio::time::sleep(ACCEPT_BACKOFF).await,
             },
-            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            Some(done) = conns.join_next(), if !conns.is_empty() => {
+                // A connection task panicked while it held the controller (a planner bug, or
+                // a job it cannot plan): the controller's state is suspect and the node it
+                // served hangs. Crash this task as if the panic were its own, so whoever runs
+                // the job sees it (`lzrun local` restarts the controller from its saved state,
+                // a few times at most, then exits 2) instead of serving a job that never moves.
+                if let Err(e) = done
+                    && e.is_panic()
+                {
+                    conns.abort_all();
+                    std::panic::resume_unwind(e.into_panic());
+                }
+            }
         }
     }
     // Tell every connected agent to stop, then give the connections a moment to drain.

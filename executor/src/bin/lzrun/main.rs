@@ -7,6 +7,7 @@
 
 mod agent;
 mod args;
+mod bounds;
 mod calibrate;
 mod config;
 mod controller;
@@ -145,11 +146,12 @@ fn main() -> ExitCode {
             };
         }
     };
+    // Every numeric flag within its bounds before anything starts (see `bounds`).
     let res = match cli.cmd {
-        Cmd::Local(a) => local::local(a),
-        Cmd::Controller(a) => controller::controller(a),
-        Cmd::Agent(a) => agent::agent(a),
-        Cmd::Worker(a) => worker::worker(a),
+        Cmd::Local(a) => bounds::check_local(&a).and_then(|()| local::local(a)),
+        Cmd::Controller(a) => bounds::check_controller(&a).and_then(|()| controller::controller(a)),
+        Cmd::Agent(a) => bounds::check_agent(&a).and_then(|()| agent::agent(a)),
+        Cmd::Worker(a) => bounds::check_worker(&a).and_then(|()| worker::worker(a)),
         Cmd::Calibrate(a) => calibrate::calibrate(a),
     };
     match res {
