@@ -1619,6 +1619,47 @@ fn a_second_job_on_a_checkpoint_directory_exits_2_naming_the_first() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Issue 33 item 6.6: under a file-size limit (`ulimit -f`) the workers died of SIGXFSZ while
+/// writing checkpoint parts, and the cascade left the job waiting forever. lzrun ignores
+/// SIGXFSZ, so the write fails with EFBIG: a failed checkpoint, and training goes on.
+#[test]
+fn a_file_size_limit_fails_the_checkpoints_not_the_nodes() {
+    use std::os::unix::process::CommandExt;
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("fsize");
+    let mut cmd = Command::new(LZRUN);
+    cmd.env("TMPDIR", &dir).args([
+        "local",
+        "--steps",
+        "6",
+        "--ckpt-every",
+        "2",
+        "--timeout-ms",
+        "3000",
+    ]);
+    // 64 KiB: the job state (a few KB) fits, the dense part of a checkpoint does not.
+    // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 64 << 10,
+                rlim_max: 64 << 10,
+            };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let o = run_within(&mut cmd, Duration::from_secs(120));
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    assert!(o.stdout.contains(" iteration        6/"), "{}", o.show());
+    assert!(o.stdout.contains("checkpoint of step"), "{}", o.show());
+    assert!(o.stdout.contains("failed"), "{}", o.show());
+    assert!(!o.stdout.contains("fenced"), "{}", o.show());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Entries of `dir` whose name starts with `prefix`.
 fn entries_starting(dir: &Path, prefix: &str) -> Vec<String> {
     std::fs::read_dir(dir)

@@ -125,6 +125,14 @@ fn help_hint() -> String {
 }
 
 fn main() -> ExitCode {
+    // Under a file-size limit (`ulimit -f`) a write past it raises SIGXFSZ, whose default
+    // action kills the process: a worker writing a checkpoint part died, its node was lost and
+    // the cascade left the job waiting. Ignored (and inherited by the agents and workers this
+    // process starts), the write fails with EFBIG instead: a failed checkpoint, not a dead node.
+    // SAFETY: setting a signal's disposition to SIG_IGN before any thread exists.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
