@@ -2032,6 +2032,10 @@ fn a_sigkilled_controller_is_replaced_by_recover_and_the_run_completes_in_place(
     assert!(after.contains(&format!("listening on {addr}")), "{after}");
     assert!(after.contains(" iteration       40/"), "{after}");
     assert!(after.contains("done: 40 steps"), "{after}");
+    // Issue 33 item 6.9: the loss of step 0, counted by the dead controller, survives (it
+    // printed "loss NaN → …").
+    assert!(after.contains("done: 40 steps, loss "), "{after}");
+    assert!(!after.contains("NaN"), "{after}");
     assert!(!after.contains("restoring"), "{after}");
     assert!(!after.contains("\"reconfiguration\""), "{after}");
     for agent in agents {
