@@ -158,6 +158,17 @@ pub enum CheckpointError {
         index: usize,
         value: f32,
     },
+    #[error(
+        "part {part}: {what}: {field}[{index}] is {value}, but a checkpoint never holds a \
+         non-finite value (damaged, or written by a faulty writer): refusing to restore it"
+    )]
+    NonFiniteStored {
+        part: String,
+        what: String,
+        field: String,
+        index: usize,
+        value: f32,
+    },
     #[error("no staging directory {} for step {step} (no part was written)", dir.display())]
     NoStaging { dir: PathBuf, step: u64 },
     #[error("{} is the current checkpoint and has a different manifest", dir.display())]
@@ -805,6 +816,41 @@ fn verify_dir(dir: &Path, config: Option<&MoeConfig>) -> Result<Manifest, Checkp
     Ok(m)
 }
 
+/// [`verify_dir`] for a checkpoint about to be restored: every part is also read whole,
+/// decoded and checked to hold finite values only. Checksums cannot catch a NaN the writer put
+/// there (they were computed over it); restored, it brings the divergence back and the job
+/// blames the learning rate. Each part is read once (size, checksum and contents).
+fn verify_dir_for_load(dir: &Path, config: &MoeConfig) -> Result<Manifest, CheckpointError> {
+    let m = read_manifest(dir)?;
+    check_manifest(dir, &m)?;
+    check_config(dir, &m.config, config)?;
+    for p in &m.parts {
+        let bytes = read_part(dir, p)?;
+        let what = dir.join(&p.name).display().to_string();
+        let finite = if p.name == dense_part() {
+            check_dense_finite(&decode_dense_as(&what, &bytes)?)
+        } else {
+            check_expert_finite(&decode_expert_as(&what, &bytes)?)
+        };
+        finite.map_err(|e| match e {
+            CheckpointError::NonFinite {
+                what,
+                field,
+                index,
+                value,
+            } => CheckpointError::NonFiniteStored {
+                part: p.name.clone(),
+                what,
+                field,
+                index,
+                value,
+            },
+            other => other,
+        })?;
+    }
+    Ok(m)
+}
+
 /// The step `latest` names; `Ok(None)` when there is no pointer (a fresh root, or a crash
 /// before the first pointer was written).
 fn read_pointer(root: &Path) -> Result<Option<u64>, CheckpointError> {
@@ -1173,7 +1219,8 @@ pub struct Loaded {
 
 /// The newest valid checkpoint under `root`: the one `latest` names if it verifies, otherwise
 /// the other committed directories, newest step first. Each rejected candidate (and a broken
-/// pointer) is reported in [`Loaded::rejected`]. `config` must equal the manifest's. Staging
+/// pointer) is reported in [`Loaded::rejected`]: a damaged part, or one holding a NaN or an
+/// infinity ([`CheckpointError::NonFiniteStored`]). `config` must equal the manifest's. Staging
 /// directories are never considered.
 pub fn load_latest(root: &Path, config: &MoeConfig) -> Result<Loaded, CheckpointError> {
     let mut rejected = Vec::new();
@@ -1182,7 +1229,7 @@ pub fn load_latest(root: &Path, config: &MoeConfig) -> Result<Loaded, Checkpoint
         Ok(Some(step)) => {
             let dir = root.join(step_dir_name(step));
             if dir.is_dir() {
-                match verify_dir(&dir, Some(config)) {
+                match verify_dir_for_load(&dir, config) {
                     Ok(manifest) => {
                         return Ok(Loaded {
                             dir,
@@ -1207,7 +1254,7 @@ pub fn load_latest(root: &Path, config: &MoeConfig) -> Result<Loaded, Checkpoint
         if tried.as_ref() == Some(&dir) {
             continue;
         }
-        match verify_dir(&dir, Some(config)) {
+        match verify_dir_for_load(&dir, config) {
             Ok(manifest) => {
                 return Ok(Loaded {
                     dir,

@@ -505,12 +505,14 @@ fn step_of(t_ms: u64, ms_per_step: f64) -> u64 {
 
 /// Builds the schedule of `--fault-trace FILE --time-scale X` from a loaded trace; see the
 /// [module docs](self) for the semantics. `time_scale_s_per_step` is `X` (trace seconds per
-/// training step); `max_nodes` fits the trace with [`FitMode::Clamp`] first.
+/// training step); `max_nodes` fits the trace with `map` first (`--map`, see [`FitMode`]; it
+/// always clamped before, while `lzsim replay` tracks by default).
 pub fn schedule_from_trace(
     trace: &Trace,
     time_scale_s_per_step: f64,
     steps: u64,
     max_nodes: Option<usize>,
+    map: FitMode,
 ) -> Result<FaultSchedule, FaultError> {
     let x = time_scale_s_per_step;
     if !(x.is_finite() && x > 0.0) {
@@ -520,7 +522,7 @@ pub fn schedule_from_trace(
     let trace = match max_nodes {
         Some(0) => return Err(FaultError::ZeroMaxNodes),
         Some(m) => {
-            fitted = trace.fit(m, FitMode::Clamp);
+            fitted = trace.fit(m, map);
             &fitted
         }
         None => trace,
@@ -980,33 +982,33 @@ mod tests {
     #[test]
     fn trace_schedule() {
         let trace = parse(SMALL, TraceFormat::BambooCsv).unwrap();
-        let s = schedule_from_trace(&trace, 30.0, 10, None).unwrap();
+        let s = schedule_from_trace(&trace, 30.0, 10, None, FitMode::Clamp).unwrap();
         assert_eq!(s.initial_nodes, 3);
         assert_eq!(s.initial_names, ["a", "b", "c"]);
         assert_eq!(s.events, [kill_name(2, "b"), join(4, Some("d"))]);
         assert_eq!((s.kills(), s.joins(), s.dropped_after_end), (1, 1, 0));
 
         // a coarser scale puts both at step 0 (in trace order); a finer one past the end
-        let s = schedule_from_trace(&trace, 1000.0, 10, None).unwrap();
+        let s = schedule_from_trace(&trace, 1000.0, 10, None, FitMode::Clamp).unwrap();
         assert_eq!(s.events, [kill_name(0, "b"), join(0, Some("d"))]);
-        let s = schedule_from_trace(&trace, 20.0, 6, None).unwrap(); // steps 3 and 6
+        let s = schedule_from_trace(&trace, 20.0, 6, None, FitMode::Clamp).unwrap(); // steps 3 and 6
         assert_eq!(s.events, [kill_name(3, "b")]);
         assert_eq!(s.dropped_after_end, 1);
         // step 4 is the last step of a 5-step run: dropped
-        let s = schedule_from_trace(&trace, 30.0, 5, None).unwrap();
+        let s = schedule_from_trace(&trace, 30.0, 5, None, FitMode::Clamp).unwrap();
         assert_eq!((s.len(), s.dropped_after_end), (1, 1));
-        let s = schedule_from_trace(&trace, 30.0, 0, None).unwrap();
+        let s = schedule_from_trace(&trace, 30.0, 0, None, FitMode::Clamp).unwrap();
         assert_eq!((s.len(), s.dropped_after_end), (0, 2));
 
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
             assert!(matches!(
-                schedule_from_trace(&trace, bad, 10, None),
+                schedule_from_trace(&trace, bad, 10, None, FitMode::Clamp),
                 Err(FaultError::BadTimeScale(_))
             ));
         }
         // floating-point: 3000 ms at 0.3 s/step is step 10, not 9
         let t = parse("0,add,a\n0,add,b\n3000,remove,a\n", TraceFormat::BambooCsv).unwrap();
-        let s = schedule_from_trace(&t, 0.3, 100, None).unwrap();
+        let s = schedule_from_trace(&t, 0.3, 100, None, FitMode::Clamp).unwrap();
         assert_eq!(s.events, [kill_name(10, "a")]);
     }
 
@@ -1015,7 +1017,7 @@ mod tests {
         let csv = "0,add,x\n0,add,y\n0,remove,x\n0,add,z\n\
                    10000,remove,y\n10000,add,w\n25000,add,y\n25000,remove,z\n";
         let trace = parse(csv, TraceFormat::BambooCsv).unwrap();
-        let s = schedule_from_trace(&trace, 10.0, 100, None).unwrap();
+        let s = schedule_from_trace(&trace, 10.0, 100, None, FitMode::Clamp).unwrap();
         // x was added and removed within the t=0 batch: not an initial node
         assert_eq!(s.initial_names, ["y", "z"]);
         assert_eq!(
@@ -1032,7 +1034,7 @@ mod tests {
     #[test]
     fn trace_without_initial_nodes() {
         let trace = parse("5000,add,a\n9000,add,b\n", TraceFormat::BambooCsv).unwrap();
-        let err = schedule_from_trace(&trace, 1.0, 100, None).unwrap_err();
+        let err = schedule_from_trace(&trace, 1.0, 100, None, FitMode::Clamp).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -1049,7 +1051,7 @@ mod tests {
         assert!(err.to_string().contains("--window 5s..10s"), "{err}");
         let small = parse(SMALL, TraceFormat::BambooCsv).unwrap();
         assert!(matches!(
-            schedule_from_trace(&small, 1.0, 100, Some(0)),
+            schedule_from_trace(&small, 1.0, 100, Some(0), FitMode::Clamp),
             Err(FaultError::ZeroMaxNodes)
         ));
     }
@@ -1057,14 +1059,19 @@ mod tests {
     #[test]
     fn trace_fitted_to_max_nodes() {
         let trace = parse(SMALL, TraceFormat::BambooCsv).unwrap();
-        let s = schedule_from_trace(&trace, 30.0, 10, Some(2)).unwrap();
+        let s = schedule_from_trace(&trace, 30.0, 10, Some(2), FitMode::Clamp).unwrap();
         // clamp: c waits, replaces b when b is removed; d waits forever
         assert_eq!(s.initial_names, ["a", "b"]);
         assert_eq!(s.events, [join(2, Some("c")), kill_name(2, "b")]);
+        // track (lzsim replay's default): a and b are the cluster, c never gets a slot; b's
+        // slot goes to d, the next node added after b left
+        let t = schedule_from_trace(&trace, 30.0, 10, Some(2), FitMode::Track).unwrap();
+        assert_eq!(t.initial_names, ["a", "b"]);
+        assert_eq!(t.events, [kill_name(2, "b"), join(4, Some("d"))]);
         // fits already: unchanged
         assert_eq!(
-            schedule_from_trace(&trace, 30.0, 10, Some(3)).unwrap(),
-            schedule_from_trace(&trace, 30.0, 10, None).unwrap()
+            schedule_from_trace(&trace, 30.0, 10, Some(3), FitMode::Clamp).unwrap(),
+            schedule_from_trace(&trace, 30.0, 10, None, FitMode::Clamp).unwrap()
         );
     }
 
@@ -1200,7 +1207,7 @@ mod tests {
     #[test]
     fn schedule_serde_round_trip() {
         let trace = parse(SMALL, TraceFormat::BambooCsv).unwrap();
-        let s = schedule_from_trace(&trace, 30.0, 10, None).unwrap();
+        let s = schedule_from_trace(&trace, 30.0, 10, None, FitMode::Clamp).unwrap();
         let json = serde_json::to_string(&s).unwrap();
         assert_eq!(serde_json::from_str::<FaultSchedule>(&json).unwrap(), s);
     }
@@ -1211,7 +1218,7 @@ mod tests {
             return;
         };
         let trace = lazarus_traces::load(&path).unwrap();
-        let s = schedule_from_trace(&trace, 60.0, 100, Some(8)).unwrap();
+        let s = schedule_from_trace(&trace, 60.0, 100, Some(8), FitMode::Clamp).unwrap();
         assert!((1..=8).contains(&s.initial_nodes));
         assert_eq!(s.initial_names.len(), s.initial_nodes);
         assert!(s.events.iter().all(|e| e.after_step < 99));

@@ -168,6 +168,10 @@ pub struct RecoveryRecord {
     pub total_ms: f64,
     /// Plan version training resumed with.
     pub plan_version: u64,
+    /// Nodes that became members for the first time (joined) with this reconfiguration,
+    /// whatever its kind: a join may ride on a failure's replan or on a checkpoint restore.
+    #[serde(default)]
+    pub joined: usize,
 }
 
 /// `summary.json`.
@@ -186,10 +190,18 @@ pub struct Summary {
     pub recoveries: usize,
     /// Checkpoint restores.
     pub fallbacks: usize,
-    /// Joins.
+    /// Nodes that joined the job after it started (with any kind of reconfiguration; see
+    /// [`RecoveryRecord::joined`]).
     pub joins: usize,
-    /// Rebalances.
+    /// Times the expert layout changed without a membership change: blocking rebalances (a
+    /// `rebalance` reconfiguration: pause, replan, migrate) plus layout switches made while
+    /// training (`--migration async` replica copies, `--relayout laer`), which are no
+    /// reconfiguration and were not counted before. A switch is seen as a plan version the
+    /// steps trained on that no reconfiguration started.
     pub rebalances: usize,
+    /// The layout switches made while training, of `rebalances`.
+    #[serde(default)]
+    pub layout_switches: usize,
     /// `total_ms` of every in-place recovery, in order.
     pub recovery_ms: Vec<f64>,
     /// Every reconfiguration, in order.
@@ -220,6 +232,7 @@ pub fn summarize(
     git_commit: String,
 ) -> Summary {
     let count = |kind: &str| reconfigs.iter().filter(|r| r.kind == kind).count();
+    let switches = layout_switches(records, reconfigs);
     let tokens: u64 = records.iter().map(|r| r.tokens).sum();
     let last = records.last();
     Summary {
@@ -228,8 +241,9 @@ pub fn summarize(
         final_loss: last.map_or(f64::NAN, |r| r.loss),
         recoveries: count(KIND_IN_PLACE),
         fallbacks: count(KIND_CHECKPOINT),
-        joins: count(KIND_JOIN),
-        rebalances: count(KIND_REBALANCE),
+        joins: reconfigs.iter().map(|r| r.joined).sum(),
+        rebalances: count(KIND_REBALANCE) + switches,
+        layout_switches: switches,
         recovery_ms: reconfigs
             .iter()
             .filter(|r| r.kind == KIND_IN_PLACE)
@@ -253,6 +267,23 @@ pub fn summarize(
         seed,
         git_commit,
     }
+}
+
+/// Layout switches made while training: plan versions the steps trained on that no
+/// reconfiguration record started (a switch changes the plan version within an epoch, without
+/// a reconfiguration). The first record's version is not one (the run may have started on a
+/// plan whose record another controller reported).
+fn layout_switches(records: &[StepRecord], reconfigs: &[RecoveryRecord]) -> usize {
+    let started: std::collections::BTreeSet<u64> =
+        reconfigs.iter().map(|r| r.plan_version).collect();
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(first) = records.first() {
+        seen.insert(first.plan_version);
+    }
+    records
+        .iter()
+        .filter(|r| !started.contains(&r.plan_version) && seen.insert(r.plan_version))
+        .count()
 }
 
 /// One row of `timeseries.csv`: the columns of the simulator's `Sample`, in its order.
@@ -630,7 +661,48 @@ mod tests {
             resume_ms: 4.0,
             total_ms,
             plan_version: 2,
+            joined: usize::from(kind == KIND_JOIN),
         }
+    }
+
+    /// Issue 33 item 6.7: `rebalances 0` while the log showed layout switches made while
+    /// training (async migration, LAER), and `0 joins` when nodes joined with a failure's
+    /// replan. Switches are plan versions the steps trained on that no reconfiguration started;
+    /// joins are the nodes each reconfiguration made members for the first time.
+    #[test]
+    fn every_counter_counts_what_happened() {
+        let version = |step: u64, v: u64| StepRecord {
+            plan_version: v,
+            ..rec(step, step as f64, 4.0)
+        };
+        // v1 from the start; v2 a layout switch while training (no record); v3 an in-place
+        // replan that also took in 2 newcomers; v4 a switch; v5 a blocking rebalance.
+        let records = vec![
+            version(0, 1),
+            version(1, 2),
+            version(2, 2),
+            version(3, 3),
+            version(4, 4),
+            version(5, 4),
+            version(6, 5),
+        ];
+        let mut start = rc("start", 0, 0, 0.0);
+        start.plan_version = 1;
+        let mut failure = rc(KIND_IN_PLACE, 3, 3, 10.0);
+        failure.plan_version = 3;
+        failure.joined = 2;
+        let mut rebalance = rc(KIND_REBALANCE, 6, 6, 10.0);
+        rebalance.plan_version = 5;
+        let s = summarize(
+            &records,
+            &[start, failure, rebalance],
+            1.0,
+            serde_json::Value::Null,
+            0,
+            String::new(),
+        );
+        assert_eq!((s.recoveries, s.joins), (1, 2));
+        assert_eq!((s.rebalances, s.layout_switches), (3, 2));
     }
 
     /// Steps 0..=3, a failure after step 3 that redoes step 3 in place (at_step 4, resume 3), then 4; a join before step 5; step 5.

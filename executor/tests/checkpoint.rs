@@ -412,6 +412,59 @@ fn falls_back(name: &str, damage: impl FnOnce(&Path), reason: &[&str]) {
     assert_dense_eq(&loaded.dense().expect("dense"), &dense_state(10));
 }
 
+/// Commits 10, then 20 with the payload of part `bad` replaced by `payload` (its size and
+/// checksum in the manifest are right), and loads.
+fn load_with_part(name: &str, bad: &str, payload: Vec<u8>) -> (Loaded, PathBuf) {
+    let root = temp_root(name);
+    let cfg = cfg();
+    save(&root, &cfg, 10, 3);
+    let mut data = payloads(&cfg, 20);
+    data.insert(bad.to_owned(), payload);
+    let replicas = plan(2);
+    let mut infos = Vec::new();
+    for rank in 0..2 {
+        for name in parts_of(&replicas, rank) {
+            infos.push(write_part(&root, 20, &name, &data[&name]).expect("write part"));
+        }
+    }
+    let all = all_parts(cfg.n_layers, cfg.experts);
+    let newest = commit(&root, manifest(&cfg, 20, infos), &all, 3).expect("commit");
+    (load(&root), newest)
+}
+
+/// Issue 33 item 6.5: a checkpoint holding a NaN with valid checksums was restored, and the job
+/// then failed blaming the learning rate. Loading decodes every part and refuses a non-finite
+/// value, naming the part and the tensor, so it falls back to an older checkpoint like any
+/// other rejected one.
+#[test]
+fn a_non_finite_value_with_valid_checksums_is_refused_naming_the_tensor() {
+    let cfg = cfg();
+    let mut expert = expert_state(&cfg, 20, 1, 2);
+    expert.w2[5] = f32::NAN;
+    let (loaded, newest) = load_with_part("nan-expert", &expert_part(1, 2), encode_expert(&expert));
+    assert_eq!(loaded.manifest.step, 10, "{:?}", loaded.rejected);
+    assert_eq!(loaded.rejected.len(), 1, "{:?}", loaded.rejected);
+    let (path, why) = &loaded.rejected[0];
+    assert_eq!(path, &newest);
+    for want in [
+        "expert-l001-e0002.bin",
+        "expert 2 of layer 1",
+        "w2[5] is NaN",
+        "non-finite",
+    ] {
+        assert!(why.contains(want), "{why:?} lacks {want:?}");
+    }
+    let mut dense = dense_state(20);
+    dense.params[1].v[3] = f32::INFINITY;
+    let (loaded, _) = load_with_part("inf-dense", dense_part(), encode_dense(&dense));
+    assert_eq!(loaded.manifest.step, 10, "{:?}", loaded.rejected);
+    let (_, why) = &loaded.rejected[0];
+    for want in ["dense.bin", "h.0.attn.w.v[3] is inf"] {
+        assert!(why.contains(want), "{why:?} lacks {want:?}");
+    }
+    assert_dense_eq(&loaded.dense().expect("dense"), &dense_state(10));
+}
+
 #[test]
 fn flipped_byte_falls_back_to_older() {
     falls_back(

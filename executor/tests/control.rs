@@ -345,6 +345,48 @@ async fn rejections_over_tcp_leave_the_controller_serving() {
     server.shutdown().await;
 }
 
+/// Issue 33 item 6.1: `--slots 18446744073709551615` made the planner panic ("capacity
+/// overflow") inside a connection task, which the server dropped unseen: the job never moved
+/// and `lzrun local` never exited. A panic in a connection task now ends the server as a panic
+/// of its own (its runner restarts it or fails the job), within a tick.
+#[tokio::test(start_paused = true)]
+async fn a_panic_while_serving_a_connection_ends_the_server_instead_of_hanging_it() {
+    let mut p = params(2);
+    // Passes the job's validation, panics in the planner's placement (MRO grid rows).
+    p.rules.slots_per_node = usize::MAX;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (tx, _notices) = mpsc::unbounded_channel();
+    let (_stop, stop_rx) = watch::channel(false);
+    // Ticks 10 s apart: no tick of the server's own task plans (and panics) meanwhile.
+    let server = ServerConfig::new(10_000, 1_000);
+    let task = tokio::spawn(run_job(listener, server, p, tx, stop_rx, |_| {}));
+    let (mut a, ida) = register(&addr, "a").await;
+    let (mut b, idb) = register(&addr, "b").await;
+    for (conn, id, port) in [(&mut a, ida, 7001), (&mut b, idb, 7002)] {
+        let line = format!("{{\"Ready\":{{\"addr\":\"127.0.0.1:{port}\"}}}}");
+        let msg = ToController::Worker {
+            node_id: id,
+            seq: 1,
+            line,
+        };
+        let _ = proto::send(conn, &msg).await;
+    }
+    let sent = Instant::now();
+    let ended = tokio::time::timeout(WAIT, task)
+        .await
+        .expect("the server hung after a panic in a connection task");
+    let e = ended.expect_err("the server must end as a panic, not report success");
+    assert!(e.is_panic(), "{e}");
+    // At once: not when a later tick (a heartbeat timeout, 1 s) happens to plan again in the
+    // server's own task.
+    assert!(
+        sent.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        sent.elapsed()
+    );
+}
+
 /// A registered node that never heartbeats is declared gone one heartbeat timeout later and
 /// fenced: it is told so and its next heartbeat is refused.
 #[tokio::test(start_paused = true)]
@@ -533,6 +575,79 @@ async fn connections_over_the_limits_are_closed_at_once() {
     tokio::time::sleep(Duration::from_millis(10)).await;
     let (_c, _) = register(&addr, "c").await;
     server.shutdown().await;
+}
+
+/// Issue 33 item 6.4: 70 idle connections reopened every 2 s held all 64 unregistered slots,
+/// and real agents were refused (and gave up at once). One address now holds at most
+/// `max_pending_per_addr` of them: a flood from 127.0.0.2 leaves room for an agent on
+/// 127.0.0.1.
+#[tokio::test(start_paused = true)]
+async fn a_flood_of_idle_connections_from_one_address_does_not_lock_out_the_others() {
+    let server = start(params(2)).await;
+    let addr: std::net::SocketAddr = server.addr.parse().unwrap();
+    let mut flood = Vec::new();
+    for _ in 0..70 {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        flood.push(sock.connect(addr).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let open = {
+        let mut n = 0;
+        for s in &mut flood {
+            if !closed_within(s, Duration::from_millis(10)).await {
+                n += 1;
+            }
+        }
+        n
+    };
+    assert_eq!(open, ServerConfig::DEFAULT_MAX_PENDING_PER_ADDR);
+    let (_agent, _) = register(&server.addr, "real").await;
+    drop(flood);
+    server.shutdown().await;
+}
+
+/// Issue 33 item 6.4: an agent refused or unanswered gave up at once ("cannot connect", exit 2)
+/// although its --register-timeout-ms had time left. It now tries again with back-off until
+/// the time is up: here the controller starts listening 300 ms after the agent tried first.
+#[tokio::test(start_paused = true)]
+async fn an_agent_keeps_trying_to_register_until_its_timeout() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let (stop, stop_rx) = watch::channel(false);
+    let late = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let listener = TcpListener::bind(("127.0.0.1", port)).await.unwrap();
+        let (tx, _notices) = mpsc::unbounded_channel();
+        run_job(listener, server_config(), params(2), tx, stop_rx, |_| {})
+            .await
+            .unwrap();
+    });
+    let mut cfg = AgentConfig::new(&addr, TOKEN, "patient", 1);
+    cfg.register_timeout_ms = 5_000;
+    let t0 = Instant::now();
+    let agent = Agent::register(&cfg)
+        .await
+        .expect("registered once it listened");
+    assert!(t0.elapsed() >= Duration::from_millis(300));
+    drop(agent);
+    // With nothing listening for its whole timeout, the last failure is the error, on time.
+    let mut cfg = AgentConfig::new("127.0.0.1:1", TOKEN, "alone", 1);
+    cfg.register_timeout_ms = 2_000;
+    let t0 = Instant::now();
+    let err = Agent::register(&cfg).await.unwrap_err();
+    assert!(matches!(err, AgentError::Connect { .. }), "{err}");
+    assert!(
+        t0.elapsed() <= Duration::from_millis(2_000),
+        "{:?}",
+        t0.elapsed()
+    );
+    stop.send(true).unwrap();
+    late.await.unwrap();
 }
 
 /// A slow sender cannot hold an unregistered slot: the whole first frame must arrive within

@@ -464,6 +464,9 @@ fn a_p3_spot_trace_run_has_no_loss_spike_and_consistent_replicas() {
         trace.to_str().unwrap(),
         "--nodes",
         "8",
+        // The mapping this test was written with (before --map, lzrun always clamped).
+        "--map",
+        "clamp",
         "--steps",
         "100",
         "--time-scale",
@@ -602,6 +605,118 @@ fn bad_input_exits_2_with_a_clear_error() {
         &lzrun(&["local", "--fault-trace", trace.to_str().unwrap()]),
         "line 3",
     );
+    // Issue 33 item 6.8: `--map` with lzsim's parser (and only with a trace).
+    let t = trace.to_str().unwrap();
+    let o = lzrun(&["local", "--fault-trace", t, "--map", "squash"]);
+    assert_error(
+        &o,
+        "invalid fit mode 'squash' (expected 'clamp', 'track' or 'scale')",
+    );
+    assert_error(&lzrun(&["local", "--map", "clamp"]), "--fault-trace");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 33 item 6.1: `lzrun local --slots 18446744073709551615` (or `--fault-tolerance`)
+/// panicked in the planner inside the controller and `lzrun local` never exited; other flags
+/// sized vectors or were added to clocks. Every numeric flag of every subcommand now has a
+/// bound: an absurd value is one line naming the flag and the bound, exit 2, at once.
+#[test]
+fn absurd_numbers_in_any_flag_exit_2_at_once_naming_the_flag_and_its_bound() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    const HUGE: &str = "18446744073709551615";
+    let dir = scratch("absurd");
+    let profile = dir.join("p.toml");
+    let profile = profile.to_str().unwrap();
+    let job_flags = [
+        "--steps",
+        "--fault-tolerance",
+        "--slots",
+        "--ckpt-every",
+        "--ckpt-keep",
+        "--max-ckpt-failures",
+        "--max-nonfinite-steps",
+        "--rebalance-every",
+        "--relayout-warmup",
+        "--shard-copies",
+        "--timeout-ms",
+        "--step-timeout-max-ms",
+        "--heartbeat-timeout-ms",
+        "--wait-for-nodes-ms",
+    ];
+    let mut cases: Vec<(Vec<&str>, &str)> = Vec::new();
+    for flag in job_flags.iter().chain(&[
+        "--nodes",
+        "--controller-down-ms",
+        "--gpus-per-node",
+        "--storm",
+    ]) {
+        cases.push((vec!["local"], flag));
+    }
+    cases.push((vec!["local", "--storm", "1"], "--storm-min-live"));
+    for flag in job_flags.iter().chain(&["--nodes"]) {
+        cases.push((vec!["controller", "--token", "t"], flag));
+    }
+    for flag in [
+        "--heartbeat-ms",
+        "--register-timeout-ms",
+        "--reconnect-grace-ms",
+        "--gpus-per-node",
+    ] {
+        cases.push((
+            vec!["agent", "--controller", "127.0.0.1:1", "--token", "t"],
+            flag,
+        ));
+    }
+    let peers = ["worker", "--peers", "127.0.0.1:1,127.0.0.1:2"];
+    cases.push((
+        peers.iter().chain(&["--world", "2"]).copied().collect(),
+        "--rank",
+    ));
+    cases.push((
+        peers.iter().chain(&["--rank", "0"]).copied().collect(),
+        "--world",
+    ));
+    cases.push((vec!["worker", "--managed"], "--timeout-ms"));
+    cases.push((vec!["worker", "--managed"], "--steps"));
+    cases.push((vec!["calibrate", "--out", profile], "--steps"));
+    cases.push((vec!["calibrate", "--out", profile], "--nodes"));
+    for (args, flag) in &cases {
+        let t = Instant::now();
+        let o = run_within(
+            Command::new(LZRUN).args(args).args([flag, HUGE]),
+            Duration::from_secs(60),
+        );
+        let line = format!("{} {flag} {HUGE}", args.join(" "));
+        assert_eq!(o.code, Some(2), "{line}\n{}", o.show());
+        assert!(!o.stderr.contains("panicked"), "{line}\n{}", o.show());
+        assert_eq!(o.stderr.lines().count(), 1, "{line}\n{}", o.show());
+        assert!(
+            o.stderr
+                .contains(&format!("error: {flag} {HUGE} is out of range")),
+            "{line}\n{}",
+            o.show()
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{line} took {:?}",
+            t.elapsed()
+        );
+    }
+    drop(_serial);
+    // Bounds that depend on the model or on other flags name them.
+    assert_error(&lzrun(&["local", "--slots", "5"]), "between 1 and 4");
+    assert_error(
+        &lzrun(&["local", "--router-skew", "1e300"]),
+        "--router-skew",
+    );
+    let o = lzrun(&[
+        "local", "--steps", "5", "--storm", "1000000", "--nodes", "3",
+    ]);
+    assert_error(
+        &o,
+        "--storm 1000000 is out of range: it must be between 0 and 3",
+    );
+    assert!(!profile.is_empty() && !Path::new(profile).exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -664,6 +779,7 @@ fn help_explains_every_flag() {
         "--kill",
         "--join",
         "--fault-trace",
+        "--map",
         "--time-scale",
         "--steps",
         "--config",
@@ -1469,9 +1585,24 @@ fn a_second_job_on_a_checkpoint_directory_exits_2_naming_the_first() {
     let dir = scratch("ckpt-locked");
     let c = dir.join("ckpt");
     let c = c.to_str().unwrap();
-    let mut first = Live::start(&["local", "--steps", "100000", "--ckpt-dir", c]);
+    let st = dir.join("state");
+    let st = st.to_str().unwrap();
+    let mut first = Live::start(&[
+        "local",
+        "--steps",
+        "100000",
+        "--ckpt-dir",
+        c,
+        "--state-dir",
+        st,
+    ]);
     first.wait_for(" iteration        1/");
     let second = run(Command::new(LZRUN).args(["local", "--steps", "2", "--ckpt-dir", c]));
+    // Issue 33 item 6.9: a locked state directory was called a "checkpoint directory".
+    let other = dir.join("other");
+    let third = run(Command::new(LZRUN)
+        .args(["local", "--steps", "2", "--state-dir", st, "--ckpt-dir"])
+        .arg(&other));
     signal(i32::try_from(first.child.id()).unwrap(), libc::SIGINT);
     let pid = first.child.id();
     let o = first.finish();
@@ -1481,6 +1612,51 @@ fn a_second_job_on_a_checkpoint_directory_exits_2_naming_the_first() {
         "is in use by another job (held by lzrun local, pid ",
     );
     assert_error(&second, &format!("pid {pid} on "));
+    assert_error(
+        &third,
+        &format!("state directory {st} is in use by another job"),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 33 item 6.6: under a file-size limit (`ulimit -f`) the workers died of SIGXFSZ while
+/// writing checkpoint parts, and the cascade left the job waiting forever. lzrun ignores
+/// SIGXFSZ, so the write fails with EFBIG: a failed checkpoint, and training goes on.
+#[test]
+fn a_file_size_limit_fails_the_checkpoints_not_the_nodes() {
+    use std::os::unix::process::CommandExt;
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("fsize");
+    let mut cmd = Command::new(LZRUN);
+    cmd.env("TMPDIR", &dir).args([
+        "local",
+        "--steps",
+        "6",
+        "--ckpt-every",
+        "2",
+        "--timeout-ms",
+        "3000",
+    ]);
+    // 64 KiB: the job state (a few KB) fits, the dense part of a checkpoint does not.
+    // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 64 << 10,
+                rlim_max: 64 << 10,
+            };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let o = run_within(&mut cmd, Duration::from_secs(120));
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    assert!(o.stdout.contains(" iteration        6/"), "{}", o.show());
+    assert!(o.stdout.contains("checkpoint of step"), "{}", o.show());
+    assert!(o.stdout.contains("failed"), "{}", o.show());
+    assert!(!o.stdout.contains("fenced"), "{}", o.show());
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -1570,6 +1746,54 @@ fn sigterm_and_sighup_stop_the_job_like_ctrl_c() {
     stop_with(libc::SIGHUP, "SIGHUP", &args, &dir);
     assert_eq!(entries_starting(&dir, "lzrun-ckpt-"), Vec::<String>::new());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 33 item 6.2: `lzrun local --steps 5 --storm 1000000 --nodes 3` was accepted, started
+/// ~54,000 processes and ignored SIGTERM (it started the scheduled joins in one go between two
+/// polls of the signal). The storm is bounded (see the absurd-numbers test), injections stop at
+/// a stop signal, and a storm run stops within seconds, leaving no process behind. Its first
+/// line counts the faults asked for, not the injections (`--storm 10` said "12 faults").
+#[test]
+fn sigterm_stops_a_storm_within_seconds_and_leaves_no_process() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = scratch("storm-term");
+    let mut live = Live::start_cmd(Command::new(LZRUN).env("TMPDIR", &tmp).args([
+        "local",
+        "--storm",
+        "600",
+        "--storm-seed",
+        "3",
+        "--steps",
+        "602",
+        "--ckpt-every",
+        "2",
+        "--timeout-ms",
+        "2000",
+    ]));
+    let first = live.stdout[0].clone();
+    assert!(first.contains(", 600 faults scheduled ("), "{first}");
+    live.wait_for(" iteration        6/");
+    let env = format!("TMPDIR={}", tmp.display());
+    assert!(!processes_with_env(&env).is_empty());
+    let sent = Instant::now();
+    signal(i32::try_from(live.child.id()).unwrap(), libc::SIGTERM);
+    let o = live.finish();
+    let took = sent.elapsed();
+    assert_eq!(o.code, Some(2), "{}", o.show());
+    assert!(o.stderr.contains("interrupted (SIGTERM)"), "{}", o.show());
+    // The agents get 5 s to stop their workers before they are SIGKILLed.
+    assert!(took < Duration::from_secs(12), "stopped after {took:?}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !processes_with_env(&env).is_empty() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        processes_with_env(&env),
+        Vec::<u32>::new(),
+        "processes left"
+    );
+    eprintln!("measured: SIGTERM to exit of a storm run: {took:?}");
+    let _ = std::fs::remove_dir_all(&tmp);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1808,6 +2032,10 @@ fn a_sigkilled_controller_is_replaced_by_recover_and_the_run_completes_in_place(
     assert!(after.contains(&format!("listening on {addr}")), "{after}");
     assert!(after.contains(" iteration       40/"), "{after}");
     assert!(after.contains("done: 40 steps"), "{after}");
+    // Issue 33 item 6.9: the loss of step 0, counted by the dead controller, survives (it
+    // printed "loss NaN → …").
+    assert!(after.contains("done: 40 steps, loss "), "{after}");
+    assert!(!after.contains("NaN"), "{after}");
     assert!(!after.contains("restoring"), "{after}");
     assert!(!after.contains("\"reconfiguration\""), "{after}");
     for agent in agents {
@@ -1860,6 +2088,34 @@ fn recovering_from_a_missing_or_damaged_state_exits_2_naming_it() {
     signal(i32::try_from(c.child.id()).unwrap(), libc::SIGKILL);
     c.finish();
     let file = state.join("controller-state");
+    // Issue 33 item 6.3: a wrong token was accepted, and every agent that came back was then
+    // refused ("wrong cluster token"), stopped its worker and the job was gone. The state
+    // holds a salted fingerprint of the token (never the token), checked before listening.
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(text.contains("\"token_fingerprint\":\"sha256:"), "{text}");
+    let wrong = run(Command::new(LZRUN)
+        .args(["controller", "--recover"])
+        .arg(&state)
+        .env("LZRUN_TOKEN", "not-t"));
+    assert_error(&wrong, "the token does not match the job saved in");
+    assert_eq!(wrong.stderr.lines().count(), 1, "{}", wrong.show());
+    // A state saved before fingerprints existed takes any token.
+    let old = text.replacen(",\"token_fingerprint\":", ",\"old_fingerprint\":", 1);
+    let (header, json) = old.split_once('\n').unwrap();
+    let fields: Vec<&str> = header.split(' ').collect();
+    let sum = lazarus_executor::checkpoint::fnv64(json.as_bytes());
+    let header = format!("{} {} {} {sum:016x}", fields[0], fields[1], json.len());
+    std::fs::write(&file, format!("{header}\n{json}")).unwrap();
+    let mut c = Printing::start(
+        Command::new(LZRUN)
+            .args(["controller", "--listen", &addr, "--recover"])
+            .arg(&state)
+            .env("LZRUN_TOKEN", "anything"),
+    );
+    c.wait_for("taking back the job");
+    signal(i32::try_from(c.child.id()).unwrap(), libc::SIGKILL);
+    c.finish();
+    std::fs::write(&file, text.as_bytes()).unwrap();
     let bytes = std::fs::read(&file).unwrap();
     std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
     let o = recover();

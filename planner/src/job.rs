@@ -1478,10 +1478,20 @@ impl JobMachine {
                 }
                 let worker_ms = now_ms.saturating_sub(n.worker_seen_ms?);
                 (worker_ms > hb && n.done.is_none()).then(|| {
-                    let why = format!(
-                        "no heartbeat from its worker for {worker_ms} ms (the process is \
-                         stopped, frozen or starved)"
-                    );
+                    // The worker's heartbeats come through its agent: when the agent is silent
+                    // too (far longer than its period), the agent is what stopped.
+                    let why = if agent_ms > hb / 2 {
+                        format!(
+                            "no heartbeat from its agent for {agent_ms} ms nor from its worker \
+                             for {worker_ms} ms (the agent, which relays the worker's, is \
+                             stopped, frozen or cut off)"
+                        )
+                    } else {
+                        format!(
+                            "no heartbeat from its worker for {worker_ms} ms (the process is \
+                             stopped, frozen or starved)"
+                        )
+                    };
                     (id, why)
                 })
             })
@@ -2847,7 +2857,8 @@ impl JobMachine {
             kind.name(),
             self.members.len(),
             self.members,
-            transfers.len()
+            // Replica transfers and FSEP shard copies alike (what the record counts).
+            transfers.len() + shard_transfers.len()
         )));
         self.pending = Some(Pending {
             kind,

@@ -1347,6 +1347,33 @@ fn a_slow_member_whose_worker_heartbeats_is_waited_for_up_to_the_step_deadline()
     assert!(f[0].1.contains("although its worker heartbeats"), "{f:?}");
 }
 
+/// Issue 33 item 6.9: a stopped agent (its worker's heartbeats come through it) was reported
+/// as "no heartbeat from its worker" when the worker's last relayed heartbeat was older than
+/// the agent's own. Both silent: the agent is named.
+#[test]
+fn a_member_whose_agent_stops_is_reported_as_its_agent_stopping() {
+    let (mut j, _) = started(slow_config(50), &[0, 1], 0);
+    let mut a = Vec::new();
+    for t in (250..=4_000).step_by(250) {
+        j.at(t);
+        a.extend(j.ev(Event::Heartbeat { node: 0 }));
+        a.extend(j.ev(Event::WorkerAlive { node: 0 }));
+        // Node 1's agent stops after 2 s; the worker's last line it relayed is a little older.
+        if t <= 1_750 {
+            a.extend(j.ev(Event::WorkerAlive { node: 1 }));
+        }
+        if t <= 2_000 {
+            a.extend(j.ev(Event::Heartbeat { node: 1 }));
+        }
+        a.extend(j.ev(Event::Tick));
+    }
+    let f = fences(&a);
+    assert_eq!(f.len(), 1, "{f:?}");
+    assert_eq!(f[0].0, 1);
+    assert!(f[0].1.contains("no heartbeat from its agent"), "{f:?}");
+    assert!(!f[0].1.contains("(the process is"), "{f:?}");
+}
+
 /// A worker that stops heartbeating (SIGSTOP, a frozen host) is gone within one heartbeat
 /// timeout, however long the step deadline, while its agent still heartbeats.
 #[test]
@@ -1459,6 +1486,12 @@ fn with_two_shard_copies_a_lost_member_is_repaired_in_place() {
     assert!(!a.contains(&Action::FindCheckpoint), "{a:?}");
     let r = reconfig(&a).expect("an in-place repair");
     assert_eq!((r.kind, r.resume_step), (ReconfigKind::InPlace, 7));
+    // Issue 33 item 6.7: the log said "0 transfers" while the record counted the 2 copies.
+    assert!(
+        logs(&a).iter().any(|l| l.contains("2 transfers")),
+        "{:?}",
+        logs(&a)
+    );
     assert!(matches!(r.source, StateSource::Peers { .. }), "{r:?}");
     assert_eq!(r.members().len(), 3);
     let rank = |node: NodeId| r.members().iter().position(|&m| m == node).unwrap();

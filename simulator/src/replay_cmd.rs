@@ -37,9 +37,10 @@ pub struct ReplayArgs {
     /// Fit the trace onto at most this many nodes (see --map), 1..=1048576.
     #[arg(long, value_parser = limits::count(MAX_NODES))]
     pub max_nodes: Option<usize>,
-    /// How --max-nodes maps a larger trace: clamp, track or scale (see lazarus-traces docs).
-    #[arg(long, default_value = "track")]
-    pub map: String,
+    /// How --max-nodes maps a larger trace: clamp, track or scale (see lazarus-traces docs;
+    /// the same flag, parser and default as `lzrun local --map`).
+    #[arg(long, default_value_t = FitMode::DEFAULT, value_parser = FitMode::parse_flag)]
+    pub map: FitMode,
     /// Stop at this time (default: the trace's last event; 30m for the embedded trace), at most
     /// 365d; a trace that runs longer needs --end or --window.
     #[arg(long)]
@@ -253,11 +254,7 @@ pub fn resolve(args: &ReplayArgs) -> Result<Resolved> {
         end_ms = end_ms.or(Some(b - a));
     }
     if let Some(n) = args.max_nodes {
-        let mode: FitMode = args
-            .map
-            .parse()
-            .map_err(|e| anyhow::anyhow!("--map: {e}"))?;
-        trace = trace.fit(n, mode);
+        trace = trace.fit(n, args.map);
     }
     if trace.events().is_empty() {
         bail!("the trace has no events (after --window/--max-nodes)");
@@ -378,7 +375,7 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
             "trace_events": r.trace.events().len(),
             "window": args.window,
             "max_nodes": args.max_nodes,
-            "map": args.map,
+            "map": args.map.as_str(),
             "workload": match &args.sim.loads_trace {
                 Some(p) => json!({"gate_trace": p.display().to_string()}),
                 None => json!({"zipf": args.sim.zipf, "drift_every_steps": args.sim.drift_every}),

@@ -63,6 +63,16 @@ impl FitMode {
     /// All modes, in documentation order.
     pub const ALL: [FitMode; 3] = [FitMode::Clamp, FitMode::Track, FitMode::Scale];
 
+    /// The mapping of a `--map` flag by default (`lzsim replay --map`, `lzrun local --map`):
+    /// a fixed cluster whose preempted machines are replaced by the next ones granted.
+    pub const DEFAULT: FitMode = FitMode::Track;
+
+    /// The value parser of a `--map clamp|track|scale` flag, shared by `lzsim` and `lzrun` so
+    /// both read the same spellings ([`FitMode::from_str`]) with the same error.
+    pub fn parse_flag(s: &str) -> Result<FitMode, String> {
+        s.parse().map_err(|e: ParseEnumError| e.to_string())
+    }
+
     /// The lower-case name (`clamp`, `track`, `scale`).
     pub fn as_str(self) -> &'static str {
         match self {
@@ -231,6 +241,9 @@ mod tests {
             err.to_string(),
             "invalid fit mode 'squash' (expected 'clamp', 'track' or 'scale')"
         );
+        assert_eq!(FitMode::parse_flag("scale"), Ok(FitMode::Scale));
+        assert_eq!(FitMode::parse_flag("squash"), Err(err.to_string()));
+        assert_eq!(FitMode::DEFAULT, FitMode::Track);
     }
 
     #[test]

@@ -217,7 +217,11 @@ pub struct Agent {
 }
 
 impl Agent {
-    /// Connects and registers (both bounded by `register_timeout_ms`).
+    /// Connects and registers, trying again with [`Backoff`] (as reconnecting does) while
+    /// the controller cannot be reached or closes the connection unanswered (it is not up yet,
+    /// or its slots for unregistered connections are full, e.g. under a flood of idle
+    /// connections), for `register_timeout_ms` in all. A refusal (token, version, name) ends
+    /// it at once; after the time is up, the last failure is the error.
     pub async fn register(cfg: &AgentConfig) -> Result<Self, AgentError> {
         if cfg.heartbeat_every_ms == 0 {
             return Err(AgentError::ZeroHeartbeat);
@@ -229,7 +233,23 @@ impl Agent {
             devices: cfg.devices,
             host: cfg.host.clone(),
         };
-        let (framed, answer) = first_exchange(cfg, &register).await?;
+        let deadline = Instant::now() + Duration::from_millis(cfg.register_timeout_ms);
+        let seed = u64::from(std::process::id()) << 32 ^ fnv(&cfg.node);
+        let mut backoff = Backoff::new(cfg.reconnect_initial_ms, cfg.reconnect_max_ms, seed);
+        let (framed, answer) = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let err = match first_exchange_within(cfg, &register, left).await {
+                Ok((framed, Some(answer))) => break (framed, Some(answer)),
+                Ok((_, None)) => AgentError::ControllerClosed,
+                Err(e @ (AgentError::Connect { .. } | AgentError::Proto(_))) => e,
+                Err(e) => return Err(e),
+            };
+            let delay = backoff.next_delay();
+            if Instant::now() + delay >= deadline {
+                return Err(err);
+            }
+            tokio::time::sleep(delay).await;
+        };
         match answer {
             Some(ToAgent::Registered { node_id }) => Ok(Self {
                 framed,
@@ -254,11 +274,25 @@ impl Agent {
     }
 }
 
+/// A per-name seed for the registration back-off's jitter.
+fn fnv(s: &str) -> u64 {
+    crate::checkpoint::fnv64(s.as_bytes())
+}
+
 /// Connects to the controller and sends `first` (a `Register` or a `Reattach`); returns the
 /// connection and the answer. Both are bounded by `register_timeout_ms`.
 async fn first_exchange(
     cfg: &AgentConfig,
     first: &ToController,
+) -> Result<(Framed, Option<ToAgent>), AgentError> {
+    first_exchange_within(cfg, first, Duration::from_millis(cfg.register_timeout_ms)).await
+}
+
+/// [`first_exchange`], each stage bounded by `limit`.
+async fn first_exchange_within(
+    cfg: &AgentConfig,
+    first: &ToController,
+    limit: Duration,
 ) -> Result<(Framed, Option<ToAgent>), AgentError> {
     {
         let register = first;
@@ -267,7 +301,6 @@ async fn first_exchange(
         if bytes > MAX_REGISTER_FRAME_BYTES {
             return Err(AgentError::RegisterTooLarge { bytes });
         }
-        let limit = Duration::from_millis(cfg.register_timeout_ms);
         let timed_out = || AgentError::RegisterTimeout {
             addr: cfg.addr.clone(),
             ms: cfg.register_timeout_ms,

@@ -136,6 +136,13 @@ struct SavedRef<'a> {
     now_ms: u64,
     seen: &'a BTreeMap<NodeId, u64>,
     issued: Option<&'a Issued>,
+    /// A salted hash of the job's token ([`state::token_fingerprint`]), never the token: a
+    /// `--recover` with another token is refused before any agent is.
+    token_fingerprint: &'a str,
+    /// Every node that was ever a member (joins are counted against it).
+    members_seen: &'a std::collections::BTreeSet<NodeId>,
+    /// The loss of step 0, for the report of a controller that takes the job back.
+    initial_loss: Option<f64>,
 }
 
 /// [`SavedRef`], read back.
@@ -153,6 +160,13 @@ struct Saved {
     now_ms: u64,
     seen: BTreeMap<NodeId, u64>,
     issued: Option<Issued>,
+    /// Absent in states saved before it existed: any token is accepted then.
+    #[serde(default)]
+    token_fingerprint: Option<String>,
+    #[serde(default)]
+    members_seen: Option<std::collections::BTreeSet<NodeId>>,
+    #[serde(default)]
+    initial_loss: Option<f64>,
 }
 
 /// See the [module docs](self).
@@ -186,10 +200,18 @@ pub struct Controller {
     now_ms: u64,
     /// Rebuilt from a saved state and not started yet ([`Controller::start`]).
     recovering: bool,
+    /// Saved instead of the token (see [`state::token_fingerprint`]).
+    token_fingerprint: String,
+    /// Every node that was ever a member of a plan in force: a node that becomes a member and
+    /// is not in it joined (see [`RecoveryRecord::joined`]).
+    members_seen: std::collections::BTreeSet<NodeId>,
+    /// The loss of step 0 (kept across a fail-over, for the report).
+    initial_loss: Option<f64>,
 }
 
 impl Controller {
     pub fn new(params: JobParams) -> Result<Self, JobConfigError> {
+        let token_fingerprint = state::token_fingerprint(&params.token);
         Ok(Self {
             machine: JobMachine::new(params.rules.clone())?,
             params,
@@ -209,6 +231,9 @@ impl Controller {
             save_failing: false,
             now_ms: 0,
             recovering: false,
+            token_fingerprint,
+            members_seen: std::collections::BTreeSet::new(),
+            initial_loss: None,
         })
     }
 
@@ -239,6 +264,25 @@ impl Controller {
         if saved.machine.is_over() {
             return Err(damaged("its job is already over".into()));
         }
+        // Every agent of the job would be refused with "wrong cluster token", exit and stop its
+        // worker: refuse here, before anything listens. A state saved before fingerprints
+        // existed accepts any token (and saves the fingerprint of this one from now on).
+        let token_fingerprint = match saved.token_fingerprint {
+            Some(fp) => {
+                if !state::token_matches(&fp, token).map_err(damaged)? {
+                    return Err(StateError::WrongToken { path });
+                }
+                fp
+            }
+            None => state::token_fingerprint(token),
+        };
+        let members_seen = saved.members_seen.unwrap_or_else(|| {
+            saved
+                .machine
+                .plan()
+                .map(|p| p.node_map.iter().copied().collect())
+                .unwrap_or_default()
+        });
         let mut params = saved.params;
         params.token = token.to_owned();
         Ok(Self {
@@ -260,7 +304,16 @@ impl Controller {
             save_failing: false,
             now_ms: saved.now_ms,
             recovering: true,
+            token_fingerprint,
+            members_seen,
+            initial_loss: saved.initial_loss,
         })
+    }
+
+    /// The loss of step 0, if it was counted (by this controller or, before a fail-over, by
+    /// the one whose state it took back).
+    pub fn initial_loss(&self) -> Option<f64> {
+        self.initial_loss
     }
 
     /// What the job was started with (for a recovered controller: what was saved).
@@ -321,6 +374,9 @@ impl Controller {
             now_ms: self.now_ms,
             seen: &self.seen,
             issued: self.issued.as_ref(),
+            token_fingerprint: &self.token_fingerprint,
+            members_seen: &self.members_seen,
+            initial_loss: self.initial_loss,
         };
         state::write_state(dir, &saved)?;
         self.saved_seen = self.seen.clone();
@@ -760,6 +816,9 @@ impl Controller {
                 },
             ),
             Action::Record(r) => {
+                if r.step == 0 && self.initial_loss.is_none() {
+                    self.initial_loss = Some(r.loss);
+                }
                 let start = *self.start_ms.get_or_insert(now_ms);
                 let rec = StepRecord {
                     step: r.step,
@@ -782,6 +841,24 @@ impl Controller {
                 Self::notice(out, Notice::Step(rec));
             }
             Action::Reconfigured(r) => {
+                // Members of the plan now in force that never were members before joined
+                // (whatever the kind: a join may ride on a failure's reconfiguration or a
+                // restore); those of the first plan are the job's own.
+                let members: Vec<NodeId> = self
+                    .machine
+                    .plan()
+                    .map(|p| p.node_map.clone())
+                    .unwrap_or_default();
+                let joined = members
+                    .iter()
+                    .filter(|m| !self.members_seen.contains(m))
+                    .count();
+                let joined = if r.kind == job::ReconfigKind::Start {
+                    0
+                } else {
+                    joined
+                };
+                self.members_seen.extend(members);
                 let replan_ms = self.replan_ms;
                 let total_ms = r.detect_ms + replan_ms + r.migrate_ms + r.resume_ms;
                 let rec = RecoveryRecord {
@@ -798,6 +875,7 @@ impl Controller {
                     resume_ms: r.resume_ms,
                     total_ms,
                     plan_version: r.plan_version,
+                    joined,
                 };
                 Self::notice(out, Notice::Reconfigured(rec));
             }

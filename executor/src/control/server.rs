@@ -7,7 +7,10 @@
 //! the token) it is kept cheap and short: its first frame may be at most
 //! [`proto::MAX_REGISTER_FRAME_BYTES`] (a longer length prefix closes it at once, before
 //! anything is allocated for it), that frame must be complete within `io_timeout_ms` however
-//! slowly it trickles in, and at most `max_pending_conns` such connections exist at a time.
+//! slowly it trickles in (and within [`ServerConfig::MAX_HANDSHAKE_MS`]), and at most
+//! `max_pending_conns` such connections exist at a time, `max_pending_per_addr` of them from
+//! one IP address (a flood from one address leaves room for the others; agents that find no
+//! room retry, see [`super::agent::Agent::register`]).
 //! Only after registration does the frame cap rise to [`proto::MAX_FRAME_BYTES`]; a registered
 //! node that stops sending whole frames stops heartbeating and is fenced. `max_conns` bounds
 //! all connections together. A connection over either limit is closed as soon as it is
@@ -49,6 +52,10 @@ pub struct ServerConfig {
     pub max_pending_conns: usize,
     /// Connections in all, registered or not, at most (more are closed when accepted).
     pub max_conns: usize,
+    /// Unregistered connections from one IP address at most (more from it are closed when
+    /// accepted): a flood of idle connections from one address cannot take every pending slot
+    /// and lock the real agents out.
+    pub max_pending_per_addr: usize,
 }
 
 impl ServerConfig {
@@ -58,6 +65,13 @@ impl ServerConfig {
     /// A thousand nodes and the pending ones, below the common 1024-descriptor limit of the
     /// process together with its files.
     pub const DEFAULT_MAX_CONNS: usize = 1_000;
+    /// A quarter of the pending slots: agents of one host (`lzrun local`'s all come from
+    /// 127.0.0.1) registering at once still fit, and retry when they do not.
+    pub const DEFAULT_MAX_PENDING_PER_ADDR: usize = 16;
+    /// The most a connection may take to send its whole first frame (less when
+    /// `io_timeout_ms` is less): a `Register` is a few hundred bytes, so an idle connection
+    /// holds a pending slot for at most this long.
+    pub const MAX_HANDSHAKE_MS: u64 = 1_000;
 
     /// The given periods and the default connection limits.
     pub fn new(tick_ms: u64, io_timeout_ms: u64) -> Self {
@@ -66,6 +80,7 @@ impl ServerConfig {
             io_timeout_ms,
             max_pending_conns: Self::DEFAULT_MAX_PENDING_CONNS,
             max_conns: Self::DEFAULT_MAX_CONNS,
+            max_pending_per_addr: Self::DEFAULT_MAX_PENDING_PER_ADDR,
         }
     }
 }
@@ -100,6 +115,59 @@ struct Ctx {
     base_ms: u64,
     notices: mpsc::UnboundedSender<Notice>,
     io_timeout: Duration,
+    /// Bound on receiving a connection's first frame ([`ServerConfig::MAX_HANDSHAKE_MS`]).
+    handshake_timeout: Duration,
+}
+
+/// Unregistered connections per IP address, and the cap.
+struct PendingByAddr {
+    counts: Mutex<HashMap<std::net::IpAddr, usize>>,
+    cap: usize,
+}
+
+/// What an unregistered connection holds until it registers (or ends): a pending slot, and
+/// one of its address's.
+struct Unregistered {
+    _permit: OwnedSemaphorePermit,
+    addr: std::net::IpAddr,
+    by_addr: Arc<PendingByAddr>,
+}
+
+impl PendingByAddr {
+    /// A slot of `addr`'s, unless it holds `cap` already.
+    fn take(
+        self: &Arc<Self>,
+        addr: std::net::IpAddr,
+        permit: OwnedSemaphorePermit,
+    ) -> Option<Unregistered> {
+        let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+        let n = counts.entry(addr).or_insert(0);
+        if *n >= self.cap {
+            return None;
+        }
+        *n += 1;
+        Some(Unregistered {
+            _permit: permit,
+            addr,
+            by_addr: self.clone(),
+        })
+    }
+}
+
+impl Drop for Unregistered {
+    fn drop(&mut self) {
+        let mut counts = self
+            .by_addr
+            .counts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(n) = counts.get_mut(&self.addr) {
+            *n -= 1;
+            if *n == 0 {
+                counts.remove(&self.addr);
+            }
+        }
+    }
 }
 
 impl Ctx {
@@ -154,6 +222,11 @@ impl JobHandle {
     pub fn rank_of(&self, name: &str) -> Option<usize> {
         self.ctx.with(|c, _, _| c.rank_of(name))
     }
+
+    /// The loss of step 0, also when a controller before a fail-over counted it.
+    pub fn initial_loss(&self) -> Option<f64> {
+        self.ctx.with(|c, _, _| c.initial_loss())
+    }
 }
 
 /// Runs the job controller on `listener` until the job is over or `shutdown` turns `true`
@@ -185,10 +258,14 @@ pub async fn serve_controller(
     if server.tick_ms == 0 || server.io_timeout_ms == 0 {
         return Err(JobError::ZeroPeriod);
     }
-    if server.max_pending_conns == 0 || server.max_conns == 0 {
+    if server.max_pending_conns == 0 || server.max_conns == 0 || server.max_pending_per_addr == 0 {
         return Err(JobError::ZeroConns);
     }
     let pending = Arc::new(Semaphore::new(server.max_pending_conns));
+    let by_addr = Arc::new(PendingByAddr {
+        counts: Mutex::new(HashMap::new()),
+        cap: server.max_pending_per_addr,
+    });
     let all = Arc::new(Semaphore::new(server.max_conns));
     let ctx = Arc::new(Ctx {
         start: Instant::now(),
@@ -200,6 +277,9 @@ pub async fn serve_controller(
         }),
         notices,
         io_timeout: Duration::from_millis(server.io_timeout_ms),
+        handshake_timeout: Duration::from_millis(
+            server.io_timeout_ms.min(ServerConfig::MAX_HANDSHAKE_MS),
+        ),
     });
     ctx.with(|c, now, out| c.start(now, out));
     on_start(JobHandle { ctx: ctx.clone() });
@@ -214,7 +294,7 @@ pub async fn serve_controller(
             _ = shutdown_signal(&mut shutdown) => break,
             _ = ticker.tick() => ctx.with(|c, now, out| c.tick(now, out)),
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
+                Ok((stream, peer)) => {
                     // Over a limit: dropping the stream closes it at once.
                     let (Ok(slot), Ok(unregistered)) = (
                         all.clone().try_acquire_owned(),
@@ -222,12 +302,27 @@ pub async fn serve_controller(
                     ) else {
                         continue;
                     };
+                    let Some(unregistered) = by_addr.take(peer.ip(), unregistered) else {
+                        continue;
+                    };
                     let _ = stream.set_nodelay(true);
                     conns.spawn(serve_conn(stream, ctx.clone(), slot, unregistered));
                 }
                 Err(_) => tokio::time::sleep(ACCEPT_BACKOFF).await,
             },
-            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            Some(done) = conns.join_next(), if !conns.is_empty() => {
+                // A connection task panicked while it held the controller (a planner bug, or
+                // a job it cannot plan): the controller's state is suspect and the node it
+                // served hangs. Crash this task as if the panic were its own, so whoever runs
+                // the job sees it (`lzrun local` restarts the controller from its saved state,
+                // a few times at most, then exits 2) instead of serving a job that never moves.
+                if let Err(e) = done
+                    && e.is_panic()
+                {
+                    conns.abort_all();
+                    std::panic::resume_unwind(e.into_panic());
+                }
+            }
         }
     }
     // Tell every connected agent to stop, then give the connections a moment to drain.
@@ -252,7 +347,7 @@ async fn serve_conn(
     stream: TcpStream,
     ctx: Arc<Ctx>,
     _slot: OwnedSemaphorePermit,
-    unregistered: OwnedSemaphorePermit,
+    unregistered: Unregistered,
 ) {
     let mut framed = proto::framed_with_cap(stream, proto::MAX_REGISTER_FRAME_BYTES);
     let _ = serve(&mut framed, &ctx, unregistered).await;
@@ -275,10 +370,10 @@ async fn reject(ctx: &Ctx, framed: &mut Framed, reason: String) -> Result<(), Pr
 async fn serve(
     framed: &mut Framed,
     ctx: &Ctx,
-    unregistered: OwnedSemaphorePermit,
+    unregistered: Unregistered,
 ) -> Result<(), ProtoError> {
     // A first frame over the cap is an error here: the connection closes without an answer.
-    let first = match proto::read_register(framed, ctx.io_timeout).await? {
+    let first = match proto::read_register(framed, ctx.handshake_timeout).await? {
         proto::FirstFrame::Closed => return Ok(()),
         proto::FirstFrame::Reject(reason) => return reject(ctx, framed, reason).await,
         first => first,

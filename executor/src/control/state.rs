@@ -61,6 +61,66 @@ pub enum StateError {
     Version { path: PathBuf, found: u32 },
     #[error("cannot encode the controller state: {0}")]
     Encode(serde_json::Error),
+    #[error(
+        "the token does not match the job saved in {}: it was saved by a controller with \
+         another token, and every agent of the job would be refused (give --recover the job's \
+         token: --token or LZRUN_TOKEN)",
+        path.display()
+    )]
+    WrongToken { path: PathBuf },
+}
+
+/// Domain separation of [`token_fingerprint`]'s hash.
+const FINGERPRINT_DOMAIN: &[u8] = b"lzrun cluster token v1\0";
+
+fn fingerprint_with(salt: &[u8], token: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(FINGERPRINT_DOMAIN);
+    h.update(salt);
+    h.update(token.as_bytes());
+    hex(&h.finalize())
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// What the saved state holds instead of the cluster token: `sha256:SALT:HASH`, the SHA-256
+/// of a domain tag, 16 random salt bytes and the token (hex). It tells a `--recover` with
+/// the wrong token apart without saving the token (a reader of the state directory learns
+/// nothing a guess-and-check attack on the token itself would not).
+pub fn token_fingerprint(token: &str) -> String {
+    let salt: [u8; 16] = rand::random();
+    format!("sha256:{}:{}", hex(&salt), fingerprint_with(&salt, token))
+}
+
+/// Whether `token` is the one `fingerprint` ([`token_fingerprint`]) was made from; an error
+/// (why) when the fingerprint is not one.
+pub fn token_matches(fingerprint: &str, token: &str) -> Result<bool, String> {
+    let bad = || format!("its token fingerprint {fingerprint:?} is malformed");
+    let mut parts = fingerprint.split(':');
+    let (Some("sha256"), Some(salt), Some(hash), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(bad());
+    };
+    let salt = (0..salt.len())
+        .step_by(2)
+        .map(|i| {
+            salt.get(i..i + 2)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+        })
+        .collect::<Option<Vec<u8>>>()
+        .ok_or_else(bad)?;
+    let want = fingerprint_with(&salt, token);
+    // Constant time over the hash's hex digits.
+    Ok(want.len() == hash.len()
+        && want
+            .bytes()
+            .zip(hash.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0)
 }
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> StateError + 'a {
@@ -245,6 +305,29 @@ mod tests {
         let other = encode_state(&serde_json::json!({"step": "seven"})).unwrap();
         assert!(err(&other).contains("does not parse"), "{}", err(&other));
         assert!(err(&[0xff, 0xfe, b'\n']).contains("not text"));
+    }
+
+    #[test]
+    fn a_token_fingerprint_matches_its_token_only_and_does_not_hold_it() {
+        let fp = token_fingerprint("fail-over");
+        assert!(fp.starts_with("sha256:"), "{fp}");
+        assert!(!fp.contains("fail-over"));
+        assert_eq!(token_matches(&fp, "fail-over"), Ok(true));
+        assert_eq!(token_matches(&fp, "fail-ovex"), Ok(false));
+        assert_eq!(token_matches(&fp, ""), Ok(false));
+        // Salted: the same token fingerprints differently each time, and each matches.
+        let again = token_fingerprint("fail-over");
+        assert_ne!(fp, again);
+        assert_eq!(token_matches(&again, "fail-over"), Ok(true));
+        for bad in [
+            "",
+            "md5:00:00",
+            "sha256:zz:00",
+            "sha256:0:00",
+            "sha256:00:00:00",
+        ] {
+            assert!(token_matches(bad, "x").is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -10,6 +10,7 @@ use lazarus_executor::device::{self, CommKind, DeviceChoice, DeviceError, Device
 use lazarus_executor::faults;
 use lazarus_executor::model::{ExpertMode, Precision};
 use lazarus_executor::worker::{FAULT_TOLERANCE, MAX_NONFINITE_STEPS};
+use lazarus_traces::FitMode;
 
 /// `--relayout`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -86,6 +87,13 @@ pub struct LocalArgs {
     /// trace whose first node appears after 0.
     #[arg(long, value_name = "START..END", requires = "fault_trace", value_parser = parse_window)]
     pub window: Option<(u64, u64)>,
+    /// How a --fault-trace with more nodes than --nodes is fitted onto them: clamp (the live
+    /// count clamped to --nodes, spare nodes promoted at once), track (the first --nodes nodes
+    /// are the cluster; a removed one is replaced by the next node added later) or scale (the
+    /// live count scaled). The mappings, parser and default of `lzsim replay --map`.
+    #[arg(long, value_name = "clamp|track|scale", requires = "fault_trace",
+          default_value_t = FitMode::DEFAULT, value_parser = FitMode::parse_flag)]
+    pub map: FitMode,
     /// Trace seconds one training step stands for: an event at trace time t fires after step
     /// ⌊t / X⌋.
     #[arg(

@@ -504,13 +504,14 @@ fn comm_bandwidth(bytes: usize, reps: usize) -> Result<(f64, f64, f64)> {
 /// Runs the measurements and writes the profile.
 pub fn calibrate(a: CalibrateArgs) -> Result<()> {
     let t0 = Instant::now();
-    ensure!(a.nodes >= 2, "--nodes must be at least 2 (got {})", a.nodes);
-    ensure!(
-        a.nodes <= 64,
-        "--nodes must be at most 64 (got {})",
-        a.nodes
-    );
-    ensure!(a.steps >= 4, "--steps must be at least 4 (got {})", a.steps);
+    crate::bounds::within("--nodes", a.nodes, 2, 64, "the largest cluster measured")?;
+    crate::bounds::within(
+        "--steps",
+        a.steps,
+        4,
+        100_000,
+        "steps of each measuring job",
+    )?;
     let cfg = load_config(&a.config, None, None)?;
     if let Some(parent) = a.out.parent().filter(|p| !p.as_os_str().is_empty()) {
         ensure!(

@@ -132,7 +132,22 @@ impl std::error::Error for Interrupted {}
 /// schedulers and `kill` send) or SIGHUP (the terminal went away). Installing the handlers is
 /// what keeps these signals from killing the process outright, so call it before anything
 /// that must be cleaned up.
+///
+/// Also notes the signal for [`stop_requested`] as soon as it arrives (a task of the runtime
+/// watches for it), for loops that run between two polls of the returned future.
 pub fn stop_signals() -> Result<impl std::future::Future<Output = &'static str>> {
+    let first = any_stop_signal()?;
+    let watcher = any_stop_signal()?;
+    tokio::spawn(async move {
+        let name = watcher.await;
+        let _ = STOP_REQUESTED.set(name);
+    });
+    Ok(first)
+}
+
+/// The stop signals as one future (each call has streams of its own: tokio delivers a signal
+/// to every stream registered for it).
+fn any_stop_signal() -> Result<impl std::future::Future<Output = &'static str>> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut int = signal(SignalKind::interrupt()).context("handling SIGINT")?;
     let mut term = signal(SignalKind::terminate()).context("handling SIGTERM")?;
@@ -144,6 +159,16 @@ pub fn stop_signals() -> Result<impl std::future::Future<Output = &'static str>>
             _ = hup.recv() => "SIGHUP",
         }
     })
+}
+
+static STOP_REQUESTED: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+
+/// The stop signal received, if any: work that may take long between two notices of the
+/// controller (starting the processes of many scheduled joins) checks it and ends the job as
+/// the signal would ([`Interrupted`]), so SIGTERM is honoured within moments whatever the
+/// fault schedule.
+pub fn stop_requested() -> Option<&'static str> {
+    STOP_REQUESTED.get().copied()
 }
 
 /// What the drive loop does next.
@@ -224,7 +249,13 @@ impl Supervision {
                 hooks.on_fenced(&name);
                 Next::Go
             }
-            Notice::Finished(r) => Next::End(r.map_err(|e| anyhow!(e))),
+            Notice::Finished(r) => {
+                // A controller that took the job back never saw step 0's record.
+                if let Some(loss) = job.initial_loss() {
+                    report.set_initial_loss(loss);
+                }
+                Next::End(r.map_err(|e| anyhow!(e)))
+            }
         }
     }
 

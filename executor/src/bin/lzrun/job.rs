@@ -128,7 +128,11 @@ impl Job {
 /// Locks `dir` (a checkpoint or state directory) for this job, or says who holds it.
 fn lock_dir(dir: &Path, what: &str) -> Result<RootLock> {
     checkpoint::lock_root(dir, &holder()).map_err(|e| match e {
-        checkpoint::CheckpointError::Locked { .. } => anyhow!("{e}"),
+        // Named as what it is: a state directory is no checkpoint directory.
+        checkpoint::CheckpointError::Locked { root, holder } => anyhow!(
+            "{what} {} is in use by another job ({holder}); give each job its own directory",
+            root.display()
+        ),
         other => anyhow!("{what} {} is not usable: {other}", dir.display()),
     })
 }
@@ -209,6 +213,7 @@ fn check_job_args(a: &JobArgs, nodes: usize) -> Result<()> {
 pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -> Result<Job> {
     check_job_args(a, nodes)?;
     let config = load_config(&a.model.config, a.model.seed, a.model.precision)?;
+    crate::bounds::check_model_bounds(a, config.experts)?;
     let slots = a
         .slots
         .unwrap_or_else(|| (a.fault_tolerance * config.experts).div_ceil(nodes).max(1));

@@ -73,12 +73,19 @@ pub fn local(a: LocalArgs) -> Result<()> {
         1 => String::new(),
         g => format!(" × {g} GPUs (CPU workers)"),
     };
+    // A storm's fault may be several injections (a burst kills several nodes at one step, a
+    // join racing a kill is a join and a kill): count the faults asked for, and say so.
+    let faults = match a.storm {
+        Some(n) if n + a.kill_controller.len() != schedule.len() => format!(
+            "{} faults scheduled ({} injections)",
+            n + a.kill_controller.len(),
+            schedule.len()
+        ),
+        _ => format!("{} faults scheduled", schedule.len()),
+    };
     report.say(&format!(
-        "lzrun local: {} nodes{per_node}, config {}, {} steps, {} faults scheduled, controller {addr}",
-        schedule.initial_nodes,
-        a.job.model.config,
-        a.job.model.steps,
-        schedule.len()
+        "lzrun local: {} nodes{per_node}, config {}, {} steps, {faults}, controller {addr}",
+        schedule.initial_nodes, a.job.model.config, a.job.model.steps,
     ));
     // An output that cannot be written already: no node is worth starting.
     if let Some(e) = crate::report::stdout_failure() {
@@ -161,7 +168,7 @@ fn fault_schedule(a: &LocalArgs) -> Result<FaultSchedule> {
                 );
             }
             let start_ms = a.window.map_or(0, |w| w.0);
-            faults::schedule_from_trace(&trace, a.time_scale, a.job.model.steps, a.nodes)
+            faults::schedule_from_trace(&trace, a.time_scale, a.job.model.steps, a.nodes, a.map)
                 .map_err(|e| match e {
                     // Times of the original trace, so the suggested --window is right.
                     faults::FaultError::NoInitialNodes {
@@ -310,6 +317,10 @@ impl Faults {
     /// Injects the schedule's events `due` that have not fired yet; `when` is for the log.
     fn inject(&mut self, due: &[usize], when: &str, handle: &JobHandle) -> Result<()> {
         for &i in due {
+            // Stopped meanwhile (SIGTERM, Ctrl-C): start nothing more, end as the signal does.
+            if let Some(name) = crate::drive::stop_requested() {
+                return Err(crate::drive::Interrupted(name).into());
+            }
             if !self.fired.insert(i) {
                 continue;
             }

@@ -7,6 +7,7 @@
 
 mod agent;
 mod args;
+mod bounds;
 mod calibrate;
 mod config;
 mod controller;
@@ -124,6 +125,14 @@ fn help_hint() -> String {
 }
 
 fn main() -> ExitCode {
+    // Under a file-size limit (`ulimit -f`) a write past it raises SIGXFSZ, whose default
+    // action kills the process: a worker writing a checkpoint part died, its node was lost and
+    // the cascade left the job waiting. Ignored (and inherited by the agents and workers this
+    // process starts), the write fails with EFBIG instead: a failed checkpoint, not a dead node.
+    // SAFETY: setting a signal's disposition to SIG_IGN before any thread exists.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
@@ -145,11 +154,12 @@ fn main() -> ExitCode {
             };
         }
     };
+    // Every numeric flag within its bounds before anything starts (see `bounds`).
     let res = match cli.cmd {
-        Cmd::Local(a) => local::local(a),
-        Cmd::Controller(a) => controller::controller(a),
-        Cmd::Agent(a) => agent::agent(a),
-        Cmd::Worker(a) => worker::worker(a),
+        Cmd::Local(a) => bounds::check_local(&a).and_then(|()| local::local(a)),
+        Cmd::Controller(a) => bounds::check_controller(&a).and_then(|()| controller::controller(a)),
+        Cmd::Agent(a) => bounds::check_agent(&a).and_then(|()| agent::agent(a)),
+        Cmd::Worker(a) => bounds::check_worker(&a).and_then(|()| worker::worker(a)),
         Cmd::Calibrate(a) => calibrate::calibrate(a),
     };
     match res {

@@ -75,6 +75,9 @@ pub struct Report {
     reconfig_arrivals: Vec<(f64, String)>,
     /// [`git_commit`] at the launch: the checkout may move on during a long run.
     git_commit: String,
+    /// The loss of step 0 as the controller kept it (across a fail-over), for a report that
+    /// has no record of step 0.
+    initial_loss: Option<f64>,
 }
 
 impl Report {
@@ -89,7 +92,13 @@ impl Report {
             first_step_s: None,
             reconfig_arrivals: Vec::new(),
             git_commit: git_commit(),
+            initial_loss: None,
         }
+    }
+
+    /// The loss of step 0 as the controller kept it.
+    pub fn set_initial_loss(&mut self, loss: f64) {
+        self.initial_loss = Some(loss);
     }
 
     /// The commit of the checkout at the launch ([`git_commit`]).
@@ -139,6 +148,12 @@ impl Report {
             config.seed,
             self.git_commit.clone(),
         );
+        let mut summary = summary;
+        if summary.initial_loss.is_nan()
+            && let Some(loss) = self.initial_loss
+        {
+            summary.initial_loss = loss;
+        }
         if let Some(dir) = &a.metrics_out {
             metrics::write_metrics(dir, &summary, &self.records, &self.reconfigs)
                 .with_context(|| format!("writing metrics to {}", dir.display()))?;
@@ -146,11 +161,19 @@ impl Report {
         match self.format {
             Format::Json => print_line(&serde_json::to_string(&summary)?)?,
             Format::Text => {
+                // Without the loss of step 0 (a state saved before it was kept) say nothing
+                // rather than "NaN".
+                let loss = if summary.initial_loss.is_nan() {
+                    format!("final loss {:.4}", summary.final_loss)
+                } else {
+                    format!(
+                        "loss {:.4} → {:.4}",
+                        summary.initial_loss, summary.final_loss
+                    )
+                };
                 print_line(&format!(
-                    "done: {} steps, loss {:.4} → {:.4}, {} in-place recoveries {:?} ms, {} checkpoint restores, {} joins, {} rebalances, {:.0} tokens/s",
+                    "done: {} steps, {loss}, {} in-place recoveries {:?} ms, {} checkpoint restores, {} joins, {} rebalances, {:.0} tokens/s",
                     summary.steps,
-                    summary.initial_loss,
-                    summary.final_loss,
                     summary.recoveries,
                     summary
                         .recovery_ms

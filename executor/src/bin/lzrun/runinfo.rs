@@ -15,7 +15,7 @@
 //! | `rebalance_every_steps`, `timeout_ms`, `heartbeat_timeout_ms`, `wait_for_nodes_ms` | |
 //! | `rules` | the job machine's configuration (`lazarus_planner::job::JobConfig`, with its `relayout` policy) |
 //! | `router_skew` | `--router-skew` (0: the plain router) |
-//! | `faults` | `{source: "flags" \| "trace", trace, time_scale_s_per_step, max_nodes, dropped_after_end, events}`: `events` are the schedule's `{after_step, fault}` (a fault fires once every worker completed step `after_step`, 0-based; a trace event at `t_ms` fires after step `⌊t_ms / (1000·time_scale_s_per_step)⌋`) |
+//! | `faults` | `{source: "flags" \| "trace", trace, time_scale_s_per_step, max_nodes, map, dropped_after_end, events}`: `events` are the schedule's `{after_step, fault}` (a fault fires once every worker completed step `after_step`, 0-based; a trace event at `t_ms` fires after step `⌊t_ms / (1000·time_scale_s_per_step)⌋`) |
 //! | `timeline` | launch-relative seconds: `first_step_s` (when the first step record arrived: the origin of `t_s` in `steps.csv`), `injected` (every fault as it was injected: `t_s, after_step, kind, node, name, when`, and for a kill of a member `rank`, its rank in the plan in force), `reconfigurations` (when each reconfiguration record arrived, with its kind), `wall_s` |
 //! | `host` | `cpus` (available parallelism) and the 1-minute load average at the end |
 //!
@@ -150,6 +150,7 @@ pub fn to_json(info: &RunInfo) -> serde_json::Value {
             "trace": a.fault_trace.as_ref().map(|t| t.display().to_string()),
             "time_scale_s_per_step": a.fault_trace.as_ref().map(|_| a.time_scale),
             "max_nodes": if a.fault_trace.is_some() { a.nodes } else { None },
+            "map": if a.fault_trace.is_some() { Some(a.map.as_str()) } else { None },
             "dropped_after_end": info.schedule.dropped_after_end,
             "events": info.schedule.events,
         },
