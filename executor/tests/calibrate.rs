@@ -131,7 +131,7 @@ fn calibrate_refuses_bad_input_with_exit_2() {
     for (args, want) in [
         (
             vec!["calibrate", "--nodes", "1", "--out", out],
-            "at least 2",
+            "between 2 and 64",
         ),
         (
             vec!["calibrate", "--steps", "2", "--out", out],
