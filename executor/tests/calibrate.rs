@@ -135,7 +135,7 @@ fn calibrate_refuses_bad_input_with_exit_2() {
         ),
         (
             vec!["calibrate", "--steps", "2", "--out", out],
-            "at least 4",
+            "between 4 and 100000",
         ),
         (
             vec!["calibrate", "--out", missing.to_str().unwrap()],

@@ -73,11 +73,11 @@ fn bad_device_flags_are_one_line_and_exit_2() {
         ),
         (
             &["local", "--gpus-per-node", "0"],
-            "--gpus-per-node must be at least 1",
+            "--gpus-per-node 0 is out of range: it must be between 1 and 64",
         ),
         (
             &["local", "--nodes", "3", "--gpus-per-node", "40"],
-            "3 nodes × --gpus-per-node 40 is more than 64 workers",
+            "--nodes × --gpus-per-node 120 is out of range: it must be between 1 and 64",
         ),
     ];
     for (args, want) in cases {
