@@ -853,6 +853,16 @@ fn verify_dir_for_load(dir: &Path, config: &MoeConfig) -> Result<Manifest, Check
 
 /// The step `latest` names; `Ok(None)` when there is no pointer (a fresh root, or a crash
 /// before the first pointer was written).
+/// The step of the checkpoint `latest` names under `root`, if it names one that verifies.
+pub fn latest_step(root: &Path) -> Result<Option<u64>, CheckpointError> {
+    let Some(step) = read_pointer(root)? else {
+        return Ok(None);
+    };
+    Ok(verify_dir(&root.join(step_dir_name(step)), None)
+        .ok()
+        .map(|m| m.step))
+}
+
 fn read_pointer(root: &Path) -> Result<Option<u64>, CheckpointError> {
     let path = root.join(POINTER);
     let bytes = match fs::read(&path) {

@@ -1057,6 +1057,17 @@ impl JobMachine {
         if let Some(t) = self.join_waiting_since.as_mut() {
             *t = now_ms;
         }
+        // A commit asked before the restart and never answered: the old driver may or may not
+        // have made it, and nobody will answer now. The machine stops waiting for it (a driver
+        // that finds it committed says [`Event::CheckpointCommitted`] after this call); the
+        // last step's checkpoint is then written again if it is missing (found by the swarm's
+        // fail-over mode: the job waited for ever at its end).
+        if self
+            .commit_asked
+            .is_some_and(|s| self.last_committed.is_none_or(|c| c < s))
+        {
+            self.commit_asked = None;
+        }
         self.recovery = Some(Recovery {
             since_ms: now_ms,
             awaiting: self.nodes.keys().copied().collect(),

@@ -342,6 +342,17 @@ impl Controller {
         let mut actions = Vec::new();
         self.machine.recover(now_ms, &mut actions);
         self.perform_all(now_ms, actions, out);
+        // The saved controller may have committed a checkpoint and died before the answer was
+        // fed (the state is saved before actions are performed): the directory says.
+        if let Some(root) = self.checkpoint_root(false)
+            && let Ok(Some(step)) = checkpoint::latest_step(&root)
+            && self
+                .machine
+                .last_committed_checkpoint()
+                .is_none_or(|c| c < step)
+        {
+            self.feed(now_ms, Event::CheckpointCommitted { step }, out);
+        }
         self.dirty = true;
         self.settle(out);
     }

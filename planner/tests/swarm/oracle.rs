@@ -376,14 +376,10 @@ impl Sim {
                     covered[l][e as usize] = true;
                 }
             }
-            if c.shard_count == count {
-                for (&s, &v) in &c.shards {
-                    if v == self.canon.shard(count, s, total)
-                        && let Some(x) = shards.get_mut(s as usize)
-                    {
-                        *x = true;
-                    }
-                }
+            // A checkpoint holding every shard of its own cut, correct, holds every expert
+            // (a restore cuts it anew for any membership).
+            if self.reshards(c, total) {
+                shards.iter_mut().for_each(|x| *x = true);
             }
         }
         if members.is_empty() && ckpt.is_none() {

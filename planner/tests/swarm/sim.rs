@@ -304,6 +304,8 @@ struct Sim {
     ckpt_parts: BTreeMap<(u64, u64), Vec<State>>,
     committed: BTreeMap<u64, Ckpt>,
     commit_fail_p: f64,
+    /// Simulated storage failures of the last step's checkpoint.
+    final_commit_failures: u64,
     trained: BTreeMap<(u64, u64), Trained>,
     faults_until_ms: u64,
     kill_in_reconfig: u32,
@@ -371,6 +373,7 @@ impl Sim {
             ckpt_parts: BTreeMap::new(),
             committed: BTreeMap::new(),
             commit_fail_p,
+            final_commit_failures: 0,
             trained: BTreeMap::new(),
             faults_until_ms,
             kill_in_reconfig: 0,
@@ -701,7 +704,7 @@ impl Sim {
                     // Or the simulated storage failed every try of the last step's checkpoint:
                     // the job must not end well without its final state saved.
                     Err(e)
-                        if self.commit_fail_p > 0.0
+                        if self.final_commit_failures > 0
                             && e.contains("checkpoint of the last step") =>
                     {
                         self.stats.final_checkpoint_failed += 1
@@ -726,6 +729,9 @@ impl Sim {
             ));
         };
         if self.rng.random_bool(self.commit_fail_p) {
+            if step == self.cfg.total_steps {
+                self.final_commit_failures += 1;
+            }
             return self.send(Event::CheckpointFailed {
                 step,
                 error: "simulated storage error".into(),
@@ -755,6 +761,22 @@ impl Sim {
             }
         }
         let shard_count = self.mesh.as_ref().map_or(0, Mesh::shard_count);
+        // As lzrun's commit does (every expected part must be on disk): a checkpoint whose
+        // parts miss an expert, or a shard of the cut, fails (found by the long run: a sharded
+        // member lost before it wrote its parts of the last step made a "committed" final
+        // checkpoint without its shard).
+        let complete = if self.cfg.sharded_experts {
+            (0..shard_count as u32).all(|s| shards.contains_key(&s))
+        } else {
+            (0..self.cfg.model.layers)
+                .all(|l| (0..self.cfg.model.experts as u32).all(|e| experts.contains_key(&(l, e))))
+        };
+        if !complete {
+            return self.send(Event::CheckpointFailed {
+                step,
+                error: "a part of the checkpoint is missing".into(),
+            });
+        }
         self.committed.insert(
             step,
             Ckpt {
@@ -1394,7 +1416,14 @@ impl Sim {
                     self.nodes.get_mut(&id).unwrap().state.dense = d;
                 }
             }
-            Status::Training if self.rng.random_bool(0.3) => self.train_one(id, epoch, false),
+            // A step in flight, if there is one left to train (a worker that trained the last
+            // step trains no more: it reports that it finished).
+            Status::Training
+                if self.nodes[&id].state.next_step < self.cfg.total_steps
+                    && self.rng.random_bool(0.3) =>
+            {
+                self.train_one(id, epoch, false)
+            }
             _ => {}
         }
         self.idle(id, IdleReason::Failed(why.into()));
