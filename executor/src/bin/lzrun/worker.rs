@@ -21,35 +21,32 @@ fn emit(line: &str) -> Result<()> {
     Ok(())
 }
 
-/// The test hook `LZRUN_TEST_STEP_DELAY=NODE:MS` ([`StepDelay`]): node NODE's worker sleeps MS
-/// at the start of every step, heartbeating all along (a slow device).
-fn step_delay_from_env() -> Result<Option<StepDelay>> {
-    const VAR: &str = "LZRUN_TEST_STEP_DELAY";
-    let Some(v) = std::env::var_os(VAR) else {
+/// `VAR=NODE:N` of a test hook, if set: node NODE and a number (`example` shows the form).
+fn node_and_number_from_env(var: &str, example: &str) -> Result<Option<(u32, u64)>> {
+    let Some(v) = std::env::var_os(var) else {
         return Ok(None);
     };
     let v = v.to_string_lossy();
     let parsed = v
         .split_once(':')
-        .and_then(|(n, ms)| Some((n.trim().parse().ok()?, ms.trim().parse().ok()?)));
-    let (node, ms) = parsed.ok_or_else(|| anyhow!("{VAR}={v:?}: expected NODE:MS, e.g. 1:3000"))?;
-    Ok(Some(StepDelay { node, ms }))
+        .and_then(|(n, x)| Some((n.trim().parse().ok()?, x.trim().parse().ok()?)));
+    parsed
+        .map(Some)
+        .ok_or_else(|| anyhow!("{var}={v:?}: expected {example}"))
+}
+
+/// The test hook `LZRUN_TEST_STEP_DELAY=NODE:MS` ([`StepDelay`]): node NODE's worker sleeps MS
+/// at the start of every step, heartbeating all along (a slow device).
+fn step_delay_from_env() -> Result<Option<StepDelay>> {
+    let hook = node_and_number_from_env("LZRUN_TEST_STEP_DELAY", "NODE:MS, e.g. 1:3000")?;
+    Ok(hook.map(|(node, ms)| StepDelay { node, ms }))
 }
 
 /// The test failpoint `LZRUN_TEST_FLIP_BIT=NODE:STEP` ([`FlipBit`]): node NODE's worker flips
 /// one bit of one replica or shard copy after step STEP's update.
 fn flip_bit_from_env() -> Result<Option<FlipBit>> {
-    const VAR: &str = "LZRUN_TEST_FLIP_BIT";
-    let Some(v) = std::env::var_os(VAR) else {
-        return Ok(None);
-    };
-    let v = v.to_string_lossy();
-    let parsed = v
-        .split_once(':')
-        .and_then(|(n, s)| Some((n.trim().parse().ok()?, s.trim().parse().ok()?)));
-    let (node, step) =
-        parsed.ok_or_else(|| anyhow!("{VAR}={v:?}: expected NODE:STEP, e.g. 1:7"))?;
-    Ok(Some(FlipBit { node, step }))
+    let hook = node_and_number_from_env("LZRUN_TEST_FLIP_BIT", "NODE:STEP, e.g. 1:7")?;
+    Ok(hook.map(|(node, step)| FlipBit { node, step }))
 }
 
 /// Trains as a managed worker (commands on stdin) or as one rank of a fixed cluster.
