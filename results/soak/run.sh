@@ -5,6 +5,8 @@
 #
 #   bash results/soak/run.sh                 # 1,000 faults, seed 1 (about 30-40 min on 2 cores)
 #   FAULTS=100 SEED=3 bash results/soak/run.sh
+#   EXTRA="--expert-mode fsep --shard-copies 2" bash results/soak/run.sh   # more lzrun flags
+#   EXTRA="--relayout laer --relayout-every 8 --router-skew 4" bash results/soak/run.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 FAULTS=${FAULTS:-1000}
@@ -20,6 +22,8 @@ cp target/debug/lzrun "$work/lzrun"
 args=(local --storm "$FAULTS" --storm-seed "$SEED" --nodes "$NODES" --steps "$STEPS"
   --ckpt-every 2 --timeout-ms 2000 --controller-down-ms 300
   --format json --out "$work/out" --metrics-out "$work/metrics")
+# shellcheck disable=SC2206 # EXTRA is a list of flags, split on spaces on purpose
+args+=(${EXTRA:-})
 echo "lzrun ${args[*]}  (in $work)"
 set +e
 "$work/lzrun" "${args[@]}" > "$work/summary.json" 2> "$work/log"
