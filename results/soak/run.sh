@@ -7,12 +7,14 @@
 #   FAULTS=100 SEED=3 bash results/soak/run.sh
 #   EXTRA="--expert-mode fsep --shard-copies 2" bash results/soak/run.sh   # more lzrun flags
 #   EXTRA="--relayout laer --relayout-every 8 --router-skew 4" bash results/soak/run.sh
+#   OUT=results/soak/soak-fsep.md …          # where the table goes
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 FAULTS=${FAULTS:-1000}
 SEED=${SEED:-1}
 NODES=${NODES:-6}
 STEPS=${STEPS:-$((FAULTS * 8 / 5 + 10))}
+OUT=${OUT:-results/soak/soak.md}
 commit=$(git rev-parse HEAD)
 git diff --quiet HEAD -- . || commit="$commit with uncommitted changes"
 cargo build --locked -p lazarus-executor --bin lzrun
@@ -31,5 +33,5 @@ code=$?
 set -e
 echo "exit code $code; log: $work/log"
 shown="lzrun ${args[*]}"
-python3 results/soak/summarize.py "$work" "$code" "${shown//$work/WORK}" "$commit" > results/soak/soak.md
-cat results/soak/soak.md
+python3 results/soak/summarize.py "$work" "$code" "${shown//$work/WORK}" "$commit" > "$OUT"
+cat "$OUT"
