@@ -471,6 +471,26 @@ pub enum RepairOutcome {
     RestoreCheckpoint { lost_shards: Vec<u32> },
 }
 
+/// The checks [`repair`] and [`rejoin`] start with: `f ≥ 1`, the dead nodes in range, and
+/// the restore when some shard lost every copy (`None`: every shard kept one).
+fn check_dead(
+    p: &ShardPlacement,
+    f: usize,
+    dead: &[u32],
+) -> Result<Option<RepairOutcome>, FsepError> {
+    if f == 0 {
+        return Err(FsepError::NoCopies(0));
+    }
+    if let Some(&n) = dead.iter().find(|&&n| n as usize >= p.nodes) {
+        return Err(FsepError::NodeOutOfRange {
+            node: n,
+            nodes: p.nodes,
+        });
+    }
+    let lost = p.lost_shards(dead);
+    Ok((!lost.is_empty()).then_some(RepairOutcome::RestoreCheckpoint { lost_shards: lost }))
+}
+
 /// The recovery action after `dead` nodes of `p` failed, with `capacity` shard copies per
 /// survivor. Rebuilds the missing copies (`min(f, survivors) − live copies` per shard — the
 /// fewest bytes any repair can move), each from the surviving holder that sent least so far,
@@ -492,18 +512,8 @@ pub fn repair(
     dead: &[u32],
     capacity: usize,
 ) -> Result<RepairOutcome, FsepError> {
-    if f == 0 {
-        return Err(FsepError::NoCopies(0));
-    }
-    if let Some(&n) = dead.iter().find(|&&n| n as usize >= p.nodes) {
-        return Err(FsepError::NodeOutOfRange {
-            node: n,
-            nodes: p.nodes,
-        });
-    }
-    let lost = p.lost_shards(dead);
-    if !lost.is_empty() {
-        return Ok(RepairOutcome::RestoreCheckpoint { lost_shards: lost });
+    if let Some(restore) = check_dead(p, f, dead)? {
+        return Ok(restore);
     }
     let mut is_dead = vec![false; p.nodes];
     dead.iter().for_each(|&n| is_dead[n as usize] = true);
@@ -647,18 +657,8 @@ pub fn rejoin(
     dead: &[u32],
     joined: usize,
 ) -> Result<RepairOutcome, FsepError> {
-    if f == 0 {
-        return Err(FsepError::NoCopies(0));
-    }
-    if let Some(&n) = dead.iter().find(|&&n| n as usize >= p.nodes) {
-        return Err(FsepError::NodeOutOfRange {
-            node: n,
-            nodes: p.nodes,
-        });
-    }
-    let lost = p.lost_shards(dead);
-    if !lost.is_empty() {
-        return Ok(RepairOutcome::RestoreCheckpoint { lost_shards: lost });
+    if let Some(restore) = check_dead(p, f, dead)? {
+        return Ok(restore);
     }
     let ext = ShardPlacement {
         nodes: p.nodes + joined,
