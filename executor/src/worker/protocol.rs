@@ -114,7 +114,7 @@ impl Checksums {
         store: &ExpertStore,
         shards: Option<&ShardStore>,
     ) -> Result<Self> {
-        let dense = fingerprint::optim_state(&opt.export()?);
+        let dense = opt.fingerprint()?;
         let shards = match shards {
             None => Vec::new(),
             Some(sh) => sh
