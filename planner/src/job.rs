@@ -144,6 +144,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+use crate::data::{DataPlanError, GlobalBatch};
 use crate::deadline::{Basis, DeadlineError, Limit, StepDeadline, StepTimes};
 use crate::migrate::{
     Held, Holders, MappingMethod, MigrationPlan, PhysicalNode, lost_experts, lost_experts_held,
@@ -223,6 +224,14 @@ pub struct JobConfig {
     /// [`LayoutSwitch`] with transfers the members stream while they train.
     #[serde(default)]
     pub replica_migration: ReplicaMigration,
+    /// A constant global batch (see [`crate::data`]): every step trains the next `B` positions
+    /// of the global sample order, split over the members by [`GlobalBatch::share`]; the data
+    /// cursor is part of the machine's state, of every reconfiguration and checkpoint, and
+    /// every member's report of what it trained is checked against the rule. `None`: each
+    /// member trains its own batch (the paper's behaviour; the global batch follows the
+    /// membership).
+    #[serde(default)]
+    pub global_batch: Option<GlobalBatch>,
 }
 
 /// How a rebalance of replicated experts moves the replicas the new layout adds.
@@ -271,6 +280,7 @@ impl JobConfig {
             shard_copies: default_shard_copies(),
             relayout: relayout::Relayout::Lazarus,
             replica_migration: ReplicaMigration::Blocking,
+            global_batch: None,
         }
     }
 
@@ -303,6 +313,9 @@ impl JobConfig {
         }
         if let Some(d) = &self.step_deadline {
             d.validate()?;
+        }
+        if let Some(b) = &self.global_batch {
+            b.validate()?;
         }
         Ok(())
     }
@@ -342,6 +355,8 @@ pub enum JobConfigError {
     Zero(&'static str),
     #[error(transparent)]
     Deadline(#[from] DeadlineError),
+    #[error(transparent)]
+    Data(#[from] DataPlanError),
 }
 
 /// What a member reports about one step it trained.
@@ -379,10 +394,52 @@ pub struct StepReport {
     /// agree" in the [module docs](JobMachine)); `None`: not taken at this step.
     #[serde(default)]
     pub fingerprints: Option<StateChecksums>,
+    /// With a global batch: what the member trained ([`JobConfig::global_batch`]).
+    #[serde(default)]
+    pub data: Option<StepData>,
+    /// Milliseconds of the step this member spent getting its batch (part of `step_ms`).
+    #[serde(default)]
+    pub data_wait_ms: f64,
+    /// The held-out loss after the step's update, when the job evaluated at this step (every
+    /// member computes the same value); `None`: not evaluated. NaN (`null` in JSON) when it
+    /// was not finite.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "some_nan_if_null"
+    )]
+    pub eval_loss: Option<f64>,
+}
+
+/// What a member trained of a global batch: the step's cursor as it saw it, its micro-batches
+/// and the sequences they held (`(source, sequence)` in position order).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct StepData {
+    pub cursor: u64,
+    pub first_micro_batch: u64,
+    pub micro_batches: u64,
+    #[serde(default)]
+    pub sequences: Vec<(u32, u64)>,
+}
+
+/// One member's sequences of a counted step (for `samples.csv`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberSamples {
+    pub node: NodeId,
+    pub rank: usize,
+    /// The position of `sequences[0]` in the global order.
+    pub first_position: u64,
+    pub sequences: Vec<(u32, u64)>,
 }
 
 fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
     Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+/// A field that is present: `null` (how JSON writes NaN) is `Some(NaN)`; an absent one is
+/// `None` through `#[serde(default)]`.
+fn some_nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+    nan_if_null(d).map(Some)
 }
 
 /// Why a member's worker is idle.
@@ -510,6 +567,9 @@ pub enum Event {
     /// Answers to [`Action::FindCheckpoint`]: the newest valid checkpoint, or why there is none.
     CheckpointFound {
         step: u64,
+        /// The data cursor saved with it (a global batch; `None`: a checkpoint without one).
+        #[serde(default)]
+        data_cursor: Option<u64>,
     },
     CheckpointMissing {
         error: String,
@@ -603,6 +663,9 @@ pub struct Reconfiguration {
     /// Sharded experts: shard copies to rebuild before training (an in-place repair).
     #[serde(default)]
     pub shard_transfers: Vec<RankShardTransfer>,
+    /// A global batch: the data cursor at `resume_step` (rewound with a checkpoint restore).
+    #[serde(default)]
+    pub data_cursor: Option<u64>,
 }
 
 impl Reconfiguration {
@@ -703,6 +766,25 @@ pub struct StepRecord {
     /// replay can feed the same history (`lzsim predict`).
     #[serde(default)]
     pub routing: Vec<Vec<u64>>,
+    /// A global batch: the cursor of the step's first sequence.
+    #[serde(default)]
+    pub data_cursor: Option<u64>,
+    /// A global batch: the sequences each member trained, in rank order.
+    #[serde(default)]
+    pub samples: Vec<MemberSamples>,
+    /// The longest [`StepReport::data_wait_ms`] of the members: a synchronous step waits for
+    /// its slowest input.
+    #[serde(default)]
+    pub data_wait_ms: f64,
+    /// The held-out loss after the step's update ([`StepReport::eval_loss`]) when every member
+    /// reported the same one; NaN when they disagree (logged) or it was not finite; `None`
+    /// when the step was not evaluated.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "some_nan_if_null"
+    )]
+    pub eval_loss: Option<f64>,
 }
 
 /// A completed reconfiguration, with its phases (the replan time is the driver's to measure).
@@ -761,6 +843,8 @@ pub enum Action {
         step: u64,
         members: usize,
         plan_version: u64,
+        /// The data cursor at `step` (a global batch), to save with the checkpoint.
+        data_cursor: Option<u64>,
     },
     /// Find the newest valid checkpoint; answer [`Event::CheckpointFound`] or
     /// [`Event::CheckpointMissing`].
@@ -941,6 +1025,10 @@ pub struct JobMachine {
     /// exits after its worker stopped): name and checksums, for the end-of-job checks.
     #[serde(default)]
     stopped: BTreeMap<NodeId, (String, StateChecksums)>,
+    /// A global batch: `(step, cursor)` the data cursor counts from (a fresh start's `(0, 0)`,
+    /// or a restored checkpoint's); the cursor of step `s` is `cursor + (s - step) · B`.
+    #[serde(default)]
+    data_origin: (u64, u64),
 }
 
 impl JobMachine {
@@ -985,6 +1073,7 @@ impl JobMachine {
             final_checkpoint_failures: 0,
             final_checkpoint_failed: false,
             stopped: BTreeMap::new(),
+            data_origin: (0, 0),
         })
     }
 
@@ -1013,6 +1102,17 @@ impl JobMachine {
         self.next_step
     }
     /// The newest checkpoint the driver reported committed.
+    /// A global batch: the data cursor (position of the first sequence) of `step`.
+    pub fn data_cursor(&self, step: u64) -> Option<u64> {
+        let b = self.cfg.global_batch?.sequences;
+        let (s0, c0) = self.data_origin;
+        Some(if step >= s0 {
+            c0.saturating_add((step - s0).saturating_mul(b))
+        } else {
+            c0.saturating_sub((s0 - step).saturating_mul(b))
+        })
+    }
+
     pub fn last_committed_checkpoint(&self) -> Option<u64> {
         self.last_committed
     }
@@ -1237,7 +1337,9 @@ impl JobMachine {
                 out.push(Action::Log(format!("checkpoint of step {step} committed")));
             }
             Event::CheckpointFailed { step, error } => self.checkpoint_failed(step, &error, out),
-            Event::CheckpointFound { step } => self.restore_from(step, now_ms, out),
+            Event::CheckpointFound { step, data_cursor } => {
+                self.restore_from(step, data_cursor, now_ms, out)
+            }
             Event::CheckpointMissing { error } => self.no_checkpoint(&error, out),
             Event::Done { node, checksums } => {
                 if let Some(n) = self.nodes.get_mut(&node) {
@@ -1681,6 +1783,10 @@ impl JobMachine {
                     out,
                 );
             }
+            let samples = match self.check_step_data(step, &by_node) {
+                Ok(s) => s,
+                Err(why) => return self.fail(why, out),
+            };
             let on_switch = self.switch.as_ref().is_some_and(|p| {
                 let v = p.switch.plan.version;
                 self.members
@@ -1720,6 +1826,10 @@ impl JobMachine {
                 sent_bytes: by_node.values().map(|r| r.sent_bytes).sum(),
                 copy_bytes: by_node.values().map(|r| r.copy_bytes).sum(),
                 routing: routing.clone(),
+                data_cursor: self.data_cursor(step),
+                samples,
+                data_wait_ms: by_node.values().map(|r| r.data_wait_ms).fold(0.0, f64::max),
+                eval_loss: self.agreed_eval_loss(step, &by_node, out),
             };
             if matches!(self.cfg.relayout, relayout::Relayout::Laer(_)) {
                 let (agg, experts) = (self.cfg.aggregation, self.cfg.model.experts);
@@ -1750,6 +1860,88 @@ impl JobMachine {
                 self.nonfinite_run = 0;
             }
         }
+    }
+
+    /// The members' held-out loss of `step`: the one they all reported (the eval's all-reduce
+    /// gives every member the same value); NaN, with a log line, when they disagree (some
+    /// evaluated and some did not, or the values differ: a bug, not a fault); `None` when none
+    /// evaluated.
+    fn agreed_eval_loss(
+        &self,
+        step: u64,
+        by_node: &BTreeMap<NodeId, StepReport>,
+        out: &mut Vec<Action>,
+    ) -> Option<f64> {
+        let mut losses = by_node.values().map(|r| r.eval_loss);
+        let first = losses.next().flatten();
+        // Bit equality: NaN agrees with NaN (a diverged eval everywhere is one value).
+        let same = |a: Option<f64>, b: Option<f64>| a.map(f64::to_bits) == b.map(f64::to_bits);
+        if losses.all(|l| same(l, first)) {
+            return first;
+        }
+        let seen: Vec<String> = by_node
+            .iter()
+            .map(|(id, r)| {
+                let name = self.nodes.get(id).map_or("", |n| n.name.as_str());
+                match r.eval_loss {
+                    Some(l) => format!("{name} {l}"),
+                    None => format!("{name} none"),
+                }
+            })
+            .collect();
+        out.push(Action::Log(format!(
+            "step {step}: the members reported different eval losses ({}); recorded as NaN",
+            seen.join(", ")
+        )));
+        Some(f64::NAN)
+    }
+
+    /// A global batch: every member trained exactly its share of the step's micro-batches, from
+    /// the step's cursor (see [`crate::data`]); the sequences each trained, in rank order.
+    fn check_step_data(
+        &self,
+        step: u64,
+        by_node: &BTreeMap<NodeId, StepReport>,
+    ) -> Result<Vec<MemberSamples>, String> {
+        let (Some(b), Some(cursor)) = (self.cfg.global_batch, self.data_cursor(step)) else {
+            return Ok(Vec::new());
+        };
+        let n = self.members.len();
+        let mut out = Vec::with_capacity(n);
+        for (rank, &node) in self.members.iter().enumerate() {
+            let name = self.nodes.get(&node).map_or("", |x| x.name.as_str());
+            let want = b.share(n, rank);
+            let Some(d) = by_node.get(&node).and_then(|r| r.data.as_ref()) else {
+                return Err(format!(
+                    "step {step}: member {name} (rank {rank}) did not say what it trained of \
+                     the global batch"
+                ));
+            };
+            let got = d.first_micro_batch..d.first_micro_batch + d.micro_batches;
+            if d.cursor != cursor || got != want {
+                return Err(format!(
+                    "step {step}: member {name} (rank {rank}) trained micro-batches {got:?} from \
+                     data cursor {}, the plan gives it {want:?} from cursor {cursor}",
+                    d.cursor
+                ));
+            }
+            if d.sequences.len() as u64 != d.micro_batches * b.micro {
+                return Err(format!(
+                    "step {step}: member {name} (rank {rank}) reports {} sequences for {} \
+                     micro-batches of {}",
+                    d.sequences.len(),
+                    d.micro_batches,
+                    b.micro
+                ));
+            }
+            out.push(MemberSamples {
+                node,
+                rank,
+                first_position: b.positions(cursor, want.start).start,
+                sequences: d.sequences.clone(),
+            });
+        }
+        Ok(out)
     }
 
     fn steps_done(
@@ -2128,6 +2320,7 @@ impl JobMachine {
                 step,
                 members: self.members.len(),
                 plan_version: self.plan_version,
+                data_cursor: self.data_cursor(step),
             });
         }
     }
@@ -2895,13 +3088,20 @@ impl JobMachine {
             max_recv_bytes: migration.map_or(0, |m| m.max_recv_bytes),
             shard_holders,
             shard_transfers,
+            data_cursor: self.data_cursor(resume_step),
         };
         self.plan = Some(plan);
         self.enter(Phase::Reconfiguring, now_ms);
         out.push(Action::Reconfigure(Box::new(reconfig)));
     }
 
-    fn restore_from(&mut self, step: u64, now_ms: u64, out: &mut Vec<Action>) {
+    fn restore_from(
+        &mut self,
+        step: u64,
+        data_cursor: Option<u64>,
+        now_ms: u64,
+        out: &mut Vec<Action>,
+    ) {
         if self.phase != Phase::Restoring {
             return;
         }
@@ -2923,6 +3123,19 @@ impl JobMachine {
         // The lineage goes on from this checkpoint: a newer one (damaged, or of an abandoned
         // history) does not hold its final state.
         self.last_committed = Some(step);
+        // The data cursor rewinds with the weights.
+        if let Some(b) = self.cfg.global_batch {
+            let cursor = data_cursor.unwrap_or_else(|| {
+                let assumed = step.saturating_mul(b.sequences);
+                out.push(Action::Log(format!(
+                    "the checkpoint of step {step} holds no data cursor (written without a \
+                     global batch): assuming step × {} = {assumed}",
+                    b.sequences
+                )));
+                assumed
+            });
+            self.data_origin = (step, cursor);
+        }
         self.send_plan(kind, StateSource::Checkpoint { step }, step, now_ms, out);
     }
 

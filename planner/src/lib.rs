@@ -11,6 +11,7 @@
 //! dispatcher (Alg. 1, §4.2) and reconfiguration with minimal migration (§4.3, §5).
 //! Where the paper is silent, each module documents the decision it takes.
 pub mod allocate;
+pub mod data;
 pub mod deadline;
 pub mod dispatch;
 pub mod error;

@@ -247,6 +247,77 @@ fn a_step_counts_once_every_member_reported_it_in_this_epoch() {
     assert_eq!(j.m.next_step(), 1);
 }
 
+/// A synchronous step is as slow as its slowest member: the record keeps the longest step
+/// time and the longest data wait (issue 31 item 5), and sums the tokens.
+#[test]
+fn a_record_keeps_the_slowest_members_step_and_data_wait() {
+    let (mut j, r) = started(config(4, 10), &[0, 1], 0);
+    let mut a = Vec::new();
+    for (node, step_ms, data_wait_ms) in [(0, 30.0, 2.0), (1, 10.0, 5.0)] {
+        a.extend(j.ev(Event::Stepped {
+            node,
+            epoch: r.epoch,
+            step: 0,
+            report: StepReport {
+                tokens: 8,
+                step_ms,
+                data_wait_ms,
+                ..StepReport::default()
+            },
+        }));
+    }
+    let rec = a
+        .iter()
+        .find_map(|a| match a {
+            Action::Record(r) => Some(r),
+            _ => None,
+        })
+        .expect("step 0 counted");
+    assert_eq!((rec.tokens, rec.step_ms, rec.data_wait_ms), (16, 30.0, 5.0));
+}
+
+/// Issue 31 item 1: the held-out loss every member reports (the eval's all-reduce gives them
+/// the same) is the record's; members that disagree (a bug, not a fault) give NaN and a log
+/// line naming what each reported; a step nobody evaluated has none.
+#[test]
+fn a_record_keeps_the_eval_loss_the_members_agree_on() {
+    let record = |losses: [Option<f64>; 2]| {
+        let (mut j, r) = started(config(4, 10), &[0, 1], 0);
+        let mut a = Vec::new();
+        for (node, eval_loss) in [0, 1].into_iter().zip(losses) {
+            a.extend(j.ev(Event::Stepped {
+                node,
+                epoch: r.epoch,
+                step: 0,
+                report: StepReport {
+                    tokens: 8,
+                    eval_loss,
+                    ..StepReport::default()
+                },
+            }));
+        }
+        let rec = a
+            .iter()
+            .find_map(|a| match a {
+                Action::Record(r) => Some(r.eval_loss),
+                _ => None,
+            })
+            .expect("step 0 counted");
+        let logged = a
+            .iter()
+            .any(|a| matches!(a, Action::Log(l) if l.contains("different eval losses")));
+        (rec, logged)
+    };
+    assert_eq!(record([Some(3.5), Some(3.5)]), (Some(3.5), false));
+    assert_eq!(record([None, None]), (None, false));
+    let (nan, logged) = record([Some(f64::NAN), Some(f64::NAN)]);
+    assert!(nan.is_some_and(f64::is_nan) && !logged);
+    for split in [[Some(3.5), Some(3.25)], [Some(3.5), None]] {
+        let (rec, logged) = record(split);
+        assert!(rec.is_some_and(f64::is_nan) && logged, "{split:?}");
+    }
+}
+
 #[test]
 fn a_lost_member_aborts_the_others_and_the_survivors_replan_in_place() {
     let (mut j, _) = started(config(4, 10), &[0, 1, 2], 3);
@@ -287,13 +358,9 @@ fn a_lost_member_aborts_the_others_and_the_survivors_replan_in_place() {
     assert_eq!((rec.nodes_before, rec.nodes_after), (3, 2));
 }
 
-#[test]
-fn an_expert_without_replicas_restores_the_newest_checkpoint() {
-    let mut cfg = config(2, 20);
-    cfg.initial_nodes = 4;
-    cfg.checkpoint_every_steps = 5;
-    let (mut j, r) = started(cfg, &[0, 1, 2, 3], 7);
-    // Nodes 0 and 1 hold the same MRO block: losing both loses its experts.
+/// Members 0 and 1 of `r` (of four, two slots each) hold the same MRO block: both are lost and
+/// the other two report idle after `step`, so the block's experts lost every replica.
+fn lose_the_first_block(j: &mut Job, r: &Reconfiguration, step: u64) -> Vec<Action> {
     let block: Vec<NodeId> = r.members()[..2].to_vec();
     assert_eq!(j.held(block[0]), j.held(block[1]));
     for &n in &block {
@@ -303,11 +370,23 @@ fn an_expert_without_replicas_restores_the_newest_checkpoint() {
         });
     }
     let rest: Vec<NodeId> = r.members()[2..].to_vec();
-    j.idle(rest[0], IdleReason::Failed("x".into()), 7);
-    let a = j.idle(rest[1], IdleReason::Failed("x".into()), 7);
+    j.idle(rest[0], IdleReason::Failed("x".into()), step);
+    j.idle(rest[1], IdleReason::Failed("x".into()), step)
+}
+
+#[test]
+fn an_expert_without_replicas_restores_the_newest_checkpoint() {
+    let mut cfg = config(2, 20);
+    cfg.initial_nodes = 4;
+    cfg.checkpoint_every_steps = 5;
+    let (mut j, r) = started(cfg, &[0, 1, 2, 3], 7);
+    let a = lose_the_first_block(&mut j, &r, 7);
     assert!(a.contains(&Action::FindCheckpoint));
     assert_eq!(j.m.phase(), Phase::Restoring);
-    let a = j.ev(Event::CheckpointFound { step: 5 });
+    let a = j.ev(Event::CheckpointFound {
+        step: 5,
+        data_cursor: None,
+    });
     let r2 = reconfig(&a).unwrap();
     assert_eq!(r2.kind, ReconfigKind::Restore);
     assert_eq!(r2.source, StateSource::Checkpoint { step: 5 });
@@ -532,7 +611,10 @@ fn too_few_nodes_wait_for_more_then_restore() {
     // some, so the plan over the survivor and the newcomer restores the checkpoint of step 2.
     let a = j.join(5);
     assert!(a.contains(&Action::FindCheckpoint), "{a:?}");
-    let a = j.ev(Event::CheckpointFound { step: 2 });
+    let a = j.ev(Event::CheckpointFound {
+        step: 2,
+        data_cursor: None,
+    });
     let r2 = reconfig(&a).expect("planned once enough nodes are there");
     assert_eq!(r2.members().len(), 2);
     assert_eq!((r2.kind, r2.resume_step), (ReconfigKind::Restore, 2));
@@ -647,7 +729,8 @@ fn a_checkpoint_is_committed_once_every_member_wrote_its_parts() {
     assert!(a.contains(&Action::CommitCheckpoint {
         step: 2,
         members: 2,
-        plan_version: 1
+        plan_version: 1,
+        data_cursor: None
     }));
     j.ev(Event::CheckpointFailed {
         step: 2,
@@ -868,7 +951,10 @@ fn a_restore_that_lost_a_node_meanwhile_waits_for_nodes() {
         node: rest[0],
         reason: "killed".into(),
     });
-    let a = j.ev(Event::CheckpointFound { step: 2 });
+    let a = j.ev(Event::CheckpointFound {
+        step: 2,
+        data_cursor: None,
+    });
     assert!(
         a.iter().any(|a| matches!(a, Action::WaitForNodes { .. })),
         "{a:?}"
@@ -877,7 +963,10 @@ fn a_restore_that_lost_a_node_meanwhile_waits_for_nodes() {
     assert!(!j.m.is_over());
     let a = j.join(7);
     assert!(a.contains(&Action::FindCheckpoint), "{a:?}");
-    let a = j.ev(Event::CheckpointFound { step: 2 });
+    let a = j.ev(Event::CheckpointFound {
+        step: 2,
+        data_cursor: None,
+    });
     let r2 = reconfig(&a).expect("planned once enough nodes are there");
     assert_eq!((r2.kind, r2.resume_step), (ReconfigKind::Restore, 2));
 }
@@ -1440,7 +1529,10 @@ fn with_sharded_experts_any_lost_member_restores_the_checkpoint() {
         "{:?}",
         logs(&a)
     );
-    let a = j.ev(Event::CheckpointFound { step: 5 });
+    let a = j.ev(Event::CheckpointFound {
+        step: 5,
+        data_cursor: None,
+    });
     let r = reconfig(&a).unwrap();
     assert_eq!(r.kind, ReconfigKind::Restore);
     assert_eq!(r.source, StateSource::Checkpoint { step: 5 });
@@ -1548,7 +1640,11 @@ fn with_two_shard_copies_losing_every_copy_of_a_shard_restores_the_checkpoint() 
         "{:?}",
         logs(&a)
     );
-    let r = reconfig(&j.ev(Event::CheckpointFound { step: 5 })).unwrap();
+    let r = reconfig(&j.ev(Event::CheckpointFound {
+        step: 5,
+        data_cursor: None,
+    }))
+    .unwrap();
     assert_eq!(r.kind, ReconfigKind::Restore);
     assert_eq!(r.source, StateSource::Checkpoint { step: 5 });
     assert_eq!(r.members(), &[0, 1]);
@@ -1713,7 +1809,8 @@ fn checkpoint_all(j: &mut Job, step: u64) -> Vec<Action> {
         a.contains(&Action::CommitCheckpoint {
             step,
             members: j.m.members().len(),
-            plan_version: j.m.plan_version()
+            plan_version: j.m.plan_version(),
+            data_cursor: None
         }),
         "{a:?}"
     );
@@ -1770,7 +1867,10 @@ fn members_that_finish_without_every_expert_restore_and_train_the_lost_steps_aga
         "{a:?}"
     );
     assert!(a.contains(&Action::FindCheckpoint), "{a:?}");
-    let a = j.ev(Event::CheckpointFound { step: 8 });
+    let a = j.ev(Event::CheckpointFound {
+        step: 8,
+        data_cursor: None,
+    });
     let r2 = reconfig(&a).expect("a restore");
     assert_eq!((r2.kind, r2.resume_step), (ReconfigKind::Restore, 8));
     j.migrated_all(&r2);
@@ -2179,4 +2279,109 @@ fn with_two_shard_copies_a_loss_and_a_join_together_stay_in_place() {
     assert_eq!(r.shard_transfers.len(), 2, "{r:?}");
     assert!(r.shard_transfers.iter().all(|t| t.dst_rank == rank4));
     assert!(matches!(&r.source, StateSource::Peers { dense_to, .. } if dense_to == &[rank4]));
+}
+
+/// Issue 31: with a global batch the cursor advances by `B` per counted step, travels with the
+/// reconfigurations and the checkpoint commits, and a restore rewinds it to the checkpoint's.
+#[test]
+fn a_global_batch_cursor_follows_the_steps_and_rewinds_with_a_restore() {
+    use lazarus_planner::data::GlobalBatch;
+    use lazarus_planner::job::StepData;
+    let mut cfg = config(2, 20);
+    cfg.checkpoint_every_steps = 5;
+    cfg.global_batch = Some(GlobalBatch::new(16, 4).unwrap());
+    cfg.initial_nodes = 4;
+    let mut j = Job::new(cfg);
+    let mut a = Vec::new();
+    for n in 0..4 {
+        a.extend(j.join(n));
+    }
+    let r = reconfig(&a).unwrap();
+    assert_eq!(r.data_cursor, Some(0));
+    j.migrated_all(&r);
+    // Each member reports its share: rank r of 4 trains micro-batch r.
+    let report = |cursor: u64, first: u64, n: u64| StepReport {
+        loss: 2.0,
+        tokens: 8,
+        data: Some(StepData {
+            cursor,
+            first_micro_batch: first,
+            micro_batches: n,
+            sequences: (0..n * 4).map(|i| (0, i)).collect(),
+        }),
+        ..StepReport::default()
+    };
+    for step in 0..7u64 {
+        let mut out = Vec::new();
+        for (rank, &m) in r.members().iter().enumerate() {
+            out.extend(j.ev(Event::Stepped {
+                node: m,
+                epoch: r.epoch,
+                step,
+                report: report(step * 16, rank as u64, 1),
+            }));
+        }
+        let rec = out
+            .iter()
+            .find_map(|a| match a {
+                Action::Record(r) => Some(r.clone()),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(rec.data_cursor, Some(step * 16));
+        assert_eq!(rec.samples.len(), 4);
+        assert_eq!(rec.samples[2].first_position, step * 16 + 8);
+        if step == 4 {
+            // The checkpoint of 5 completed steps carries cursor 80.
+            let mut c = Vec::new();
+            for &m in r.members() {
+                c.extend(j.ev(Event::CheckpointWritten {
+                    node: m,
+                    epoch: r.epoch,
+                    step: 5,
+                }));
+            }
+            assert!(c.iter().any(|a| matches!(
+                a,
+                Action::CommitCheckpoint {
+                    step: 5,
+                    data_cursor: Some(80),
+                    ..
+                }
+            )));
+            j.ev(Event::CheckpointCommitted { step: 5 });
+        }
+    }
+    // Losing a whole MRO block restores step 5: the cursor rewinds to the checkpoint's.
+    lose_the_first_block(&mut j, &r, 7);
+    let a = j.ev(Event::CheckpointFound {
+        step: 5,
+        data_cursor: Some(80),
+    });
+    let r2 = reconfig(&a).unwrap();
+    assert_eq!((r2.resume_step, r2.data_cursor), (5, Some(80)));
+    j.migrated_all(&r2);
+    // Two members now: 2 micro-batches each. A member that trains the wrong share fails the job.
+    let (m0, m1) = (r2.members()[0], r2.members()[1]);
+    j.ev(Event::Stepped {
+        node: m0,
+        epoch: r2.epoch,
+        step: 5,
+        report: report(80, 0, 2),
+    });
+    let a = j.ev(Event::Stepped {
+        node: m1,
+        epoch: r2.epoch,
+        step: 5,
+        report: report(80, 1, 2),
+    });
+    let why = a
+        .iter()
+        .find_map(|a| match a {
+            Action::Finished(Err(e)) => Some(e.clone()),
+            _ => None,
+        })
+        .expect("the wrong share ends the job");
+    assert!(why.contains("micro-batches 1..3"), "{why}");
+    assert!(why.contains("the plan gives it 2..4"), "{why}");
 }

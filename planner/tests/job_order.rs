@@ -68,9 +68,10 @@ fn run(order: &[&str], joins: &'static [&'static str]) -> (Vec<Named>, u64) {
                         *committed = step;
                         queue.push(Event::CheckpointCommitted { step });
                     }
-                    Action::FindCheckpoint => {
-                        queue.push(Event::CheckpointFound { step: *committed })
-                    }
+                    Action::FindCheckpoint => queue.push(Event::CheckpointFound {
+                        step: *committed,
+                        data_cursor: None,
+                    }),
                     Action::Reconfigure(r) => {
                         let members: Vec<String> =
                             r.members().iter().map(|id| names[id].clone()).collect();

@@ -192,7 +192,7 @@ impl Sim {
             match &e.item {
                 Item::ToMachine(ev)
                     if event_node(ev).is_some()
-                        && !matches!(ev, Event::Lost { .. } | Event::Heartbeat { .. }) =>
+                        && !matches!(**ev, Event::Lost { .. } | Event::Heartbeat { .. }) =>
                 {
                     in_flight.push(e)
                 }
@@ -203,7 +203,7 @@ impl Sim {
         for e in in_flight {
             if let Item::ToMachine(ev) = e.item {
                 let id = event_node(&ev).expect("checked");
-                self.buffered.entry(id).or_default().push(ev);
+                self.buffered.entry(id).or_default().push(*ev);
             }
         }
         let ids: Vec<NodeId> = self.nodes.keys().copied().collect();

@@ -123,7 +123,8 @@ enum Cmd {
 }
 
 enum Item {
-    ToMachine(Event),
+    /// Boxed: a step report (the largest event) would make every queued item its size.
+    ToMachine(Box<Event>),
     /// A command, the driver incarnation that sent it, and whether a crash of that driver
     /// loses it (it was saved but not yet sent).
     Cmd(NodeId, Cmd, u64, bool),
@@ -441,9 +442,9 @@ impl Sim {
         }
         if dup {
             let d2 = self.net_ms();
-            self.at(at + d2, Item::ToMachine(ev.clone()));
+            self.at(at + d2, Item::ToMachine(Box::new(ev.clone())));
         }
-        self.at(at, Item::ToMachine(ev));
+        self.at(at, Item::ToMachine(Box::new(ev)));
     }
 
     fn net_ms(&mut self) -> u64 {
@@ -502,7 +503,7 @@ impl Sim {
 
     fn step(&mut self, item: Item) {
         match item {
-            Item::ToMachine(ev) => self.arrive(ev),
+            Item::ToMachine(ev) => self.arrive(*ev),
             Item::Tick => {
                 if !self.driver_down {
                     self.deliver(Event::Tick);
@@ -656,7 +657,10 @@ impl Sim {
             Action::SwitchLayout(sw) => self.switch_layout(*sw),
             Action::CommitCheckpoint { step, .. } => self.commit(step),
             Action::FindCheckpoint => match self.committed.keys().next_back() {
-                Some(&step) => self.send(Event::CheckpointFound { step }),
+                Some(&step) => self.send(Event::CheckpointFound {
+                    step,
+                    data_cursor: None,
+                }),
                 None => {
                     self.no_checkpoint_said = true;
                     self.send(Event::CheckpointMissing {
