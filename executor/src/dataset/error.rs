@@ -8,6 +8,14 @@ use super::TokenDtype;
 /// What can go wrong opening, reading or writing a token dataset.
 #[derive(Debug, thiserror::Error)]
 pub enum DatasetError {
+    #[error("{}: {tokens} tokens, fewer than one training sequence of seq_len + 1 = {needed}", .path.display())]
+    TooShort {
+        path: PathBuf,
+        tokens: u64,
+        needed: u64,
+    },
+    #[error("the data blend: {0}")]
+    Order(#[from] lazarus_planner::data::DataPlanError),
     #[error("{}: {source}", .path.display())]
     Io {
         path: PathBuf,

@@ -15,7 +15,7 @@ pub const IDX_MAGIC: &[u8; 9] = b"MMIDIDX\x00\x00";
 pub const IDX_HEADER_LEN: u64 = 34;
 const VERSION: u64 = 1;
 
-fn with_suffix(prefix: &Path, suffix: &str) -> PathBuf {
+pub(crate) fn with_suffix(prefix: &Path, suffix: &str) -> PathBuf {
     let mut s = OsString::from(prefix.as_os_str());
     s.push(suffix);
     PathBuf::from(s)
@@ -410,8 +410,21 @@ impl IndexedWriter {
     /// int64).
     pub fn create(prefix: impl AsRef<Path>, dtype: TokenDtype) -> Result<IndexedWriter> {
         let prefix = prefix.as_ref();
-        let idx_path = with_suffix(prefix, ".idx");
-        let bin_path = with_suffix(prefix, ".bin");
+        IndexedWriter::create_at(
+            with_suffix(prefix, ".bin"),
+            with_suffix(prefix, ".idx"),
+            dtype,
+        )
+    }
+
+    /// Like [`IndexedWriter::create`], with the two files named explicitly (for writing under
+    /// temporary names and renaming after `finish`, as `lzrun prepare` does).
+    pub fn create_at(
+        bin_path: impl Into<PathBuf>,
+        idx_path: impl Into<PathBuf>,
+        dtype: TokenDtype,
+    ) -> Result<IndexedWriter> {
+        let (bin_path, idx_path) = (bin_path.into(), idx_path.into());
         if dtype.megatron_code().is_none() {
             return Err(DatasetError::NoMegatronCode {
                 path: idx_path,

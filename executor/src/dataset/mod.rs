@@ -60,10 +60,19 @@
 //! training samples as [`TokenDataset::window`]s of `seq_len + 1` tokens (inputs and shifted
 //! targets) at offsets from a global sample order that every worker derives from the seed and
 //! the step, so a rank joining mid-run reads exactly the samples it would have read.
+//!
+//! # Making one
+//!
+//! `lzrun prepare` ([`prepare::prepare`]) tokenizes `.txt` / `.jsonl` text with a Hugging Face
+//! `tokenizer.json` (or the byte tokenizer) into a Megatron-LM indexed dataset, one sequence
+//! per document; `lzrun tokenizer` ([`prepare::train_tokenizer`]) trains a byte-level BPE
+//! `tokenizer.json` for it from local text.
 
 mod error;
 mod flat;
 mod indexed;
+pub mod prepare;
+mod train;
 
 #[cfg(test)]
 mod tests;
@@ -77,9 +86,11 @@ use std::str::FromStr;
 pub use error::{DatasetError, Result};
 pub use flat::{FlatTokens, write_flat};
 pub use indexed::{IDX_HEADER_LEN, IDX_MAGIC, IndexedDataset, IndexedWriter};
+pub use train::{DataFormat, DataSource, DataSpec, EvalData, EvalSpec, MicroBatch, TrainData};
 
 /// The width and signedness of the token ids in a file (always little-endian).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum TokenDtype {
     U8,
     U16,
@@ -408,6 +419,14 @@ impl TokenDataset {
             .and_then(|e| e.checked_add(1))
             .unwrap_or(u64::MAX);
         self.stream().tokens(offset..end)
+    }
+
+    /// The sequence (of the file's index) that holds global token `index`.
+    pub fn sequence_of_token(&self, index: u64) -> u64 {
+        match self {
+            TokenDataset::Flat(_) => 0,
+            TokenDataset::Indexed(d) => d.sequence_containing(index),
+        }
     }
 
     /// The largest token id (one streaming pass over the tokens).
