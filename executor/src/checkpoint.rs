@@ -241,6 +241,10 @@ pub struct Manifest {
     pub config: MoeConfig,
     /// Sorted by name.
     pub parts: Vec<PartInfo>,
+    /// A global batch: the data cursor at `step` (the position of the next sequence of the
+    /// global sample order); restoring rewinds the data with the weights.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_cursor: Option<u64>,
 }
 
 impl Manifest {
@@ -260,6 +264,7 @@ impl Manifest {
             plan_version,
             config,
             parts,
+            data_cursor: None,
         }
     }
 

@@ -258,6 +258,53 @@ fn check_cuda(_ordinal: usize) -> Result<(), DeviceError> {
     Err(DeviceError::NotBuilt)
 }
 
+/// Peak dense BF16 tensor-core TFLOP/s of the GPU the driver names `device_name` (as
+/// `nvidia-smi` shows it), the denominator of MFU; `None` for a GPU not in this table.
+///
+/// From NVIDIA's datasheets, which quote H100 and H200 figures "with sparsity" (2:4
+/// structured), twice the dense rate a training step can use:
+/// * H100 SXM and H200 (SXM; GH200 alike): 1,979 with sparsity, **989** dense (NVIDIA H100
+///   Tensor Core GPU datasheet; NVIDIA H200 Tensor Core GPU datasheet);
+/// * H100 PCIe: 1,513 with sparsity, **756** dense (H100 datasheet);
+/// * A100, SXM4 and PCIe, 40 and 80 GB: **312** dense (NVIDIA A100 Tensor Core GPU datasheet).
+///
+/// NVL variants are left out (their figures changed between datasheet revisions), as is every
+/// other GPU: pass `--peak-tflops` for them. There is no CPU entry on purpose: a CPU's peak
+/// depends on its cores, clocks and vector units, and a guessed one would make an MFU that
+/// means nothing.
+pub fn peak_bf16_tflops(device_name: &str) -> Option<f64> {
+    let name = device_name.to_ascii_uppercase();
+    if name.contains("NVL") {
+        None
+    } else if name.contains("H100") && name.contains("PCIE") {
+        Some(756.0)
+    } else if name.contains("H100") || name.contains("H200") {
+        Some(989.0)
+    } else if name.contains("A100") {
+        Some(312.0)
+    } else {
+        None
+    }
+}
+
+/// The name the driver gives CUDA device `ordinal` (`cuDeviceGetName`, e.g. `NVIDIA H200`),
+/// without creating a context: what `lzrun local` looks the device's peak up by.
+#[cfg(feature = "cuda")]
+pub fn cuda_device_name(ordinal: usize) -> Result<String, DeviceError> {
+    use cudarc::driver::result;
+    let no = |reason: String| DeviceError::NoDevice { ordinal, reason };
+    result::init().map_err(|e| no(format!("{e:?}")))?;
+    let ord = std::ffi::c_int::try_from(ordinal).map_err(|e| no(e.to_string()))?;
+    let dev = result::device::get(ord).map_err(|e| no(format!("{e:?}")))?;
+    result::device::get_name(dev).map_err(|e| no(format!("{e:?}")))
+}
+
+/// Without the `cuda` feature there is no CUDA device to name.
+#[cfg(not(feature = "cuda"))]
+pub fn cuda_device_name(_ordinal: usize) -> Result<String, DeviceError> {
+    Err(DeviceError::NotBuilt)
+}
+
 /// Whether this binary was built with CUDA support (feature `cuda`).
 pub const fn cuda_built() -> bool {
     cfg!(feature = "cuda")
@@ -328,6 +375,26 @@ mod tests {
                 assert!(!line.contains('\n'), "{line}");
             }
             Err(e) => panic!("unexpected {e:?}"),
+        }
+    }
+
+    /// The names the driver reports (`nvidia-smi --query-gpu=name`) map to the datasheets'
+    /// dense BF16 peaks; anything else is unknown rather than guessed.
+    #[test]
+    fn peaks_by_device_name() {
+        for (name, peak) in [
+            ("NVIDIA H100 80GB HBM3", Some(989.0)),
+            ("NVIDIA H200", Some(989.0)),
+            ("NVIDIA H100 PCIe", Some(756.0)),
+            ("NVIDIA A100-SXM4-80GB", Some(312.0)),
+            ("NVIDIA A100-PCIE-40GB", Some(312.0)),
+            ("NVIDIA H100 NVL", None),
+            ("NVIDIA H200 NVL", None),
+            ("NVIDIA GeForce RTX 3090", None),
+            ("NVIDIA H20", None),
+            ("", None),
+        ] {
+            assert_eq!(peak_bf16_tflops(name), peak, "{name}");
         }
     }
 }

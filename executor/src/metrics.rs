@@ -18,6 +18,12 @@
 //! `null` in JSON, and read back as NaN.
 //!
 //! [`log_line`] formats a Megatron-style progress line for the launcher's stdout.
+//!
+//! Throughput that compares across runs and with the literature (issue 31 item 5): every step
+//! record has its tokens per second of step time, its data wait (the slowest member's time
+//! getting its batch) and its model-FLOPs utilisation ([`mfu`]: Megatron/PaLM model FLOPs,
+//! [`crate::model::model_flops_per_token`], over the devices' peak; unknown without a peak);
+//! the summary has their step-time-weighted means.
 use std::fmt::Write as _;
 use std::fs;
 use std::io::Write as _;
@@ -46,7 +52,7 @@ pub const TIMESERIES_COLUMNS: [&str; 7] = [
 ];
 
 /// The columns of `steps.csv`, in order (the fields of [`StepRecord`]).
-pub const STEP_COLUMNS: [&str; 15] = [
+pub const STEP_COLUMNS: [&str; 21] = [
     "step",
     "t_s",
     "loss",
@@ -62,6 +68,12 @@ pub const STEP_COLUMNS: [&str; 15] = [
     "expert_tokens_mean",
     "sent_bytes",
     "copy_bytes",
+    "tokens_per_s",
+    "data_wait_ms",
+    "mfu",
+    "data_cursor",
+    "eval_loss",
+    "eval_ppl",
 ];
 
 /// `timeseries.csv` state of a training row.
@@ -85,6 +97,35 @@ fn nan_if_missing<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
     Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
+/// A measure a file written before it existed does not have: NaN, "not measured", rather than
+/// a 0 that would read as a measurement.
+fn not_measured() -> f64 {
+    f64::NAN
+}
+
+/// Tokens per second of one step: its tokens (all members) over its `step_ms` (the slowest
+/// member's, as the collectives make every member wait for it); 0 when `step_ms` is not
+/// positive.
+pub fn step_tokens_per_s(tokens: u64, step_ms: f64) -> f64 {
+    if step_ms > 0.0 {
+        tokens as f64 / (step_ms / 1000.0)
+    } else {
+        0.0
+    }
+}
+
+/// Model-FLOPs utilisation: the model FLOP/s the tokens per second stand for
+/// (`flops_per_token`, [`crate::model::model_flops_per_token`]) over the peak FLOP/s of the
+/// devices that trained them (`peak_flops`, all of them together). NaN when the peak is not a
+/// positive finite number (unknown).
+pub fn mfu(tokens_per_s: f64, flops_per_token: f64, peak_flops: f64) -> f64 {
+    if peak_flops.is_finite() && peak_flops > 0.0 {
+        tokens_per_s * flops_per_token / peak_flops
+    } else {
+        f64::NAN
+    }
+}
+
 /// One completed training step, as seen by the launcher.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepRecord {
@@ -92,6 +133,7 @@ pub struct StepRecord {
     /// rollback to a checkpoint.
     pub step: u64,
     /// Wall seconds since training start when the step completed on all live workers.
+    #[serde(deserialize_with = "nan_if_missing")]
     pub t_s: f64,
     /// Mean loss over the workers.
     #[serde(deserialize_with = "nan_if_missing")]
@@ -107,18 +149,19 @@ pub struct StepRecord {
     /// Version of the plan the step ran on.
     pub plan_version: u64,
     /// Step time in milliseconds, max over the workers.
+    #[serde(deserialize_with = "nan_if_missing")]
     pub step_ms: f64,
     /// CPU milliseconds a worker spent computing its experts: the largest and the mean over the
     /// workers (their ratio is the step's compute imbalance; the wall step is the same on
     /// every worker, as the collectives synchronise them).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "nan_if_missing")]
     pub expert_ms_max: f64,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "nan_if_missing")]
     pub expert_ms_mean: f64,
     /// Token rows a worker ran through its experts: the largest and the mean over the workers.
     #[serde(default)]
     pub expert_tokens_max: u64,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "nan_if_missing")]
     pub expert_tokens_mean: f64,
     /// Bytes all workers sent to each other during the step (every collective: routed
     /// tokens, FSEP's shard gathers, gradient reductions).
@@ -133,6 +176,39 @@ pub struct StepRecord {
     /// history of the step); written to `routing.csv`, not `steps.csv` ([`routing_csv`]).
     #[serde(skip)]
     pub routing: Vec<Vec<u64>>,
+    /// A global batch: the sequences each member trained; written to `samples.csv`
+    /// ([`samples_csv`]).
+    #[serde(skip)]
+    pub trained: Vec<lazarus_planner::job::MemberSamples>,
+    /// The step's tokens over its `step_ms` ([`step_tokens_per_s`]). Read as NaN from a file
+    /// written before it was recorded (also `data_wait_ms`, `mfu`).
+    #[serde(default = "not_measured", deserialize_with = "nan_if_missing")]
+    pub tokens_per_s: f64,
+    /// Milliseconds the slowest member spent getting its batch in this step (part of
+    /// `step_ms`): the step's data wait.
+    #[serde(default = "not_measured", deserialize_with = "nan_if_missing")]
+    pub data_wait_ms: f64,
+    /// Model-FLOPs utilisation of the step as a fraction ([`mfu`]): NaN (`NaN` in CSV, `null`
+    /// in JSON) when the devices' peak is unknown (`lzrun --peak-tflops`).
+    #[serde(default = "not_measured", deserialize_with = "nan_if_missing")]
+    pub mfu: f64,
+    /// A global batch: the position of the step's first sequence in the global sample order
+    /// (empty without one); the step trained positions `data_cursor..data_cursor + samples`.
+    #[serde(default)]
+    pub data_cursor: Option<u64>,
+    /// The held-out loss after the step's update (`--eval-data`: the cross-entropy over the
+    /// fixed eval set), `None` (an empty CSV field) when the step was not evaluated; NaN when
+    /// it was not finite or the workers disagreed. A file written before it reads as `None`.
+    #[serde(default)]
+    pub eval_loss: Option<f64>,
+    /// The held-out perplexity, `exp(eval_loss)` ([`eval_ppl`]).
+    #[serde(default)]
+    pub eval_ppl: Option<f64>,
+}
+
+/// The perplexity of a cross-entropy loss (nats per token): `exp(loss)`.
+pub fn eval_ppl(loss: f64) -> f64 {
+    loss.exp()
 }
 
 /// One reconfiguration of the running job.
@@ -157,14 +233,19 @@ pub struct RecoveryRecord {
     /// Bytes moved by the transfers.
     pub bytes: u64,
     /// Failure to detection, ms.
+    #[serde(deserialize_with = "nan_if_missing")]
     pub detect_ms: f64,
     /// Computing the new plan, ms.
+    #[serde(deserialize_with = "nan_if_missing")]
     pub replan_ms: f64,
     /// Moving expert state, ms.
+    #[serde(deserialize_with = "nan_if_missing")]
     pub migrate_ms: f64,
     /// Restarting the step loop, ms.
+    #[serde(deserialize_with = "nan_if_missing")]
     pub resume_ms: f64,
     /// End to end, ms.
+    #[serde(deserialize_with = "nan_if_missing")]
     pub total_ms: f64,
     /// Plan version training resumed with.
     pub plan_version: u64,
@@ -220,6 +301,38 @@ pub struct Summary {
     pub seed: u64,
     /// Commit of the checkout that ran.
     pub git_commit: String,
+    /// Tokens per second of step time: the records' tokens over their summed `step_ms` (the
+    /// step-time-weighted mean of their `tokens_per_s`). Unlike `tokens_per_s` it leaves out
+    /// what is not a step (start-up, reconfigurations, the end), so runs with different faults
+    /// compare. 0 without step time.
+    #[serde(default = "not_measured", deserialize_with = "nan_if_missing")]
+    pub step_tokens_per_s: f64,
+    /// Mean `data_wait_ms` of the records (NaN, `null`, without records).
+    #[serde(default = "not_measured", deserialize_with = "nan_if_missing")]
+    pub mean_data_wait_ms: f64,
+    /// Step-time-weighted mean `mfu` of the records that have one (NaN, `null`, when none has:
+    /// the peak was unknown).
+    #[serde(default = "not_measured", deserialize_with = "nan_if_missing")]
+    pub mfu: f64,
+    /// Model FLOPs per trained token the MFU counts ([`crate::model::model_flops_per_token`];
+    /// `None`: the launcher did not say).
+    #[serde(default)]
+    pub model_flops_per_token: Option<f64>,
+    /// Peak TFLOP/s of one device the MFU was computed against (`None`: unknown, no MFU).
+    #[serde(default)]
+    pub peak_tflops: Option<f64>,
+    /// Held-out loss and perplexity of the first evaluated record (`None`, absent from the
+    /// JSON, without `--eval-data`; `null` when not finite).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_eval_loss: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_eval_ppl: Option<f64>,
+    /// Held-out loss and perplexity of the last evaluated record (the job evaluates after its
+    /// last step, so this is the final model's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_eval_loss: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_eval_ppl: Option<f64>,
 }
 
 /// Builds the summary of a run; see the field docs of [`Summary`].
@@ -235,6 +348,19 @@ pub fn summarize(
     let switches = layout_switches(records, reconfigs);
     let tokens: u64 = records.iter().map(|r| r.tokens).sum();
     let last = records.last();
+    // Means weighted by step time: a slow step weighs what it cost.
+    let timed = records.iter().filter(|r| r.step_ms > 0.0);
+    let step_ms: f64 = timed.clone().map(|r| r.step_ms).sum();
+    let step_tokens: u64 = timed.clone().map(|r| r.tokens).sum();
+    let with_mfu = timed.filter(|r| r.mfu.is_finite());
+    let mfu_ms: f64 = with_mfu.clone().map(|r| r.step_ms).sum();
+    let first_eval = records.iter().find(|r| r.eval_loss.is_some());
+    let last_eval = records.iter().rev().find(|r| r.eval_loss.is_some());
+    let waits: Vec<f64> = records
+        .iter()
+        .map(|r| r.data_wait_ms)
+        .filter(|w| w.is_finite())
+        .collect();
     Summary {
         steps: records.iter().map(|r| r.step).max().map_or(0, |m| m + 1),
         initial_loss: records.first().map_or(f64::NAN, |r| r.loss),
@@ -266,6 +392,23 @@ pub fn summarize(
         config,
         seed,
         git_commit,
+        step_tokens_per_s: step_tokens_per_s(step_tokens, step_ms),
+        mean_data_wait_ms: if waits.is_empty() {
+            f64::NAN
+        } else {
+            waits.iter().sum::<f64>() / waits.len() as f64
+        },
+        mfu: if mfu_ms > 0.0 {
+            with_mfu.map(|r| r.mfu * r.step_ms).sum::<f64>() / mfu_ms
+        } else {
+            f64::NAN
+        },
+        model_flops_per_token: None,
+        peak_tflops: None,
+        first_eval_loss: first_eval.and_then(|r| r.eval_loss),
+        first_eval_ppl: first_eval.and_then(|r| r.eval_ppl),
+        final_eval_loss: last_eval.and_then(|r| r.eval_loss),
+        final_eval_ppl: last_eval.and_then(|r| r.eval_ppl),
     }
 }
 
@@ -532,8 +675,34 @@ pub fn routing_csv(records: &[StepRecord]) -> String {
     s
 }
 
+/// `samples.csv`: every sequence every member trained, one row each. Header
+/// `record,step,member,rank,position,source,sequence`: `record` is the 0-based row of
+/// `steps.csv` (a step counted again after a rollback to a checkpoint has a later block: the
+/// final history is each step's last block), `member` the node id, `position` the place in the
+/// global sample order, `source` the dataset of the blend (0 without a blend) and `sequence`
+/// the training sequence of that dataset (`lazarus_executor::dataset::TrainData`). In one
+/// epoch of a dataset each sequence is trained once.
+pub fn samples_csv(records: &[StepRecord]) -> String {
+    let mut s = String::from("record,step,member,rank,position,source,sequence\n");
+    for (i, r) in records.iter().enumerate() {
+        for m in &r.trained {
+            for (k, (source, seq)) in m.sequences.iter().enumerate() {
+                let _ = writeln!(
+                    s,
+                    "{i},{},{},{},{},{source},{seq}",
+                    r.step,
+                    m.node,
+                    m.rank,
+                    m.first_position + k as u64
+                );
+            }
+        }
+    }
+    s
+}
+
 /// Writes `summary.json`, `timeseries.csv`, `steps.csv`, `reconfigurations.jsonl` and
-/// `routing.csv` into `dir` (created if missing; existing files of these names are replaced),
+/// `routing.csv` (and `samples.csv` with a global batch) into `dir` (created if missing; existing files of these names are replaced),
 /// each atomically.
 pub fn write_metrics(
     dir: &Path,
@@ -569,6 +738,11 @@ pub fn write_metrics(
     let path = dir.join("routing.csv");
     write_atomic(&path, routing_csv(records).as_bytes())?;
 
+    if records.iter().any(|r| !r.trained.is_empty()) {
+        let path = dir.join("samples.csv");
+        write_atomic(&path, samples_csv(records).as_bytes())?;
+    }
+
     let path = dir.join("reconfigurations.jsonl");
     let mut bytes = Vec::new();
     for rc in reconfigs {
@@ -594,29 +768,38 @@ fn sci6(x: f64) -> String {
 }
 
 /// A Megatron-style progress line for a completed step, e.g.
-/// ` iteration       12/      20 | consumed samples:          384 | elapsed time per iteration (ms): 31.2 | lm loss: 4.123456E+00 | tokens per second: 8192.0 | live nodes: 4 | plan version: 3 |`.
+/// ` iteration       12/      20 | consumed samples:          384 | elapsed time per iteration (ms): 31.2 | lm loss: 4.123456E+00 | tokens per second: 8192.0 | data wait (ms): 0.25 | MFU: 12.5% | live nodes: 4 | plan version: 3 |`.
 ///
 /// The iteration is 1-based like Megatron's (`step + 1`: the last step of a 20-step run prints
-/// `20/20`); tokens per second are the step's tokens over its `step_ms` (0 when `step_ms` is 0).
+/// `20/20`); tokens per second are the record's `tokens_per_s`, the data wait its
+/// `data_wait_ms`. `MFU` is left out when it is unknown (NaN: no peak for the device).
+/// A step that was evaluated (`--eval-data`) adds `eval loss: X | eval ppl: Y |` after the
+/// MFU, in the format of Megatron's validation line (`lm loss value: X | lm loss PPL: Y`).
 pub fn log_line(r: &StepRecord, total_steps: u64, consumed_samples: u64) -> String {
-    let tokens_per_s = if r.step_ms > 0.0 {
-        r.tokens as f64 / (r.step_ms / 1000.0)
-    } else {
-        0.0
-    };
-    let mut s = String::with_capacity(200);
+    let mut s = String::with_capacity(240);
     let _ = write!(
         s,
         " iteration {:>8}/{:>8} | consumed samples: {:>12} | elapsed time per iteration (ms): {:.1} \
-         | lm loss: {} | tokens per second: {:.1} | live nodes: {} | plan version: {} |",
+         | lm loss: {} | tokens per second: {:.1} | data wait (ms): {:.2} |",
         r.step + 1,
         total_steps,
         consumed_samples,
         r.step_ms,
         sci6(r.loss),
-        tokens_per_s,
-        r.live_nodes,
-        r.plan_version,
+        r.tokens_per_s,
+        r.data_wait_ms,
+    );
+    if r.mfu.is_finite() {
+        let _ = write!(s, " MFU: {:.1}% |", 100.0 * r.mfu);
+    }
+    if let Some(loss) = r.eval_loss {
+        let ppl = r.eval_ppl.unwrap_or_else(|| eval_ppl(loss));
+        let _ = write!(s, " eval loss: {} | eval ppl: {} |", sci6(loss), sci6(ppl));
+    }
+    let _ = write!(
+        s,
+        " live nodes: {} | plan version: {} |",
+        r.live_nodes, r.plan_version
     );
     s
 }
@@ -643,6 +826,13 @@ mod tests {
             sent_bytes: 0,
             copy_bytes: 0,
             routing: Vec::new(),
+            trained: Vec::new(),
+            tokens_per_s: 2000.0,
+            data_wait_ms: 1.5,
+            mfu: 0.25,
+            data_cursor: None,
+            eval_loss: None,
+            eval_ppl: None,
         }
     }
 
@@ -746,13 +936,17 @@ mod tests {
         assert_eq!(s.recovery_ms, [250.0]);
         assert_eq!(s.reconfigurations, reconfigs);
         assert_eq!(s.tokens_per_s, 7000.0 / 10.0);
+        // 7 records of 1000 tokens in 500 ms each
+        assert_eq!(s.step_tokens_per_s, 2000.0);
+        assert_eq!((s.mean_data_wait_ms, s.mfu), (1.5, 0.25));
         assert_eq!((s.final_live_nodes, s.plan_version), (4, 3));
         assert_eq!((s.config, s.seed, s.git_commit.as_str()), (cfg, 42, "abc"));
 
         let empty = summarize(&[], &[], 0.0, serde_json::Value::Null, 0, String::new());
         assert_eq!(empty.steps, 0);
         assert!(empty.initial_loss.is_nan() && empty.final_loss.is_nan());
-        assert_eq!(empty.tokens_per_s, 0.0);
+        assert_eq!((empty.tokens_per_s, empty.step_tokens_per_s), (0.0, 0.0));
+        assert!(empty.mean_data_wait_ms.is_nan() && empty.mfu.is_nan());
         // NaN goes to JSON as null and comes back as NaN
         let json = serde_json::to_string(&empty).unwrap();
         assert!(json.contains("\"initial_loss\":null"), "{json}");
@@ -979,12 +1173,30 @@ mod tests {
             sent_bytes: 0,
             copy_bytes: 0,
             routing: Vec::new(),
+            trained: Vec::new(),
+            tokens_per_s: step_tokens_per_s(256, 31.25),
+            data_wait_ms: 0.25,
+            mfu: 0.125,
+            data_cursor: None,
+            eval_loss: None,
+            eval_ppl: None,
         };
         assert_eq!(
             log_line(&r, 20, 384),
             " iteration       12/      20 | consumed samples:          384 | elapsed time per \
-             iteration (ms): 31.2 | lm loss: 4.123456E+00 | tokens per second: 8192.0 | live \
-             nodes: 4 | plan version: 3 |"
+             iteration (ms): 31.2 | lm loss: 4.123456E+00 | tokens per second: 8192.0 | data \
+             wait (ms): 0.25 | MFU: 12.5% | live nodes: 4 | plan version: 3 |"
+        );
+        // No peak, no MFU: the field is left out, not printed as NaN.
+        let unknown = StepRecord {
+            mfu: f64::NAN,
+            ..r.clone()
+        };
+        assert_eq!(
+            log_line(&unknown, 20, 384),
+            " iteration       12/      20 | consumed samples:          384 | elapsed time per \
+             iteration (ms): 31.2 | lm loss: 4.123456E+00 | tokens per second: 8192.0 | data \
+             wait (ms): 0.25 | live nodes: 4 | plan version: 3 |"
         );
         assert_eq!(sci6(0.000123), "1.230000E-04");
         assert_eq!(sci6(-12345.0), "-1.234500E+04");
@@ -994,9 +1206,194 @@ mod tests {
         let nan = StepRecord {
             loss: f64::NAN,
             step_ms: 0.0,
+            tokens_per_s: step_tokens_per_s(256, 0.0),
             ..r
         };
         let line = log_line(&nan, 20, 384);
         assert!(line.contains("lm loss: NAN |") && line.contains("tokens per second: 0.0 |"));
+    }
+
+    /// Issue 31 item 5: the throughput numbers of a step and of a run. MFU is model FLOP/s over
+    /// the devices' peak, unknown (NaN) without a peak; the run's means weigh a step by its
+    /// time and skip steps without MFU.
+    #[test]
+    fn throughput_per_step_and_per_run() {
+        assert_eq!(step_tokens_per_s(1000, 500.0), 2000.0);
+        assert_eq!(step_tokens_per_s(1000, 0.0), 0.0);
+        // 2000 tokens/s × 740352 FLOPs per token (tiny) over 1 TFLOP/s: 0.148 %
+        let fpt = crate::model::model_flops_per_token(&crate::model::MoeConfig::tiny());
+        assert!((mfu(2000.0, fpt, 1e12) - 0.001_480_704).abs() < 1e-12);
+        for peak in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!(mfu(2000.0, fpt, peak).is_nan(), "{peak}");
+        }
+        let slow = StepRecord {
+            step_ms: 1500.0,
+            tokens_per_s: step_tokens_per_s(1000, 1500.0),
+            data_wait_ms: 4.5,
+            mfu: 0.05,
+            ..rec(1, 2.0, 1.0)
+        };
+        let unknown = StepRecord {
+            mfu: f64::NAN,
+            ..rec(2, 3.0, 1.0)
+        };
+        let s = summarize(
+            &[rec(0, 1.0, 1.0), slow, unknown],
+            &[],
+            3.0,
+            serde_json::Value::Null,
+            0,
+            String::new(),
+        );
+        assert_eq!(s.step_tokens_per_s, 3000.0 / 2.5);
+        assert_eq!(s.mean_data_wait_ms, 2.5);
+        // (0.25 × 500 + 0.05 × 1500) / 2000 ms; the step without MFU is left out
+        assert!((s.mfu - 0.1).abs() < 1e-12, "{}", s.mfu);
+        // A summary.json written before these fields reads them as unknown.
+        let mut old = serde_json::to_value(&s).unwrap();
+        for k in [
+            "step_tokens_per_s",
+            "mean_data_wait_ms",
+            "mfu",
+            "model_flops_per_token",
+            "peak_tflops",
+        ] {
+            old.as_object_mut().unwrap().remove(k);
+        }
+        let back: Summary = serde_json::from_value(old).unwrap();
+        assert!(back.step_tokens_per_s.is_nan() && back.mfu.is_nan());
+        assert_eq!(back.peak_tflops, None);
+    }
+
+    /// steps.csv carries the throughput columns and reads back; a steps.csv written before
+    /// them still reads, the missing measures as NaN ("not measured", not 0). Unknown MFU is
+    /// written as `NaN` and an empty field reads as NaN too.
+    #[test]
+    fn steps_csv_throughput_columns_round_trip_and_old_files_read() {
+        let known = rec(0, 1.0, 4.0);
+        let unknown = StepRecord {
+            mfu: f64::NAN,
+            ..rec(1, 2.0, 3.9)
+        };
+        let path = Path::new("steps.csv");
+        let bytes = csv_bytes(path, &STEP_COLUMNS, &[known.clone(), unknown.clone()]).unwrap();
+        let text = String::from_utf8(bytes).unwrap();
+        let mut lines = text.lines();
+        assert!(
+            lines.next().unwrap().ends_with(
+                ",copy_bytes,tokens_per_s,data_wait_ms,mfu,data_cursor,eval_loss,eval_ppl"
+            )
+        );
+        assert!(
+            lines.next().unwrap().ends_with(",0,0,2000.0,1.5,0.25,,,"),
+            "{text}"
+        );
+        assert!(
+            lines.next().unwrap().ends_with(",2000.0,1.5,NaN,,,"),
+            "{text}"
+        );
+        let back: Vec<StepRecord> = csv::Reader::from_reader(text.as_bytes())
+            .deserialize()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(back[0], known);
+        assert!(back[1].mfu.is_nan());
+        assert_eq!((back[1].tokens_per_s, back[1].data_wait_ms), (2000.0, 1.5));
+
+        // The header and a row of a steps.csv of the 15 columns before issue 31 item 5.
+        let old = "step,t_s,loss,tokens,samples,live_nodes,used_nodes,plan_version,step_ms,\
+                   expert_ms_max,expert_ms_mean,expert_tokens_max,expert_tokens_mean,sent_bytes,\
+                   copy_bytes\n3,1.5,4.25,256,8,2,2,1,40.0,3.0,2.5,96,80.0,1024,0\n";
+        let rows: Vec<StepRecord> = csv::Reader::from_reader(old.as_bytes())
+            .deserialize()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(
+            (rows[0].step, rows[0].tokens, rows[0].step_ms),
+            (3, 256, 40.0)
+        );
+        assert!(rows[0].tokens_per_s.is_nan());
+        assert!(rows[0].data_wait_ms.is_nan() && rows[0].mfu.is_nan());
+        assert_eq!((rows[0].eval_loss, rows[0].eval_ppl), (None, None));
+        // An empty field (a hand-edited file) is not a number either.
+        let blank = text.replace(",NaN,,,\n", ",,,,\n");
+        assert_ne!(blank, text);
+        let rows: Vec<StepRecord> = csv::Reader::from_reader(blank.as_bytes())
+            .deserialize()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert!(rows[1].mfu.is_nan() && rows[1].data_wait_ms == 1.5);
+    }
+
+    /// Issue 31 item 1: an evaluated step has its eval loss and perplexity in steps.csv (an
+    /// empty field elsewhere, `NaN` for a diverged eval), in the log line and in the summary
+    /// (the first and the last eval); a steps.csv written before the eval columns reads them
+    /// as not evaluated.
+    #[test]
+    fn eval_columns_log_line_and_summary() {
+        let evaluated = |step: u64, loss: f64| StepRecord {
+            eval_loss: Some(loss),
+            eval_ppl: Some(eval_ppl(loss)),
+            ..rec(step, step as f64, 4.0)
+        };
+        let records = [
+            rec(0, 0.0, 4.0),
+            evaluated(1, 3.5),
+            rec(2, 2.0, 4.0),
+            evaluated(3, 3.25),
+            evaluated(4, f64::NAN),
+            rec(5, 5.0, 4.0),
+        ];
+        let path = Path::new("steps.csv");
+        let text = String::from_utf8(csv_bytes(path, &STEP_COLUMNS, &records).unwrap()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        // The last two columns.
+        assert!(lines[0].ends_with(",eval_loss,eval_ppl"), "{text}");
+        assert!(lines[1].ends_with(",,"), "{text}");
+        assert!(
+            lines[2].ends_with(&format!(",3.5,{}", 3.5f64.exp())),
+            "{text}"
+        );
+        assert!(lines[5].ends_with(",NaN,NaN"), "{text}");
+        let back: Vec<StepRecord> = csv::Reader::from_reader(text.as_bytes())
+            .deserialize()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(back[..4], records[..4]);
+        assert!(back[4].eval_loss.is_some_and(f64::is_nan));
+
+        let line = log_line(&records[1], 6, 16);
+        assert!(
+            line.ends_with(
+                " | data wait (ms): 1.50 | MFU: 25.0% | eval loss: 3.500000E+00 | eval ppl: \
+                 3.311545E+01 | live nodes: 4 | plan version: 1 |"
+            ),
+            "{line}"
+        );
+        assert!(!log_line(&records[0], 6, 8).contains("eval"));
+        assert!(log_line(&records[4], 6, 8).contains("| eval loss: NAN | eval ppl: NAN |"));
+
+        let s = summarize(
+            &records,
+            &[],
+            6.0,
+            serde_json::Value::Null,
+            0,
+            String::new(),
+        );
+        assert_eq!(s.first_eval_loss, Some(3.5));
+        assert_eq!(s.first_eval_ppl, Some(3.5f64.exp()));
+        assert!(s.final_eval_loss.is_some_and(f64::is_nan));
+        let none = summarize(
+            &records[..1],
+            &[],
+            1.0,
+            serde_json::Value::Null,
+            0,
+            String::new(),
+        );
+        assert_eq!((none.first_eval_loss, none.final_eval_ppl), (None, None));
+        let json = serde_json::to_value(&none).unwrap();
+        assert!(json.get("final_eval_loss").is_none(), "{json}");
     }
 }

@@ -105,7 +105,7 @@ fn start(cfg: &MoeConfig) -> (Vec<Node>, Receiver<(usize, String)>, Vec<SocketAd
                 emit,
                 TestHooks {
                     delay: Some(delay),
-                    flip_bit: None,
+                    ..TestHooks::default()
                 },
             )
         });
@@ -123,6 +123,9 @@ fn start(cfg: &MoeConfig) -> (Vec<Node>, Receiver<(usize, String)>, Vec<SocketAd
             expert_mode: ExpertMode::Replicated,
             router_skew: 0.0,
             verify_every: 1,
+            data: None,
+            global_batch: None,
+            eval: None,
         };
         tx.send(Command::Job(job)).unwrap();
         nodes.push(Node { tx, handle });
@@ -165,6 +168,7 @@ fn reconfigure(
             resume_step,
             shard_holders: Vec::new(),
             shard_transfers: Vec::new(),
+            data_cursor: None,
         };
         n.tx.send(Command::Reconfigure(cmd)).unwrap();
     }

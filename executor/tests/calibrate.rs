@@ -59,6 +59,9 @@ fn run_json_records_the_schedule_the_settings_and_the_timeline() {
     assert_eq!(run["nodes"], 3);
     assert_eq!(run["initial_names"], serde_json::json!(["n0", "n1", "n2"]));
     assert_eq!(run["steps"], 8);
+    // Per-node batches: no global batch (`lzsim predict` prices `batch` per rank).
+    assert_eq!(run["global_batch"], serde_json::Value::Null);
+    assert_eq!(run["micro_batch"], serde_json::Value::Null);
     assert_eq!(run["seed"], 0);
     assert_eq!(run["fault_tolerance"], 2);
     assert_eq!(run["slots_per_node"], 3); // ⌈2·4 / 3⌉

@@ -50,6 +50,8 @@ fn params(nodes: usize) -> JobParams {
         resume: None,
         router_skew: 0.0,
         verify_every: 1,
+        data: None,
+        eval: None,
     }
 }
 

@@ -87,13 +87,41 @@ fn local_with_no_arguments_trains_and_the_loss_falls() {
         o.show()
     );
     assert!(o.stdout.contains("lm loss: "), "{}", o.show());
+    // A CPU has no default peak: the data wait is there, MFU is not (issue 31 item 5).
+    assert!(o.stdout.contains(" | data wait (ms): "), "{}", o.show());
+    assert!(!o.stdout.contains("MFU"), "{}", o.show());
 
     let dir = scratch("default");
     let d = dir.to_str().unwrap();
     let metrics = dir.join("metrics");
     let m = metrics.to_str().unwrap();
-    let o = lzrun(&["local", "--format", "json", "--out", d, "--metrics-out", m]);
+    let o = lzrun(&[
+        "local",
+        "--format",
+        "json",
+        "--out",
+        d,
+        "--metrics-out",
+        m,
+        "--peak-tflops",
+        "1",
+    ]);
     let s = o.summary();
+    // Given a peak, every step has an MFU, and the summary says what it rests on.
+    assert_eq!(s.peak_tflops, Some(1.0));
+    assert_eq!(s.model_flops_per_token, Some(740_352.0));
+    assert!(s.mfu > 0.0 && s.step_tokens_per_s > 0.0, "{s:?}");
+    let steps: Vec<lazarus_executor::metrics::StepRecord> =
+        csv::Reader::from_path(metrics.join("steps.csv"))
+            .unwrap()
+            .deserialize()
+            .collect::<Result<_, _>>()
+            .unwrap();
+    assert_eq!(steps.len(), 20);
+    for r in &steps {
+        assert!(r.tokens_per_s > 0.0 && r.mfu > 0.0, "{r:?}");
+        assert!(r.data_wait_ms >= 0.0 && r.data_wait_ms < r.step_ms, "{r:?}");
+    }
     assert_eq!(s.steps, 20);
     assert!(
         s.final_loss < s.initial_loss - 1.0,
@@ -709,6 +737,24 @@ fn absurd_numbers_in_any_flag_exit_2_at_once_naming_the_flag_and_its_bound() {
         &lzrun(&["local", "--router-skew", "1e300"]),
         "--router-skew",
     );
+    // Issue 31 item 5: a peak that is no positive number of TFLOP/s, or a typo'd exponent.
+    for (peak, want) in [
+        (
+            "0",
+            "--peak-tflops must be a positive number of TFLOP/s of one device, got 0",
+        ),
+        ("nan", "--peak-tflops must be a positive number"),
+        (
+            "1e300",
+            "--peak-tflops 1e300 is out of range: it must be between 0 and 1000000",
+        ),
+    ] {
+        let o = lzrun(&["local", "--peak-tflops", peak]);
+        assert_error(&o, want);
+        assert_eq!(o.stderr.lines().count(), 1, "{}", o.show());
+        let o = lzrun(&["controller", "--token", "t", "--peak-tflops", peak]);
+        assert_error(&o, want);
+    }
     let o = lzrun(&[
         "local", "--steps", "5", "--storm", "1000000", "--nodes", "3",
     ]);
@@ -800,6 +846,15 @@ fn help_explains_every_flag() {
         "--heartbeat-timeout-ms",
         "--window",
         "--max-ckpt-failures",
+        "--data",
+        "--data-dtype",
+        "--global-batch",
+        "--micro-batch",
+        "--batch-per-node",
+        "--eval-data",
+        "--eval-every",
+        "--eval-batches",
+        "--peak-tflops",
         "--max-nonfinite-steps",
         "--kill-controller",
         "--controller-down-ms",
@@ -1892,6 +1947,108 @@ fn killing_the_controller_mid_training_resumes_in_place_without_a_restore() {
     let mut left = entries_starting(&state, "");
     left.sort();
     assert_eq!(left, vec!["controller-state", "lzrun.lock"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The soak defect of issue 33 item 7: the launcher lags behind its controller (busy injecting
+/// faults), the controller is killed with steps counted and saved whose records the launcher
+/// has not read yet, and those records were lost with it (`steps.csv` and the summary missed
+/// the last 12 steps of 250). With `LZRUN_TEST_KILL_CONTROLLER_AHEAD=5` the kill due after step
+/// 8 waits until the controller has counted step 13, reading none of its notices: the
+/// restarted controller hands out again the records not acknowledged, and every step is in
+/// `steps.csv` and `routing.csv` exactly once, in order.
+#[test]
+fn records_a_killed_controller_counted_ahead_of_the_launcher_reach_steps_csv_once() {
+    let dir = scratch("kill-controller-ahead");
+    let metrics = dir.join("metrics");
+    let o = {
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        run(Command::new(LZRUN)
+            .env("LZRUN_TEST_KILL_CONTROLLER_AHEAD", "5")
+            .args(["local", "--nodes", "3", "--steps", "24"])
+            .args(["--kill-controller", "@8", "--controller-down-ms", "300"])
+            .args(["--ckpt-every", "4", "--format", "json"])
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .arg("--metrics-out")
+            .arg(&metrics))
+    };
+    let s = o.summary();
+    assert!(
+        o.stderr
+            .contains("lzrun local: controller killed after step 8"),
+        "{}",
+        o.show()
+    );
+    assert!(
+        o.stderr
+            .contains("handing out again the 5 step and reconfiguration records"),
+        "the controller was killed with steps 9..=13 counted and not read\n{}",
+        o.show()
+    );
+    let mut r = csv::Reader::from_path(metrics.join("steps.csv")).unwrap();
+    let h = r.headers().unwrap().clone();
+    let si = h.iter().position(|c| c == "step").unwrap();
+    let steps: Vec<u64> = r
+        .records()
+        .map(|rec| rec.unwrap()[si].parse().unwrap())
+        .collect();
+    assert_eq!(steps, (0..24).collect::<Vec<u64>>(), "{}", o.show());
+    assert_eq!(s.steps, 24, "{}", o.show());
+    // Two layers of routing per record, the records of steps.csv.
+    let routing = std::fs::read_to_string(metrics.join("routing.csv")).unwrap();
+    let blocks: Vec<(u64, u64)> = routing
+        .lines()
+        .skip(1)
+        .map(|l| {
+            let mut f = l.split(',');
+            let record = f.next().unwrap().parse().unwrap();
+            let step = f.next().unwrap().parse().unwrap();
+            (record, step)
+        })
+        .collect();
+    let expected: Vec<(u64, u64)> = (0..24).flat_map(|s| [(s, s), (s, s)]).collect();
+    assert_eq!(blocks, expected);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A controller kill due after a step whose record the launcher reads only once the job is
+/// over (it lagged behind the last steps) has no controller left to kill: the job was saved as
+/// over, and a controller rebuilt from that state would refuse it. The launcher says so and
+/// reads the last records and the outcome.
+#[test]
+fn a_controller_kill_due_when_the_job_is_already_over_leaves_it_to_end() {
+    let dir = scratch("kill-controller-over");
+    let metrics = dir.join("metrics");
+    let o = {
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        run(Command::new(LZRUN)
+            .env("LZRUN_TEST_KILL_CONTROLLER_AHEAD", "1000")
+            .args(["local", "--nodes", "3", "--steps", "12"])
+            .args([
+                "--kill-controller",
+                "@6",
+                "--ckpt-every",
+                "0",
+                "--format",
+                "json",
+            ])
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .arg("--metrics-out")
+            .arg(&metrics))
+    };
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    assert!(
+        o.stderr.contains(
+            "the controller to be killed after step 6 is done: the job is over, it is left to end"
+        ),
+        "{}",
+        o.show()
+    );
+    assert_eq!(o.summary().steps, 12, "{}", o.show());
+    let steps = std::fs::read_to_string(metrics.join("steps.csv")).unwrap();
+    assert_eq!(steps.lines().count(), 13, "{steps}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

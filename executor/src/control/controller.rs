@@ -24,8 +24,17 @@
 //! so after a crash its agent sends it again and it is handled as if it had just arrived.
 //! [`Controller::recover`] rebuilds the controller from the directory; the machine then
 //! reconciles the nodes that come back (`lazarus_planner::job::reconcile`).
+//!
+//! # Records are delivered at least once, numbered
+//! Step and reconfiguration records ([`Notice::Step`], [`Notice::Reconfigured`]) carry a
+//! sequence number, 1, 2, … across fail-overs. Each is kept with the saved state until whoever
+//! runs the job says it has it ([`Controller::delivered`]); a recovered controller hands the
+//! ones kept out again, before anything new, and the receiver skips the numbers it has. So a
+//! record that was counted (and saved) but still on its way when the controller died is not
+//! lost with it (a launcher that lags behind its controller, as `lzrun local` under a storm of
+//! faults does, had a dozen steps counted and never written to `steps.csv`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -44,7 +53,8 @@ use super::proto::{
 use super::state::{self, StateError};
 use crate::checkpoint;
 use crate::comm::MeshSecret;
-use crate::metrics::{RecoveryRecord, StepRecord};
+use crate::dataset::{DataSpec, EvalSpec};
+use crate::metrics::{self, RecoveryRecord, StepRecord};
 use crate::model::{ExpertMode, MoeConfig};
 use crate::worker::Checksums;
 use crate::worker::{
@@ -78,13 +88,33 @@ pub struct JobParams {
     /// Workers fingerprint their whole state after every this many steps (0: never).
     #[serde(default = "crate::worker::default_verify_every")]
     pub verify_every: u64,
+    /// What the workers train on (`None`: the embedded corpus).
+    #[serde(default)]
+    pub data: Option<DataSpec>,
+    /// Held-out evaluation (`--eval-data`; `None`: none).
+    #[serde(default)]
+    pub eval: Option<EvalSpec>,
 }
 
 /// What the controller tells whoever runs the job.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Notice {
-    Step(StepRecord),
-    Reconfigured(RecoveryRecord),
+    /// A step counted. `seq` numbers the records (steps and reconfigurations together) from 1
+    /// across fail-overs; a record not yet acknowledged ([`Controller::delivered`]) is handed
+    /// out again, with the same number and `again` set, by a controller that takes the job
+    /// back (see the [module docs](self)): skip the numbers already handled.
+    Step {
+        seq: u64,
+        /// Boxed: a record with its samples and routing is many times the other notices.
+        record: Box<StepRecord>,
+        again: bool,
+    },
+    /// A reconfiguration, numbered as [`Notice::Step`].
+    Reconfigured {
+        seq: u64,
+        record: RecoveryRecord,
+        again: bool,
+    },
     Log(String),
     /// Too few nodes to hold every expert: the job waits for joins (`reason` says for what).
     WaitingForNodes {
@@ -111,6 +141,50 @@ pub enum Output {
     Close(NodeId),
     Notice(Notice),
 }
+
+/// A record handed out and not acknowledged yet: what a recovered controller hands out again.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+enum Kept {
+    /// The record's own `routing` and `trained` are left empty (they are not serialized: they
+    /// go to `routing.csv` and `samples.csv`, not `steps.csv`); they are kept beside it.
+    Step {
+        record: StepRecord,
+        routing: Vec<Vec<u64>>,
+        #[serde(default)]
+        trained: Vec<lazarus_planner::job::MemberSamples>,
+    },
+    Reconfigured(RecoveryRecord),
+}
+
+impl Kept {
+    /// The notice that hands the record out as number `seq` (`again`: once more).
+    fn notice(&self, seq: u64, again: bool) -> Notice {
+        match self {
+            Kept::Step {
+                record,
+                routing,
+                trained,
+            } => Notice::Step {
+                seq,
+                record: Box::new(StepRecord {
+                    routing: routing.clone(),
+                    trained: trained.clone(),
+                    ..record.clone()
+                }),
+                again,
+            },
+            Kept::Reconfigured(record) => Notice::Reconfigured {
+                seq,
+                record: record.clone(),
+                again,
+            },
+        }
+    }
+}
+
+/// Records kept for a receiver that never acknowledges any, at most (the oldest go first): the
+/// saved state stays bounded.
+const MAX_KEPT_RECORDS: usize = 4_096;
 
 /// The last reconfiguration issued: what a member that never got its part is sent again.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -143,6 +217,10 @@ struct SavedRef<'a> {
     members_seen: &'a std::collections::BTreeSet<NodeId>,
     /// The loss of step 0, for the report of a controller that takes the job back.
     initial_loss: Option<f64>,
+    /// Records handed out and not acknowledged, by sequence number.
+    kept: &'a VecDeque<(u64, Kept)>,
+    /// The sequence number of the next record.
+    next_record: u64,
 }
 
 /// [`SavedRef`], read back.
@@ -167,6 +245,16 @@ struct Saved {
     members_seen: Option<std::collections::BTreeSet<NodeId>>,
     #[serde(default)]
     initial_loss: Option<f64>,
+    /// Absent in states saved before records were numbered: none kept.
+    #[serde(default)]
+    kept: VecDeque<(u64, Kept)>,
+    #[serde(default = "first_record")]
+    next_record: u64,
+}
+
+/// The sequence number of a job's first record.
+fn first_record() -> u64 {
+    1
 }
 
 /// See the [module docs](self).
@@ -207,6 +295,11 @@ pub struct Controller {
     members_seen: std::collections::BTreeSet<NodeId>,
     /// The loss of step 0 (kept across a fail-over, for the report).
     initial_loss: Option<f64>,
+    /// Records handed out and not acknowledged yet ([`Controller::delivered`]), saved: a
+    /// recovered controller hands them out again. None kept when the state is not saved.
+    kept: VecDeque<(u64, Kept)>,
+    /// The sequence number of the next record (saved).
+    next_record: u64,
 }
 
 impl Controller {
@@ -234,6 +327,8 @@ impl Controller {
             token_fingerprint,
             members_seen: std::collections::BTreeSet::new(),
             initial_loss: None,
+            kept: VecDeque::new(),
+            next_record: first_record(),
         })
     }
 
@@ -307,6 +402,8 @@ impl Controller {
             token_fingerprint,
             members_seen,
             initial_loss: saved.initial_loss,
+            kept: saved.kept,
+            next_record: saved.next_record,
         })
     }
 
@@ -339,6 +436,20 @@ impl Controller {
             return;
         }
         self.now_ms = self.now_ms.max(now_ms);
+        // First the records the saved controller may not have delivered, in order.
+        if !self.kept.is_empty() {
+            let line = format!(
+                "handing out again the {} step and reconfiguration records not acknowledged \
+                 before the fail-over (numbers {} to {})",
+                self.kept.len(),
+                self.kept.front().map_or(0, |k| k.0),
+                self.kept.back().map_or(0, |k| k.0),
+            );
+            Self::notice(out, Notice::Log(line));
+        }
+        for (seq, kept) in &self.kept {
+            Self::notice(out, kept.notice(*seq, true));
+        }
         let mut actions = Vec::new();
         self.machine.recover(now_ms, &mut actions);
         self.perform_all(now_ms, actions, out);
@@ -368,6 +479,33 @@ impl Controller {
         seen.get(&node).copied().unwrap_or(0)
     }
 
+    /// Whoever runs the job has the records numbered up to `seq`: they are not kept any more
+    /// (the next save drops them; until then a recovered controller may hand them out again).
+    pub fn delivered(&mut self, seq: u64) {
+        while self.kept.front().is_some_and(|(s, _)| *s <= seq) {
+            self.kept.pop_front();
+        }
+    }
+
+    /// The records kept for a fail-over: their sequence numbers, oldest first.
+    pub fn undelivered(&self) -> Vec<u64> {
+        self.kept.iter().map(|(s, _)| *s).collect()
+    }
+
+    /// Numbers `record`, keeps it until it is acknowledged (when the state is saved) and hands
+    /// it out.
+    fn hand_out(&mut self, record: Kept, out: &mut Vec<Output>) {
+        let seq = self.next_record;
+        self.next_record += 1;
+        Self::notice(out, record.notice(seq, false));
+        if self.state_dir.is_some() {
+            if self.kept.len() >= MAX_KEPT_RECORDS {
+                self.kept.pop_front();
+            }
+            self.kept.push_back((seq, record));
+        }
+    }
+
     fn write_state(&mut self) -> Result<(), StateError> {
         let Some(dir) = &self.state_dir else {
             return Ok(());
@@ -388,6 +526,8 @@ impl Controller {
             token_fingerprint: &self.token_fingerprint,
             members_seen: &self.members_seen,
             initial_loss: self.initial_loss,
+            kept: &self.kept,
+            next_record: self.next_record,
         };
         state::write_state(dir, &saved)?;
         self.saved_seen = self.seen.clone();
@@ -644,6 +784,9 @@ impl Controller {
                     copy_bytes: s.copy_bytes,
                     layout_version: s.layout_version,
                     fingerprints: s.fingerprints,
+                    data: s.data,
+                    data_wait_ms: s.data_wait_ms,
+                    eval_loss: s.eval_loss.map(f64::from),
                 },
             },
             WorkerLine::Event(ev) => match self.worker_event(node, ev) {
@@ -801,7 +944,8 @@ impl Controller {
                 step,
                 members,
                 plan_version,
-            } => return Some(self.commit(step, members, plan_version)),
+                data_cursor,
+            } => return Some(self.commit(step, members, plan_version, data_cursor)),
             Action::FindCheckpoint => return Some(self.find_checkpoint(out)),
             Action::Fence { node, reason } => {
                 let name = self.names.remove(&node).unwrap_or_default();
@@ -836,7 +980,10 @@ impl Controller {
                     t_s: now_ms.saturating_sub(start) as f64 / 1e3,
                     loss: r.loss,
                     tokens: r.tokens,
-                    samples: (r.members * self.params.config.batch) as u64,
+                    samples: match self.params.rules.global_batch {
+                        Some(b) => b.sequences,
+                        None => (r.members * self.params.config.batch) as u64,
+                    },
                     live_nodes: r.live_nodes,
                     used_nodes: r.members,
                     plan_version: r.plan_version,
@@ -847,9 +994,25 @@ impl Controller {
                     expert_tokens_mean: mean(r.expert_tokens.iter().map(|&t| t as f64)),
                     sent_bytes: r.sent_bytes,
                     copy_bytes: r.copy_bytes,
-                    routing: r.routing,
+                    routing: Vec::new(),
+                    trained: Vec::new(),
+                    tokens_per_s: metrics::step_tokens_per_s(r.tokens, r.step_ms),
+                    data_wait_ms: r.data_wait_ms,
+                    // The devices' peak is the launcher's to know (`lzrun --peak-tflops`).
+                    mfu: f64::NAN,
+                    data_cursor: r.data_cursor,
+                    eval_loss: r.eval_loss,
+                    eval_ppl: r.eval_loss.map(metrics::eval_ppl),
                 };
-                Self::notice(out, Notice::Step(rec));
+                let (routing, trained) = (r.routing, r.samples);
+                self.hand_out(
+                    Kept::Step {
+                        record: rec,
+                        routing,
+                        trained,
+                    },
+                    out,
+                );
             }
             Action::Reconfigured(r) => {
                 // Members of the plan now in force that never were members before joined
@@ -888,7 +1051,7 @@ impl Controller {
                     plan_version: r.plan_version,
                     joined,
                 };
-                Self::notice(out, Notice::Reconfigured(rec));
+                self.hand_out(Kept::Reconfigured(rec), out);
             }
             Action::Log(l) => Self::notice(out, Notice::Log(l)),
             Action::Finished(r) => Self::notice(out, Notice::Finished(r)),
@@ -919,6 +1082,9 @@ impl Controller {
             },
             router_skew: self.params.router_skew,
             verify_every: self.params.verify_every,
+            data: self.params.data.clone(),
+            global_batch: self.params.rules.global_batch,
+            eval: self.params.eval.clone(),
         }
     }
 
@@ -973,6 +1139,7 @@ impl Controller {
             transfers,
             source,
             resume_step: r.resume_step,
+            data_cursor: r.data_cursor,
             shard_holders: r.shard_holders.clone(),
             shard_transfers: r
                 .shard_transfers
@@ -1007,7 +1174,13 @@ impl Controller {
         Self::notice(out, Notice::Log(line));
     }
 
-    fn commit(&mut self, step: u64, members: usize, plan_version: u64) -> Event {
+    fn commit(
+        &mut self,
+        step: u64,
+        members: usize,
+        plan_version: u64,
+        data_cursor: Option<u64>,
+    ) -> Event {
         let Some(spec) = self.params.checkpoint.clone() else {
             let error = "checkpoints are off".to_owned();
             return Event::CheckpointFailed { step, error };
@@ -1026,6 +1199,7 @@ impl Controller {
             plan_version,
             config: self.params.config.clone(),
             parts,
+            data_cursor,
         };
         let expected =
             checkpoint::all_parts(self.params.config.n_layers, self.params.config.experts);
@@ -1053,6 +1227,7 @@ impl Controller {
                 Self::notice(out, Notice::Log(line));
                 Event::CheckpointFound {
                     step: l.manifest.step,
+                    data_cursor: l.manifest.data_cursor,
                 }
             }
             Err(e) => Event::CheckpointMissing {

@@ -227,6 +227,22 @@ impl JobHandle {
     pub fn initial_loss(&self) -> Option<f64> {
         self.ctx.with(|c, _, _| c.initial_loss())
     }
+
+    /// Whoever runs the job has the step and reconfiguration records numbered up to `seq`
+    /// ([`Controller::delivered`]).
+    pub fn delivered(&self, seq: u64) {
+        self.ctx.with(|c, _, _| c.delivered(seq));
+    }
+
+    /// The job is over (its last notices are sent).
+    pub fn is_over(&self) -> bool {
+        self.ctx.with(|c, _, _| c.is_over())
+    }
+
+    /// The steps counted so far (the machine's next step).
+    pub fn next_step(&self) -> u64 {
+        self.ctx.with(|c, _, _| c.machine().next_step())
+    }
 }
 
 /// Runs the job controller on `listener` until the job is over or `shutdown` turns `true`

@@ -23,6 +23,122 @@ pub struct LayerLog {
     pub computed: Vec<u64>,
 }
 
+/// The backward of this rank's experts for the rows it received in a layer's forward
+/// exchange: `dL/dx` of every row (receive layout), the weight gradients added to
+/// `inner.grads`.
+fn backward_experts(
+    inner: &mut Inner,
+    layer: usize,
+    d: usize,
+    recv_x: &[f32],
+    recv_g: &[f32],
+    groups: &BTreeMap<usize, Vec<RecvBlock>>,
+) -> Result<Vec<f32>> {
+    let mut dx_recv = vec![0f32; recv_g.len()];
+    let t = CpuClock::start();
+    for (&e, blocks) in groups {
+        let w = inner.weights(layer, e)?.clone();
+        let dev = w.w1.device().clone();
+        let n = blocks.iter().map(|b| b.len as usize).sum::<usize>();
+        let x = Tensor::from_vec(gather(recv_x, blocks, d), (n, d), &dev)?;
+        let gy = Tensor::from_vec(gather(recv_g, blocks, d), (n, d), &dev)?;
+        let xv = Var::from_tensor(&x)?;
+        let y = w.forward(xv.as_tensor())?;
+        let grads = (y * gy)?.sum_all()?.backward()?;
+        let dx = match grads.get(xv.as_tensor()) {
+            Some(t) => t.flatten_all()?.to_vec1::<f32>()?,
+            None => vec![0f32; n * d],
+        };
+        scatter(&mut dx_recv, blocks, d, &dx);
+        let g1 = match grads.get(&w.w1) {
+            Some(t) => t.clone(),
+            None => w.w1.zeros_like()?,
+        };
+        let g2 = match grads.get(&w.w2) {
+            Some(t) => t.clone(),
+            None => w.w2.zeros_like()?,
+        };
+        let acc = match inner.grads.remove(&(layer, e)) {
+            Some((a1, a2)) => ((a1 + g1)?, (a2 + g2)?),
+            None => (g1, g2),
+        };
+        inner.grads.insert((layer, e), acc);
+    }
+    inner.compute_ms += t.elapsed_ms();
+    Ok(dx_recv)
+}
+
+/// The forward of this rank's experts for the rows it received: the outputs (receive
+/// layout) and the rows each expert computed.
+fn forward_experts(
+    inner: &mut Inner,
+    layer: usize,
+    ne: usize,
+    d: usize,
+    recv_x: &[f32],
+    groups: &BTreeMap<usize, Vec<RecvBlock>>,
+) -> Result<(Vec<f32>, Vec<u64>)> {
+    let mut y_recv = vec![0f32; recv_x.len()];
+    let mut computed = vec![0u64; ne];
+    let t0 = CpuClock::start();
+    for (&e, blocks) in groups {
+        let w = inner.weights(layer, e)?;
+        let wdev = w.w1.device().clone();
+        let n = blocks.iter().map(|b| b.len as usize).sum::<usize>();
+        let x = Tensor::from_vec(gather(recv_x, blocks, d), (n, d), &wdev)?;
+        let y = w.forward(&x)?.detach();
+        computed[e] += y.dim(0)? as u64;
+        scatter(&mut y_recv, blocks, d, &y.flatten_all()?.to_vec1::<f32>()?);
+    }
+    inner.compute_ms += t0.elapsed_ms();
+    inner.computed_rows += computed.iter().sum::<u64>();
+    Ok((y_recv, computed))
+}
+
+/// A layer's dispatch plan from every rank's `counts` (one all-gather), with FSEP's
+/// materialisation of the layer's experts (a collective too).
+fn plan_layer(
+    inner: &mut Inner,
+    layer: usize,
+    counts: &[u64],
+    reps: &[Vec<u32>],
+    world: usize,
+) -> Result<DispatchPlan> {
+    let ne = reps.len();
+    let all = inner.comm.all_gather_u64(counts).map_err(wrap)?;
+    let mut t = vec![vec![0u64; world]; ne];
+    for (r, row) in all.iter().enumerate() {
+        if row.len() != ne {
+            candle_core::bail!("rank {r} reports {} experts, expected {ne}", row.len());
+        }
+        for (e, &c) in row.iter().enumerate() {
+            t[e][r] = c;
+        }
+    }
+    let p = plan(&t, reps).map_err(wrap)?;
+    if let Some(sh) = inner.shards.clone() {
+        let sh = lock_shards(&sh)?;
+        let (ws, bytes) = fsep::materialise(inner.comm.as_mut(), &sh, layer, reps)?;
+        inner.traffic.expert_param_bytes += bytes;
+        for (e, w) in ws {
+            inner.weights.insert((layer, e), w);
+        }
+    }
+    for (e, row) in t.iter().enumerate() {
+        *inner.routed.entry((layer, e)).or_insert(0) += row.iter().sum::<u64>();
+    }
+    Ok(p)
+}
+
+/// What a phantom pass's forward exchange of one layer leaves for its backward exchange: the
+/// layer, its plan, the rows received and their blocks by expert.
+type PhantomLayer = (
+    usize,
+    DispatchPlan,
+    Vec<f32>,
+    BTreeMap<usize, Vec<RecvBlock>>,
+);
+
 /// Mutable state shared by the executor and its custom ops (which run inside
 /// `loss.backward()`).
 struct Inner {
@@ -213,37 +329,7 @@ impl CustomOp1 for ExchangeOp {
         if recv_g.len() != c.recv_x.len() {
             candle_core::bail!("backward exchange: received {} values", recv_g.len());
         }
-        let mut dx_recv = vec![0f32; recv_g.len()];
-        let t = CpuClock::start();
-        for (&e, blocks) in &c.groups {
-            let w = inner.weights(c.layer, e)?.clone();
-            let dev = w.w1.device().clone();
-            let n = blocks.iter().map(|b| b.len as usize).sum::<usize>();
-            let x = Tensor::from_vec(gather(&c.recv_x, blocks, c.d), (n, c.d), &dev)?;
-            let gy = Tensor::from_vec(gather(&recv_g, blocks, c.d), (n, c.d), &dev)?;
-            let xv = Var::from_tensor(&x)?;
-            let y = w.forward(xv.as_tensor())?;
-            let grads = (y * gy)?.sum_all()?.backward()?;
-            let dx = match grads.get(xv.as_tensor()) {
-                Some(t) => t.flatten_all()?.to_vec1::<f32>()?,
-                None => vec![0f32; n * c.d],
-            };
-            scatter(&mut dx_recv, blocks, c.d, &dx);
-            let g1 = match grads.get(&w.w1) {
-                Some(t) => t.clone(),
-                None => w.w1.zeros_like()?,
-            };
-            let g2 = match grads.get(&w.w2) {
-                Some(t) => t.clone(),
-                None => w.w2.zeros_like()?,
-            };
-            let acc = match inner.grads.remove(&(c.layer, e)) {
-                Some((a1, a2)) => ((a1 + g1)?, (a2 + g2)?),
-                None => (g1, g2),
-            };
-            inner.grads.insert((c.layer, e), acc);
-        }
-        inner.compute_ms += t.elapsed_ms();
+        let dx_recv = backward_experts(&mut inner, c.layer, c.d, &c.recv_x, &recv_g, &c.groups)?;
         let back = split_rows(&dx_recv, &c.plan.recv_counts[c.rank], c.d);
         inner.traffic.token_bytes += bytes_to_others(&back, c.rank);
         let back = inner.comm.all_to_all_v(back).map_err(wrap)?;
@@ -668,6 +754,77 @@ impl DistributedExperts {
         Ok(())
     }
 
+    /// One micro-batch round without data of its own (a global batch whose micro-batches do
+    /// not divide evenly over the members, see `lazarus_planner::data`): every layer's forward
+    /// exchange in layer order, then every backward exchange in reverse order, as a member
+    /// with data runs them from its forward and `backward()`. This rank routes no token, so
+    /// it adds nothing to the routed counts or the loss; it still computes its replicas (or
+    /// shards) for the rows the others send it and accumulates their gradients.
+    pub fn phantom_round(&mut self, d_model: usize) -> Result<()> {
+        let (me, world) = (self.rank, self.world);
+        let mut inner = lock(&self.shared)?;
+        let ctxs = self.phantom_forwards(&mut inner, d_model)?;
+        for (layer, p, recv_x, groups) in ctxs.into_iter().rev() {
+            let recv_g = inner
+                .comm
+                .all_to_all_v(vec![Vec::new(); world])
+                .map_err(wrap)?
+                .concat();
+            if recv_g.len() != recv_x.len() {
+                candle_core::bail!("backward exchange: received {} values", recv_g.len());
+            }
+            let dx_recv = backward_experts(&mut inner, layer, d_model, &recv_x, &recv_g, &groups)?;
+            let back = split_rows(&dx_recv, &p.recv_counts[me], d_model);
+            inner.traffic.token_bytes += bytes_to_others(&back, me);
+            inner.comm.all_to_all_v(back).map_err(wrap)?;
+        }
+        Ok(())
+    }
+
+    /// A forward pass without data of its own (held-out evaluation, which runs no backward):
+    /// every layer's forward exchange in layer order with zero local rows, the forward of
+    /// [`Self::phantom_round`] without its backward. Forward-only members skip the backward
+    /// exchanges too (nothing calls `backward()`, so the exchange op's backward never runs),
+    /// so the collectives still pair up.
+    pub fn phantom_forward(&mut self, d_model: usize) -> Result<()> {
+        let mut inner = lock(&self.shared)?;
+        self.phantom_forwards(&mut inner, d_model)?;
+        Ok(())
+    }
+
+    /// The forward exchanges of a phantom pass; what each layer's backward exchange needs.
+    fn phantom_forwards(&self, inner: &mut Inner, d_model: usize) -> Result<Vec<PhantomLayer>> {
+        let (me, world) = (self.rank, self.world);
+        let mut ctxs = Vec::with_capacity(self.replicas.len());
+        for (layer, reps) in self.replicas.iter().enumerate() {
+            let ne = reps.len();
+            let p = plan_layer(inner, layer, &vec![0u64; ne], reps, world)?;
+            let recv_x = inner
+                .comm
+                .all_to_all_v(vec![Vec::new(); world])
+                .map_err(wrap)?
+                .concat();
+            if recv_x.len() as u64 != p.recv_tokens(me) * d_model as u64 {
+                candle_core::bail!("forward exchange: received {} values", recv_x.len());
+            }
+            let groups = by_expert(&p.recv_layout(me));
+            let (y_recv, computed) = forward_experts(inner, layer, ne, d_model, &recv_x, &groups)?;
+            let back = split_rows(&y_recv, &p.recv_counts[me], d_model);
+            inner.traffic.token_bytes += bytes_to_others(&back, me);
+            let got = inner.comm.all_to_all_v(back).map_err(wrap)?;
+            if got.iter().any(|b| !b.is_empty()) {
+                candle_core::bail!("reverse exchange: rows came back to a rank that sent none");
+            }
+            inner.log.push(LayerLog {
+                layer,
+                plan: p.clone(),
+                computed,
+            });
+            ctxs.push((layer, p, recv_x, groups));
+        }
+        Ok(ctxs)
+    }
+
     /// Sums the dense gradients over all ranks (one all-reduce, in
     /// [`DenseModel::named_vars`] order; a variable without gradient contributes zeros).
     /// Returns one gradient per dense variable, in that order (for `AdamW::step_with`).
@@ -676,11 +833,33 @@ impl DistributedExperts {
         model: &DenseModel,
         grads: &candle_core::backprop::GradStore,
     ) -> Result<Vec<Option<Tensor>>> {
+        let local = model
+            .named_vars()
+            .iter()
+            .map(|(_, v)| grads.get(v.as_tensor()).cloned())
+            .collect();
+        self.all_reduce_dense_grads(model, local)
+    }
+
+    /// [`Self::all_reduce_dense`] of gradients already taken out of their store (one per
+    /// dense variable, in order; summed over a step's micro-batches).
+    pub fn all_reduce_dense_grads(
+        &mut self,
+        model: &DenseModel,
+        local: Vec<Option<Tensor>>,
+    ) -> Result<Vec<Option<Tensor>>> {
         let vars = model.named_vars();
+        if local.len() != vars.len() {
+            candle_core::bail!(
+                "{} dense gradients for {} variables",
+                local.len(),
+                vars.len()
+            );
+        }
         let mut buf = Vec::new();
         let mut lens = Vec::with_capacity(vars.len());
-        for (_, v) in vars {
-            let g = match grads.get(v.as_tensor()) {
+        for ((_, v), g) in vars.iter().zip(local) {
+            let g = match g {
                 Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
                 None => vec![0f32; v.as_tensor().elem_count()],
             };
@@ -753,25 +932,7 @@ impl ExpertExec for DistributedExperts {
 
         let mut inner = lock(&self.shared)?;
         let (me, world) = (self.rank, self.world);
-        let all = inner.comm.all_gather_u64(&counts).map_err(wrap)?;
-        let mut t = vec![vec![0u64; world]; ne];
-        for (r, row) in all.iter().enumerate() {
-            if row.len() != ne {
-                candle_core::bail!("rank {r} reports {} experts, expected {ne}", row.len());
-            }
-            for (e, &c) in row.iter().enumerate() {
-                t[e][r] = c;
-            }
-        }
-        let p = plan(&t, reps).map_err(wrap)?;
-        if let Some(sh) = inner.shards.clone() {
-            let sh = lock_shards(&sh)?;
-            let (ws, bytes) = fsep::materialise(inner.comm.as_mut(), &sh, layer, reps)?;
-            inner.traffic.expert_param_bytes += bytes;
-            for (e, w) in ws {
-                inner.weights.insert((layer, e), w);
-            }
-        }
+        let p = plan_layer(&mut inner, layer, &counts, reps, world)?;
         let route = LayerRoute::new(
             &mut inner.kernels,
             &p,
@@ -787,27 +948,11 @@ impl ExpertExec for DistributedExperts {
             candle_core::bail!("forward exchange: received {} values", recv_x.len());
         }
         let groups = by_expert(&p.recv_layout(me));
-        let mut y_recv = vec![0f32; recv_x.len()];
-        let mut computed = vec![0u64; ne];
-        let t0 = CpuClock::start();
-        for (&e, blocks) in &groups {
-            let w = inner.weights(layer, e)?;
-            let wdev = w.w1.device().clone();
-            let n = blocks.iter().map(|b| b.len as usize).sum::<usize>();
-            let x = Tensor::from_vec(gather(&recv_x, blocks, d), (n, d), &wdev)?;
-            let y = w.forward(&x)?.detach();
-            computed[e] += y.dim(0)? as u64;
-            scatter(&mut y_recv, blocks, d, &y.flatten_all()?.to_vec1::<f32>()?);
-        }
-        inner.compute_ms += t0.elapsed_ms();
-        inner.computed_rows += computed.iter().sum::<u64>();
+        let (y_recv, computed) = forward_experts(&mut inner, layer, ne, d, &recv_x, &groups)?;
         let back = split_rows(&y_recv, &p.recv_counts[me], d);
         inner.traffic.token_bytes += bytes_to_others(&back, me);
         let back = inner.comm.all_to_all_v(back).map_err(wrap)?;
         let y_local = route.unpermute(&back)?;
-        for (e, row) in t.iter().enumerate() {
-            *inner.routed.entry((layer, e)).or_insert(0) += row.iter().sum::<u64>();
-        }
         inner.log.push(LayerLog {
             layer,
             plan: p.clone(),

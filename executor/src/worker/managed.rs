@@ -52,12 +52,15 @@ use super::protocol::{
     Checksums, Command, JobSpec, Reconfigure, StateSource, StepLine, WorkerEvent,
 };
 use super::state::{
-    Snapshot, State, StepVotes, checkpoint_writers, fingerprints, flip_one_bit, train_step_votes,
-    write_checkpoint,
+    MicroBatches, Snapshot, State, StepInput, StepVotes, checkpoint_writers, eval_step,
+    fingerprints, flip_one_bit, train_step_input, train_step_votes, write_checkpoint,
 };
 use crate::comm::MeshSecret;
+use crate::dataset::{EvalData, TrainData};
 use crate::model::Corpus;
 use crate::runtime::DistributedExperts;
+use candle_core::Tensor;
+use lazarus_planner::job::StepData;
 
 /// A [`Command::Relayout`] this worker holds and does not train on yet.
 struct StagedLayout {
@@ -98,11 +101,22 @@ pub struct FlipBit {
     pub step: u64,
 }
 
+/// A test failpoint: the held-out evaluation after step `step`'s update fails on the worker of
+/// node `node`, the first time only (as a peer lost mid-eval would fail it; the step is then
+/// redone and evaluated again). `lzrun worker --managed` takes it from
+/// `LZRUN_TEST_EVAL_FAIL=NODE:STEP`; only tests set it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EvalFail {
+    pub node: u32,
+    pub step: u64,
+}
+
 /// The test hooks of a managed worker; none outside tests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TestHooks {
     pub delay: Option<StepDelay>,
     pub flip_bit: Option<FlipBit>,
+    pub eval_fail: Option<EvalFail>,
 }
 
 /// Says [`WorkerEvent::Alive`] every `every_ms` from a thread that does nothing else, until
@@ -171,6 +185,10 @@ where
         .flip_bit
         .filter(|f| f.node == job.node_id)
         .map(|f| f.step);
+    let eval_fail_at = hooks
+        .eval_fail
+        .filter(|f| f.node == job.node_id)
+        .map(|f| f.step);
     let mut w = Worker {
         st: fresh_state(&job)?,
         peer_timeout_ms: job.timeout_ms,
@@ -179,10 +197,14 @@ where
         last_step_end: None,
         delay,
         flip_bit_at,
+        eval_fail_at,
         listener,
         abort,
         emit,
         corpus: Corpus::embedded(),
+        data: None,
+        eval_data: None,
+        data_cursor: 0,
         rank: 0,
         replicas: Vec::new(),
         snapshot: None,
@@ -219,6 +241,14 @@ struct Worker<'a, E> {
     abort: &'a AbortSlot,
     emit: E,
     corpus: Corpus,
+    /// The global sample order over `--data` (or the embedded corpus with a global batch);
+    /// opened at the first step that needs it.
+    data: Option<TrainData>,
+    /// The held-out eval dataset (`JobSpec::eval`), opened at the first evaluation.
+    eval_data: Option<EvalData>,
+    /// A global batch: the position of the next step's first sequence (from the
+    /// reconfiguration, advanced by `B` per step).
+    data_cursor: u64,
     rank: usize,
     /// `[layer][expert][rank]` of the plan in force.
     replicas: Vec<Vec<Vec<u32>>>,
@@ -249,6 +279,8 @@ struct Worker<'a, E> {
     delay: Option<Duration>,
     /// [`FlipBit`]'s step, if it names this worker.
     flip_bit_at: Option<u64>,
+    /// [`EvalFail`]'s step, if it names this worker and has not fired.
+    eval_fail_at: Option<u64>,
 }
 
 impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
@@ -320,11 +352,11 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
             else {
                 bail!("no snapshot of step {} to roll back to", cmd.resume_step);
             };
-            snap.restore_exact(&mut self.st.opt, &mut self.st.store)?;
-            if let Some(sh) = &self.st.shards {
-                snap.restore_shards(sh)?;
-            }
+            snap.restore_state(&mut self.st)?;
             self.step = s;
+        }
+        if let Some(c) = cmd.data_cursor {
+            self.data_cursor = c;
         }
         let joining = matches!(&cmd.source,
             StateSource::Peers { dense_to, .. } if dense_to.contains(&cmd.rank));
@@ -458,6 +490,107 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         }
     }
 
+    /// The training data, opened on first use (the embedded corpus without `--data`).
+    fn train_data(&mut self) -> Result<&TrainData> {
+        if self.data.is_none() {
+            let cfg = &self.job.config;
+            let d = TrainData::open(self.job.data.as_ref(), cfg.seed, cfg.seq_len, cfg.vocab)
+                .context("opening the training data")?;
+            self.data = Some(d);
+        }
+        Ok(self.data.as_ref().expect("opened above"))
+    }
+
+    /// The held-out loss of the model as it is now ([`eval_step`]): this member's share of the
+    /// eval micro-batches, split over the `members` by the rule that splits a global batch.
+    fn evaluate(&mut self, dist: &mut DistributedExperts, members: usize) -> Result<f32> {
+        let spec = self
+            .job
+            .eval
+            .clone()
+            .ok_or_else(|| anyhow!("an evaluation without an eval set"))?;
+        if self.eval_fail_at == Some(self.step) {
+            self.eval_fail_at = None;
+            bail!(
+                "test failpoint: the evaluation after step {} fails",
+                self.step
+            );
+        }
+        if self.eval_data.is_none() {
+            let cfg = &self.job.config;
+            let d =
+                EvalData::open(&spec, cfg.seq_len, cfg.vocab).context("opening the eval data")?;
+            self.eval_data = Some(d);
+        }
+        let data = self.eval_data.as_ref().expect("opened above");
+        let share = lazarus_planner::data::share(spec.batches, members, self.rank);
+        let shape = (spec.micro as usize, self.job.config.seq_len + 1);
+        let mbs = share
+            .clone()
+            .map(|i| Ok(Tensor::from_vec(data.micro_batch(i)?, shape, &self.st.dev)?))
+            .collect::<Result<Vec<Tensor>>>()?;
+        let input = MicroBatches {
+            tokens: &mbs,
+            first: share.start,
+            total: spec.batches,
+            rounds: lazarus_planner::data::rounds(spec.batches, members),
+        };
+        eval_step(&self.st.model, dist, input)
+    }
+
+    /// Puts the state back as it was before the update of the step just trained (its
+    /// snapshot), for a failure after the update that discards the step: the step is then
+    /// retrained from the same state, as after a failure before the update.
+    fn undo_update(&mut self) -> Result<()> {
+        if let Some((s, snap)) = self.snapshot.take() {
+            ensure!(
+                s == self.step,
+                "the snapshot is of step {s}, not of step {}",
+                self.step
+            );
+            snap.restore_state(&mut self.st)?;
+        }
+        Ok(())
+    }
+
+    /// What this worker trains this step: its micro-batches of the global batch (and what
+    /// they hold, for the report), or its own batch.
+    fn step_input(&mut self, members: usize) -> Result<(StepTokens, Option<StepData>)> {
+        let cfg = self.job.config.clone();
+        let (step, shard, cursor, rank) = (self.step, self.job.shard, self.data_cursor, self.rank);
+        let dev = self.st.dev.clone();
+        let len = cfg.seq_len + 1;
+        let Some(b) = self.job.global_batch else {
+            if self.job.data.is_none() {
+                let t = self
+                    .corpus
+                    .batch(cfg.seed, step, shard, cfg.batch, len, &dev)?;
+                return Ok((StepTokens::PerNode(t), None));
+            }
+            let t = self
+                .train_data()?
+                .random_batch(cfg.seed, step, shard, cfg.batch)?;
+            let t = Tensor::from_vec(t, (cfg.batch, len), &dev)?;
+            return Ok((StepTokens::PerNode(t), None));
+        };
+        let share = b.share(members, rank);
+        let data = self.train_data()?;
+        let mut mbs = Vec::with_capacity((share.end - share.start) as usize);
+        let mut sequences = Vec::with_capacity(mbs.capacity() * b.micro as usize);
+        for mb in share.clone() {
+            let m = data.micro_batch(b, cursor, mb)?;
+            mbs.push(Tensor::from_vec(m.tokens, (b.micro as usize, len), &dev)?);
+            sequences.extend(m.sequences);
+        }
+        let report = StepData {
+            cursor,
+            first_micro_batch: share.start,
+            micro_batches: share.end - share.start,
+            sequences,
+        };
+        Ok((StepTokens::Global(mbs), Some(report)))
+    }
+
     /// One atomic step (or the end of training); reports it and says what comes next.
     fn train(
         &mut self,
@@ -506,30 +639,42 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
                 .filter(|m| m.ready())
                 .map_or(0, |m| m.version),
         };
-        let cfg = &self.job.config;
-        let res = self
-            .corpus
-            .batch(
-                cfg.seed,
-                self.step,
-                self.job.shard,
-                cfg.batch,
-                cfg.seq_len + 1,
-                &self.st.dev,
-            )
-            .map_err(anyhow::Error::from)
-            .and_then(|tokens| {
-                let st = &mut self.st;
-                train_step_votes(
-                    &st.model,
-                    &mut st.opt,
-                    &mut st.store,
-                    &mut dist,
-                    &tokens,
-                    votes,
-                )
-            });
-        let done = match res {
+        let members = dist.world();
+        // The step's data wait (issue 31 item 5): until its batch (or micro-batches) is there.
+        let fetch = Instant::now();
+        let mut data_wait_ms = 0.0;
+        let res = self.step_input(members).and_then(|input| {
+            data_wait_ms = ms_since(fetch);
+            let st = &mut self.st;
+            let (tokens, data) = input;
+            let out = match (&tokens, self.job.global_batch) {
+                (StepTokens::Global(mbs), Some(b)) => {
+                    let share = b.share(members, self.rank);
+                    let input = StepInput::Global(MicroBatches {
+                        tokens: mbs,
+                        first: share.start,
+                        total: b.micro_batches(),
+                        rounds: b.rounds(members),
+                    });
+                    train_step_input(
+                        &st.model,
+                        &mut st.opt,
+                        &mut st.store,
+                        &mut dist,
+                        input,
+                        votes,
+                    )
+                }
+                (StepTokens::PerNode(t), _) => {
+                    train_step_votes(&st.model, &mut st.opt, &mut st.store, &mut dist, t, votes)
+                }
+                (StepTokens::Global(_), None) => {
+                    Err(anyhow!("micro-batches without a global batch"))
+                }
+            };
+            out.map(|o| (o, data))
+        });
+        let (done, step_data) = match res {
             Ok(r) => r,
             // Discard the step and the broken communicator, then wait for the controller.
             Err(e) => return self.failed(&e),
@@ -565,12 +710,39 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         } else {
             None
         };
+        let ms = ms_since(t0);
+        // Held-out evaluation after the update; not part of the step's time. The step's
+        // routing and traffic were read above, so the eval's do not count in them.
+        let due = self
+            .job
+            .eval
+            .as_ref()
+            .is_some_and(|e| e.due(self.step, self.job.steps));
+        let eval_loss = if due {
+            match self.evaluate(&mut dist, members) {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    // Like a step failure: the step is not reported, so the job redoes it from
+                    // the state before its update (which this worker must then hold: the
+                    // reconfiguration rolls back only a worker that reported the step).
+                    self.undo_update()?;
+                    return self.failed(&e.context("held-out evaluation"));
+                }
+            }
+        } else {
+            None
+        };
         let line = StepLine {
             step: self.step,
             epoch: self.epoch,
             loss: done.loss,
-            tokens: (cfg.batch * cfg.seq_len) as u64,
-            ms: ms_since(t0),
+            tokens: step_data
+                .as_ref()
+                .map_or(self.job.config.batch as u64, |d| {
+                    d.micro_batches * self.job.global_batch.map_or(0, |b| b.micro)
+                })
+                * self.job.config.seq_len as u64,
+            ms,
             routing: done.stats.counts,
             nonfinite: done.nonfinite,
             expert_ms,
@@ -582,6 +754,9 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
                 .map_or(0, Migration::take_copy_bytes),
             layout_version: self.layout_version,
             fingerprints,
+            data: step_data,
+            data_wait_ms,
+            eval_loss,
         };
         (self.emit)(&serde_json::to_string(&line)?)?;
         let now = Instant::now();
@@ -590,6 +765,9 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         self.step_times.push(step_ms);
         self.last_step_end = Some(now);
         self.step += 1;
+        if let Some(b) = self.job.global_batch {
+            self.data_cursor += b.sequences;
+        }
         if let Err(e) = self.switch_if_agreed(&mut dist, done.layout_agreed, done.ready_agreed) {
             return self.failed(&e);
         }
@@ -685,6 +863,12 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         self.event(&WorkerEvent::Done(sums.clone()))?;
         Ok(sums)
     }
+}
+
+/// The tokens of one step: a member's own batch, or its micro-batches of the global batch.
+enum StepTokens {
+    PerNode(Tensor),
+    Global(Vec<Tensor>),
 }
 
 /// A fresh worker state for `job`: its expert mode and router skew.

@@ -58,7 +58,7 @@ pub mod standalone;
 pub mod state;
 
 pub use abort::AbortSlot;
-pub use managed::{FlipBit, StepDelay, TestHooks, ms_since, run_managed_worker};
+pub use managed::{EvalFail, FlipBit, StepDelay, TestHooks, ms_since, run_managed_worker};
 pub use protocol::default_verify_every;
 pub use protocol::{
     CheckpointSpec, Checksums, Command, JobSpec, Reconfigure, ReplicaChecksum, StateSource,

@@ -60,10 +60,33 @@ pub struct StepLine {
     /// compares the copies of each object.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fingerprints: Option<StateChecksums>,
+    /// A global batch: what this worker trained (its micro-batches and their sequences).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<lazarus_planner::job::StepData>,
+    /// Milliseconds of the step this worker spent getting its batch (part of `ms`): the step's
+    /// data wait, which throughput numbers need to tell a slow input from slow compute. A
+    /// worker that does not report it sends none (read as 0).
+    #[serde(default)]
+    pub data_wait_ms: f64,
+    /// The held-out loss after this step's update ([`JobSpec::eval`]; the same on every
+    /// member), `None` when the step was not evaluated. A non-finite loss is written as
+    /// `null` and read back as NaN; an absent field is `None`.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "some_nan_if_null"
+    )]
+    pub eval_loss: Option<f32>,
 }
 
 fn nan_if_null<'de, D: Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
     Ok(Option::<f32>::deserialize(d)?.unwrap_or(f32::NAN))
+}
+
+/// A field that is present: `null` (how JSON writes NaN) is `Some(NaN)`. Absent fields are
+/// `None` through `#[serde(default)]`, which never calls this.
+fn some_nan_if_null<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f32>, D::Error> {
+    nan_if_null(d).map(Some)
 }
 
 /// Checksum of one held expert replica.
@@ -223,6 +246,15 @@ pub struct JobSpec {
     /// Report [`StepLine::fingerprints`] after every this many steps (0: never).
     #[serde(default = "default_verify_every")]
     pub verify_every: u64,
+    /// The training data (`None`: the embedded corpus, byte tokens).
+    #[serde(default)]
+    pub data: Option<crate::dataset::DataSpec>,
+    /// A constant global batch split over the members (`None`: `config.batch` per member).
+    #[serde(default)]
+    pub global_batch: Option<lazarus_planner::data::GlobalBatch>,
+    /// Held-out evaluation (`--eval-data`); `None`: none.
+    #[serde(default)]
+    pub eval: Option<crate::dataset::EvalSpec>,
 }
 
 /// Every step: measured to cost little next to the step (`results/executor/`).
@@ -271,6 +303,9 @@ pub struct Reconfigure {
     pub source: StateSource,
     /// The step to train next.
     pub resume_step: u64,
+    /// A global batch: the data cursor at `resume_step`.
+    #[serde(default)]
+    pub data_cursor: Option<u64>,
     /// FSEP: `[shard]` = the ranks holding a copy of that shard of every expert (empty: one
     /// shard per rank, shard `w` on rank `w`).
     #[serde(default)]
@@ -431,6 +466,9 @@ mod tests {
                     replicas: vec![(0, 1, 2)],
                     shards: vec![(3, 4)],
                 }),
+                data: None,
+                data_wait_ms: 0.25,
+                eval_loss: Some(loss),
             };
             let text = serde_json::to_string(&line).unwrap();
             let Some(WorkerLine::Step(back)) = WorkerLine::parse(&text) else {
@@ -438,8 +476,27 @@ mod tests {
             };
             assert!(back.loss.is_nan() && back.nonfinite, "{back:?}");
             assert_eq!(back.fingerprints, line.fingerprints);
+            assert_eq!(back.data_wait_ms, 0.25);
+            // A diverged eval is reported as NaN, not as "not evaluated".
+            assert!(back.eval_loss.is_some_and(f32::is_nan), "{back:?}");
+            let none = StepLine {
+                eval_loss: None,
+                ..line
+            };
+            let text = serde_json::to_string(&none).unwrap();
+            assert!(!text.contains("eval_loss"), "{text}");
         }
+        // A line without the newer fields (an older worker) still parses: no data wait.
         let plain = r#"{"step":3,"loss":2.5,"tokens":10,"ms":1.0}"#;
-        assert!(matches!(WorkerLine::parse(plain), Some(WorkerLine::Step(s)) if !s.nonfinite));
+        assert!(matches!(
+            WorkerLine::parse(plain),
+            Some(WorkerLine::Step(s))
+                if !s.nonfinite && s.data_wait_ms == 0.0 && s.eval_loss.is_none()
+        ));
+        let eval = r#"{"step":3,"loss":2.5,"tokens":10,"ms":1.0,"eval_loss":3.25}"#;
+        assert!(matches!(
+            WorkerLine::parse(eval),
+            Some(WorkerLine::Step(s)) if s.eval_loss == Some(3.25)
+        ));
     }
 }

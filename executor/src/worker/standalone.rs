@@ -111,6 +111,7 @@ pub fn run_worker(
             cfg.seq_len + 1,
             &dev,
         )?;
+        let data_wait_ms = t0.elapsed().as_secs_f64() * 1e3;
         let done = train_step(&model, &mut opt, &mut store, &mut dist, &tokens, false)
             .with_context(|| format!("rank {rank}: step {step}"))?;
         let (expert_ms, expert_tokens) = dist.expert_compute()?;
@@ -130,6 +131,10 @@ pub fn run_worker(
             layout_version: 0,
             // Nobody compares them: the stand-alone ranks compare their checksum files.
             fingerprints: None,
+            data: None,
+            data_wait_ms,
+            // Held-out evaluation is the managed worker's (`--eval-data` under a controller).
+            eval_loss: None,
         })?;
         // The same rule as under a controller: every rank decided the same skips, so every
         // rank stops here together.

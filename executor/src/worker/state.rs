@@ -164,6 +164,15 @@ impl Snapshot {
         Ok(())
     }
 
+    /// [`Self::restore_exact`] and [`Self::restore_shards`] on a worker's whole state.
+    pub(super) fn restore_state(&self, st: &mut State) -> Result<()> {
+        self.restore_exact(&mut st.opt, &mut st.store)?;
+        if let Some(sh) = &st.shards {
+            self.restore_shards(sh)?;
+        }
+        Ok(())
+    }
+
     pub fn restore(&self, opt: &mut AdamW, store: &mut ExpertStore) -> Result<()> {
         opt.import(&self.dense)?;
         for s in &self.experts {
@@ -278,6 +287,43 @@ pub fn train_step_votes(
     tokens: &Tensor,
     votes: StepVotes,
 ) -> Result<TrainedStep> {
+    let input = StepInput::PerNode(tokens);
+    train_step_input(model, dense_opt, store, experts, input, votes)
+}
+
+/// What a member trains in one step.
+pub enum StepInput<'a> {
+    /// Its own batch; the update is the mean over the members (`--batch-per-node`).
+    PerNode(&'a Tensor),
+    /// Its share of a global batch ([`lazarus_planner::data`]).
+    Global(MicroBatches<'a>),
+}
+
+/// A member's share of a global batch of `total` micro-batches: `tokens[i]` is micro-batch
+/// `first + i` (`[micro, seq_len + 1]`); the member takes part in `rounds ≥ tokens.len()`
+/// micro-batch rounds (the same number on every member), the last ones without data.
+pub struct MicroBatches<'a> {
+    pub tokens: &'a [Tensor],
+    pub first: u64,
+    pub total: u64,
+    pub rounds: u64,
+}
+
+/// [`train_step_votes`] for either [`StepInput`]. With a global batch the member runs its
+/// micro-batches one round each (forward, backward, gradients accumulated) and
+/// [`DistributedExperts::phantom_round`]s after them; the update is the mean over the
+/// global batch's micro-batches (`grad_scale(total, …)`), and [`TrainedStep::loss`] is the
+/// step's loss: the mean of every micro-batch's loss, which the barrier carries one slot per
+/// micro-batch (each written by the one member that trained it, so every member reads the
+/// same values and sums them in micro-batch order).
+pub fn train_step_input(
+    model: &DenseModel,
+    dense_opt: &mut AdamW,
+    store: &mut ExpertStore,
+    experts: &mut DistributedExperts,
+    input: StepInput<'_>,
+    votes: StepVotes,
+) -> Result<TrainedStep> {
     let StepVotes {
         pause,
         layout: layout_vote,
@@ -289,10 +335,39 @@ pub fn train_step_votes(
         layout_vote.max(ready_vote)
     );
     experts.begin_step()?;
+    let (tokens, first, total, rounds): (&[Tensor], u64, u64, u64) = match &input {
+        StepInput::PerNode(t) => (std::slice::from_ref(*t), 0, 0, 1),
+        StepInput::Global(m) => (m.tokens, m.first, m.total, m.rounds),
+    };
+    anyhow::ensure!(
+        tokens.len() as u64 <= rounds,
+        "{} micro-batches in {rounds} rounds",
+        tokens.len()
+    );
+    let vars = model.named_vars();
+    let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
     let mut stats = RoutingStats::default();
-    let loss = model.loss(tokens, experts, &mut stats)?;
-    let grads = loss.backward()?;
-    let dense = experts.all_reduce_dense(model, &grads)?;
+    let mut losses = Vec::with_capacity(tokens.len());
+    for round in 0..rounds as usize {
+        let Some(t) = tokens.get(round) else {
+            experts.phantom_round(model.config().d_model)?;
+            continue;
+        };
+        let mut s = RoutingStats::default();
+        let loss = model.loss(t, experts, &mut s)?;
+        let grads = loss.backward()?;
+        for (a, (_, v)) in acc.iter_mut().zip(vars) {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                *a = Some(match a.take() {
+                    Some(x) => (x + g)?,
+                    None => g.clone(),
+                });
+            }
+        }
+        losses.push(loss.to_scalar::<f32>()?);
+        merge_stats(&mut stats, s, losses.len() - 1);
+    }
+    let dense = experts.all_reduce_dense_grads(model, acc)?;
     let sharded = experts.is_sharded()?;
     let (mut expert_grads, shard_grads) = if sharded {
         (BTreeMap::new(), experts.reduce_shard_grads()?)
@@ -309,8 +384,7 @@ pub fn train_step_votes(
         .into_iter()
         .filter_map(|k| expert_grads.remove_entry(&k))
         .collect();
-    let loss = loss.to_scalar::<f32>()?;
-    let mut finite = loss.is_finite();
+    let mut finite = losses.iter().all(|l| l.is_finite());
     for g in dense.iter().flatten() {
         finite = finite && all_finite(g)?;
     }
@@ -328,6 +402,14 @@ pub fn train_step_votes(
     layout[experts.rank()] = layout_vote as f32;
     layout[world + experts.rank()] = ready_vote as f32;
     v.extend(layout);
+    // Global batch: one loss slot per micro-batch, written by the member that trained it.
+    let mut loss_slots = vec![0f32; total as usize];
+    if matches!(input, StepInput::Global(_)) {
+        for (i, l) in losses.iter().enumerate() {
+            loss_slots[first as usize + i] = *l;
+        }
+    }
+    v.extend(&loss_slots);
     v.extend(norm_parts(
         model,
         experts,
@@ -348,9 +430,18 @@ pub fn train_step_votes(
     };
     let layout_agreed = agreed(&votes[2..2 + world]);
     let ready_agreed = agreed(&votes[2 + world..2 + 2 * world]);
+    let slots = &votes[2 + 2 * world..2 + 2 * world + total as usize];
+    let (loss, mean_over) = match input {
+        StepInput::PerNode(_) => (losses[0], world),
+        // The sum in micro-batch order, whoever trained which.
+        StepInput::Global(_) => (
+            (slots.iter().map(|&x| f64::from(x)).sum::<f64>() / total as f64) as f32,
+            total as usize,
+        ),
+    };
     let factor = grad_scale(
-        world,
-        &votes[2 + 2 * world..],
+        mean_over,
+        &votes[2 + 2 * world + total as usize..],
         model.config().grad_clip_norm,
     );
     let snapshot = match experts.shard_store()? {
@@ -382,6 +473,81 @@ pub fn train_step_votes(
         joined,
         factor,
     })
+}
+
+/// Held-out evaluation ([`crate::dataset::EvalSpec`]) after a step's update: the member runs
+/// its eval micro-batches forward through `experts` (no gradient is taken, the optimizer and
+/// the state are untouched) and [`DistributedExperts::phantom_forward`]s in the rounds it has
+/// none, then one all-reduce with one slot per eval micro-batch, each written by the member
+/// that computed it: every member reads the same slots and returns the same loss, their mean
+/// in micro-batch order. The loss is the cross-entropy alone (`RoutingStats::ce_loss`, what
+/// perplexity is `exp` of), without the load-balancing term of the training loss.
+///
+/// The eval's routed counts and exchange logs land in `experts` after the step's were read;
+/// the next step's [`DistributedExperts::begin_step`] clears them.
+pub fn eval_step(
+    model: &DenseModel,
+    experts: &mut DistributedExperts,
+    input: MicroBatches<'_>,
+) -> Result<f32> {
+    let MicroBatches {
+        tokens,
+        first,
+        total,
+        rounds,
+    } = input;
+    anyhow::ensure!(
+        tokens.len() as u64 <= rounds && first + tokens.len() as u64 <= total,
+        "{} eval micro-batches from {first} in {rounds} rounds of {total}",
+        tokens.len()
+    );
+    let mut slots = vec![0f32; total as usize];
+    for round in 0..rounds as usize {
+        let Some(t) = tokens.get(round) else {
+            experts.phantom_forward(model.config().d_model)?;
+            continue;
+        };
+        let mut s = RoutingStats::default();
+        // The training loss's graph is built and dropped: nothing calls `backward()`.
+        model.loss(t, experts, &mut s)?;
+        slots[first as usize + round] = s.ce_loss;
+    }
+    let slots = experts.with_comm(|c| {
+        let all: Vec<usize> = (0..c.world()).collect();
+        c.all_reduce_sum(&all, &mut slots).map(|()| slots)
+    })??;
+    let sum: f64 = slots.iter().map(|&x| f64::from(x)).sum();
+    Ok((sum / total as f64) as f32)
+}
+
+/// Adds a micro-batch's routing statistics to the step's: counts and choices append/add,
+/// the losses become the mean over the `merged + 1` micro-batches.
+fn merge_stats(into: &mut RoutingStats, s: RoutingStats, merged: usize) {
+    let n = merged as f32;
+    if into.counts.is_empty() {
+        into.counts = s.counts;
+    } else {
+        for (a, b) in into.counts.iter_mut().zip(&s.counts) {
+            for (x, y) in a.iter_mut().zip(b) {
+                *x += y;
+            }
+        }
+    }
+    if into.lb_loss.is_empty() {
+        into.lb_loss = s.lb_loss;
+    } else {
+        for (a, b) in into.lb_loss.iter_mut().zip(&s.lb_loss) {
+            *a = (*a * n + b) / (n + 1.0);
+        }
+    }
+    into.ce_loss = (into.ce_loss * n + s.ce_loss) / (n + 1.0);
+    // Token-major per micro-batch: the micro-batches' choices one after the other.
+    for (a, b) in into.choices.iter_mut().zip(&s.choices) {
+        a.extend(b);
+    }
+    if into.choices.is_empty() {
+        into.choices = s.choices;
+    }
 }
 
 /// This rank's share of the global gradient norm

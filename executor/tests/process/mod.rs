@@ -28,6 +28,16 @@ impl Outcome {
     }
 }
 
+/// A fresh directory `<prefix>-<name>-<pid>` under the test target's temporary directory.
+#[allow(dead_code)] // not every test crate makes one
+pub fn scratch(prefix: &str, name: &str) -> std::path::PathBuf {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("{prefix}-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 /// Runs `cmd` to the end with its output captured; kills it (and fails the test) after `limit`.
 pub fn run_within(cmd: &mut Command, limit: Duration) -> Outcome {
     let mut child = cmd

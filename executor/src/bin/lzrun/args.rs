@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 use lazarus_executor::control::agent::DEFAULT_RECONNECT_GRACE_MS;
+use lazarus_executor::dataset::TokenDtype;
 use lazarus_executor::device::{self, CommKind, DeviceChoice, DeviceError, DeviceKind};
 use lazarus_executor::faults;
 use lazarus_executor::model::{ExpertMode, Precision};
@@ -130,7 +131,8 @@ pub struct ControllerArgs {
     pub listen: Option<SocketAddr>,
     /// Take back the job whose state a controller started with `--state-dir DIR` saved, after
     /// that controller died (kill -9, a crash, its machine). The job's options come from DIR
-    /// (the job options given here are ignored, except --format, --metrics-out and --out); the
+    /// (the job options given here are ignored, except --format, --metrics-out, --out and
+    /// --peak-tflops); the
     /// token must be the job's. Agents reconnect on their own within their
     /// --reconnect-grace-ms; workers that trained on meanwhile keep their state, and training
     /// resumes in place when every node comes back (see the README, "Controller fail-over").
@@ -274,6 +276,16 @@ pub struct ModelArgs {
     pub precision: Option<Precision>,
 }
 
+fn parse_data_dtype(s: &str) -> Result<TokenDtype, String> {
+    match s {
+        "u16" | "uint16" => Ok(TokenDtype::U16),
+        "u32" | "uint32" => Ok(TokenDtype::U32),
+        other => Err(format!(
+            "unknown token dtype {other:?} (expected u16 or u32)"
+        )),
+    }
+}
+
 fn parse_precision(s: &str) -> Result<Precision, String> {
     Precision::parse(s).map_err(|e| e.to_string())
 }
@@ -384,6 +396,58 @@ pub struct JobArgs {
     /// all its copies. 1: one shard per worker (LAER-MoE). At most the number of nodes.
     #[arg(long, value_name = "F", default_value_t = 1)]
     pub shard_copies: usize,
+    /// Train on a tokenized dataset instead of the embedded text: a Megatron-LM indexed dataset
+    /// (`PREFIX` of `PREFIX.bin` + `PREFIX.idx`, e.g. from `lzrun prepare`) or a flat file of
+    /// little-endian token ids (`train.bin`; its dtype from --data-dtype or a sidecar file
+    /// `PATH.dtype` holding `u16` or `u32`). Repeat it for a blend, each with a weight:
+    /// `--data 0.7:a --data 0.3:b`. Files are memory-mapped and checked before the job starts
+    /// (index, sizes, every token id below the model's vocabulary). Every worker opens the
+    /// path itself: with agents on several machines, give a path they all see (a shared file
+    /// system), as for --ckpt-dir.
+    #[arg(long, value_name = "[WEIGHT:]PATH")]
+    pub data: Vec<String>,
+    /// The token dtype of the flat --data files.
+    #[arg(long, value_name = "u16|u32", value_parser = parse_data_dtype)]
+    pub data_dtype: Option<TokenDtype>,
+    /// A constant global batch of B sequences per optimizer step, whoever is alive: every step
+    /// trains the next B sequences of one seeded order of the data (each sequence once per
+    /// epoch), split over the current workers in micro-batches of --micro-batch (gradients
+    /// accumulated; the update is the mean over the B sequences). Failures, joins, checkpoint
+    /// restores (the data cursor rewinds with the weights) and controller fail-over do not
+    /// change what a step trains: a run with faults computes the fault-free run's steps, up to
+    /// the order of floating-point sums. --metrics-out then writes samples.csv. Without it:
+    /// --batch-per-node.
+    #[arg(long, value_name = "B", conflicts_with = "batch_per_node")]
+    pub global_batch: Option<u64>,
+    /// With --global-batch: sequences per micro-batch (divides B; default: the model config's
+    /// `batch`, or B if that does not divide it). A member trains ⌈B / (M · members)⌉
+    /// micro-batches at most per step.
+    #[arg(long, value_name = "M", requires = "global_batch")]
+    pub micro_batch: Option<u64>,
+    /// Held-out evaluation: a dataset in the forms of one --data (a Megatron prefix, or a flat
+    /// token file whose dtype comes from --data-dtype or `PATH.dtype`), checked like it before
+    /// the job starts. Every --eval-every steps, and after the last step, every worker runs
+    /// the eval set forward (no gradients, no update; the training is bit for bit the same as
+    /// without it) and the log line, steps.csv (eval_loss, eval_ppl) and summary.json
+    /// (first_eval_*, final_eval_*) report the held-out cross-entropy and its perplexity. The
+    /// eval set is the first --eval-batches × M sequences of the file in file order (M: the
+    /// --micro-batch size, or the config's `batch` without --global-batch), the same at every
+    /// evaluation; a shorter file wraps around.
+    #[arg(long, value_name = "PATH")]
+    pub eval_data: Option<String>,
+    /// With --eval-data: evaluate after every N steps (after steps N-1, 2N-1, … counted from
+    /// 0), and after the last step; 0: only after the last step. Default 10.
+    #[arg(long, value_name = "N")]
+    pub eval_every: Option<u64>,
+    /// With --eval-data: micro-batches in the eval set (split over the workers like a global
+    /// batch's). Default 4.
+    #[arg(long, value_name = "B")]
+    pub eval_batches: Option<u64>,
+    /// Each worker trains its own batch of the config's `batch` sequences, drawn at random
+    /// positions of the data: the global batch is `workers × batch` and follows the membership
+    /// (the Lazarus paper's behaviour). The default without --global-batch.
+    #[arg(long)]
+    pub batch_per_node: bool,
     /// Directory for the workers' replica checksum files `node<ID>.json`.
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
@@ -431,6 +495,16 @@ pub struct JobArgs {
         default_value_t = 600_000
     )]
     pub wait_for_nodes_ms: u64,
+    /// Peak dense TFLOP/s of one device (one GPU; with --device cpu the machine's CPU), for the
+    /// model-FLOPs utilisation (MFU) in the log lines, steps.csv and summary.json: the model
+    /// FLOPs of the tokens per second (Megatron/PaLM: 6 × the weights a token meets, with
+    /// only its top_k experts, plus the attention scores) over this peak × the devices.
+    /// `lzrun local` runs every node on this machine's devices (--gpus-per-node GPUs, or the
+    /// one CPU); `lzrun controller` counts one device per member. Default: with `lzrun local
+    /// --device cuda` and bf16 products, the datasheet's dense BF16 peak of the GPU (H100 and
+    /// H200 SXM 989, H100 PCIe 756, A100 312); otherwise unknown, and no MFU is reported.
+    #[arg(long, value_name = "X")]
+    pub peak_tflops: Option<f64>,
 }
 
 fn parse_kill(s: &str) -> Result<(usize, u64), String> {

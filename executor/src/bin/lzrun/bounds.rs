@@ -32,6 +32,12 @@ pub const MAX_CKPT_KEEP: usize = 10_000;
 pub const MAX_STORM_FAULTS: usize = 100_000;
 /// `--router-skew` at most: `(e+1)^-S` is already below f32's range for 2 experts at 150.
 pub const MAX_ROUTER_SKEW: f64 = 64.0;
+/// `--peak-tflops` at most: a thousand times today's largest GPU, so a typo in the exponent
+/// is caught rather than reported as a tiny MFU.
+pub const MAX_PEAK_TFLOPS: f64 = 1e6;
+
+/// `--eval-batches` at most: each eval micro-batch is one slot of the eval's all-reduce.
+pub const MAX_EVAL_BATCHES: u64 = 1 << 16;
 
 /// `value` must lie in `min..=max`; else an error naming the flag and the bound.
 pub fn within<T: PartialOrd + std::fmt::Display>(
@@ -89,6 +95,24 @@ pub fn check_job(a: &JobArgs) -> Result<()> {
         "steps; 0: never",
     )?;
     within("--ckpt-keep", a.ckpt_keep, 1, MAX_CKPT_KEEP, "")?;
+    if let Some(n) = a.eval_every {
+        within(
+            "--eval-every",
+            n,
+            0,
+            MAX_STEPS,
+            "steps; 0: only after the last step",
+        )?;
+    }
+    if let Some(b) = a.eval_batches {
+        within(
+            "--eval-batches",
+            b,
+            1,
+            MAX_EVAL_BATCHES,
+            "eval micro-batches",
+        )?;
+    }
     within(
         "--max-ckpt-failures",
         a.max_ckpt_failures,
@@ -141,7 +165,37 @@ pub fn check_job(a: &JobArgs) -> Result<()> {
             a.router_skew
         );
     }
-    Ok(())
+    check_peak_tflops(a.peak_tflops)
+}
+
+/// `--peak-tflops`: a positive number, at most [`MAX_PEAK_TFLOPS`].
+pub fn check_peak_tflops(peak: Option<f64>) -> Result<()> {
+    let Some(p) = peak else { return Ok(()) };
+    if !(p.is_finite() && p > 0.0) {
+        bail!("--peak-tflops must be a positive number of TFLOP/s of one device, got {p}");
+    }
+    within(
+        "--peak-tflops",
+        Tflops(p),
+        Tflops(0.0),
+        Tflops(MAX_PEAK_TFLOPS),
+        "TFLOP/s of one device",
+    )
+}
+
+/// A TFLOP/s figure in a message: as written up to the bound, in exponent form beyond it
+/// (`1e300` would otherwise print 301 digits).
+#[derive(PartialEq, PartialOrd)]
+struct Tflops(f64);
+
+impl std::fmt::Display for Tflops {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.abs() >= 1e7 {
+            write!(f, "{:e}", self.0)
+        } else {
+            write!(f, "{}", self.0)
+        }
+    }
 }
 
 /// `--slots` and `--fault-tolerance` against the loaded model (`experts` per layer): a worker
@@ -239,4 +293,31 @@ pub fn check_worker(a: &WorkerArgs) -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peak_tflops_is_a_positive_finite_number_up_to_a_million() {
+        for ok in [None, Some(989.0), Some(0.05), Some(MAX_PEAK_TFLOPS)] {
+            check_peak_tflops(ok).unwrap();
+        }
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            let e = check_peak_tflops(Some(bad)).unwrap_err().to_string();
+            assert!(
+                e.starts_with("--peak-tflops must be a positive number"),
+                "{e}"
+            );
+        }
+        let e = check_peak_tflops(Some(2e6)).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "--peak-tflops 2000000 is out of range: it must be between 0 and 1000000 (TFLOP/s \
+             of one device)"
+        );
+        let e = check_peak_tflops(Some(1e300)).unwrap_err().to_string();
+        assert!(e.starts_with("--peak-tflops 1e300 is out of range"), "{e}");
+    }
 }

@@ -41,7 +41,7 @@ use lazarus_executor::comm::{Communicator, MeshSecret, TcpCommunicator};
 use lazarus_executor::metrics::{
     KIND_CHECKPOINT, KIND_IN_PLACE, KIND_JOIN, RecoveryRecord, StepRecord,
 };
-use lazarus_executor::model::{DenseModel, ExpertStore, MoeConfig};
+use lazarus_executor::model::{DenseModel, ExpertStore, MoeConfig, model_flops_per_token};
 use lazarus_executor::worker::plan_replicas;
 use serde::{Deserialize, Serialize};
 
@@ -327,14 +327,11 @@ fn config_with_batch(dir: &Path, cfg: &MoeConfig, batch: usize) -> Result<PathBu
 /// dense part, `6·expert_params` per expert assignment, `top_k` assignments per token in every
 /// MoE layer), for the
 /// model profile `lzsim predict` derives from an `lzrun` config (every layer an MoE layer,
-/// attention `4·d²`, router `d·E`, LM head tied to the `vocab·d` embedding).
+/// attention `4·d²`, router `d·E`, LM head tied to the `vocab·d` embedding). It is the model
+/// FLOPs count the run's MFU uses ([`model_flops_per_token`]), so a calibrated
+/// `gpu_flops_effective` and a measured MFU divide the same numerator.
 pub fn flops_per_token(cfg: &MoeConfig) -> f64 {
-    let d = cfg.d_model as f64;
-    let layers = cfg.n_layers as f64;
-    let dense_matmul = layers * (4.0 * d * d + d * cfg.experts as f64) + cfg.vocab as f64 * d;
-    let dense = 6.0 * dense_matmul + 12.0 * layers * cfg.seq_len as f64 * d;
-    let expert = 6.0 * 2.0 * d * cfg.d_ff as f64;
-    dense + layers * cfg.top_k as f64 * expert
+    model_flops_per_token(cfg)
 }
 
 /// Seconds to write and to read a full checkpoint of `cfg` through the checkpoint module, and

@@ -43,6 +43,9 @@ pub fn controller(a: ControllerArgs) -> Result<()> {
     };
     let steps = job.params.rules.total_steps;
     let mut report = Report::new(a.job.format, steps);
+    // A recovered job's peak is this command's --peak-tflops too: a reporting option.
+    let (basis, mfu_line) = crate::report::mfu_basis(a.job.peak_tflops, &job.params.config, None);
+    report.set_mfu_basis(basis);
     match (&a.recover, &job.state_dir) {
         (Some(dir), _) => report.say(&format!(
             "lzrun controller: listening on {bound}, taking back the job saved in {}",
@@ -59,6 +62,9 @@ pub fn controller(a: ControllerArgs) -> Result<()> {
              the job cannot outlive this controller)",
             a.nodes
         )),
+    }
+    if let Some(line) = mfu_line {
+        report.say(&line);
     }
     let config = job.params.config.clone();
     let result = rt.block_on(drive(

@@ -171,6 +171,23 @@ pub fn stop_requested() -> Option<&'static str> {
     STOP_REQUESTED.get().copied()
 }
 
+/// The test failpoint `LZRUN_TEST_KILL_CONTROLLER_AHEAD=N`: a controller kill due after step
+/// S waits until the controller has counted step S + N, reading none of its notices meanwhile
+/// (at most a minute), as a launcher busy with its faults lags behind its controller. The
+/// records of steps S + 1 ..= S + N are then counted and saved, and not yet delivered, when the
+/// controller dies. Only tests set it.
+fn kill_ahead_failpoint() -> Result<Option<u64>> {
+    const VAR: &str = "LZRUN_TEST_KILL_CONTROLLER_AHEAD";
+    let Some(v) = std::env::var_os(VAR) else {
+        return Ok(None);
+    };
+    let v = v.to_string_lossy();
+    v.trim()
+        .parse()
+        .map(Some)
+        .map_err(|_| anyhow!("{VAR}={v}: expected a number of steps, e.g. 5"))
+}
+
 /// What the drive loop does next.
 enum Next {
     Go,
@@ -183,8 +200,13 @@ enum Next {
 /// What `drive` remembers across controller incarnations.
 #[derive(Default)]
 struct Supervision {
-    /// Steps already passed to the hooks (a restarted controller reports some again).
+    /// Steps already passed to the hooks (a step is redone after a rollback, and a controller
+    /// that takes the job back from a state older than what it reported counts some again).
     seen: BTreeSet<u64>,
+    /// The sequence number of the last step or reconfiguration record reported: a restarted
+    /// controller hands out again the records its predecessor may not have delivered, and
+    /// those up to this one are skipped (each record is reported once, in order).
+    delivered: u64,
     /// Controllers replaced after a panic.
     crashes: usize,
     /// The last controller kill: when, after which step; cleared at the first step counted after.
@@ -201,9 +223,19 @@ impl Supervision {
         hooks: &mut impl Hooks,
     ) -> Next {
         match notice {
-            Notice::Step(r) => {
+            Notice::Step { seq, .. } | Notice::Reconfigured { seq, .. }
+                if seq <= self.delivered =>
+            {
+                Next::Go
+            }
+            Notice::Step {
+                seq,
+                record: r,
+                again,
+            } => {
+                self.delivered = seq;
                 let first = self.seen.insert(r.step);
-                if let Some((t, after)) = self.killed.filter(|(_, s)| r.step > *s) {
+                if let Some((t, after)) = self.killed.filter(|(_, s)| !again && r.step > *s) {
                     self.killed = None;
                     report.say(&format!(
                         "lzrun local: the restarted controller counted step {} {} ms after the \
@@ -213,7 +245,8 @@ impl Supervision {
                     ));
                 }
                 let rec = r.clone();
-                report.step(r);
+                report.step(*r);
+                job.delivered(seq);
                 if first && let Err(e) = hooks.on_step(&rec, job) {
                     return Next::End(Err(e));
                 }
@@ -223,8 +256,10 @@ impl Supervision {
                 }
                 Next::Go
             }
-            Notice::Reconfigured(r) => {
-                report.reconfigured(r);
+            Notice::Reconfigured { seq, record, .. } => {
+                self.delivered = seq;
+                report.reconfigured(record);
+                job.delivered(seq);
                 Next::Go
             }
             Notice::Log(l) => {
@@ -294,21 +329,45 @@ impl Serving<'_> {
 
     /// Replaces the controller of `inc` (as a SIGKILL would: no goodbye, no last save; its
     /// sockets close) by one rebuilt from its saved state, after the failover's down time when
-    /// it was killed. A stop signal meanwhile ends the job.
+    /// it was killed (`killed`: after which step). A controller to be killed whose job is
+    /// already over (its last notices sent, not all read yet) is left to end. A stop signal
+    /// meanwhile ends the job.
     async fn restart(
         &self,
         why: &str,
         f: &Failover,
-        killed: bool,
+        killed: Option<u64>,
         inc: &mut Incarnation,
         report: &mut Report,
         stop: &mut (impl std::future::Future<Output = &'static str> + Unpin),
     ) -> Result<Next> {
+        if let Some(after) = killed {
+            if let Some(ahead) = kill_ahead_failpoint()? {
+                let deadline = Instant::now() + Duration::from_secs(60);
+                while inc.handle.next_step() <= after + ahead
+                    && !inc.handle.is_over()
+                    && Instant::now() < deadline
+                {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+            if inc.handle.is_over() {
+                report.say(&format!(
+                    "lzrun local: the controller to be killed after step {after} is done: \
+                     the job is over, it is left to end"
+                ));
+                return Ok(Next::Go);
+            }
+        }
         if let Some(task) = inc.task.take() {
             task.abort();
             let _ = task.await;
         }
-        let down = if killed { f.down } else { Duration::ZERO };
+        let down = if killed.is_some() {
+            f.down
+        } else {
+            Duration::ZERO
+        };
         report.say(&format!(
             "lzrun local: controller {why}; restarting it from {} in {} ms",
             f.state_dir.display(),
@@ -359,7 +418,7 @@ pub async fn drive(
         };
         let next = match (next, failover.as_ref()) {
             (Next::Restart(why), Some(f)) => {
-                let killed = sup.killed.is_some();
+                let killed = sup.killed.map(|(_, after)| after);
                 serving
                     .restart(&why, f, killed, &mut inc, report, &mut stop)
                     .await?

@@ -7,9 +7,13 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, anyhow, ensure};
 use lazarus_executor::checkpoint::{self, RootLock};
 use lazarus_executor::control::{Controller, JobParams, ServerConfig};
-use lazarus_executor::model::ExpertMode;
+use lazarus_executor::dataset::{
+    DataFormat, DataSource, DataSpec, EvalData, EvalSpec, TokenDataset, TokenDtype, TrainData,
+};
+use lazarus_executor::model::{ExpertMode, MoeConfig};
 use lazarus_executor::worker::CheckpointSpec;
 use lazarus_planner::ModelSpec;
+use lazarus_planner::data::GlobalBatch;
 use lazarus_planner::deadline::StepDeadline;
 use lazarus_planner::job::JobConfig;
 use lazarus_planner::job::ReplicaMigration;
@@ -306,6 +310,10 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
         laer.imbalance_threshold = a.relayout_threshold;
         rules.relayout = Relayout::Laer(laer);
     }
+    rules.global_batch = global_batch(a, &config)?;
+    let data = data_spec(a)?;
+    check_data(data.as_ref(), &config)?;
+    let eval = eval_spec(a, &config, rules.global_batch)?;
     rules
         .validate()
         .map_err(|e| anyhow!("invalid job configuration: {e}"))?;
@@ -324,6 +332,8 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
             resume: a.resume.clone(),
             router_skew: a.router_skew,
             verify_every: a.verify_every,
+            data,
+            eval,
         },
         temp_ckpt,
         _ckpt_lock: ckpt_lock,
@@ -331,6 +341,182 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
         temp_state,
         _state_lock: state_lock,
     })
+}
+
+/// Sequences in a global batch at most (a million: far beyond a CPU or one node's run, clear
+/// of overflow in cursor arithmetic).
+pub const MAX_GLOBAL_BATCH: u64 = 1 << 20;
+
+/// `--global-batch` and `--micro-batch`, checked.
+fn global_batch(a: &JobArgs, config: &MoeConfig) -> Result<Option<GlobalBatch>> {
+    let Some(b) = a.global_batch else {
+        return Ok(None);
+    };
+    crate::bounds::within(
+        "--global-batch",
+        b,
+        1,
+        MAX_GLOBAL_BATCH,
+        "sequences per step",
+    )?;
+    let default_micro = config.batch as u64;
+    let micro = a.micro_batch.unwrap_or(if b.is_multiple_of(default_micro) {
+        default_micro
+    } else {
+        b
+    });
+    crate::bounds::within("--micro-batch", micro, 1, b, "at most the global batch")?;
+    let g = GlobalBatch::new(b, micro).map_err(|e| anyhow!("--global-batch: {e}"))?;
+    Ok(Some(g))
+}
+
+/// The `--data` flags as datasets: `[WEIGHT:]PATH`, each a [`data_source`].
+fn data_spec(a: &JobArgs) -> Result<Option<DataSpec>> {
+    if a.data.is_empty() {
+        ensure!(
+            a.data_dtype.is_none() || a.eval_data.is_some(),
+            "--data-dtype without --data or --eval-data (the embedded text needs no dtype)"
+        );
+        return Ok(None);
+    }
+    let mut sources = Vec::with_capacity(a.data.len());
+    for arg in &a.data {
+        let (weight, path) = match arg.split_once(':') {
+            Some((w, p)) if w.parse::<f64>().is_ok() => (w.parse::<f64>()?, p),
+            _ if a.data.len() > 1 => {
+                anyhow::bail!(
+                    "--data {arg}: a blend of several datasets needs WEIGHT:PATH for each"
+                )
+            }
+            _ => (1.0, arg.as_str()),
+        };
+        ensure!(
+            weight.is_finite() && weight > 0.0,
+            "--data {arg}: the weight must be a finite number > 0"
+        );
+        sources.push(data_source("--data", path, weight, a.data_dtype)?);
+    }
+    Ok(Some(DataSpec { sources }))
+}
+
+/// One dataset of `flag` (`--data`, `--eval-data`): a Megatron prefix when `PATH.idx`
+/// exists, else a flat token file whose dtype comes from `dtype` (`--data-dtype`) or
+/// `PATH.dtype`.
+fn data_source(
+    flag: &str,
+    path: &str,
+    weight: f64,
+    dtype: Option<TokenDtype>,
+) -> Result<DataSource> {
+    let path = PathBuf::from(path);
+    let idx = PathBuf::from(format!("{}.idx", path.display()));
+    let format = if idx.is_file() {
+        DataFormat::Indexed
+    } else if path.is_file() {
+        let sidecar = PathBuf::from(format!("{}.dtype", path.display()));
+        let dtype = match (dtype, sidecar.is_file()) {
+            (Some(d), _) => d,
+            (None, true) => {
+                let text = std::fs::read_to_string(&sidecar)
+                    .with_context(|| format!("reading {}", sidecar.display()))?;
+                match text.trim() {
+                    "u16" | "uint16" => TokenDtype::U16,
+                    "u32" | "uint32" => TokenDtype::U32,
+                    other => anyhow::bail!(
+                        "{}: unknown token dtype {other:?} (expected u16 or u32)",
+                        sidecar.display()
+                    ),
+                }
+            }
+            (None, false) => anyhow::bail!(
+                "{flag} {}: a flat token file; say its dtype with --data-dtype u16|u32 (or \
+                 write it to {})",
+                path.display(),
+                sidecar.display()
+            ),
+        };
+        DataFormat::Flat(dtype)
+    } else {
+        anyhow::bail!(
+            "{flag} {}: no such file, and no Megatron index {}",
+            path.display(),
+            idx.display()
+        );
+    };
+    Ok(DataSource {
+        path,
+        weight,
+        format,
+    })
+}
+
+/// Opens `s` as the workers will and checks every token id against the vocabulary (one pass
+/// over the file), so that bad data is one line and exit 2 before any worker runs.
+fn check_source(flag: &str, s: &DataSource, config: &MoeConfig) -> Result<()> {
+    let d = match s.format {
+        DataFormat::Flat(dtype) => TokenDataset::open_flat(&s.path, dtype),
+        DataFormat::Indexed => TokenDataset::open_indexed(&s.path, None),
+    }
+    .map_err(|e| anyhow!("{flag}: {e}"))?;
+    d.check_vocab(u32::try_from(config.vocab).unwrap_or(u32::MAX))
+        .map_err(|e| anyhow!("{flag}: {e} (the model's vocab is {})", config.vocab))
+}
+
+/// The `--data` datasets, checked ([`check_source`]) and opened as the workers will.
+fn check_data(spec: Option<&DataSpec>, config: &MoeConfig) -> Result<()> {
+    let Some(spec) = spec else {
+        return Ok(());
+    };
+    for s in &spec.sources {
+        check_source("--data", s, config)?;
+    }
+    TrainData::open(Some(spec), config.seed, config.seq_len, config.vocab)
+        .map_err(|e| anyhow!("--data: {e}"))?;
+    Ok(())
+}
+
+/// `--eval-every` when `--eval-data` does not say: often enough to follow the curve of a short
+/// run, at `--eval-batches` forward passes per evaluation.
+pub const DEFAULT_EVAL_EVERY: u64 = 10;
+/// `--eval-batches` when not given.
+pub const DEFAULT_EVAL_BATCHES: u64 = 4;
+
+/// `--eval-data`, `--eval-every`, `--eval-batches`: the held-out evaluation, its dataset
+/// checked like `--data`'s. The eval micro-batch is the training one (`batch`: the config's
+/// without a global batch).
+fn eval_spec(
+    a: &JobArgs,
+    config: &MoeConfig,
+    batch: Option<GlobalBatch>,
+) -> Result<Option<EvalSpec>> {
+    let Some(path) = &a.eval_data else {
+        ensure!(
+            a.eval_every.is_none(),
+            "--eval-every without --eval-data (no eval set to evaluate)"
+        );
+        ensure!(
+            a.eval_batches.is_none(),
+            "--eval-batches without --eval-data (no eval set to evaluate)"
+        );
+        return Ok(None);
+    };
+    let source = data_source("--eval-data", path, 1.0, a.data_dtype)?;
+    check_source("--eval-data", &source, config)?;
+    let spec = EvalSpec {
+        source,
+        every: a.eval_every.unwrap_or(DEFAULT_EVAL_EVERY),
+        batches: a.eval_batches.unwrap_or(DEFAULT_EVAL_BATCHES),
+        micro: batch.map_or(config.batch as u64, |b| b.micro),
+    };
+    crate::bounds::within(
+        "--eval-batches",
+        spec.batches,
+        1,
+        crate::bounds::MAX_EVAL_BATCHES,
+        "eval micro-batches",
+    )?;
+    EvalData::open(&spec, config.seq_len, config.vocab).map_err(|e| anyhow!("--eval-data: {e}"))?;
+    Ok(Some(spec))
 }
 
 /// Who holds a checkpoint lock, for the job that finds it taken: this process and its host.

@@ -69,6 +69,9 @@ pub fn local(a: LocalArgs) -> Result<()> {
         down: Duration::from_millis(a.controller_down_ms),
     });
     let mut report = Report::new(a.job.format, a.job.model.steps);
+    let (basis, mfu_line) =
+        crate::report::mfu_basis(a.job.peak_tflops, &job.params.config, Some(&choice));
+    report.set_mfu_basis(basis);
     let per_node = match gpus {
         1 => String::new(),
         g => format!(" × {g} GPUs (CPU workers)"),
@@ -87,6 +90,9 @@ pub fn local(a: LocalArgs) -> Result<()> {
         "lzrun local: {} nodes{per_node}, config {}, {} steps, {faults}, controller {addr}",
         schedule.initial_nodes, a.job.model.config, a.job.model.steps,
     ));
+    if let Some(line) = mfu_line {
+        report.say(&line);
+    }
     // An output that cannot be written already: no node is worth starting.
     if let Some(e) = crate::report::stdout_failure() {
         return Err(e.into());

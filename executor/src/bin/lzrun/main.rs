@@ -3,7 +3,8 @@
 //! `lzrun local` runs a controller and one agent process per node on this machine (like
 //! `torchrun --standalone`); `lzrun controller` and `lzrun agent` run the same pieces across
 //! machines; `lzrun worker` is one training process (started by an agent, or by hand for a
-//! fixed cluster). See `--help`.
+//! fixed cluster). `lzrun prepare` tokenizes text into a dataset to train on, `lzrun tokenizer`
+//! trains a small tokenizer for it. See `--help`.
 
 mod agent;
 mod args;
@@ -15,6 +16,7 @@ mod drive;
 mod job;
 mod local;
 mod nodes;
+mod prepare;
 mod report;
 mod runinfo;
 mod worker;
@@ -93,6 +95,31 @@ enum Cmd {
     /// measured. About a minute for the tiny model on 6 nodes; other work on the machine
     /// slows what it measures. Use the profile with `lzsim predict RUN_DIR --hardware FILE`.
     Calibrate(calibrate::CalibrateArgs),
+    /// Tokenize text files into a Megatron-LM indexed dataset (PREFIX.bin + PREFIX.idx).
+    ///
+    /// Inputs: `.txt` files (each file one document) and `.jsonl` files (one document per
+    /// line, its "text" string). Each document becomes one sequence (and one document of the
+    /// index): its tokens followed by the end-of-document token (--eod-token; by default the
+    /// first of <|endoftext|>, </s>, <eos>, <|eos|> the tokenizer has). Tokens are uint16 when
+    /// the tokenizer's vocabulary is at most 65,536, else int32. `--tokenizer bytes` is the
+    /// built-in byte tokenizer of the tiny model: one uint16 token per UTF-8 byte, vocabulary
+    /// 256 and no end-of-document token (every id is a byte; an extra id would not fit the tiny
+    /// model's vocabulary), documents still delimited in the index. The files are written
+    /// under .tmp names and renamed at the end: a failed prepare leaves an existing dataset
+    /// under PREFIX as it was. Prints one summary line (documents, tokens, bytes, tokens/s); a
+    /// progress bar on stderr when it is a terminal. Exit status 2 with one line naming the
+    /// file (and line) on bad input: a missing or unreadable file, an unreadable tokenizer, a
+    /// .jsonl line without a "text" string, inputs with no tokens, a missing output directory.
+    Prepare(prepare::PrepareArgs),
+    /// Train a small byte-level BPE tokenizer.json (for `lzrun prepare --tokenizer`).
+    ///
+    /// GPT-2 style: byte-level pre-tokenizer and decoder, no normalizer, the 256 byte tokens,
+    /// then merges learned from the inputs up to --vocab tokens; <|endoftext|> is id 0 and a
+    /// special token (the end-of-document token `lzrun prepare` picks by default). Any text
+    /// decodes back exactly. Needs no download: e.g. train on the embedded corpus,
+    /// `lzrun tokenizer --vocab 512 --input executor/data/corpus.txt --out tokenizer.json`.
+    /// Exit status 2 with one line on bad input.
+    Tokenizer(prepare::TokenizerArgs),
 }
 
 /// A clap error as one line, details included: clap lists what the first line announces (the
@@ -119,7 +146,9 @@ fn one_line(rendered: &str) -> String {
 fn help_hint() -> String {
     let sub = std::env::args().nth(1);
     match sub.as_deref() {
-        Some(s @ ("local" | "controller" | "agent" | "worker")) => format!("lzrun {s} --help"),
+        Some(s @ ("local" | "controller" | "agent" | "worker" | "prepare" | "tokenizer")) => {
+            format!("lzrun {s} --help")
+        }
         _ => "lzrun --help".to_owned(),
     }
 }
@@ -161,6 +190,8 @@ fn main() -> ExitCode {
         Cmd::Agent(a) => bounds::check_agent(&a).and_then(|()| agent::agent(a)),
         Cmd::Worker(a) => bounds::check_worker(&a).and_then(|()| worker::worker(a)),
         Cmd::Calibrate(a) => calibrate::calibrate(a),
+        Cmd::Prepare(a) => prepare::prepare(a),
+        Cmd::Tokenizer(a) => prepare::tokenizer(a),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

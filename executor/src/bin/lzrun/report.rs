@@ -14,8 +14,9 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use lazarus_executor::device::{self, DeviceChoice, DeviceKind};
 use lazarus_executor::metrics::{self, RecoveryRecord, StepRecord};
-use lazarus_executor::model::MoeConfig;
+use lazarus_executor::model::{MoeConfig, Precision, model_flops_per_token};
 
 use crate::args::{Format, JobArgs};
 
@@ -60,6 +61,83 @@ pub fn stdout_failure() -> Option<StdoutError> {
     STDOUT_FAILED.get().cloned()
 }
 
+/// What a step's MFU is computed from (`--peak-tflops`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MfuBasis {
+    /// Model FLOPs per trained token ([`lazarus_executor::model::model_flops_per_token`]).
+    pub flops_per_token: f64,
+    /// Peak TFLOP/s of one device; `None`: unknown, no MFU.
+    pub peak_tflops: Option<f64>,
+    /// Devices the members share (`lzrun local`: this machine's); `None`: one per member.
+    pub devices: Option<usize>,
+}
+
+impl MfuBasis {
+    /// The MFU of `r` (NaN when the peak is unknown).
+    pub fn mfu(&self, r: &StepRecord) -> f64 {
+        let Some(peak) = self.peak_tflops else {
+            return f64::NAN;
+        };
+        let devices = self.devices.unwrap_or(r.used_nodes);
+        metrics::mfu(
+            r.tokens_per_s,
+            self.flops_per_token,
+            peak * 1e12 * devices as f64,
+        )
+    }
+}
+
+/// The MFU basis of a job training `config`, and the line that says what it rests on (none
+/// when the peak is unknown). The peak is `peak_tflops` (`--peak-tflops`), else, for `lzrun
+/// local` (`local`: its device choice) on CUDA with bf16 products, the datasheet peak of the
+/// GPU ([`device::peak_bf16_tflops`]). `lzrun local` runs every node on this machine's
+/// devices: its `--gpus-per-node` GPUs (each node's workers take ordinals 0..G), or the one
+/// CPU; a controller's members each have their own.
+pub fn mfu_basis(
+    peak_tflops: Option<f64>,
+    config: &MoeConfig,
+    local: Option<&DeviceChoice>,
+) -> (MfuBasis, Option<String>) {
+    let devices = local.map(|c| match c.device {
+        DeviceKind::Cuda => c.gpus_per_node,
+        DeviceKind::Cpu => 1,
+    });
+    let (peak, source) = match peak_tflops {
+        Some(p) => (Some(p), "--peak-tflops".to_owned()),
+        None => match local.and_then(|c| datasheet_peak(c, config.precision)) {
+            Some((p, name)) => (Some(p), format!("{name}, datasheet dense BF16 peak")),
+            None => (None, String::new()),
+        },
+    };
+    let basis = MfuBasis {
+        flops_per_token: model_flops_per_token(config),
+        peak_tflops: peak,
+        devices,
+    };
+    let line = peak.map(|p| {
+        let over = match devices {
+            Some(1) => "1 device".to_owned(),
+            Some(n) => format!("{n} devices"),
+            None => "one device per member".to_owned(),
+        };
+        format!(
+            "MFU: {:.4e} model FLOPs per token over {p} TFLOP/s ({source}) × {over}",
+            basis.flops_per_token
+        )
+    });
+    (basis, line)
+}
+
+/// The dense BF16 peak of the GPU `choice` computes on, and its name, when the products run
+/// in bf16 there (an f32 run's peak is another figure, not in the table).
+fn datasheet_peak(choice: &DeviceChoice, precision: Precision) -> Option<(f64, String)> {
+    if choice.device != DeviceKind::Cuda || precision == Precision::F32 {
+        return None;
+    }
+    let name = device::cuda_device_name(choice.ordinal).ok()?;
+    device::peak_bf16_tflops(&name).map(|p| (p, name))
+}
+
 /// Collects what a run reports and prints it.
 pub struct Report {
     format: Format,
@@ -78,6 +156,8 @@ pub struct Report {
     /// The loss of step 0 as the controller kept it (across a fail-over), for a report that
     /// has no record of step 0.
     initial_loss: Option<f64>,
+    /// What the steps' MFU is computed from (none: no MFU, no FLOPs count in the summary).
+    mfu_basis: Option<MfuBasis>,
 }
 
 impl Report {
@@ -93,7 +173,13 @@ impl Report {
             reconfig_arrivals: Vec::new(),
             git_commit: git_commit(),
             initial_loss: None,
+            mfu_basis: None,
         }
+    }
+
+    /// Computes every later step's MFU from `basis`.
+    pub fn set_mfu_basis(&mut self, basis: MfuBasis) {
+        self.mfu_basis = Some(basis);
     }
 
     /// The loss of step 0 as the controller kept it.
@@ -121,11 +207,15 @@ impl Report {
         self.format.say(line);
     }
 
-    pub fn step(&mut self, r: StepRecord) {
+    pub fn step(&mut self, mut r: StepRecord) {
+        if let Some(b) = &self.mfu_basis {
+            r.mfu = b.mfu(&r);
+        }
         if self.first_step_s.is_none() {
             self.first_step_s = Some(self.start.elapsed().as_secs_f64());
         }
-        self.consumed += r.samples;
+        // A global batch: the cursor says how many were consumed, across resumes too.
+        self.consumed = r.data_cursor.unwrap_or(self.consumed) + r.samples;
         self.say(&metrics::log_line(&r, self.steps, self.consumed));
         self.records.push(r);
     }
@@ -154,6 +244,10 @@ impl Report {
         {
             summary.initial_loss = loss;
         }
+        if let Some(b) = &self.mfu_basis {
+            summary.model_flops_per_token = Some(b.flops_per_token);
+            summary.peak_tflops = b.peak_tflops;
+        }
         if let Some(dir) = &a.metrics_out {
             metrics::write_metrics(dir, &summary, &self.records, &self.reconfigs)
                 .with_context(|| format!("writing metrics to {}", dir.display()))?;
@@ -171,8 +265,14 @@ impl Report {
                         summary.initial_loss, summary.final_loss
                     )
                 };
+                // MFU only when the peak was known: no "NaN%".
+                let mfu = if summary.mfu.is_finite() {
+                    format!(", MFU {:.1}%", 100.0 * summary.mfu)
+                } else {
+                    String::new()
+                };
                 print_line(&format!(
-                    "done: {} steps, {loss}, {} in-place recoveries {:?} ms, {} checkpoint restores, {} joins, {} rebalances, {:.0} tokens/s",
+                    "done: {} steps, {loss}, {} in-place recoveries {:?} ms, {} checkpoint restores, {} joins, {} rebalances, {:.0} tokens/s{mfu}",
                     summary.steps,
                     summary.recoveries,
                     summary
@@ -228,4 +328,64 @@ pub fn git_commit() -> String {
         .and_then(|o| String::from_utf8(o.stdout).ok())
         .map(|s| s.trim().to_owned())
         .unwrap_or_else(|| "unknown".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(tokens: u64, step_ms: f64, used_nodes: usize) -> StepRecord {
+        StepRecord {
+            step: 0,
+            t_s: 0.0,
+            loss: 1.0,
+            tokens,
+            samples: 0,
+            live_nodes: used_nodes,
+            used_nodes,
+            plan_version: 1,
+            step_ms,
+            expert_ms_max: 0.0,
+            expert_ms_mean: 0.0,
+            expert_tokens_max: 0,
+            expert_tokens_mean: 0.0,
+            sent_bytes: 0,
+            copy_bytes: 0,
+            routing: Vec::new(),
+            trained: Vec::new(),
+            tokens_per_s: metrics::step_tokens_per_s(tokens, step_ms),
+            data_wait_ms: 0.0,
+            mfu: f64::NAN,
+            data_cursor: None,
+            eval_loss: None,
+            eval_ppl: None,
+        }
+    }
+
+    /// MFU is the model FLOP/s over the peak of the devices the step ran on: `lzrun local`'s
+    /// nodes share this machine's (one CPU here), a controller's members have one each. A CPU
+    /// has no default peak: no MFU, and nothing said about it.
+    #[test]
+    fn mfu_over_the_devices_the_members_ran_on() {
+        let cfg = MoeConfig::tiny();
+        let cpu = DeviceChoice::default();
+        let (none, line) = mfu_basis(None, &cfg, Some(&cpu));
+        assert_eq!((none.peak_tflops, line), (None, None));
+        assert!(none.mfu(&record(1000, 500.0, 4)).is_nan());
+
+        // 2000 tokens/s × 740352 FLOPs per token = 1.480704 GFLOP/s
+        let (local, line) = mfu_basis(Some(0.001), &cfg, Some(&cpu));
+        assert_eq!(local.devices, Some(1));
+        assert!(
+            line.unwrap()
+                .contains("over 0.001 TFLOP/s (--peak-tflops) × 1 device")
+        );
+        let mfu = local.mfu(&record(1000, 500.0, 4));
+        assert!((mfu - 1.480704).abs() < 1e-12, "{mfu}");
+
+        let (controller, line) = mfu_basis(Some(0.001), &cfg, None);
+        assert!(line.unwrap().contains("× one device per member"));
+        let mfu = controller.mfu(&record(1000, 500.0, 4));
+        assert!((mfu - 1.480704 / 4.0).abs() < 1e-12, "{mfu}");
+    }
 }

@@ -10,6 +10,7 @@
 //! | `model_spec`, `model` | the `--config` argument and the resolved model config |
 //! | `expert_params`, `dense_params`, `expert_state_bytes` | sizes of that model |
 //! | `nodes`, `initial_names`, `seed`, `steps` | the initial cluster and the run's length |
+//! | `global_batch`, `micro_batch` | `--global-batch` B and its micro-batch M, or `null` (`--batch-per-node`: every worker trains the model's `batch`) |
 //! | `fault_tolerance`, `slots_per_node` | the planner's `f` and slots per node |
 //! | `checkpoint` | `{every_steps, keep}` or `null` (a fresh start also checkpoints step 0) |
 //! | `rebalance_every_steps`, `timeout_ms`, `heartbeat_timeout_ms`, `wait_for_nodes_ms` | |
@@ -133,6 +134,8 @@ pub fn to_json(info: &RunInfo) -> serde_json::Value {
         "initial_names": info.schedule.initial_names,
         "seed": cfg.seed,
         "steps": a.job.model.steps,
+        "global_batch": p.rules.global_batch.map(|g| g.sequences),
+        "micro_batch": p.rules.global_batch.map(|g| g.micro),
         "fault_tolerance": a.job.fault_tolerance,
         "slots_per_node": p.rules.slots_per_node,
         "checkpoint": p.checkpoint.as_ref().map(|c| json!({

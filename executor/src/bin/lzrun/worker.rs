@@ -6,7 +6,7 @@ use std::thread;
 
 use anyhow::{Result, anyhow, bail, ensure};
 use lazarus_executor::worker::{
-    AbortSlot, Command as WorkerCommand, FlipBit, StepDelay, TestHooks, WorkerOptions,
+    AbortSlot, Command as WorkerCommand, EvalFail, FlipBit, StepDelay, TestHooks, WorkerOptions,
     run_managed_worker, run_worker,
 };
 
@@ -49,6 +49,13 @@ fn flip_bit_from_env() -> Result<Option<FlipBit>> {
     Ok(hook.map(|(node, step)| FlipBit { node, step }))
 }
 
+/// The test failpoint `LZRUN_TEST_EVAL_FAIL=NODE:STEP` ([`EvalFail`]): node NODE's worker fails
+/// the held-out evaluation after step STEP's update, once.
+fn eval_fail_from_env() -> Result<Option<EvalFail>> {
+    let hook = node_and_number_from_env("LZRUN_TEST_EVAL_FAIL", "NODE:STEP, e.g. 1:3")?;
+    Ok(hook.map(|(node, step)| EvalFail { node, step }))
+}
+
 /// Trains as a managed worker (commands on stdin) or as one rank of a fixed cluster.
 pub fn worker(a: WorkerArgs) -> Result<()> {
     let choice = a.device.choice()?.with_ordinal_from_env()?;
@@ -58,6 +65,7 @@ pub fn worker(a: WorkerArgs) -> Result<()> {
         let hooks = TestHooks {
             delay: step_delay_from_env()?,
             flip_bit: flip_bit_from_env()?,
+            eval_fail: eval_fail_from_env()?,
         };
         let (tx, rx) = mpsc::channel::<WorkerCommand>();
         let abort = AbortSlot::default();
