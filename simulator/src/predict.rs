@@ -17,6 +17,19 @@
 //!   matrices per FFN, the LM head tied to the embedding, f32 weights (4 bytes) and
 //!   f32 AdamW state (12 bytes per parameter), `batch` sequences per rank, the run's slots per
 //!   node and `f`.
+//! * A run with a global batch (`lzrun local --global-batch B --micro-batch M`: `run.json`'s
+//!   `global_batch` and `micro_batch`, else `rules.global_batch`; absent in older runs) gives
+//!   the profile its [`ModelProfile::global_batch`]: a step of `n` members trains `B` samples
+//!   (as `steps.csv`'s `samples` records) and every per-rank term of its cost (dense and
+//!   expert compute, routed tokens, all-to-all volumes) is the busiest member's share,
+//!   `⌈K/n⌉·M` sequences with `K = B/M` (its micro-batch rounds: a member with fewer
+//!   micro-batches runs the last round without data), instead of `batch`; so with `B = 16,
+//!   M = 4` a 3-member step computes twice what a 4-member one does (on a calibrated host's
+//!   shared cores, `max(1, n/cores)` times that, as for any step). The calibrated per-peer
+//!   term (`step_per_peer_s`: the collectives' latency on loopback) is paid once per round,
+//!   as every round runs the expert all-to-alls; the per-step term once per step. Recorded
+//!   `step_ms` are not used by the prediction (only by the measured breakdown below), so
+//!   nothing there is normalised by a batch.
 //! * The initial nodes are added at time 0; the fault schedule becomes step events
 //!   ([`crate::replay::StepEvent`]): a kill of launch index `i` or of a trace name removes that
 //!   node once step `after_step` completed, a join adds a node that is ready `node_boot_s`
@@ -60,6 +73,7 @@ use crate::cost::{self, HardwareProfile, ModelProfile};
 use crate::replay::systems::SystemKind;
 use crate::replay::{self, ReplayConfig, RunResult, Sample, StepEvent};
 use crate::workload::{RecordedRouting, Workload};
+use lazarus_planner::data::GlobalBatch;
 use lazarus_traces::zipf::ZipfLoads;
 use lazarus_traces::{NodeOp, Trace, TraceEvent};
 use serde::{Deserialize, Serialize};
@@ -171,6 +185,13 @@ pub struct RunConfig {
     pub initial_names: Vec<String>,
     pub seed: u64,
     pub steps: u64,
+    /// `lzrun --global-batch B` (absent in runs of older versions, `null` with
+    /// `--batch-per-node`): B sequences per step, whatever the membership.
+    #[serde(default)]
+    pub global_batch: Option<u64>,
+    /// `--micro-batch M` of a global batch.
+    #[serde(default)]
+    pub micro_batch: Option<u64>,
     pub fault_tolerance: usize,
     pub slots_per_node: usize,
     pub checkpoint: Option<CheckpointSettings>,
@@ -192,6 +213,10 @@ pub struct RunRules {
     /// Copies of every shard (`--shard-copies`; absent: 1).
     #[serde(default)]
     pub shard_copies: Option<usize>,
+    /// The job machine's global batch (what the top-level `global_batch` and `micro_batch`
+    /// say; read when they are absent).
+    #[serde(default)]
+    pub global_batch: Option<GlobalBatch>,
 }
 
 impl RunConfig {
@@ -209,6 +234,28 @@ impl RunConfig {
     /// Copies of every shard of a sharded run (1 when not given).
     pub fn shard_copies(&self) -> usize {
         self.rules.shard_copies.unwrap_or(1).max(1)
+    }
+
+    /// The run's global batch: `global_batch` and `micro_batch` (the micro-batch defaulting
+    /// as `lzrun` does: the model's `batch` when it divides B, else B), else the job
+    /// machine's (`rules.global_batch`); `None`: every worker trained `model.batch`.
+    pub fn global_batch(&self) -> Result<Option<GlobalBatch>, String> {
+        let Some(b) = self.global_batch else {
+            if self.micro_batch.is_some() {
+                return Err("micro_batch without global_batch".into());
+            }
+            return Ok(self.rules.global_batch);
+        };
+        let micro = self
+            .micro_batch
+            .unwrap_or(if b.is_multiple_of(self.model.batch.max(1)) {
+                self.model.batch
+            } else {
+                b
+            });
+        GlobalBatch::new(b, micro)
+            .map(Some)
+            .map_err(|e| format!("global_batch {b}, micro_batch {micro}: {e}"))
     }
 }
 
@@ -371,6 +418,7 @@ impl RunDir {
                 "slots_per_node and fault_tolerance must be >= 1",
             ));
         }
+        config.global_batch().map_err(|e| malformed(&path, e))?;
         let path = dir.join("summary.json");
         let summary: RunSummary =
             serde_json::from_str(&read(&path)?).map_err(|e| malformed(&path, e))?;
@@ -422,15 +470,23 @@ impl RunDir {
         })
     }
 
-    /// The simulator's model profile of the run's model.
+    /// The simulator's model profile of the run's model (with the run's global batch).
     pub fn model_profile(&self) -> anyhow::Result<ModelProfile> {
         let m = &self.config.model;
+        let global_batch = match self.config.global_batch().map_err(anyhow::Error::msg)? {
+            Some(b) => format!(
+                "global_batch = {{ sequences = {}, micro = {} }}\n",
+                b.sequences, b.micro
+            ),
+            None => String::new(),
+        };
         let text = format!(
             "name = \"lzrun\"\nlayers = {l}\nmoe_layers = {l}\nd_model = {d}\nffn_hidden = {ff}\n\
              ffn_matrices = 2\nexperts = {e}\nshared_experts = 0\ntop_k = {k}\nvocab = {v}\n\
              tied_embeddings = true\nseq_len = {s}\nbatch_per_gpu = {b}\n\
              bytes_per_param_weights = 4\nbytes_per_param_state = 12\n\
-             bytes_per_expert_state = {es}\nep_size = {e}\nslots_per_gpu = {slots}\nf = {f}\n",
+             bytes_per_expert_state = {es}\nep_size = {e}\nslots_per_gpu = {slots}\nf = {f}\n\
+             {global_batch}",
             l = m.n_layers,
             d = m.d_model,
             ff = m.d_ff,
@@ -851,6 +907,164 @@ impl Prediction {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The recorded `run-kill-join` fixture (4 nodes of the tiny model, batch 8, 4 experts).
+    fn fixture() -> RunDir {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/run-kill-join");
+        RunDir::load(&dir).unwrap()
+    }
+
+    /// `ranks` ranks of one GPU each, expert `e` on rank `e mod ranks`, uniform loads.
+    fn step(hw: &HardwareProfile, model: &ModelProfile, ranks: usize) -> cost::StepCost {
+        let replicas: Vec<Vec<Vec<u32>>> = (0..model.moe_layers)
+            .map(|_| {
+                (0..model.experts)
+                    .map(|e| (0..ranks).map(|r| u32::from(e % ranks == r)).collect())
+                    .collect()
+            })
+            .collect();
+        let loads = vec![vec![1u64; model.experts]; model.moe_layers];
+        let input = cost::StepInput {
+            gpus: ranks,
+            replicas_per_rank: &replicas,
+            loads: &loads,
+            dispatch: cost::Dispatch::Unpadded,
+            ep_groups: None,
+        };
+        cost::step_cost(hw, model, &input).unwrap()
+    }
+
+    /// One core per rank: only the busiest rank's share counts.
+    fn dedicated_hw() -> HardwareProfile {
+        let mut hw = cost::hardware(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/lzrun-local-hardware.toml"
+        ))
+        .unwrap();
+        hw.host_cores = None;
+        hw
+    }
+
+    #[test]
+    fn predict_reads_the_global_batch_of_run_json_and_old_files_have_none() {
+        let mut run = fixture();
+        assert_eq!(
+            run.config.global_batch, None,
+            "a run.json of an older version"
+        );
+        assert_eq!(run.config.global_batch().unwrap(), None);
+        assert_eq!(run.model_profile().unwrap().global_batch, None);
+        run.config.global_batch = Some(16);
+        run.config.micro_batch = Some(4);
+        let want = GlobalBatch::new(16, 4).unwrap();
+        assert_eq!(run.config.global_batch().unwrap(), Some(want));
+        assert_eq!(run.model_profile().unwrap().global_batch, Some(want));
+        // The micro-batch defaults as in `lzrun`: the model's batch (8) when it divides B.
+        run.config.micro_batch = None;
+        assert_eq!(run.config.global_batch().unwrap().unwrap().micro, 8);
+        run.config.global_batch = Some(12);
+        assert_eq!(run.config.global_batch().unwrap().unwrap().micro, 12);
+        // The job machine's copy when the top-level keys are absent.
+        run.config.global_batch = None;
+        run.config.rules.global_batch = Some(want);
+        assert_eq!(run.config.global_batch().unwrap(), Some(want));
+        // Inconsistent numbers are an error naming them.
+        run.config.global_batch = Some(10);
+        run.config.micro_batch = Some(4);
+        let e = run.config.global_batch().unwrap_err();
+        assert!(e.contains("global_batch 10, micro_batch 4"), "{e}");
+    }
+
+    /// B = 16 in micro-batches of 4: 4 ranks train one round of 4 sequences, 3 ranks two
+    /// rounds (8 sequences: the ranks with one micro-batch run the second without data), so
+    /// a step of 3 costs twice the compute of a step of 4; 16 sequences either way. With
+    /// `--batch-per-node` every rank trains `batch` = 8 whatever the ranks.
+    #[test]
+    fn predict_prices_a_global_batch_at_the_members_share() {
+        let mut run = fixture();
+        let hw = dedicated_hw();
+        let per_node = run.model_profile().unwrap();
+        run.config.global_batch = Some(16);
+        run.config.micro_batch = Some(4);
+        let global = run.model_profile().unwrap();
+
+        assert_eq!(
+            [4, 3, 2, 1, 16].map(|n| global.sequences_per_rank(n)),
+            [4, 8, 8, 16, 4]
+        );
+        assert_eq!([4, 3, 1].map(|n| global.rounds(n)), [1, 2, 4]);
+        assert_eq!(per_node.sequences_per_rank(3), 8);
+        assert_eq!(per_node.rounds(3), 1);
+
+        let (g4, g3) = (step(&hw, &global, 4), step(&hw, &global, 3));
+        assert_eq!((g4.samples, g3.samples), (16, 16));
+        assert_eq!(g3.dense_compute_s, 2.0 * g4.dense_compute_s);
+        let ratio = g3.expert_compute_s / g4.expert_compute_s;
+        // Twice the tokens per rank; with 3 ranks one holds two of the 4 experts, so the
+        // busiest rank processes half the assignments instead of a quarter: up to 4×.
+        assert!((2.0..=4.0).contains(&ratio), "expert compute ratio {ratio}");
+        let compute = |c: &cost::StepCost| c.dense_compute_s + c.expert_compute_s;
+        let r = compute(&g3) / compute(&g4);
+        assert!((2.0..=4.0).contains(&r), "compute ratio {r}");
+        // The 4-rank step of B = 16 (4 sequences per rank) is half the per-node batch of 8.
+        let p4 = step(&hw, &per_node, 4);
+        assert_eq!(p4.dense_compute_s, 2.0 * g4.dense_compute_s);
+
+        // --batch-per-node: unchanged, 8 sequences per rank at any membership.
+        let p3 = step(&hw, &per_node, 3);
+        assert_eq!((p4.samples, p3.samples), (32, 24));
+        assert_eq!(p3.dense_compute_s, p4.dense_compute_s);
+        let tokens = 8 * per_node.seq_len;
+        assert_eq!(per_node.tokens_per_gpu(), tokens);
+        let dense = tokens as f64 * per_node.dense_train_flops_per_token() / hw.gpu_flops_effective;
+        assert_eq!(p3.dense_compute_s, dense);
+        // The global batch's tokens per second count B sequences.
+        let t = (16 * global.seq_len) as f64 / g3.total_s;
+        assert_eq!(g3.tokens_per_s, t);
+    }
+
+    /// On a calibrated host (2 shared cores, a per-peer latency): the busiest rank's share
+    /// times `max(1, ranks/cores)` (3 ranks: 8 sequences × 1.5; 4 ranks: 4 × 2), and the
+    /// per-peer latency once per micro-batch round (3 ranks: 2 rounds of 2 peers).
+    #[test]
+    fn predict_on_shared_cores_pays_the_peers_once_per_round() {
+        let mut run = fixture();
+        let mut hw = dedicated_hw();
+        hw.host_cores = Some(2.0);
+        let peer = hw.step_per_peer_s.unwrap();
+        assert!(peer > 0.0);
+        let per_node = run.model_profile().unwrap();
+        run.config.global_batch = Some(16);
+        run.config.micro_batch = Some(4);
+        let global = run.model_profile().unwrap();
+        let (g4, g3) = (step(&hw, &global, 4), step(&hw, &global, 3));
+        let r = g3.dense_compute_s / g4.dense_compute_s;
+        assert!((r - 1.5).abs() < 1e-12, "dense ratio {r}");
+        let fixed = |n: usize| hw.step_fixed_s(n);
+        assert!((g4.host_overhead_s - fixed(4)).abs() < 1e-15);
+        assert!((g3.host_overhead_s - (fixed(3) + 2.0 * peer)).abs() < 1e-15);
+        // Per node: one round whatever the ranks.
+        let (p4, p3) = (step(&hw, &per_node, 4), step(&hw, &per_node, 3));
+        assert_eq!(
+            (p4.host_overhead_s, p3.host_overhead_s),
+            (fixed(4), fixed(3))
+        );
+        let r = p4.dense_compute_s / p3.dense_compute_s;
+        assert!((r - 2.0 / 1.5).abs() < 1e-12, "per-node ratio {r}");
+    }
+
+    /// The replay of a global-batch run counts B samples per step and prices a 3-member
+    /// step above a 4-member one.
+    #[test]
+    fn predict_replays_a_global_batch_run_with_b_samples_per_step() {
+        let mut run = fixture();
+        run.config.global_batch = Some(16);
+        run.config.micro_batch = Some(4);
+        let hw = dedicated_hw();
+        let p = predict(&run, &hw).unwrap();
+        assert_eq!(p.predicted.steps, run.config.steps);
+        assert_eq!(p.predicted.samples, 16 * p.predicted.steps);
+    }
 
     #[test]
     fn relative_errors() {

@@ -162,7 +162,8 @@ pub fn setup(
     // Scale every (sample, layer) to the cluster's assignments per step (devices × tokens per
     // device × top-k): the trace (or the synthetic generator) gives the shares, the model the
     // volume.
-    let per_step = (topo.devices as u64 * model.assignments_per_gpu()) as f64;
+    let per_step =
+        (model.sequences_per_step(topo.devices) * model.seq_len * model.top_k as u64) as f64;
     let samples: Vec<Vec<Vec<u64>>> = samples
         .into_iter()
         .map(|layers| {

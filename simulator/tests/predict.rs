@@ -58,10 +58,13 @@ fn a_built_in_profile_keeps_its_costs() {
 /// issue 33 item 5 (`lzrun local --nodes 5 --steps 80 --kill 2@13 --kill 0@29 --kill 3@29
 /// --join @41 --kill 4@55 --ckpt-every 10`), with its `routing.csv`: predicted with uniform
 /// loads it had 3 recoveries and no restore; its nodes registered as n4, n1, n3, n2, n0.
-const RUNS: [(&str, u64, u64, u64, u64); 3] = [
+/// `run-global-batch`: `lzrun local --nodes 4 --global-batch 16 --micro-batch 4 --steps 12
+/// --kill 1@5` (16 samples per step on 4 members and then on 3; samples.csv left out).
+const RUNS: [(&str, u64, u64, u64, u64); 4] = [
     ("run-kill-join", 1, 0, 1, 16),
     ("run-restore", 0, 1, 0, 16),
     ("run-heldout", 2, 1, 1, 80),
+    ("run-global-batch", 1, 0, 0, 12),
 ];
 
 #[test]
@@ -392,4 +395,107 @@ fn the_recorded_routing_decides_the_held_out_run() {
     let e = RunDir::load(&tmp).unwrap_err().to_string();
     assert!(e.contains("routing.csv") && e.contains("line 2"), "{e}");
     let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// A `--global-batch` run is predicted at the members' share: B samples per step whatever the
+/// membership, and a step of 3 members (2 micro-batch rounds) above one of 4 (1 round).
+#[test]
+fn a_global_batch_run_is_predicted_at_the_members_share() {
+    let run = RunDir::load(&fixtures().join("run-global-batch")).unwrap();
+    let b = run.config.global_batch().unwrap().expect("a global batch");
+    assert_eq!((b.sequences, b.micro), (16, 4));
+    assert!(
+        run.steps.iter().all(|r| r.samples == 16),
+        "steps.csv samples = B"
+    );
+    let model = run.model_profile().unwrap();
+    assert_eq!(model.sequences_per_rank(4), 4);
+    assert_eq!(model.sequences_per_rank(3), 8);
+    let p = predict::predict(&run, &profile()).unwrap();
+    assert_eq!(p.predicted.samples, 16 * 12);
+    assert_eq!(p.measured.samples, 16 * 12);
+}
+
+/// The `lzrun` binary next to this test's (`target/<profile>/lzrun`, built by any workspace
+/// build or `cargo build -p lazarus-executor`), or `$LZRUN`; `None` when absent.
+fn lzrun_binary() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("LZRUN") {
+        return Some(PathBuf::from(p));
+    }
+    // target/<profile>/deps/predict-<hash> → target/<profile>/lzrun
+    let exe = std::env::current_exe().ok()?;
+    let p = exe
+        .parent()?
+        .parent()?
+        .join(format!("lzrun{}", std::env::consts::EXE_SUFFIX));
+    p.is_file().then_some(p)
+}
+
+/// End to end: `lzrun local --global-batch 16 --micro-batch 4` on 4 nodes with a kill after
+/// step 5, then `lzsim predict` on its metrics: the same steps, samples and reconfigurations
+/// as measured (times are not compared: they depend on the host's load). Skipped (one
+/// `skipped:` line) when `lzrun` has not been built.
+#[test]
+fn lzrun_with_a_global_batch_then_lzsim_predict() {
+    let Some(lzrun) = lzrun_binary() else {
+        eprintln!("skipped: no lzrun binary next to the test (cargo build -p lazarus-executor)");
+        return;
+    };
+    let tmp = std::env::temp_dir().join(format!("lzsim-predict-gb-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    let dir = tmp.join("run");
+    let out = Command::new(&lzrun)
+        .args([
+            "local",
+            "--nodes",
+            "4",
+            "--global-batch",
+            "16",
+            "--micro-batch",
+            "4",
+            "--steps",
+            "12",
+            "--kill",
+            "1@5",
+            "--format",
+            "json",
+            "--metrics-out",
+        ])
+        .arg(&dir)
+        .output()
+        .expect("lzrun runs");
+    assert!(
+        out.status.success(),
+        "lzrun local: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run = RunDir::load(&dir).unwrap();
+    assert_eq!(run.config.global_batch, Some(16));
+    assert_eq!(run.config.micro_batch, Some(4));
+    let hw = profile_path();
+    let p = lzsim(&[
+        "predict",
+        dir.to_str().unwrap(),
+        "--hardware",
+        hw.to_str().unwrap(),
+        "--format",
+        "json",
+    ]);
+    assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&p.stdout).unwrap();
+    for key in [
+        "steps",
+        "samples",
+        "recoveries",
+        "fallbacks",
+        "joins",
+        "rebalances",
+    ] {
+        assert_eq!(v["predicted"][key], v["measured"][key], "{key}: {v}");
+    }
+    assert_eq!(v["measured"]["steps"], 12);
+    assert_eq!(v["measured"]["samples"], 16 * 12);
+    assert_eq!(v["measured"]["recoveries"], 1);
+    std::fs::remove_dir_all(&tmp).unwrap();
 }

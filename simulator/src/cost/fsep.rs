@@ -139,7 +139,7 @@ pub fn step_cost(
     let c = StepCost {
         total_s,
         grad_allreduce_s: dense,
-        tokens_per_s: (input.gpus as u64 * model.tokens_per_gpu()) as f64 / total_s,
+        tokens_per_s: (model.sequences_per_step(input.gpus) * model.seq_len) as f64 / total_s,
         ..base
     };
     Ok((c, traffic))

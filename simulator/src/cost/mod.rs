@@ -14,6 +14,14 @@
 //! loading, kernel-launch and collective latencies, gradient accumulation; memory capacity is
 //! not checked (the caller keeps replicas within `slots_per_gpu`).
 //!
+//! **Global batch.** With [`ModelProfile::global_batch`] (`B` sequences per step in
+//! micro-batches of `M`), every per-rank term below is evaluated at the busiest rank's share
+//! of the step's ranks, `batch_per_gpu = ⌈(B/M)/ranks⌉·M` ([`ModelProfile::at_ranks`]: its
+//! micro-batch rounds, the data-less ones of ranks with fewer micro-batches counted as work),
+//! a step trains `B` samples, and the calibrated per-peer cost (`step_per_peer_s`, the
+//! collectives' latency) is paid once per micro-batch round ([`ModelProfile::rounds`]: every
+//! round runs the expert all-to-alls).
+//!
 //! **Routing.** Every rank routes `A = batch_per_gpu · seq_len · top_k` token→expert
 //! assignments per MoE layer, split over experts by the layer's load shares with a
 //! largest-remainder apportionment (`T_e = ⌊A·load_e/Σload⌋`, leftovers to the largest
@@ -168,7 +176,7 @@ pub struct StepCost {
     pub grad_allreduce_s: f64,
     /// Calibrated host terms ([`HardwareProfile::step_fixed_s`]; 0 for the built-in profiles).
     pub host_overhead_s: f64,
-    /// Sequences per step: `gpus × batch_per_gpu`.
+    /// Sequences per step: `gpus × batch_per_gpu`, or the global batch.
     pub samples: u64,
     pub tokens_per_s: f64,
 }
@@ -286,6 +294,8 @@ pub fn step_cost_sparse(
     input: &SparseStepInput,
 ) -> Result<StepCost> {
     let gpus = input.gpus;
+    // A global batch: every per-rank term at this membership's share (module docs).
+    let model = &*model.at_ranks(gpus);
     // The shapes are checked first (each layer's rows inside its own evaluation below, in
     // parallel), then the EP groups: errors are reported in that order.
     check_layer_counts(model, gpus, input.replicas.len(), input.loads)?;
@@ -401,7 +411,10 @@ fn assemble(
     let share = hw.compute_share(gpus);
     let dense_compute_s =
         share * model.tokens_per_gpu() as f64 * model.dense_train_flops_per_token() / flops;
-    let host_overhead_s = hw.step_fixed_s(gpus);
+    // A global batch's micro-batch rounds each pay the collectives' per-peer latency.
+    let extra_rounds = model.rounds(gpus) - 1;
+    let host_overhead_s = hw.step_fixed_s(gpus)
+        + extra_rounds as f64 * hw.step_per_peer_s.unwrap_or(0.0) * gpus.saturating_sub(1) as f64;
     let total_s =
         dense_compute_s + expert_compute_s + all_to_all_s + grad_allreduce_s + host_overhead_s;
     Ok(StepCost {
@@ -411,8 +424,8 @@ fn assemble(
         all_to_all_s,
         grad_allreduce_s,
         host_overhead_s,
-        samples: gpus as u64 * model.batch_per_gpu,
-        tokens_per_s: (gpus as u64 * model.tokens_per_gpu()) as f64 / total_s,
+        samples: model.sequences_per_step(gpus),
+        tokens_per_s: (model.sequences_per_step(gpus) * model.seq_len) as f64 / total_s,
     })
 }
 

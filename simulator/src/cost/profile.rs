@@ -7,8 +7,10 @@
 
 use crate::limits;
 use anyhow::{Context, Result, bail};
+use lazarus_planner::data::GlobalBatch;
 use lazarus_planner::{ClusterSpec, ModelSpec};
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use std::path::Path;
 
 /// Built-in hardware profiles: `(name, TOML text)`.
@@ -281,8 +283,18 @@ pub struct ModelProfile {
     #[serde(default = "yes")]
     pub tied_embeddings: bool,
     pub seq_len: u64,
-    /// Sequences per GPU per step.
+    /// Sequences per GPU per step (without `global_batch`).
     pub batch_per_gpu: u64,
+    /// A constant global batch (`lzrun --global-batch B --micro-batch M`; TOML
+    /// `global_batch = { sequences = B, micro = M }`): every step trains `B` sequences whatever
+    /// the ranks, cut into `K = B/M` micro-batches that the ranks share
+    /// ([`lazarus_planner::data::share`]); every rank takes part in `⌈K/ranks⌉` micro-batch
+    /// rounds ([`ModelProfile::rounds`]), so the busiest rank's work, which sets the
+    /// synchronous step time, is `⌈K/ranks⌉·M` sequences ([`ModelProfile::sequences_per_rank`]);
+    /// `batch_per_gpu` is then unused. Absent: every rank trains `batch_per_gpu` sequences (the global batch follows
+    /// the ranks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub global_batch: Option<GlobalBatch>,
     /// Bytes per weight, gradient and activation element (fp16/bf16: 2).
     pub bytes_per_param_weights: u64,
     /// Bytes of weights + optimizer state per parameter (mixed-precision Adam: 14).
@@ -355,7 +367,46 @@ impl ModelProfile {
         self.non_embedding_dense_params() + self.vocab * self.d_model
     }
 
-    /// Tokens one GPU processes per step: `batch_per_gpu · seq_len`.
+    /// Sequences the busiest of `ranks` ranks trains per step: `batch_per_gpu`, or with a
+    /// [`global_batch`](Self::global_batch) its micro-batch rounds times the micro-batch,
+    /// `⌈K/ranks⌉·M` (ranks with fewer micro-batches run the last round without data).
+    pub fn sequences_per_rank(&self, ranks: usize) -> u64 {
+        match &self.global_batch {
+            Some(b) => b.rounds(ranks) * b.micro,
+            None => self.batch_per_gpu,
+        }
+    }
+
+    /// Sequences trained per step on `ranks` ranks: `ranks · batch_per_gpu`, or the global
+    /// batch `B` whatever `ranks`.
+    pub fn sequences_per_step(&self, ranks: usize) -> u64 {
+        match &self.global_batch {
+            Some(b) => b.sequences,
+            None => ranks as u64 * self.batch_per_gpu,
+        }
+    }
+
+    /// Micro-batch rounds of a step on `ranks` ranks: `⌈K/ranks⌉` with a global batch, else 1.
+    pub fn rounds(&self, ranks: usize) -> u64 {
+        self.global_batch.map_or(1, |b| b.rounds(ranks))
+    }
+
+    /// This model as `ranks` ranks train it: with a global batch, a copy whose
+    /// `batch_per_gpu` is the busiest rank's share ([`Self::sequences_per_rank`]), so every
+    /// per-rank term of the cost model (tokens, routed assignments) follows the membership;
+    /// without one, the model itself.
+    pub fn at_ranks(&self, ranks: usize) -> Cow<'_, ModelProfile> {
+        match &self.global_batch {
+            Some(_) => Cow::Owned(ModelProfile {
+                batch_per_gpu: self.sequences_per_rank(ranks),
+                ..self.clone()
+            }),
+            None => Cow::Borrowed(self),
+        }
+    }
+
+    /// Tokens one GPU processes per step: `batch_per_gpu · seq_len` (with a global batch,
+    /// resolve the ranks first: [`Self::at_ranks`]).
     pub fn tokens_per_gpu(&self) -> u64 {
         self.batch_per_gpu * self.seq_len
     }
@@ -456,6 +507,10 @@ impl ModelProfile {
         positive_count("vocab", self.vocab)?;
         positive_count("seq_len", self.seq_len)?;
         positive_count("batch_per_gpu", self.batch_per_gpu)?;
+        if let Some(b) = &self.global_batch {
+            b.validate()
+                .map_err(|e| anyhow::anyhow!("field `global_batch`: {e}"))?;
+        }
         positive_count("bytes_per_param_weights", self.bytes_per_param_weights)?;
         positive_count("bytes_per_param_state", self.bytes_per_param_state)?;
         positive_count("bytes_per_expert_state", self.bytes_per_expert_state)?;

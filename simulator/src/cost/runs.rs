@@ -223,6 +223,8 @@ pub fn step_cost_runs(
             },
         );
     }
+    // A global batch: every per-rank term at this membership's share (as in the ranked form).
+    let model = &*model.at_ranks(gpus);
     super::check_layer_counts(model, gpus, layers.len(), loads)?;
     let (inter_bw, intra_bw) = (hw.rank_inter_bandwidth(), hw.rank_intra_bandwidth());
     let (terms, grad_allreduce_s) = rayon::join(
@@ -584,7 +586,7 @@ mod tests {
     /// The step cost on runs is the ranked form's bit for bit, above the analytic threshold
     /// (and below it, where the runs are expanded): random grids of few experts on many
     /// slots, so that some replicas overflow (`T_e > c`, the rank-order sum of `S`); hosts
-    /// with and without a core limit; zero loads.
+    /// with and without a core limit; zero loads; global batches.
     #[test]
     fn step_cost_on_runs_is_the_ranked_one_bit_for_bit() {
         let mut next = rng(0x2545_F491_4F6C_DD1D);
@@ -598,6 +600,13 @@ mod tests {
             let mut model = base_model.clone();
             model.experts = 2 + next(14);
             model.moe_layers = 1 + next(4);
+            // A global batch's share of the ranks (and its data-less rounds on shared cores).
+            if case % 4 == 2 {
+                let micro = 1 + next(4) as u64;
+                let k = 1 + next(600) as u64;
+                model.global_batch =
+                    Some(lazarus_planner::data::GlobalBatch::new(k * micro, micro).unwrap());
+            }
             let g = hw.gpus_per_node;
             let nodes = if case % 5 == 0 {
                 1 + next(16)

@@ -858,7 +858,9 @@ impl<'a> Engine<'a> {
 
     fn current_samples_per_step(&self) -> u64 {
         self.layout.as_ref().map_or(0, |l| {
-            l.gpus(&self.cfg.hardware) as u64 * self.cfg.model.batch_per_gpu
+            self.cfg
+                .model
+                .sequences_per_step(l.gpus(&self.cfg.hardware))
         })
     }
 

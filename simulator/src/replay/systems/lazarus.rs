@@ -269,6 +269,7 @@ impl Driver {
                     Action::Pause { .. } => self.pause_wanted = true,
                     Action::FindCheckpoint => queue.push_back(Event::CheckpointFound {
                         step: self.newest_checkpoint,
+                        data_cursor: None,
                     }),
                     Action::CommitCheckpoint { step, .. } => {
                         queue.push_back(Event::CheckpointCommitted { step })
