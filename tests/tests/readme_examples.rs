@@ -29,8 +29,16 @@ use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-/// The documents whose shell examples are run.
-const DOCS: [&str; 2] = ["README.md", "executor/README.md"];
+/// The documents whose shell examples are run (every document with a ```` ```sh ```` block;
+/// `every_document_with_shell_examples_is_listed` keeps this list whole).
+const DOCS: [&str; 6] = [
+    "README.md",
+    "executor/README.md",
+    "kernels/README.md",
+    "notebooks/README.md",
+    "results/executor/README.md",
+    "results/swarm/README.md",
+];
 
 /// Longest any one example may take (the slowest quick one takes ≈ 1 min in the debug build on
 /// a loaded 2-core machine).
@@ -217,6 +225,22 @@ fn skip_reason(e: &Example, all: bool) -> Option<&'static str> {
     }
     if has("path/to/") || has("g4dn.csv") {
         return Some("needs a third-party trace (../shared/traces)");
+    }
+    if has("kernels/build-ptx.sh") || has("$LZ_CUDA_LIBS") {
+        return Some("the CUDA build or a GPU: .ci/cuda builds and checks this path");
+    }
+    if c.starts_with("bash results/") || has("regenerate.sh") {
+        return Some("regenerates a results folder (minutes to hours)");
+    }
+    if c.starts_with("pip ")
+        || c.starts_with("python3 ")
+        || c.starts_with("jupyter ")
+        || has("python3 results/")
+    {
+        return Some("needs the notebooks' Python environment");
+    }
+    if has("cargo bench") || c.starts_with("cargo test --release") {
+        return Some("a benchmark or a release-profile run (minutes)");
     }
     if !all {
         if has("--storm 100") {
@@ -550,8 +574,22 @@ fn needs_a_later_file(command: &str, cwd: &Path) -> bool {
         })
 }
 
-/// Every `--flag` of a skipped `lzrun` / `lzsim` command is one its `--help` lists.
+/// Every file a skipped example names as a script or input (`*.sh`, `*.py`, `*.ipynb`,
+/// `*requirements.txt` under the repository) exists, and every `--flag` of a skipped `lzrun` /
+/// `lzsim` command is one its `--help` lists.
 fn flags_exist(command: &str, bins: &Path, cwd: &Path) -> Result<(), String> {
+    for word in command.split_whitespace() {
+        let word = word.trim_matches(|c| c == '"' || c == '\'' || c == ';');
+        let named = [".sh", ".py", ".ipynb", "requirements.txt"]
+            .iter()
+            .any(|x| word.ends_with(x));
+        if named && !word.contains('/') {
+            continue;
+        }
+        if named && !word.starts_with('/') && !cwd.join(word).exists() {
+            return Err(format!("names {word}, which is not in the repository"));
+        }
+    }
     let Some((bin, sub, flags)) = flags_of(&as_run(command)) else {
         return Ok(());
     };
@@ -582,6 +620,39 @@ fn flags_exist(command: &str, bins: &Path, cwd: &Path) -> Result<(), String> {
 fn tail(s: &str) -> String {
     let lines: Vec<&str> = s.lines().collect();
     lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+#[test]
+fn every_document_with_shell_examples_is_listed() {
+    let repo = repo();
+    let mut missing = Vec::new();
+    let mut stack = vec![repo.clone()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+            let path = entry.path();
+            let name = entry.file_name().to_string_lossy().to_string();
+            if path.is_dir() {
+                if !name.starts_with('.') && name != "target" && name != "fuzz" {
+                    stack.push(path);
+                }
+            } else if name.ends_with(".md") {
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                let rel = path
+                    .strip_prefix(&repo)
+                    .unwrap()
+                    .to_string_lossy()
+                    .to_string();
+                let has_shell = text.lines().any(|l| l == "```sh" || l == "```bash");
+                if has_shell && !DOCS.contains(&rel.as_str()) {
+                    missing.push(rel);
+                }
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "shell examples not run by this test: {missing:?} (add them to DOCS)"
+    );
 }
 
 #[test]
