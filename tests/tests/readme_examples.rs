@@ -209,7 +209,7 @@ fn skip_reason(e: &Example, all: bool) -> Option<&'static str> {
     if e.in_script {
         return Some("a Slurm job script: needs a cluster");
     }
-    if c.starts_with("cargo test") {
+    if c.starts_with("cargo test --workspace") {
         return Some("the test command itself");
     }
     if c.starts_with("cargo build")
