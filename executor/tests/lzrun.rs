@@ -3012,6 +3012,39 @@ fn a_resumed_run_checkpoints_into_its_resume_directory_up_to_its_last_step() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A resume whose checkpoint is already at or past `--steps` has nothing to train: it used to
+/// train 0 steps and exit 0 with a NaN loss; it is refused with one line naming the step.
+#[test]
+fn a_resume_with_nothing_left_to_train_is_refused() {
+    let dir = scratch("resume-done");
+    let a = dir.join("a");
+    let o = lzrun(&[
+        "local",
+        "--steps",
+        "6",
+        "--metrics-out",
+        a.to_str().unwrap(),
+    ]);
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    let ck = a.join("ckpt");
+    for steps in ["6", "4"] {
+        let o = lzrun(&["local", "--resume", ck.to_str().unwrap(), "--steps", steps]);
+        assert_eq!(o.code, Some(2), "--steps {steps}: {}", o.show());
+        let err = o.stderr.trim();
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(
+            err.contains("step 6") && err.contains("--steps"),
+            "the line names the checkpoint's step and the flag: {err}"
+        );
+    }
+    let latest = std::fs::read_to_string(ck.join("latest")).unwrap();
+    assert!(
+        latest.contains("step-00000006"),
+        "nothing written is lost: {latest}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Issue 33, item 2: the failpoint flips one bit of one replica (or, sharded, of one shard
 /// copy) of node n1 after step 6's update; the step fingerprints catch it at that step and
 /// the job ends non-zero naming the object, the nodes and the step.
