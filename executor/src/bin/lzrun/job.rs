@@ -232,6 +232,17 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
             "--resume {}: no such checkpoint directory",
             r.display()
         );
+        // A checkpoint at or past the last step leaves nothing to train: a job that "trains"
+        // 0 steps and exits 0 would claim work it did not do.
+        if let Ok(Some(step)) = checkpoint::latest_step(r) {
+            ensure!(
+                step < a.model.steps,
+                "--resume {}: its newest checkpoint is of step {step}, at or past --steps {}: \
+                 nothing to train (raise --steps)",
+                r.display(),
+                a.model.steps
+            );
+        }
     }
     let mut temp_ckpt = None;
     let mut ckpt_lock = None;
