@@ -509,6 +509,15 @@ fn parcae_p3_count_series_matches_the_bamboo_p3_trace() {
         counts.live_nodes_at(0).last().map(String::as_str),
         Some("n17")
     );
+    // Fitted onto 10 nodes (the Lazarus replay): `scale` sees only counts, so both forms give
+    // the same trace; with made-up LIFO names `clamp` and `track` keep the 10 oldest nodes,
+    // which the first 80 minutes never take below 10 (traces/README.md).
+    let (cw, pw) = (counts.window(0, 80 * MIN), p3.window(0, 80 * MIN));
+    assert_eq!(cw.fit(10, FitMode::Scale), pw.fit(10, FitMode::Scale));
+    assert_eq!(cw.fit(10, FitMode::Scale).removals(), 7);
+    for mode in [FitMode::Clamp, FitMode::Track] {
+        assert_eq!(cw.fit(10, mode).removals(), 0, "{mode:?}");
+    }
 }
 
 #[test]
