@@ -10,7 +10,10 @@
 //!   ([`parse_kill_controller`], [`FaultSchedule::add_controller_kills`]) kills the controller
 //!   instead of a node, with any of the sources.
 //! * **A node-availability trace** ([`schedule_from_trace`]): `--fault-trace FILE
-//!   --time-scale X`, in any format of the [`lazarus_traces`] crate.
+//!   --time-scale X`, in any format of the [`lazarus_traces`] crate (a count series, such as
+//!   a `time_ms,live_nodes` CSV, names its nodes by the crate's count rule: `n0, n1, …` in
+//!   add order, the newest removed first, so node `n<k>` gets index `k` unless a window or
+//!   a fit onto fewer nodes changes who is live).
 //! * **A seeded random "chaos" schedule** for tests ([`chaos_schedule`]).
 //! * **A seeded storm** of every kind of fault ([`storm_schedule`], `lzrun local --storm N`):
 //!   kills, simultaneous kills, joins racing kills, frozen workers and agents, controller

@@ -2453,6 +2453,77 @@ fn a_trace_that_starts_late_is_replayed_with_window() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Issue 35 item 1: a node-count trace (`time_ms,live_nodes`, the shape some replayers ship
+/// the P3 trace in) was `line 1: expected 3 comma-separated fields`. It is detected, and makes
+/// the same membership changes as the event CSV it stands for: nodes `n0, n1, …` in add order
+/// (so `n<k>` is node `k`), the newest removed first.
+#[test]
+fn a_node_count_trace_makes_the_changes_of_its_event_csv() {
+    let dir = scratch("count-trace");
+    let counts = dir.join("counts.csv");
+    std::fs::write(
+        &counts,
+        "time_ms,live_nodes\r\n0,3\r\n120000,2\r\n240000,3\r\n",
+    )
+    .unwrap();
+    let events = dir.join("events.csv");
+    std::fs::write(
+        &events,
+        "0,add,n0\n0,add,n1\n0,add,n2\n120000,remove,n2\n240000,add,n3\n",
+    )
+    .unwrap();
+    // (stderr's membership lines and run.json's injected faults, both without when they fired,
+    // which a loaded machine may delay; run.json's schedule)
+    let membership = |trace: &Path, name: &str| {
+        let metrics = dir.join(name);
+        let o = lzrun(&[
+            "local",
+            "--fault-trace",
+            trace.to_str().unwrap(),
+            "--time-scale",
+            "60",
+            "--steps",
+            "8",
+            "--format",
+            "json",
+            "--metrics-out",
+            metrics.to_str().unwrap(),
+        ]);
+        let s = o.summary();
+        assert_eq!((s.steps, s.joins), (8, 1), "{}", o.show());
+        let lines: Vec<String> = o
+            .stderr
+            .lines()
+            .filter(|l| l.contains("lzrun local: killed node") || l.contains("started node"))
+            .map(|l| l.split(" after step").next().unwrap().to_owned())
+            .collect();
+        let run: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(metrics.join("run.json")).unwrap()).unwrap();
+        let mut injected = run["timeline"]["injected"].clone();
+        for i in injected.as_array_mut().unwrap() {
+            let i = i.as_object_mut().unwrap();
+            i.remove("t_s");
+            i.remove("when");
+        }
+        (lines, run["faults"]["events"].clone(), injected)
+    };
+    let from_counts = membership(&counts, "m-counts");
+    let (lines, schedule, injected) = &from_counts;
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(lines[0].contains("killed node 2 (n2"), "{lines:?}");
+    assert!(lines[1].ends_with("started node 3 (n3)"), "{lines:?}");
+    let after: Vec<_> = schedule
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["after_step"].as_u64())
+        .collect();
+    assert_eq!(after, [Some(2), Some(4)], "{schedule}");
+    assert_eq!(injected.as_array().unwrap().len(), 2, "{injected}");
+    assert_eq!(from_counts, membership(&events, "m-events"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Issue 14, item 8: every `node<ID>.json` said `"world": 0`. After a kill and a join, each
 /// survivor's file names the final membership: world 3, ranks 0, 1 and 2.
 #[test]

@@ -28,8 +28,10 @@ pub const DEFAULT_END: &str = "30m";
 
 #[derive(Args, Debug, Clone)]
 pub struct ReplayArgs {
-    /// Node trace: Bamboo CSV (time_ms,add|remove,node), Parcae/SpotServe JSON lines or SkyPilot
-    /// JSON. Default: the embedded 10-node, 5-minute-MTBF scenario of the paper (30 minutes).
+    /// Node trace, format detected from the content: Bamboo CSV (time_ms,add|remove,node),
+    /// node-count CSV (time_ms,live_nodes; nodes n0, n1, …, the newest removed first),
+    /// Parcae/SpotServe JSON lines or SkyPilot JSON. Default: the embedded 10-node,
+    /// 5-minute-MTBF scenario of the paper (30 minutes).
     pub trace: Option<PathBuf>,
     /// Replay only [A, B) of the trace, rebased to 0 (nodes alive at A are added at 0): `0m..80m`.
     #[arg(long)]

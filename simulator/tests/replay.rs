@@ -204,6 +204,81 @@ fn full_p3_trace_counts_all_167_removals() {
     assert_eq!(v[0]["preemptions"], 167);
 }
 
+/// Issue 35 item 1: a node-count CSV (`time_ms,live_nodes`) replays exactly like the event
+/// CSV it stands for (nodes `n0, n1, …`, the newest removed first; see lazarus-traces'
+/// `TraceFormat`): the same summaries, and the same per-system events and time series.
+#[test]
+fn a_node_count_csv_replays_like_its_event_csv() {
+    let dir = tmp("counts");
+    std::fs::create_dir_all(&dir).unwrap();
+    let counts = dir.join("aws-counts.csv");
+    std::fs::write(
+        &counts,
+        "time_ms,live_nodes\r\n0,10\r\n300000,8\r\n600000,8\r\n900000,9\r\n1200000,6\r\n",
+    )
+    .unwrap();
+    let events = dir.join("aws-events.csv");
+    let mut csv: String = (0..10).map(|i| format!("0,add,n{i}\n")).collect();
+    csv += "300000,remove,n9\n300000,remove,n8\n900000,add,n10\n\
+            1200000,remove,n10\n1200000,remove,n7\n1200000,remove,n6\n";
+    std::fs::write(&events, csv).unwrap();
+    let (c, e) = (counts.to_str().unwrap(), events.to_str().unwrap());
+
+    let json = |trace: &str| ok_json(&["replay", trace, "--end", "30m", "--format", "json"]);
+    let v = json(c);
+    assert_eq!(v, json(e));
+    assert_eq!(by_system(&v, "lazarus")["preemptions"], 5, "{v}");
+    let text = |trace: &str| lzsim(&["replay", trace, "--end", "30m"]);
+    let (tc, te) = (text(c), text(e));
+    assert!(
+        tc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&tc.stderr)
+    );
+    assert_eq!(tc.stdout, te.stdout);
+
+    // The run directories agree system by system (config.json and the plot titles name the
+    // trace file, so only the per-system files are compared).
+    let (oc, oe) = (dir.join("out-counts"), dir.join("out-events"));
+    for (trace, out) in [(c, &oc), (e, &oe)] {
+        let o = lzsim(&[
+            "replay",
+            trace,
+            "--end",
+            "30m",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let mut compared = 0;
+    for sys in std::fs::read_dir(&oc).unwrap() {
+        let sys = sys.unwrap().path();
+        if !sys.is_dir() {
+            continue;
+        }
+        for f in ["summary.json", "timeseries.csv", "events.jsonl"] {
+            let a = std::fs::read(sys.join(f)).unwrap();
+            let b = std::fs::read(oe.join(sys.file_name().unwrap()).join(f)).unwrap();
+            assert!(a == b, "{} differs", sys.join(f).display());
+            compared += 1;
+        }
+    }
+    assert!(compared >= 9, "{compared} files compared");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// The P3 trace as Parcae ships it, a count series, is auto-detected (it was a `line 1:
+/// expected 3 comma-separated fields` error) and replays all 167 removals.
+#[test]
+fn parcae_p3_count_series_replays_all_167_removals() {
+    let Some(p3) = shared("parcae/aws/traces/p3.csv") else {
+        return;
+    };
+    let v = ok_json(&["replay", &p3, "--system", "lazarus", "--format", "json"]);
+    assert_eq!(v[0]["preemptions"], 167);
+}
+
 #[test]
 fn failures_writes_a_trace_that_replays() {
     let out = lzsim(&["failures", "--nodes", "10", "--every", "40m", "--seed", "3"]);

@@ -13,8 +13,10 @@
 //!
 //! * Formats ([`TraceFormat`]): F1 Bamboo CSV `time_ms,add|remove,node` (the primary replay
 //!   format: the AWS P3 and g4dn spot traces), F2 JSON lines `[time_ms, op, {"nodes": [...]}]`
-//!   (Parcae and SpotServe replays), F5 SkyPilot count series (the F-numbers are our
-//!   format names).
+//!   (Parcae and SpotServe replays), F3 node-count CSV `time_ms,live_nodes` (the P3 trace as
+//!   some replayers ship it) and F5 SkyPilot count series (the F-numbers are our format
+//!   names); [`detect_format`] tells them apart. The two count series name their nodes by one
+//!   rule (fresh names for adds, newest node removed first), documented on [`TraceFormat`].
 //! * Semantics: events are sorted by time; at equal times adds come before removes (the
 //!   Bamboo and Oobleck simulators' `(time, kind)` queue order); a batch of events at one
 //!   time stamp takes effect atomically.

@@ -1,8 +1,9 @@
-//! Reading traces: [`parse`], [`detect_format`], [`load`] and the three formats.
+//! Reading traces: [`parse`], [`detect_format`], [`load`] and the four formats.
 //!
 //! Parsing never panics, whatever the input (checked by proptest and a cargo-fuzz target),
-//! and never allocates more than a bounded multiple of the input size, except for the SkyPilot
-//! count series, whose expansion is capped at [`MAX_SYNTH_EVENTS`].
+//! and never allocates more than a bounded multiple of the input size, except for the two
+//! count series (node-count CSV, SkyPilot), whose expansion into events is capped at
+//! [`MAX_SYNTH_EVENTS`].
 use std::fmt;
 use std::path::Path;
 use std::str::FromStr;
@@ -12,12 +13,40 @@ use serde_json::Value;
 use crate::error::{ParseEnumError, TraceError};
 use crate::trace::{NodeOp, Trace, TraceEvent};
 
-/// Upper bound on the number of events a SkyPilot count series may expand into (sum of the
-/// absolute steps). Real series have a few thousand steps; the bound only stops corrupt or
-/// hostile input (`"data": [1e15]`) from exhausting memory.
+/// Upper bound on the number of events a count series (node-count CSV or SkyPilot) may expand
+/// into (sum of the absolute steps); in particular no count may exceed it. Real series have a
+/// few thousand steps; the bound only stops corrupt or hostile input (`"data": [1e15]`,
+/// `0,1000000000000`) from exhausting memory.
 pub const MAX_SYNTH_EVENTS: u64 = 1_000_000;
 
-/// The accepted file formats (F1, F2, F5: see the crate documentation).
+/// The accepted file formats (F1, F2, F3, F5: see the crate documentation).
+///
+/// # Node names of the count series (F3, F5)
+///
+/// The two count formats say only *how many* nodes are live, so [`parse`] names the nodes by
+/// one rule, the same for both, which the simulator (`lzsim replay`) and the executor
+/// (`lzrun local --fault-trace`) then both replay:
+///
+/// * counts are applied in file order, each step from the previous count (0 before the first)
+///   to the new one at the new count's time;
+/// * an increase by `k` adds `k` **fresh** names, `<prefix>0, <prefix>1, …` from one counter
+///   (a name is never reused, not even after its node was removed);
+/// * a decrease by `k` removes the `k` **most recently added** live nodes, newest first
+///   (LIFO: the longest-lived nodes survive).
+///
+/// The prefix is `n` for [`TraceFormat::NodeCountCsv`] and `sky` for
+/// [`TraceFormat::SkyPilot`]. Since `lzrun` numbers nodes in launch and join order, node
+/// `n<k>` of a count CSV is the executor's node `k` (without `--window` / `--max-nodes`).
+///
+/// ```
+/// use lazarus_traces::{TraceFormat, parse};
+/// let t = parse("time_ms,live_nodes\n0,3\n60000,1\n120000,2\n", TraceFormat::NodeCountCsv)
+///     .unwrap();
+/// assert_eq!(
+///     t.to_bamboo_csv(),
+///     "0,add,n0\n0,add,n1\n0,add,n2\n60000,remove,n2\n60000,remove,n1\n120000,add,n3\n"
+/// );
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TraceFormat {
     /// F1, Bamboo event CSV: one `time_ms,op,node` row per event, `op` is `add` or `remove`.
@@ -50,14 +79,39 @@ pub enum TraceFormat {
     ///   line number; blank lines are skipped; times are non-negative JSON integers (`6e4`
     ///   and `60000.0` are rejected); only `add`/`remove` events take part in the sort check.
     JsonLines,
+    /// F3, node-count CSV: one `time_ms,live_nodes` row per change of the number of live nodes
+    /// (the count-series shape some replayers ship the AWS P3 trace in, e.g. Parcae's
+    /// `aws/traces/p3.csv`).
+    ///
+    /// * The same tolerance as [`TraceFormat::BambooCsv`]: CRLF and LF, blank lines, spaces
+    ///   around fields, a leading UTF-8 BOM, and a header on the first non-blank line when it
+    ///   has two fields and its first field does not start like a number (`time_ms,live_nodes`,
+    ///   `time,nodes`).
+    /// * Times: as in [`TraceFormat::BambooCsv`] (non-negative integer milliseconds), sorted
+    ///   non-decreasingly; equal times are allowed and form one batch.
+    /// * `live_nodes` is a non-negative integer (`+` sign allowed) of at most
+    ///   [`MAX_SYNTH_EVENTS`]; `-1` (negative), `2.5` (non-integer) and larger values are
+    ///   [`TraceError::Parse`] errors naming the line, and so is a row without exactly two
+    ///   fields; an unsorted time is [`TraceError::Unsorted`] with the row's line.
+    /// * Each row is one step from the previous count, expanded into events by the rule of the
+    ///   [type documentation](TraceFormat#node-names-of-the-count-series-f3-f5) (names `n0, n1,
+    ///   …`). Rows with equal times are applied in order within their batch (`0,5` then `0,4`
+    ///   then `0,5` replaces node `n4` by `n5`); a row that repeats the count adds nothing.
+    /// * **Before the first row no node is live**: the first row gives the initial count *at
+    ///   its time*, so `480000,4` as the first row adds four nodes at 480 s, like a Bamboo trace
+    ///   whose first event is later than 0 (replay it in `lzrun` with `--window`).
+    /// * The expansion is capped at [`MAX_SYNTH_EVENTS`] events in all
+    ///   ([`TraceError::TooLarge`]).
+    NodeCountCsv,
     /// F5, SkyPilot count series:
     /// `{"metadata": {"gap_seconds": g}, "data": [n0, n1, ...], "prices": [...]}`.
     ///
     /// `data[i]` is the number of live nodes at time `i·g` seconds. It is converted into
-    /// events on synthetic nodes named `sky0, sky1, …` (a counter, names are never reused):
-    /// at `i = 0` `n0` adds; at each later `i` the step `data[i] − data[i−1]` becomes that
-    /// many adds of new names or removes of the **most recently added** live names (LIFO),
-    /// all at time `i·g·1000` ms. `g` is a positive number of seconds, rounded to whole
+    /// events on synthetic nodes named `sky0, sky1, …` by the rule of the
+    /// [type documentation](TraceFormat#node-names-of-the-count-series-f3-f5), shared with
+    /// [`TraceFormat::NodeCountCsv`]: at `i = 0` `n0` adds; at each later `i` the step
+    /// `data[i] − data[i−1]` becomes that many adds of new names or removes of the **most
+    /// recently added** live names (LIFO), all at time `i·g·1000` ms. `g` is a positive number of seconds, rounded to whole
     /// milliseconds (at least 1 ms); `data` entries are non-negative JSON integers; other
     /// keys are ignored. Schema errors are [`TraceError::Format`]; JSON syntax errors are
     /// [`TraceError::Parse`] with serde_json's line.
@@ -66,17 +120,19 @@ pub enum TraceFormat {
 
 impl TraceFormat {
     /// All formats.
-    pub const ALL: [TraceFormat; 3] = [
+    pub const ALL: [TraceFormat; 4] = [
         TraceFormat::BambooCsv,
         TraceFormat::JsonLines,
+        TraceFormat::NodeCountCsv,
         TraceFormat::SkyPilot,
     ];
 
-    /// Short name: `csv`, `jsonl`, `skypilot`.
+    /// Short name: `csv`, `jsonl`, `counts`, `skypilot`.
     pub fn as_str(self) -> &'static str {
         match self {
             TraceFormat::BambooCsv => "csv",
             TraceFormat::JsonLines => "jsonl",
+            TraceFormat::NodeCountCsv => "counts",
             TraceFormat::SkyPilot => "skypilot",
         }
     }
@@ -91,33 +147,61 @@ impl fmt::Display for TraceFormat {
 impl FromStr for TraceFormat {
     type Err = ParseEnumError;
 
-    /// `csv` / `bamboo`, `jsonl` / `json-lines`, `skypilot` (ASCII case-insensitive).
+    /// `csv` / `bamboo`, `jsonl` / `json-lines`, `counts` / `node-counts`, `skypilot` (ASCII
+    /// case-insensitive).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.to_ascii_lowercase().as_str() {
             "csv" | "bamboo" | "bamboo-csv" => Ok(TraceFormat::BambooCsv),
             "jsonl" | "json-lines" | "jsonlines" => Ok(TraceFormat::JsonLines),
+            "counts" | "node-counts" | "node-count-csv" => Ok(TraceFormat::NodeCountCsv),
             "skypilot" => Ok(TraceFormat::SkyPilot),
             _ => Err(ParseEnumError::new(
                 "trace format",
                 s,
-                "'csv', 'jsonl' or 'skypilot'",
+                "'csv', 'jsonl', 'counts' or 'skypilot'",
             )),
         }
     }
 }
 
 /// Guesses the format from the content: the first non-whitespace character (after an optional
-/// UTF-8 BOM) `{` means SkyPilot, `[` JSON lines, anything else Bamboo CSV.
+/// UTF-8 BOM) `{` means SkyPilot, `[` JSON lines; otherwise the first non-blank line decides
+/// between the two CSV formats: a node-count CSV when it has exactly two comma-separated
+/// fields and either its first field does not start like a number (a header such as
+/// `time_ms,live_nodes`) or its second does (a row such as `0,18`), else Bamboo CSV.
 ///
-/// Decision: every `{` document is taken as SkyPilot, whether or not it contains `"data"`,
+/// Decisions: every `{` document is taken as SkyPilot, whether or not it contains `"data"`,
 /// so that a broken SkyPilot file gets a SkyPilot error ("missing `data`") instead of a
-/// meaningless CSV field-count error; no other format starts with `{`.
+/// meaningless CSV field-count error; no other format starts with `{`. A two-field first row
+/// whose second field is not a number (`0,add`) stays a Bamboo CSV, whose error (`expected 3
+/// comma-separated fields`) is the helpful one there.
+///
+/// ```
+/// use lazarus_traces::{TraceFormat, detect_format};
+/// assert_eq!(detect_format("time,nodes\r\n0,18\r\n"), TraceFormat::NodeCountCsv);
+/// assert_eq!(detect_format("\n0, 18\n"), TraceFormat::NodeCountCsv);
+/// assert_eq!(detect_format("0,add,n1\n"), TraceFormat::BambooCsv);
+/// assert_eq!(detect_format("0,add\n"), TraceFormat::BambooCsv);
+/// ```
 pub fn detect_format(text: &str) -> TraceFormat {
-    match strip_bom(text).trim_start().chars().next() {
+    let text = strip_bom(text);
+    match text.trim_start().chars().next() {
         Some('{') => TraceFormat::SkyPilot,
         Some('[') => TraceFormat::JsonLines,
-        _ => TraceFormat::BambooCsv,
+        _ => match numbered_lines(text).next() {
+            Some((_, first)) if looks_like_counts_row(first) => TraceFormat::NodeCountCsv,
+            _ => TraceFormat::BambooCsv,
+        },
     }
+}
+
+/// Whether a (trimmed, non-blank) first line reads as the start of a node-count CSV.
+fn looks_like_counts_row(line: &str) -> bool {
+    let mut fields = line.split(',').map(str::trim);
+    let (Some(time), Some(count), None) = (fields.next(), fields.next(), fields.next()) else {
+        return false;
+    };
+    looks_like_header(time) || starts_like_number(count)
 }
 
 /// Parses `text` in the given format into a validated [`Trace`]; see [`TraceFormat`] for the
@@ -136,6 +220,7 @@ pub fn parse(text: &str, format: TraceFormat) -> Result<Trace, TraceError> {
     match format {
         TraceFormat::BambooCsv => parse_csv(text),
         TraceFormat::JsonLines => parse_json_lines(text),
+        TraceFormat::NodeCountCsv => parse_counts_csv(text),
         TraceFormat::SkyPilot => parse_skypilot(text),
     }
 }
@@ -175,11 +260,20 @@ fn parse_err(line: usize, msg: impl Into<String>) -> TraceError {
     }
 }
 
+/// A first field that does not start like a number (the CSV formats' header test).
 fn looks_like_header(first_field: &str) -> bool {
     first_field
         .chars()
         .next()
-        .is_some_and(|c| !(c.is_ascii_digit() || matches!(c, '+' | '-' | '.')))
+        .is_some_and(|c| !starts_number(c))
+}
+
+fn starts_like_number(field: &str) -> bool {
+    field.chars().next().is_some_and(starts_number)
+}
+
+fn starts_number(c: char) -> bool {
+    c.is_ascii_digit() || matches!(c, '+' | '-' | '.')
 }
 
 fn parse_csv(text: &str) -> Result<Trace, TraceError> {
@@ -230,6 +324,114 @@ fn parse_csv_time(s: &str, line: usize) -> Result<u64, TraceError> {
         format!("invalid time '{s}' (expected a non-negative integer number of milliseconds)")
     };
     Err(parse_err(line, msg))
+}
+
+/// A `live_nodes` field: a non-negative integer of at most [`MAX_SYNTH_EVENTS`].
+fn parse_count(s: &str, line: usize) -> Result<u64, TraceError> {
+    let msg = match s.parse::<u64>() {
+        Ok(c) if c <= MAX_SYNTH_EVENTS => return Ok(c),
+        Ok(_) => format!("count '{s}' is out of range (at most {MAX_SYNTH_EVENTS} live nodes)"),
+        Err(_) => {
+            let numeric = s.parse::<f64>().is_ok_and(f64::is_finite);
+            let integer = s
+                .trim_start_matches(['+', '-'])
+                .bytes()
+                .all(|b| b.is_ascii_digit());
+            if numeric && s.starts_with('-') {
+                format!("negative count '{s}' (expected a number of live nodes, >= 0)")
+            } else if numeric && integer {
+                format!("count '{s}' is out of range (at most {MAX_SYNTH_EVENTS} live nodes)")
+            } else if numeric {
+                format!("non-integer count '{s}' (expected a whole number of live nodes)")
+            } else {
+                format!(
+                    "invalid count '{s}' (expected a non-negative integer number of live nodes)"
+                )
+            }
+        }
+    };
+    Err(parse_err(line, msg))
+}
+
+fn parse_counts_csv(text: &str) -> Result<Trace, TraceError> {
+    let mut steps: Vec<CountStep> = Vec::new();
+    for (k, (line, row)) in numbered_lines(text).enumerate() {
+        let fields: Vec<&str> = row.split(',').map(str::trim).collect();
+        if k == 0 && fields.len() == 2 && looks_like_header(fields[0]) {
+            continue;
+        }
+        if fields.len() != 2 {
+            return Err(parse_err(
+                line,
+                format!(
+                    "expected 2 comma-separated fields `time_ms,live_nodes`, found {}",
+                    fields.len()
+                ),
+            ));
+        }
+        let time_ms = parse_csv_time(fields[0], line)?;
+        if let Some(previous) = steps.last()
+            && time_ms < previous.time_ms
+        {
+            return Err(TraceError::Unsorted {
+                line,
+                time_ms,
+                previous_ms: previous.time_ms,
+            });
+        }
+        let count = parse_count(fields[1], line)?;
+        steps.push(CountStep {
+            line,
+            time_ms,
+            count,
+        });
+    }
+    expand_counts(&steps, "n")
+}
+
+/// One entry of a count series: `count` nodes live from `time_ms` on; `line` is what errors
+/// name.
+struct CountStep {
+    line: usize,
+    time_ms: u64,
+    count: u64,
+}
+
+/// The one expansion of a count series (node-count CSV, SkyPilot) into events, by the rule
+/// documented on [`TraceFormat`]: from 0 live nodes, each step adds fresh names
+/// `{prefix}0, {prefix}1, …` (never reused) or removes the most recently added live nodes,
+/// newest first, at the step's time. `steps` must be sorted by time. Rejects an expansion of
+/// more than [`MAX_SYNTH_EVENTS`] events before allocating it.
+fn expand_counts(steps: &[CountStep], prefix: &str) -> Result<Trace, TraceError> {
+    let mut total: u64 = 0;
+    let mut prev = 0u64;
+    for s in steps {
+        total = total.saturating_add(s.count.abs_diff(prev));
+        prev = s.count;
+    }
+    if total > MAX_SYNTH_EVENTS {
+        return Err(TraceError::TooLarge {
+            events: total,
+            limit: MAX_SYNTH_EVENTS,
+        });
+    }
+    let mut events = Vec::with_capacity(total as usize);
+    let mut live: Vec<String> = Vec::new();
+    let mut next = 0u64;
+    for s in steps {
+        let c = s.count as usize; // <= total <= MAX_SYNTH_EVENTS
+        while live.len() < c {
+            let name = format!("{prefix}{next}");
+            next += 1;
+            events.push((s.line, TraceEvent::add(s.time_ms, name.clone())));
+            live.push(name);
+        }
+        while live.len() > c {
+            let name = live.pop().expect("live.len() > c >= 0");
+            events.push((s.line, TraceEvent::remove(s.time_ms, name)));
+        }
+    }
+    Trace::from_lined(events)
 }
 
 fn parse_json_time(v: &Value, line: usize) -> Result<u64, TraceError> {
@@ -341,38 +543,21 @@ fn parse_skypilot(text: &str) -> Result<Trace, TraceError> {
                 .ok_or_else(|| format_err(format!("data[{i}] = {v} is not a non-negative integer")))
         })
         .collect::<Result<Vec<u64>, _>>()?;
-    let mut total: u64 = 0;
-    let mut prev = 0u64;
-    for &c in &counts {
-        total = total.saturating_add(c.abs_diff(prev));
-        prev = c;
-    }
-    if total > MAX_SYNTH_EVENTS {
-        return Err(TraceError::TooLarge {
-            events: total,
-            limit: MAX_SYNTH_EVENTS,
-        });
-    }
-    let mut events = Vec::with_capacity(total as usize);
-    let mut live: Vec<String> = Vec::new();
-    let mut next = 0u64;
-    for (i, &c) in counts.iter().enumerate() {
-        let time_ms = (i as u64)
-            .checked_mul(gap_ms)
-            .ok_or_else(|| format_err(format!("time of data[{i}] overflows u64 milliseconds")))?;
-        let c = c as usize; // <= MAX_SYNTH_EVENTS
-        while live.len() < c {
-            let name = format!("sky{next}");
-            next += 1;
-            events.push(TraceEvent::add(time_ms, name.clone()));
-            live.push(name);
-        }
-        while live.len() > c {
-            let name = live.pop().expect("live.len() > c >= 0");
-            events.push(TraceEvent::remove(time_ms, name));
-        }
-    }
-    Trace::new(events)
+    let steps = counts
+        .iter()
+        .enumerate()
+        .map(|(i, &count)| {
+            let time_ms = (i as u64).checked_mul(gap_ms).ok_or_else(|| {
+                format_err(format!("time of data[{i}] overflows u64 milliseconds"))
+            })?;
+            Ok(CountStep {
+                line: i + 1,
+                time_ms,
+                count,
+            })
+        })
+        .collect::<Result<Vec<_>, TraceError>>()?;
+    expand_counts(&steps, "sky")
 }
 
 #[cfg(test)]
@@ -389,6 +574,23 @@ mod tests {
         );
         assert_eq!(detect_format(" {\"data\": []}"), TraceFormat::SkyPilot);
         assert_eq!(detect_format("{}"), TraceFormat::SkyPilot);
+        for counts in [
+            "0,3\n",
+            "\u{feff}\r\n time_ms , live_nodes \r\n0,3\r\n",
+            "time,nodes\n",
+            "x,y",
+            "5, +2",
+            "-5,-2",
+        ] {
+            assert_eq!(
+                detect_format(counts),
+                TraceFormat::NodeCountCsv,
+                "{counts:?}"
+            );
+        }
+        for bamboo in ["0,add", "0,add,a", "0", "0,3,a\n0,3", ",\n0,3", "\n\n0,,\n"] {
+            assert_eq!(detect_format(bamboo), TraceFormat::BambooCsv, "{bamboo:?}");
+        }
     }
 
     #[test]
@@ -397,6 +599,14 @@ mod tests {
             assert_eq!(f.to_string().parse::<TraceFormat>(), Ok(f));
         }
         assert!("xml".parse::<TraceFormat>().is_err());
+        assert_eq!("Node-Counts".parse(), Ok(TraceFormat::NodeCountCsv));
+        assert!(
+            "xml"
+                .parse::<TraceFormat>()
+                .unwrap_err()
+                .to_string()
+                .contains("'counts'")
+        );
     }
 
     #[test]
@@ -422,5 +632,52 @@ mod tests {
             let e = parse_csv_time(s, 9).unwrap_err().to_string();
             assert!(e.starts_with(&format!("line 9: {want}")), "{s}: {e}");
         }
+    }
+
+    #[test]
+    fn counts() {
+        assert_eq!(parse_count("+7", 1).unwrap(), 7);
+        assert_eq!(parse_count("0", 1).unwrap(), 0);
+        assert_eq!(parse_count("1000000", 1).unwrap(), MAX_SYNTH_EVENTS);
+        for (s, want) in [
+            ("-1", "negative count '-1'"),
+            ("-0", "negative count '-0'"),
+            ("-1.5", "negative count '-1.5'"),
+            ("2.5", "non-integer count '2.5'"),
+            ("3.0", "non-integer count '3.0'"),
+            ("1e3", "non-integer count '1e3'"),
+            (
+                "1000001",
+                "count '1000001' is out of range (at most 1000000 live nodes)",
+            ),
+            (
+                "99999999999999999999",
+                "count '99999999999999999999' is out of range",
+            ),
+            ("abc", "invalid count 'abc'"),
+            ("", "invalid count ''"),
+            ("inf", "invalid count 'inf'"),
+            ("0x10", "invalid count '0x10'"),
+        ] {
+            let e = parse_count(s, 4).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("line 4: {want}")), "{s}: {e}");
+        }
+    }
+
+    /// The SkyPilot and node-count parsers share one expansion: the same series gives the same
+    /// events up to the name prefix.
+    #[test]
+    fn both_count_formats_expand_alike() {
+        let sky = parse(
+            r#"{"metadata": {"gap_seconds": 60}, "data": [3, 1, 1, 2, 0, 4]}"#,
+            TraceFormat::SkyPilot,
+        )
+        .unwrap();
+        let csv = parse(
+            "0,3\n60000,1\n120000,1\n180000,2\n240000,0\n300000,4\n",
+            TraceFormat::NodeCountCsv,
+        )
+        .unwrap();
+        assert_eq!(sky.to_bamboo_csv().replace("sky", "n"), csv.to_bamboo_csv());
     }
 }

@@ -11,6 +11,10 @@ fn jsonl_err(text: &str) -> TraceError {
     parse(text, TraceFormat::JsonLines).unwrap_err()
 }
 
+fn counts_err(text: &str) -> TraceError {
+    parse(text, TraceFormat::NodeCountCsv).unwrap_err()
+}
+
 fn sky_err(text: &str) -> TraceError {
     parse(text, TraceFormat::SkyPilot).unwrap_err()
 }
@@ -295,6 +299,123 @@ fn skypilot_rejections() {
     }
     let e = sky_err("{\n  \"metadata\": {\"gap_seconds\": 60},\n  \"data\": [1, 2,]\n}");
     assert!(matches!(&e, TraceError::Parse { line: 3, .. }), "{e:?}");
+}
+
+/// Every bad row of a node-count CSV (`time_ms,live_nodes`), with its 1-based physical line
+/// (the BOM, the header and blank lines count).
+#[test]
+fn node_count_csv_rejections() {
+    let ok = "\u{feff}time_ms,live_nodes\r\n0,4\r\n\r\n";
+    let cases: &[(&str, &str)] = &[
+        (
+            "-5,3",
+            "negative time (times are milliseconds since the trace start, >= 0)",
+        ),
+        (
+            "1.5,3",
+            "non-integer time '1.5' (expected whole milliseconds)",
+        ),
+        (
+            "1e3,3",
+            "non-integer time '1e3' (expected whole milliseconds)",
+        ),
+        (
+            "x,3",
+            "invalid time 'x' (expected a non-negative integer number of milliseconds)",
+        ),
+        (
+            "99999999999999999999,3",
+            "time '99999999999999999999' is out of range",
+        ),
+        (
+            "60000,-1",
+            "negative count '-1' (expected a number of live nodes, >= 0)",
+        ),
+        (
+            "60000,2.5",
+            "non-integer count '2.5' (expected a whole number of live nodes)",
+        ),
+        (
+            "60000,three",
+            "invalid count 'three' (expected a non-negative integer number of live nodes)",
+        ),
+        (
+            "60000,",
+            "invalid count '' (expected a non-negative integer number of live nodes)",
+        ),
+        (
+            "60000,1000001",
+            "count '1000001' is out of range (at most 1000000 live nodes)",
+        ),
+        (
+            "60000,18446744073709551616",
+            "count '18446744073709551616' is out of range (at most 1000000 live nodes)",
+        ),
+        (
+            "60000",
+            "expected 2 comma-separated fields `time_ms,live_nodes`, found 1",
+        ),
+        (
+            "60000,3,n1",
+            "expected 2 comma-separated fields `time_ms,live_nodes`, found 3",
+        ),
+        (
+            "time_ms,live_nodes",
+            "invalid time 'time_ms' (expected a non-negative integer number of milliseconds)",
+        ),
+    ];
+    for &(row, want) in cases {
+        let e = counts_err(&format!("{ok}{row}\r\n"));
+        assert_eq!(e.to_string(), format!("line 4: {want}"), "{row}");
+    }
+    assert!(matches!(
+        counts_err(&format!("{ok}-5,3\n")),
+        TraceError::NegativeTime { line: 4 }
+    ));
+
+    // Unsorted times, even when the out-of-order row changes nothing.
+    for row in ["50,4", "50,2"] {
+        let e = counts_err(&format!("0,4\n100,4\n{row}\n"));
+        assert!(
+            matches!(
+                e,
+                TraceError::Unsorted {
+                    line: 3,
+                    time_ms: 50,
+                    previous_ms: 100
+                }
+            ),
+            "{row}: {e:?}"
+        );
+    }
+    // Equal times are a batch, not an error.
+    parse("0,4\n100,2\n100,3\n", TraceFormat::NodeCountCsv).unwrap();
+
+    // A header-like first line with the wrong field count is an error, not a header.
+    let e = counts_err("time_ms;live_nodes\n0,4\n");
+    assert!(matches!(&e, TraceError::Parse { line: 1, .. }), "{e:?}");
+
+    // Counts that are each in range but expand into too many events in all.
+    let mut flapping = String::new();
+    for i in 0..3 {
+        flapping += &format!("{},1000000\n{},0\n", 2 * i, 2 * i + 1);
+    }
+    let e = counts_err(&flapping);
+    assert!(
+        matches!(
+            e,
+            TraceError::TooLarge {
+                events: 6_000_000,
+                limit: 1_000_000
+            }
+        ),
+        "{e:?}"
+    );
+
+    // No node is ever live: empty, like an event CSV with only a header.
+    for text in ["time_ms,live_nodes\n", "0,0\n60000,0\n", "\u{feff}\r\n"] {
+        assert!(matches!(counts_err(text), TraceError::Empty), "{text:?}");
+    }
 }
 
 /// The error and its causes, as `anyhow`'s `{:#}` prints them.

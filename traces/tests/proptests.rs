@@ -122,6 +122,54 @@ proptest! {
     }
 
     #[test]
+    fn parsers_never_panic_on_node_count_like_input(
+        s in "\u{feff}?((time_ms,live_nodes|[-+0-9. e]{0,6} ?, ?[-+0-9. ex]{0,5}(,[a-c])?)?\r?\n){0,12}"
+    ) {
+        parse_all(&s);
+        if let Err(e) = parse(&s, TraceFormat::NodeCountCsv) {
+            check_sane_error(&e);
+        }
+    }
+
+    /// Any valid count series parses, expands to exactly its counts (the last row of each time
+    /// stamp), and its event form is the same trace.
+    #[test]
+    fn node_count_series_expand_to_their_counts(
+        rows in prop::collection::vec((0u64..3, 0u64..12), 1..40),
+        header in any::<bool>(),
+        crlf in any::<bool>(),
+    ) {
+        let mut text = String::from(if header { "time_ms,live_nodes\n" } else { "" });
+        let mut t = 0;
+        let mut want: Vec<(u64, usize)> = Vec::new();
+        for &(gap, count) in &rows {
+            t += gap * 1000;
+            text += &format!("{t},{count}{}", if crlf { "\r\n" } else { "\n" });
+            match want.last_mut() {
+                Some(last) if last.0 == t => last.1 = count as usize,
+                _ => want.push((t, count as usize)),
+            }
+        }
+        prop_assert_eq!(detect_format(&text), TraceFormat::NodeCountCsv);
+        match parse(&text, TraceFormat::NodeCountCsv) {
+            Ok(trace) => {
+                check_trace(&trace);
+                for &(time, c) in &want {
+                    prop_assert_eq!(trace.live_at(time), c, "t = {}", time);
+                }
+                prop_assert_eq!(
+                    &parse(&trace.to_bamboo_csv(), TraceFormat::BambooCsv).unwrap(),
+                    &trace
+                );
+            }
+            Err(e) => {
+                prop_assert!(matches!(e, TraceError::Empty), "{e:?}");
+                prop_assert!(rows.iter().all(|&(_, c)| c == 0));
+            }
+        }
+    }
+
+    #[test]
     fn parsers_never_panic_on_json_lines_like_input(
         s in r#"(\[[-0-9.e]{0,4}, ?"(add|remove|no-op|migration|other|DONE|x)"(, ?\{"nodes": ?\[("[a-c]?",? ?){0,3}\]\})?\]?\n){0,10}"#
     ) {

@@ -434,6 +434,92 @@ fn skypilot_fixture() {
     assert_eq!(counts, [2, 2, 3, 1, 1, 0, 2, 2]);
 }
 
+/// The node-count CSV fixture: BOM, a `time_ms,live_nodes` header, CRLF, blank lines, spaces
+/// around fields, a repeated count, and a batch that goes up and down at one time stamp.
+#[test]
+fn node_count_fixture_expands_by_the_count_rule() {
+    let path = Path::new(FIXTURES).join("counts_header_crlf.csv");
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert_eq!(detect_format(&text), TraceFormat::NodeCountCsv);
+    let t = load(&path).unwrap();
+    // Adds take fresh names n0, n1, …; removals take the newest live node first.
+    let events = "\
+0,add,n0\n0,add,n1\n0,add,n2\n60000,remove,n2\n60000,remove,n1\n120000,add,n3\n\
+180000,add,n4\n180000,add,n5\n180000,remove,n5\n240000,remove,n4\n240000,remove,n3\n\
+240000,remove,n0\n300000,add,n6\n";
+    assert_eq!(t.to_bamboo_csv(), events);
+    assert_eq!(
+        t.live_steps(),
+        [
+            (0, 3),
+            (MIN, 1),
+            (2 * MIN, 2),
+            (3 * MIN, 3),
+            (4 * MIN, 0),
+            (5 * MIN, 1)
+        ]
+    );
+}
+
+/// Issue 35 item 1: a count CSV and the event form of the same trace (its `to_bamboo_csv`,
+/// parsed back, auto-detected both ways) are the identical trace.
+#[test]
+fn node_count_csv_and_its_event_form_are_the_same_trace() {
+    let counts =
+        std::fs::read_to_string(Path::new(FIXTURES).join("counts_header_crlf.csv")).unwrap();
+    let from_counts = parse(&counts, detect_format(&counts)).unwrap();
+    let events = from_counts.to_bamboo_csv();
+    assert_eq!(detect_format(&events), TraceFormat::BambooCsv);
+    let from_events = parse(&events, detect_format(&events)).unwrap();
+    assert_eq!(from_counts, from_events);
+    // A first row later than 0: nothing is live before it, like an event trace starting late.
+    let late = parse(
+        "time,nodes\n480000,2\n600000,1\n",
+        TraceFormat::NodeCountCsv,
+    )
+    .unwrap();
+    assert_eq!(
+        late,
+        parse(
+            "480000,add,n0\n480000,add,n1\n600000,remove,n1\n",
+            TraceFormat::BambooCsv
+        )
+        .unwrap()
+    );
+    assert_eq!((late.live_at(0), late.live_at(480_000)), (0, 2));
+}
+
+/// Parcae ships the P3 trace as a count series (`aws/traces/p3.csv`: `time_ms,live nodes
+/// after each event`, one row per event of the Bamboo file); it is auto-detected and replays
+/// the same live counts, adds and removals as the Bamboo original.
+#[test]
+fn parcae_p3_count_series_matches_the_bamboo_p3_trace() {
+    if !present(&["parcae/aws/traces/p3.csv", "bamboo/traces/p3-trace.csv"]) {
+        return;
+    }
+    let text = std::fs::read_to_string(shared("parcae/aws/traces/p3.csv")).unwrap();
+    assert_eq!(detect_format(&text), TraceFormat::NodeCountCsv);
+    let counts = load_shared("parcae/aws/traces/p3.csv");
+    let p3 = load_shared("bamboo/traces/p3-trace.csv");
+    assert_eq!(counts.live_steps(), p3.live_steps());
+    assert_eq!((counts.adds(), counts.removals()), (177, 167));
+    assert_eq!(removal_batch_sizes(&counts), removal_batch_sizes(&p3));
+    assert_eq!(adds_at_zero(&counts), 18);
+    assert_eq!(
+        counts.live_nodes_at(0).last().map(String::as_str),
+        Some("n17")
+    );
+    // Fitted onto 10 nodes (the Lazarus replay): `scale` sees only counts, so both forms give
+    // the same trace; with made-up LIFO names `clamp` and `track` keep the 10 oldest nodes,
+    // which the first 80 minutes never take below 10 (traces/README.md).
+    let (cw, pw) = (counts.window(0, 80 * MIN), p3.window(0, 80 * MIN));
+    assert_eq!(cw.fit(10, FitMode::Scale), pw.fit(10, FitMode::Scale));
+    assert_eq!(cw.fit(10, FitMode::Scale).removals(), 7);
+    for mode in [FitMode::Clamp, FitMode::Track] {
+        assert_eq!(cw.fit(10, mode).removals(), 0, "{mode:?}");
+    }
+}
+
 #[test]
 fn bamboo_fixture_with_header_crlf_blanks_and_spaces() {
     let t = load(&Path::new(FIXTURES).join("bamboo_header_crlf.csv")).unwrap();

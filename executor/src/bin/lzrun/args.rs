@@ -78,9 +78,11 @@ pub struct LocalArgs {
     /// How long a killed controller stays down before `lzrun local` restarts it.
     #[arg(long, value_name = "MS", default_value_t = 1_000)]
     pub controller_down_ms: u64,
-    /// Replay a node-availability trace: Bamboo CSV `time_ms,add|remove,node`, Parcae /
-    /// SpotServe JSON lines or a SkyPilot count series (the formats of `lzsim replay`). Nodes
-    /// live at time 0 (at START with --window) start the job; removals kill, additions join.
+    /// Replay a node-availability trace, format detected from the content: Bamboo CSV
+    /// `time_ms,add|remove,node`, node-count CSV `time_ms,live_nodes` (nodes n0, n1, …, the
+    /// newest removed first), Parcae / SpotServe JSON lines or a SkyPilot count series (the
+    /// formats of `lzsim replay`). Nodes live at time 0 (at START with --window) start the
+    /// job; removals kill, additions join.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["kill", "join"])]
     pub fault_trace: Option<PathBuf>,
     /// Replay only [START, END) of the --fault-trace, rebased to 0: the nodes live at START
