@@ -21,6 +21,12 @@
 //! * `scale/monte_carlo_16384_k8`: trials/s of the chunked sampler on the 58-layer model
 //!   (rayon: all cores).
 
+// Test oracles kept outside the library (see `tests/oracles/`).
+#[path = "../tests/oracles/laer_previous.rs"]
+mod laer_previous;
+#[path = "../tests/oracles/laer_reference.rs"]
+mod laer_reference;
+
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use lazarus_planner::migrate::{
     MappingMethod, SCALABLE_BAND, SCALABLE_WINDOW, assignment_cost, cost_matrix,
@@ -28,9 +34,7 @@ use lazarus_planner::migrate::{
 };
 use lazarus_planner::recovery::{FailureModel, model_plan_closed_form};
 use lazarus_planner::relayout::laer::{LaerParams, laer};
-use lazarus_planner::relayout::{
-    LinkModel, Topology, laer_previous, laer_reference, migration, score,
-};
+use lazarus_planner::relayout::{LinkModel, Topology, migration, score};
 use lazarus_planner::{
     Alignment, AllocPolicy, ClusterSpec, ModelPlan, ModelSpec, PlacePolicy, ReplanOptions,
     allocate, place, plan_model, replan,

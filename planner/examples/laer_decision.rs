@@ -6,11 +6,15 @@
 //! Run: `cargo run --release -p lazarus-planner --example laer_decision -- [REPEATS [prev|ref]]`.
 //! The shared machine's wall clock is noisy: compare the two side by side in one process.
 
+// Test oracles kept outside the library (see `tests/oracles/`).
+#[path = "../tests/oracles/laer_previous.rs"]
+mod laer_previous;
+#[path = "../tests/oracles/laer_reference.rs"]
+mod laer_reference;
+
 use lazarus_planner::PlacePolicy;
 use lazarus_planner::relayout::laer::{LaerOutcome, LaerParams, laer};
-use lazarus_planner::relayout::{
-    LinkModel, Topology, laer_previous, laer_reference, migration, score,
-};
+use lazarus_planner::relayout::{LinkModel, Topology, migration, score};
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 use std::time::Instant;

@@ -57,8 +57,9 @@ pub fn binomial(n: usize, k: usize) -> f64 {
 /// `nodes` nodes, under `failed` uniform failures: the probability that the `R = N − k` alive
 /// nodes hit every block. Computed as `Σ_j ways(j)·C(N − ΣL, R − j) / C(N, R)` where `ways(j)`
 /// counts the ways to pick `j` alive nodes inside the blocks with at least one per block — the
-/// same number as §10's inclusion–exclusion ([`mro_inclusion_exclusion`]) without its `2^G`
-/// terms or its cancellation.
+/// same number as §10's inclusion–exclusion (kept literally as a test oracle,
+/// `planner/tests/oracles/mro_inclusion_exclusion.rs`) without its `2^G` terms or its
+/// cancellation.
 pub fn mro_closed_form(block_sizes: &[usize], nodes: usize, failed: usize) -> f64 {
     let in_blocks: usize = block_sizes.iter().sum();
     assert!(in_blocks <= nodes, "blocks exceed the cluster");
@@ -87,31 +88,6 @@ pub fn mro_closed_form(block_sizes: &[usize], nodes: usize, failed: usize) -> f6
         .map(|(j, &w)| w * binomial(rest, alive - j))
         .sum();
     (hits / binomial(nodes, alive)).clamp(0.0, 1.0)
-}
-
-/// The §10 formula literally: `Σ_{J⊆blocks} (−1)^{|J|} C(N − Σ_{i∈J} L_i, R) / C(N, R)`.
-/// Exponential in the number of blocks (at most 24 here); kept as the reference form.
-pub fn mro_inclusion_exclusion(block_sizes: &[usize], nodes: usize, failed: usize) -> f64 {
-    assert!(block_sizes.len() <= 24, "too many blocks for 2^G terms");
-    let alive = nodes.saturating_sub(failed);
-    let total = binomial(nodes, alive);
-    let g = block_sizes.len();
-    let mut p = 0.0;
-    for subset in 0u32..(1 << g) {
-        let removed: usize = (0..g)
-            .filter(|i| subset >> i & 1 == 1)
-            .map(|i| block_sizes[i])
-            .sum();
-        let sign = if subset.count_ones() % 2 == 0 {
-            1.0
-        } else {
-            -1.0
-        };
-        if removed <= nodes {
-            p += sign * binomial(nodes - removed, alive) / total;
-        }
-    }
-    p
 }
 
 /// A set of nodes as 64-bit words.
@@ -1011,25 +987,6 @@ mod tests {
                 c += 1;
             });
             assert_eq!(c as f64, binomial(n, k), "n={n} k={k}");
-        }
-    }
-
-    #[test]
-    fn closed_form_matches_inclusion_exclusion() {
-        for blocks in [
-            vec![2, 2, 2],
-            vec![1, 3],
-            vec![2, 3],
-            vec![4],
-            vec![1, 1, 1, 1],
-        ] {
-            for n in blocks.iter().sum::<usize>()..12 {
-                for k in 0..=n {
-                    let a = mro_closed_form(&blocks, n, k);
-                    let b = mro_inclusion_exclusion(&blocks, n, k);
-                    assert!((a - b).abs() < 1e-12, "{blocks:?} n={n} k={k}: {a} vs {b}");
-                }
-            }
         }
     }
 

@@ -2,10 +2,14 @@
 //! the group blocks, checked by brute force; paper Figs. 4 and 5) and the optimality
 //! of MRO against brute force over all placements of tiny clusters.
 
+// The §10 formula literally, a test oracle kept outside the library (see `tests/oracles/`).
+#[path = "oracles/mro_inclusion_exclusion.rs"]
+mod mro_inclusion_exclusion;
+use mro_inclusion_exclusion::mro_inclusion_exclusion;
+
 use lazarus_planner::place::{LayerPlacement, PlacePolicy, mro_structure, place};
 use lazarus_planner::recovery::{
     exact, exact_counts, exact_domains, exact_small_k, monte_carlo, mro_closed_form,
-    mro_inclusion_exclusion,
 };
 use lazarus_planner::{AllocPolicy, allocate};
 use proptest::prelude::*;
@@ -41,6 +45,26 @@ fn section10_table_closed_form_and_enumeration() {
         );
         assert!((ie - closed).abs() < 1e-12);
         assert!((enumerated - closed).abs() < 1e-12, "k={k}");
+    }
+}
+
+/// The closed form equals the §10 inclusion–exclusion for small block sets, every `n` and `k`.
+#[test]
+fn closed_form_matches_inclusion_exclusion() {
+    for blocks in [
+        vec![2, 2, 2],
+        vec![1, 3],
+        vec![2, 3],
+        vec![4],
+        vec![1, 1, 1, 1],
+    ] {
+        for n in blocks.iter().sum::<usize>()..12 {
+            for k in 0..=n {
+                let a = mro_closed_form(&blocks, n, k);
+                let b = mro_inclusion_exclusion(&blocks, n, k);
+                assert!((a - b).abs() < 1e-12, "{blocks:?} n={n} k={k}: {a} vs {b}");
+            }
+        }
     }
 }
 

@@ -3,6 +3,12 @@
 //! exact enumeration, and the sparse LAER search vs the reference implementation (same
 //! decisions within 2 % on the SmartMoE gate trace and on Zipf traffic).
 
+// Test oracles kept outside the library (see `tests/oracles/`).
+#[path = "oracles/laer_previous.rs"]
+mod laer_previous;
+#[path = "oracles/laer_reference.rs"]
+mod laer_reference;
+
 use lazarus_planner::migrate::{
     MappingMethod, PhysicalNode, SCALABLE_WINDOW, assignment_cost, banded_assignment,
     class_assignment, cost_matrix, map_nodes, min_cost_assignment, scalable_assignment,
@@ -12,9 +18,7 @@ use lazarus_planner::recovery::{
     FailureModel, exact, interval_recovery, model_plan_closed_form, monte_carlo, recovery_auto,
 };
 use lazarus_planner::relayout::laer::{LaerParams, laer};
-use lazarus_planner::relayout::{
-    LinkModel, Topology, laer_previous, laer_reference, migration, score,
-};
+use lazarus_planner::relayout::{LinkModel, Topology, migration, score};
 use lazarus_planner::transport::min_cost_transport;
 use lazarus_planner::{
     Alignment, AllocPolicy, ClusterSpec, LayerPlacement, ModelSpec, PlacePolicy, place, plan_model,

@@ -155,7 +155,9 @@ struct State<'a> {
 /// terms and each expert's residual are cached per round, and the link weights per affected
 /// node; a device whose load or communication does not change is skipped (its term is exactly
 /// `+0.0`). The arithmetic of every prediction is the previous version's, operation for
-/// operation, so the decisions are identical (`laer_previous.rs`, proptest in `tests/scale.rs`).
+/// operation, so the decisions are identical (the previous version is kept as a test oracle in
+/// `planner/tests/oracles/laer_previous.rs`; proptest `laer_equals_previous_sparse_version` in
+/// `planner/tests/scale.rs`).
 /// A prediction only reads the state (its scratch is a separate [`Scratch`]), so the candidates
 /// of a round can be ranked on several threads with the same results.
 struct Fast {
@@ -761,10 +763,11 @@ impl State<'_> {
             let key = |&(g, b, _): &(f64, u64, Action)| rank_key(g, b);
             key(y).total_cmp(&key(x)).then(y.0.total_cmp(&x.0))
         });
-        // Exact ties are common (symmetric devices). The reference broke them by the rounding
-        // noise of its apply/undo; the sparse predictor is noise-free, and a stable sort would
-        // always favour the hottest expert's candidates (measured: 18 % worse load ratio on
-        // SmartMoE). Break them pseudo-randomly, deterministically.
+        // Exact ties are common (symmetric devices). The reference version (a test oracle now,
+        // `planner/tests/oracles/laer_reference.rs`) broke them by the rounding noise of its
+        // apply/undo; the sparse predictor is noise-free, and a stable sort would always favour
+        // the hottest expert's candidates (measured: 18 % worse load ratio on SmartMoE). Break
+        // them pseudo-randomly, deterministically.
         let mut i = 0;
         while i < ranked.len() {
             let mut j = i + 1;

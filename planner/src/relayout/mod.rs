@@ -34,8 +34,6 @@
 pub mod eplb;
 pub mod flexmoe;
 pub mod laer;
-pub mod laer_previous;
-pub mod laer_reference;
 pub mod policy;
 
 use crate::error::PlanError;
@@ -208,6 +206,17 @@ impl Evaluator {
     /// Total tokens of expert `e` over all devices.
     pub fn expert_tokens(&self, e: usize) -> f64 {
         self.tokens[e]
+    }
+
+    /// Per device, `[tokens computed, egress seconds, ingress seconds]` under the current layout:
+    /// the terms of `T_step` (module docs) before the maxima.
+    pub fn device_totals(&self) -> &[[f64; 3]] {
+        &self.total
+    }
+
+    /// Expert `e`'s part of [`Evaluator::device_totals`], per device.
+    pub fn expert_contributions(&self, e: usize) -> &[[f64; 3]] {
+        &self.contrib[e]
     }
 
     /// Tokens computed on each device.

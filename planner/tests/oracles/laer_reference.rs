@@ -1,7 +1,9 @@
 //! **Reference copy** of the LAER-style re-layout as it was before the frontier-scale work (full
 //! re-evaluation of every candidate by apply/score/undo), kept unchanged as the baseline that
-//! [`super::laer`] is measured against for speed and quality (`benches/scale.rs`,
-//! `tests/scale.rs`). Not for production use.
+//! [`lazarus_planner::relayout::laer`] is measured against for speed and quality
+//! (`benches/scale.rs`, `tests/scale.rs`, `examples/laer_decision.rs`). Test and bench support
+//! only: it lives under `tests/oracles/`, outside the library, and is compiled into those with
+//! `#[path]`. Not for production use.
 //!
 //! The LAER-style incremental re-layout: hot-spot-first local search over replica additions and
 //! swaps, ranked by gain per migrated byte, under slot, `f` and recovery constraints.
@@ -18,10 +20,11 @@
 //!     one loses one;
 //!   * *swap* — a replica of a hot expert on the most loaded device holding it trades places
 //!     with the lightest replica on one of the `M` least-loaded devices (counts unchanged).
-//! * **Ranking**: gain = `C(L) − C(L')` with `C = α·T̃_step + β·T_migrate` ([`super`] module
-//!   docs), where `T̃_step` replaces the step time's two maxima by power means of order 16 so
-//!   that relieving any hot device counts (the bare max has plateaus a local search stalls
-//!   on); actions that move nothing come first, the rest by gain per byte.
+//! * **Ranking**: gain = `C(L) − C(L')` with `C = α·T̃_step + β·T_migrate`
+//!   ([`lazarus_planner::relayout`] module docs), where `T̃_step` replaces the step time's two
+//!   maxima by power means of order 16 so that relieving any hot device counts (the bare max
+//!   has plateaus a local search stalls on); actions that move nothing come first, the rest by
+//!   gain per byte.
 //! * **Application**: greedily in rank order, skipping actions that touch a device, or evict an
 //!   expert, that an earlier action of the round touched; each is re-evaluated on the current state and kept
 //!   only if `C` strictly decreases and every constraint holds, so **`C` never increases**.
@@ -33,12 +36,12 @@
 //!   node failures never drops below `min(recovery_floor, its current value)` — our addition:
 //!   none of LAER, EPLB or FlexMoE considers failures.
 
-use super::{Evaluator, LinkModel, Topology, node_view};
-use crate::error::PlanError;
-use crate::place::LayerPlacement;
-use crate::recovery::{exact_small_k, recovery_from_small_sets};
+use lazarus_planner::error::PlanError;
+use lazarus_planner::place::LayerPlacement;
+use lazarus_planner::recovery::{exact_small_k, recovery_from_small_sets};
+use lazarus_planner::relayout::{Evaluator, LinkModel, Topology, node_view};
 
-use super::laer::{Action, LaerOutcome, LaerParams};
+use lazarus_planner::relayout::laer::{Action, LaerOutcome, LaerParams};
 
 /// The search state: the layout being edited and everything derived from it incrementally.
 struct State<'a> {

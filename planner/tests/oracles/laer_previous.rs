@@ -1,14 +1,17 @@
-//! **Previous copy** of the sparse LAER-style re-layout ([`super::laer`] before its per-device
-//! caches: issue 12's fifth round), kept unchanged as the oracle the current version must equal
-//! decision for decision (proptest `laer_equals_previous_sparse_version` in `tests/scale.rs`)
-//! and as the side-by-side speed baseline (`benches/scale.rs`). Not for production use; see
-//! [`super::laer`] for the algorithm.
+//! **Previous copy** of the sparse LAER-style re-layout
+//! ([`lazarus_planner::relayout::laer`] before its per-device caches: issue 12's fifth round),
+//! kept unchanged as the oracle the current version must equal decision for decision (proptest
+//! `laer_equals_previous_sparse_version` in `tests/scale.rs`) and as the side-by-side speed
+//! baseline (`benches/scale.rs`, `examples/laer_decision.rs`). Test and bench support only: it
+//! lives under `tests/oracles/`, outside the library, and is compiled into the test, the bench
+//! and the example with `#[path]`. Not for production use; see
+//! [`lazarus_planner::relayout::laer`] for the algorithm.
 
-use super::laer::{Action, LaerOutcome, LaerParams};
-use super::{Evaluator, LinkModel, Topology, node_view};
-use crate::error::PlanError;
-use crate::place::LayerPlacement;
-use crate::recovery::{from_small_sets_auto, recovery_auto};
+use lazarus_planner::error::PlanError;
+use lazarus_planner::place::LayerPlacement;
+use lazarus_planner::recovery::{from_small_sets_auto, recovery_auto};
+use lazarus_planner::relayout::laer::{Action, LaerOutcome, LaerParams};
+use lazarus_planner::relayout::{Evaluator, LinkModel, Topology, node_view};
 
 /// The search state: the layout being edited and everything derived from it incrementally.
 struct State<'a> {
@@ -41,7 +44,7 @@ struct State<'a> {
 
 /// Sparse, exact prediction of `C` after a candidate action, without touching the evaluator.
 ///
-/// Why it is sparse: in the step-time model ([`super`] docs) an expert's tokens on a device of a
+/// Why it is sparse: in the step-time model ([`lazarus_planner::relayout`] docs) an expert's tokens on a device of a
 /// node holding none of its replicas all leave the node (`x = 0`): that device's egress for the
 /// expert is `own·b/bw_inter` whatever the layout, and its load and ingress are zero. A change
 /// to expert `e`'s replicas therefore changes `e`'s contribution only on the nodes that hold
@@ -69,7 +72,7 @@ struct Fast {
     epoch: u32,
 }
 
-/// Order of the power means in [`super::Score::smooth_step_time_s`].
+/// Order of the power means in [`Score::smooth_step_time_s`](lazarus_planner::relayout::Score::smooth_step_time_s).
 const POWER: i32 = 16;
 
 /// One touched expert of a candidate: up to two devices whose count changes.
@@ -91,14 +94,14 @@ impl State<'_> {
     fn rebase(&mut self) {
         let f = &mut self.fast;
         let (mut ml, mut mc) = (0.0f64, 0.0f64);
-        for t in &self.ev.total {
+        for t in self.ev.device_totals() {
             ml = ml.max(t[0]);
             mc = mc.max(t[1].max(t[2]));
         }
         f.scale_load = if ml > 0.0 { ml } else { 1.0 };
         f.scale_comm = if mc > 0.0 { mc } else { 1.0 };
         let (mut sl, mut sc) = (0.0, 0.0);
-        for t in &self.ev.total {
+        for t in self.ev.device_totals() {
             sl += (t[0] / f.scale_load).powi(POWER);
             sc += (t[1].max(t[2]) / f.scale_comm).powi(POWER);
         }
@@ -108,7 +111,7 @@ impl State<'_> {
 
     /// Replica count of `e` on `d` after the touch.
     fn count_after(&self, t: &Touch, d: usize) -> f64 {
-        let mut r = self.ev.replicas[t.e][d] as i64;
+        let mut r = self.ev.replicas()[t.e][d] as i64;
         for &(dd, delta) in &t.devs[..t.n_devs] {
             if dd == d {
                 r += delta as i64;
@@ -128,7 +131,7 @@ impl State<'_> {
             r += self.count_after(t, h as usize);
         }
         for &(d, _) in &t.devs[..t.n_devs] {
-            if self.ev.replicas[e][d] == 0 {
+            if self.ev.replicas()[e][d] == 0 {
                 r += self.count_after(t, d);
             }
         }
@@ -161,7 +164,7 @@ impl State<'_> {
         let tok = self.tokens[e];
         let r: f64 = self.holders[e]
             .iter()
-            .map(|&h| self.ev.replicas[e][h as usize] as f64)
+            .map(|&h| self.ev.replicas()[e][h as usize] as f64)
             .sum();
         if r == 0.0 {
             return 0.0;
@@ -169,7 +172,7 @@ impl State<'_> {
         self.holders[e]
             .iter()
             .map(|&h| {
-                let cap = tok * self.ev.replicas[e][h as usize] as f64 / r;
+                let cap = tok * self.ev.replicas()[e][h as usize] as f64 / r;
                 cap - self.fast.own[e][h as usize].min(cap)
             })
             .sum()
@@ -283,14 +286,14 @@ impl State<'_> {
                     continue;
                 }
                 self.fast.dev_stamp[d] = ep;
-                let old = self.ev.total[d];
+                let old = self.ev.device_totals()[d];
                 let mut new = old;
                 for (i, t) in touches.iter().enumerate() {
                     if !nodes[i].contains(&n) {
                         continue;
                     }
                     let c = self.contrib_after(i, t, &afters[i], d);
-                    let o = self.ev.contrib[t.e][d];
+                    let o = self.ev.expert_contributions(t.e)[d];
                     for k in 0..3 {
                         new[k] += c[k] - o[k];
                     }
@@ -389,9 +392,9 @@ impl State<'_> {
     fn change(&mut self, d: usize, e: u32, delta: i32) {
         let ei = e as usize;
         self.book_change(d, e, delta);
-        let before = self.ev.replicas[ei][d];
+        let before = self.ev.replicas()[ei][d];
         self.ev.adjust(ei, d, delta);
-        let after = self.ev.replicas[ei][d];
+        let after = self.ev.replicas()[ei][d];
         // Kept sorted, so that predictions sum in a fixed order.
         if before == 0 && after > 0 {
             let h = &mut self.holders[ei];
@@ -655,7 +658,7 @@ pub fn laer(
     st.tokens = (0..experts).map(|e| st.ev.expert_tokens(e)).collect();
     st.holders = st
         .ev
-        .replicas
+        .replicas()
         .iter()
         .map(|r| (0..r.len() as u32).filter(|&d| r[d as usize] > 0).collect())
         .collect();
