@@ -908,10 +908,13 @@ impl Prediction {
 mod tests {
     use super::*;
 
+    /// The recorded `lzrun` runs and the profile calibrated with them: the fixtures of the
+    /// workspace's cross-crate tests (`tests/fixtures/`, package `lazarus-tests`).
+    const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures");
+
     /// The recorded `run-kill-join` fixture (4 nodes of the tiny model, batch 8, 4 experts).
     fn fixture() -> RunDir {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/run-kill-join");
-        RunDir::load(&dir).unwrap()
+        RunDir::load(&Path::new(FIXTURES).join("run-kill-join")).unwrap()
     }
 
     /// `ranks` ranks of one GPU each, expert `e` on rank `e mod ranks`, uniform loads.
@@ -936,11 +939,8 @@ mod tests {
 
     /// One core per rank: only the busiest rank's share counts.
     fn dedicated_hw() -> HardwareProfile {
-        let mut hw = cost::hardware(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/lzrun-local-hardware.toml"
-        ))
-        .unwrap();
+        let profile = Path::new(FIXTURES).join("lzrun-local-hardware.toml");
+        let mut hw = cost::hardware(profile.to_str().unwrap()).unwrap();
         hw.host_cores = None;
         hw
     }
