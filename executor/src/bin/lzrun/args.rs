@@ -1,6 +1,5 @@
 //! The options of each subcommand (clap derive structs) and their value parsers.
 
-use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -29,28 +28,13 @@ pub enum MigrationArg {
     Blocking,
 }
 
+/// `--format`. How lines are written ([`Format::say`]) belongs to `report`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Format {
     /// Log lines and a loss table.
     Text,
     /// Only the summary object on stdout (logs go to stderr).
     Json,
-}
-
-impl Format {
-    /// A log line: stdout for text, stderr for json (stdout then carries only the summary).
-    /// Never panics: a failed stdout write is remembered ([`crate::report::stdout_failure`])
-    /// and stops the job; a failed stderr write leaves no one to tell.
-    pub fn say(self, line: &str) {
-        match self {
-            Format::Text => {
-                let _ = crate::report::print_line(line);
-            }
-            Format::Json => {
-                let _ = writeln!(std::io::stderr(), "{line}");
-            }
-        }
-    }
 }
 
 #[derive(Debug, Args)]

@@ -61,6 +61,22 @@ pub fn stdout_failure() -> Option<StdoutError> {
     STDOUT_FAILED.get().cloned()
 }
 
+impl Format {
+    /// A log line: stdout for text, stderr for json (stdout then carries only the summary).
+    /// Never panics: a failed stdout write is remembered ([`stdout_failure`]) and stops the
+    /// job; a failed stderr write leaves no one to tell.
+    pub fn say(self, line: &str) {
+        match self {
+            Format::Text => {
+                let _ = print_line(line);
+            }
+            Format::Json => {
+                let _ = writeln!(io::stderr(), "{line}");
+            }
+        }
+    }
+}
+
 /// What a step's MFU is computed from (`--peak-tflops`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MfuBasis {
