@@ -784,3 +784,64 @@ fn a_trace_of_200000_nodes_at_time_0_replays_in_bounded_time() {
     let _ = std::fs::remove_dir_all(&dir);
     assert!(v.to_string().contains("lazarus"), "{v}");
 }
+
+/// Issue 35 item 6, the walk over every flag of `lzsim replay` and `lzsim relayout`: flags that
+/// were taken and had no effect in the command they were given to are refused, one line,
+/// exit 2 — `--map` without `--max-nodes` (nothing is fitted), `--overwrite` without `--out`,
+/// `--sample-every` without a run directory, the synthetic-load flags with a loads or routing
+/// trace, the laer parameters without laer among the policies.
+#[test]
+fn flags_that_would_have_no_effect_are_refused() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["replay", "--map", "track"], "--max-nodes"),
+        (&["replay", "--overwrite"], "--out"),
+        (&["replay", "--sample-every", "1s"], "give --out DIR too"),
+        (&["sweep", "--sample-every", "1s"], "a sweep writes none"),
+        (
+            &["replay", "--loads-trace", "x.csv", "--zipf", "1.1"],
+            "--loads-trace",
+        ),
+        (
+            &["replay", "--loads-trace", "x.csv", "--drift-every", "9"],
+            "--loads-trace",
+        ),
+        (
+            &["relayout", "--routing", "x.csv", "--steps", "100"],
+            "--routing",
+        ),
+        (
+            &["relayout", "--routing", "x.csv", "--seed", "3"],
+            "--routing",
+        ),
+        (
+            &["relayout", "--routing", "x.csv", "--zipf", "1.1"],
+            "--routing",
+        ),
+        (&["relayout", "--overwrite"], "--out"),
+        (
+            &["relayout", "--policy", "static,lazarus", "--floor", "0.5"],
+            "--floor is a parameter of the laer policy, and --policy static,lazarus has no laer",
+        ),
+        (
+            &["relayout", "--policy", "eplb", "--min-gain", "0.1"],
+            "--min-gain is a parameter of the laer policy",
+        ),
+        (
+            &["relayout", "--policy", "eplb", "--long-window", "9"],
+            "--long-window",
+        ),
+    ];
+    for (args, needle) in cases {
+        let out = lzsim(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err:?} lacks {needle:?}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+    // With what they act on, they are taken.
+    let v = stdout_json(&[
+        "relayout", "--policy", "laer", "--floor", "0.5", "--steps", "300", "--format", "json",
+    ]);
+    assert_eq!(v[0]["policy"], "laer", "{v}");
+}
