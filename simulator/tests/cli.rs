@@ -845,3 +845,72 @@ fn flags_that_would_have_no_effect_are_refused() {
     ]);
     assert_eq!(v[0]["policy"], "laer", "{v}");
 }
+
+/// Issue 35 item 6: `lzsim reconfig` listed the replay's `--system`, `--ckpt-every`,
+/// `--scale-out-wait`, `--boot` and `--sample-every` and ignored them (it costs one Lazarus
+/// reconfiguration); cluster-shape mode ignored `--loads-trace`, `--drift-every`,
+/// `--rebalance-every` and `--step`. Each is now one line, exit 2, and `--help` lists none of
+/// the replay-only ones.
+#[test]
+fn reconfig_refuses_the_flags_it_does_not_use() {
+    let help = lzsim(&["reconfig", "--help"]);
+    let help = String::from_utf8_lossy(&help.stdout);
+    for flag in [
+        "--system",
+        "--ckpt-every",
+        "--scale-out-wait",
+        "--boot",
+        "--sample-every",
+    ] {
+        assert!(!help.contains(flag), "{flag} in reconfig --help:\n{help}");
+        let out = lzsim(&["reconfig", flag, "1"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag}: {err}");
+        assert_eq!(err.lines().count(), 1, "{flag}: {err}");
+        assert!(
+            err.contains(&format!("unexpected argument '{flag}'")),
+            "{err}"
+        );
+        assert!(err.contains("lzsim reconfig --help"), "{err}");
+        assert!(out.stdout.is_empty(), "{flag}");
+    }
+    for flag in [
+        "--loads-trace",
+        "--drift-every",
+        "--rebalance-every",
+        "--step",
+    ] {
+        let out = lzsim(&[
+            "reconfig", "--nodes", "16", "--fail", "1", "--slots", "4", flag, "7",
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag}: {err}");
+        assert_eq!(err.lines().count(), 1, "{flag}: {err}");
+        assert!(err.contains(flag) && err.contains("--slots"), "{err}");
+    }
+    // What reconfig does use still works, in both modes.
+    let v = stdout_json(&[
+        "reconfig", "--model", "gpt-s", "--f", "2", "--format", "json",
+    ]);
+    assert_eq!(v["nodes"], 10);
+    let out = lzsim(&[
+        "reconfig",
+        "--nodes",
+        "16",
+        "--fail",
+        "1",
+        "--slots",
+        "4",
+        "--experts",
+        "16",
+        "--layers",
+        "2",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!text.contains("at step"), "{text}");
+}
