@@ -914,3 +914,43 @@ fn reconfig_refuses_the_flags_it_does_not_use() {
     );
     assert!(!text.contains("at step"), "{text}");
 }
+
+/// Issue 35 item 6: `lzsim relayout`'s `static` policy, which never changes its layout,
+/// reported a re-layout for every decision (311 on the SmartMoE trace, 0 bytes moved).
+/// `relayouts` counts the decisions that changed the layout; `decisions` counts them all.
+#[test]
+fn relayout_counts_only_decisions_that_change_the_layout() {
+    let v = stdout_json(&[
+        "relayout",
+        "--policy",
+        "static,lazarus",
+        "--steps",
+        "2000",
+        "--format",
+        "json",
+    ]);
+    let get = |p: &str, k: &str| {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["policy"] == p)
+            .unwrap_or_else(|| panic!("no {p}: {v}"))[k]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{p} lacks {k}: {v}"))
+    };
+    assert!(get("static", "decisions") > 0, "{v}");
+    assert_eq!(get("static", "relayouts"), 0, "{v}");
+    assert_eq!(get("static", "migrated_bytes"), 0, "{v}");
+    assert_eq!(
+        get("lazarus", "decisions"),
+        get("static", "decisions"),
+        "{v}"
+    );
+    let lazarus = get("lazarus", "relayouts");
+    assert!(lazarus > 0 && lazarus <= get("lazarus", "decisions"), "{v}");
+    let out = lzsim(&["relayout", "--policy", "static", "--steps", "2000"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let row = text.lines().find(|l| l.starts_with("static")).unwrap();
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(cols[6], "0", "relayouts column of {row:?}");
+}
