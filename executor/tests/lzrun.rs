@@ -2297,6 +2297,29 @@ fn recovering_from_a_missing_or_damaged_state_exits_2_naming_it() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Issue 35 item 6: `--kill 5@3` on 2 nodes named "indices 0..2" (neither how the flag counts
+/// nor the valid range); `--join 4` was taken as `--join @4` while `--kill 2` was refused.
+#[test]
+fn fault_flags_are_refused_in_the_terms_they_count_in() {
+    let o = lzrun(&["local", "--nodes", "2", "--kill", "5@3"]);
+    assert_error(&o, "--kill 5@3: there is no node n5 by step 3");
+    assert_error(&o, "the nodes launched by then are n0..n1");
+    assert!(!o.stderr.contains("indices"), "{}", o.show());
+    // The node a --join starts is the next name: n2 here.
+    let o = lzrun(&[
+        "local", "--nodes", "2", "--steps", "3", "--join", "@0", "--kill", "2@1",
+    ]);
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    for (flag, value) in [("--join", "4"), ("--kill-controller", "4")] {
+        let o = lzrun(&["local", flag, value]);
+        assert_error(
+            &o,
+            &format!("invalid {flag} '4': missing '@' (expected @STEP"),
+        );
+        assert_eq!(o.stderr.lines().count(), 1, "{}", o.show());
+    }
+}
+
 /// Issue 14, item 4 ("slow is not dead"): one node's worker takes 6 s per step (the test hook
 /// `LZRUN_TEST_STEP_DELAY` sleeps before each step while its heartbeat thread goes on), six
 /// times `--timeout-ms` and more than the member timeout (2 × 1 s + 2 s). Before, its peer's

@@ -59,20 +59,23 @@ pub struct LocalArgs {
     /// most nodes the trace is fitted to (default: as many as it has).
     #[arg(long)]
     pub nodes: Option<usize>,
-    /// SIGKILL node NODE (0-based launch index; joined nodes get the next indices) with its
-    /// worker once every worker completed step STEP. Repeatable; several at one step fail
-    /// together.
+    /// SIGKILL node nNODE (its agent and worker) once every worker completed step STEP. NODE
+    /// is the number in the node's name, as the log names it: --nodes N starts n0 to n<N-1>,
+    /// and each --join starts the next (nN, nN+1, …); a name is never reused. Steps count from
+    /// 0 (see --steps): `--kill 2@5` kills n2 after step 5, the sixth update. Repeatable;
+    /// several at one step fail together.
     #[arg(long, value_name = "NODE@STEP", value_parser = parse_kill)]
     pub kill: Vec<(usize, u64)>,
-    /// Start a new node once every worker completed step STEP; it joins at the next step
-    /// boundary and receives its experts. Repeatable.
+    /// Start a new node once every worker completed step STEP (the `@` is required); it joins
+    /// at the next step boundary and receives its experts. It is named after the nodes
+    /// launched before it: the first --join on --nodes 4 starts n4. Repeatable.
     #[arg(long, value_name = "@STEP", value_parser = parse_join)]
     pub join: Vec<u64>,
-    /// Kill the controller once every worker completed step STEP, as SIGKILL would (its
-    /// connections drop, nothing more is saved), and start a new one from the saved job state
-    /// (--state-dir) --controller-down-ms later. Workers train on meanwhile; agents reconnect
-    /// and the job goes on without a checkpoint restore. Repeatable. Any controller crash
-    /// (a panic) is restarted the same way.
+    /// Kill the controller once every worker completed step STEP (the `@` is required), as
+    /// SIGKILL would (its connections drop, nothing more is saved), and start a new one from
+    /// the saved job state (--state-dir) --controller-down-ms later. Workers train on
+    /// meanwhile; agents reconnect and the job goes on without a checkpoint restore.
+    /// Repeatable. Any controller crash (a panic) is restarted the same way.
     #[arg(long, value_name = "@STEP", value_parser = parse_kill_controller)]
     pub kill_controller: Vec<u64>,
     /// How long a killed controller stays down before `lzrun local` restarts it.
