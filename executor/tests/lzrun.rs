@@ -2424,6 +2424,19 @@ fn a_usage_error_names_the_missing_arguments() {
         .env_remove("LZRUN_TOKEN"));
     assert_error(&o, "not provided: --token <TOKEN>");
     assert_error(&o, "lzrun agent --help");
+    // Issue 35 item 6: the token can come from the environment; the message says so.
+    assert_error(&o, "(or the LZRUN_TOKEN environment variable)");
+    let o = run(Command::new(LZRUN)
+        .args(["controller", "--nodes", "2"])
+        .env_remove("LZRUN_TOKEN"));
+    assert_error(
+        &o,
+        "not provided: --token <TOKEN> (or the LZRUN_TOKEN environment variable)",
+    );
+    // An invalid value: one line, without clap's pointer to a `--help` the hint names better.
+    let o = run(Command::new(LZRUN).args(["local", "--kill", "2"]));
+    assert_error(&o, "missing '@'");
+    assert!(!o.stderr.contains("For more information"), "{}", o.show());
     let o = run(Command::new(LZRUN).args(["worker", "--world", "2"]));
     assert_error(&o, "--rank <RANK>");
     assert_error(&o, "--peers <PEERS>");

@@ -131,7 +131,8 @@ fn one_line(rendered: &str) -> String {
         .lines()
         .take_while(|l| !l.starts_with("Usage:"))
         .map(str::trim)
-        .filter(|l| !l.is_empty());
+        // An invalid value has no usage after it, only the hint `help_hint` gives better.
+        .filter(|l| !l.is_empty() && !l.starts_with("For more information"));
     let first = lines.next().unwrap_or("");
     let first = first.strip_prefix("error:").unwrap_or(first).trim();
     let details: Vec<&str> = lines.collect();
@@ -140,6 +141,15 @@ fn one_line(rendered: &str) -> String {
         (false, true) => format!("{first} {}", details.join(", ")),
         (false, false) => format!("{first}; {}", details.join("; ")),
     }
+}
+
+/// A missing `--token` also names the environment variable that gives it: clap asked for the
+/// flag alone.
+fn name_token_env(msg: &str) -> String {
+    msg.replace(
+        "--token <TOKEN>",
+        "--token <TOKEN> (or the LZRUN_TOKEN environment variable)",
+    )
 }
 
 /// `lzrun SUBCOMMAND --help` when the command line names one, else `lzrun --help`.
@@ -175,8 +185,11 @@ fn main() -> ExitCode {
                     let _ = e.print();
                     ExitCode::from(2)
                 }
-                _ => {
-                    let msg = one_line(&e.to_string());
+                kind => {
+                    let mut msg = one_line(&e.to_string());
+                    if kind == ErrorKind::MissingRequiredArgument {
+                        msg = name_token_env(&msg);
+                    }
                     let _ = writeln!(std::io::stderr(), "error: {msg} (see `{}`)", help_hint());
                     ExitCode::from(2)
                 }
