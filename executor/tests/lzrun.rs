@@ -2214,12 +2214,13 @@ fn a_sigkilled_controller_is_replaced_by_recover_and_the_run_completes_in_place(
         done.trim()
     );
     assert_eq!(assert_consistent(&out, &MoeConfig::tiny()).len(), 2);
-    // The finished job cannot be taken back again.
+    // The finished job cannot be taken back again, and the message says it finished.
     let again = run(Command::new(LZRUN)
         .args(["controller", "--recover"])
         .arg(&state)
         .env("LZRUN_TOKEN", "fail-over"));
-    assert_error(&again, "already over");
+    assert_error(&again, "finished: it trained all its steps");
+    assert_error(&again, "there is nothing to recover");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -2294,6 +2295,63 @@ fn recovering_from_a_missing_or_damaged_state_exits_2_naming_it() {
     assert_error(&recover(), "checksum");
     std::fs::write(&file, b"lzrun-controller-state 99 2 0\n{}").unwrap();
     assert_error(&recover(), "format version 99");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 35 item 6: `--recover` of a job that ended said its state file "is damaged". A
+/// finished job, or a failed one, has nothing to recover, and the message says which, and what
+/// to do instead.
+#[test]
+fn recovering_a_job_that_ended_says_how_it_ended_not_that_its_state_is_damaged() {
+    let dir = scratch("ended-state");
+    let recover = |state: &Path| {
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        run(Command::new(LZRUN)
+            .args(["controller", "--recover"])
+            .arg(state)
+            .env("LZRUN_TOKEN", "t"))
+    };
+    let finished = dir.join("finished");
+    let f = finished.to_str().unwrap();
+    let o = lzrun(&[
+        "local",
+        "--steps",
+        "2",
+        "--state-dir",
+        f,
+        "--format",
+        "json",
+    ]);
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    let o = recover(&finished);
+    assert_error(&o, "finished: it trained all its steps");
+    assert_error(&o, "there is nothing to recover");
+    assert!(!o.stderr.contains("damaged"), "{}", o.show());
+    assert_eq!(o.stderr.lines().count(), 1, "{}", o.show());
+
+    let failed = dir.join("failed");
+    let f = failed.to_str().unwrap();
+    let o = lzrun(&[
+        "local",
+        "--nodes",
+        "4",
+        "--steps",
+        "8",
+        "--kill",
+        "0@3",
+        "--kill",
+        "1@3",
+        "--ckpt-every",
+        "0",
+        "--state-dir",
+        f,
+    ]);
+    assert_eq!(o.code, Some(2), "{}", o.show());
+    let o = recover(&failed);
+    assert_error(&o, "failed (");
+    assert_error(&o, "lost every replica");
+    assert_error(&o, "there is nothing to recover");
+    assert!(!o.stderr.contains("damaged"), "{}", o.show());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -1029,6 +1029,10 @@ pub struct JobMachine {
     /// or a restored checkpoint's); the cursor of step `s` is `cursor + (s - step) · B`.
     #[serde(default)]
     data_origin: (u64, u64),
+    /// How the job ended ([`Action::Finished`]): `None` while it runs, and in a state saved
+    /// before this was recorded.
+    #[serde(default)]
+    outcome: Option<Result<(), String>>,
 }
 
 impl JobMachine {
@@ -1074,6 +1078,7 @@ impl JobMachine {
             final_checkpoint_failed: false,
             stopped: BTreeMap::new(),
             data_origin: (0, 0),
+            outcome: None,
         })
     }
 
@@ -1134,6 +1139,11 @@ impl JobMachine {
     }
     pub fn is_over(&self) -> bool {
         self.phase == Phase::Over
+    }
+    /// How the job ended: `Ok` finished, `Err` failed (why); `None` while it runs, or for a
+    /// job that ended before its outcome was recorded in the saved state.
+    pub fn outcome(&self) -> Option<&Result<(), String>> {
+        self.outcome.as_ref()
     }
     /// Whether a driver restart is still being reconciled (some node of the saved state has
     /// neither come back nor been lost).
@@ -2412,6 +2422,7 @@ impl JobMachine {
                 if self.nodes.values().all(|n| n.done.is_some()) {
                     self.phase = Phase::Over;
                     let result = self.check_final_state(out);
+                    self.outcome = Some(result.clone());
                     out.push(Action::Finished(result));
                 }
             }
@@ -3151,6 +3162,7 @@ impl JobMachine {
         for &id in self.nodes.keys() {
             out.push(Action::Stop { node: id });
         }
+        self.outcome = Some(Err(why.clone()));
         out.push(Action::Finished(Err(why)));
     }
 

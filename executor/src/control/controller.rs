@@ -357,7 +357,10 @@ impl Controller {
             .validate()
             .map_err(|e| damaged(format!("its job configuration is invalid: {e}")))?;
         if saved.machine.is_over() {
-            return Err(damaged("its job is already over".into()));
+            return Err(StateError::Over {
+                dir: dir.to_path_buf(),
+                outcome: saved.machine.outcome().cloned(),
+            });
         }
         // Every agent of the job would be refused with "wrong cluster token", exit and stop its
         // worker: refuse here, before anything listens. A state saved before fingerprints
