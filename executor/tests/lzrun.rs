@@ -641,6 +641,11 @@ fn bad_input_exits_2_with_a_clear_error() {
         "invalid fit mode 'squash' (expected 'clamp', 'track' or 'scale')",
     );
     assert_error(&lzrun(&["local", "--map", "clamp"]), "--fault-trace");
+    // Issue 35 item 6: without --nodes nothing is fitted, and --map did nothing.
+    assert_error(
+        &lzrun(&["local", "--fault-trace", t, "--map", "clamp"]),
+        "not provided: --nodes <NODES>",
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -2352,6 +2357,17 @@ fn recovering_a_job_that_ended_says_how_it_ended_not_that_its_state_is_damaged()
     assert_error(&o, "lost every replica");
     assert_error(&o, "there is nothing to recover");
     assert!(!o.stderr.contains("damaged"), "{}", o.show());
+    // The job's options come from its state: one given with --recover had no effect.
+    let o = run(Command::new(LZRUN)
+        .args(["controller", "--steps", "50", "--recover"])
+        .arg(&finished)
+        .env("LZRUN_TOKEN", "t"));
+    assert_error(&o, "--steps cannot be given with --recover");
+    let o = run(Command::new(LZRUN)
+        .args(["controller", "--format", "json", "--recover"])
+        .arg(&finished)
+        .env("LZRUN_TOKEN", "t"));
+    assert_error(&o, "there is nothing to recover");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

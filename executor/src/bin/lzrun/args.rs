@@ -94,8 +94,10 @@ pub struct LocalArgs {
     /// How a --fault-trace with more nodes than --nodes is fitted onto them: clamp (the live
     /// count clamped to --nodes, spare nodes promoted at once), track (the first --nodes nodes
     /// are the cluster; a removed one is replaced by the next node added later) or scale (the
-    /// live count scaled). The mappings, parser and default of `lzsim replay --map`.
-    #[arg(long, value_name = "clamp|track|scale", requires = "fault_trace",
+    /// live count scaled). The mappings, parser and default of `lzsim replay --map`. Needs
+    /// --nodes: without it the trace is replayed on as many nodes as it has, and nothing is
+    /// fitted.
+    #[arg(long, value_name = "clamp|track|scale", requires = "fault_trace", requires = "nodes",
           default_value_t = FitMode::DEFAULT, value_parser = FitMode::parse_flag)]
     pub map: FitMode,
     /// Trace seconds one training step stands for: an event at trace time t fires after step
@@ -133,14 +135,13 @@ pub struct ControllerArgs {
     #[arg(long)]
     pub listen: Option<SocketAddr>,
     /// Take back the job whose state a controller started with `--state-dir DIR` saved, after
-    /// that controller died (kill -9, a crash, its machine). The job's options come from DIR
-    /// (the job options given here are ignored, except --format, --metrics-out, --out and
-    /// --peak-tflops); the
-    /// token must be the job's. Agents reconnect on their own within their
-    /// --reconnect-grace-ms; workers that trained on meanwhile keep their state, and training
-    /// resumes in place when every node comes back (see the README, "Controller fail-over").
-    /// The controller goes on saving into DIR. Exit 2 with a clear message when DIR holds no
-    /// state, a damaged one, or a finished job.
+    /// that controller died (kill -9, a crash, its machine). The job's options come from DIR:
+    /// besides it, only --listen, --token, --format, --metrics-out, --out and --peak-tflops may
+    /// be given (any other is refused: it would have no effect). The token must be the job's.
+    /// Agents reconnect on their own within their --reconnect-grace-ms; workers that trained
+    /// on meanwhile keep their state, and training resumes in place when every node comes back
+    /// (see the README, "Controller fail-over"). The controller goes on saving into DIR. Exit
+    /// 2 with a clear message when DIR holds no state, a damaged one, or a job that ended.
     #[arg(long, value_name = "DIR", conflicts_with = "state_dir")]
     pub recover: Option<PathBuf>,
     /// Workers to wait for before the first plan: one per agent, or G per agent started with
