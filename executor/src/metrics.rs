@@ -678,7 +678,8 @@ pub fn routing_csv(records: &[StepRecord]) -> String {
 /// `samples.csv`: every sequence every member trained, one row each. Header
 /// `record,step,member,rank,position,source,sequence`: `record` is the 0-based row of
 /// `steps.csv` (a step counted again after a rollback to a checkpoint has a later block: the
-/// final history is each step's last block), `member` the node id, `position` the place in the
+/// final history is each step's last block), `member` the node's name (`n3`), `rank` its rank
+/// in the plan of the step, `position` the place in the
 /// global sample order, `source` the dataset of the blend (0 without a blend) and `sequence`
 /// the training sequence of that dataset (`lazarus_executor::dataset::TrainData`). In one
 /// epoch of a dataset each sequence is trained once.
@@ -691,7 +692,7 @@ pub fn samples_csv(records: &[StepRecord]) -> String {
                     s,
                     "{i},{},{},{},{},{source},{seq}",
                     r.step,
-                    m.node,
+                    m.name,
                     m.rank,
                     m.first_position + k as u64
                 );

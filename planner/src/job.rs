@@ -141,6 +141,7 @@ pub use sharded::RankShardTransfer;
 pub mod relayout;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
@@ -426,6 +427,9 @@ pub struct StepData {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemberSamples {
     pub node: NodeId,
+    /// The node's name (what `samples.csv` calls the member).
+    #[serde(default)]
+    pub name: String,
     pub rank: usize,
     /// The position of `sequences[0]` in the global order.
     pub first_position: u64,
@@ -1033,6 +1037,10 @@ pub struct JobMachine {
     /// before this was recorded.
     #[serde(default)]
     outcome: Option<Result<(), String>>,
+    /// The name of every node that registered, lost ones too: messages name nodes by their
+    /// names (`n3`), never by the ids the driver numbers them with as they register.
+    #[serde(default)]
+    names: BTreeMap<NodeId, String>,
 }
 
 impl JobMachine {
@@ -1079,6 +1087,7 @@ impl JobMachine {
             stopped: BTreeMap::new(),
             data_origin: (0, 0),
             outcome: None,
+            names: BTreeMap::new(),
         })
     }
 
@@ -1393,12 +1402,11 @@ impl JobMachine {
                 host: host.clone(),
             },
         );
+        self.names.insert(node, name.clone());
         out.push(Action::StartWorker { node });
         match host {
-            Some(h) => out.push(Action::Log(format!(
-                "node {node} ({name}) joined on host {h}"
-            ))),
-            None => out.push(Action::Log(format!("node {node} ({name}) joined"))),
+            Some(h) => out.push(Action::Log(format!("node {name} joined on host {h}"))),
+            None => out.push(Action::Log(format!("node {name} joined"))),
         }
     }
 
@@ -1410,10 +1418,11 @@ impl JobMachine {
             return;
         }
         n.ready = true;
+        let name = n.name.clone();
         if !self.is_member(node) && self.plan.is_some() {
             self.join_waiting_since.get_or_insert(now_ms);
             out.push(Action::Log(format!(
-                "node {node} ready: joins at a step boundary"
+                "node {name} ready: joins at a step boundary"
             )));
         }
     }
@@ -1476,10 +1485,7 @@ impl JobMachine {
             }
             return;
         }
-        out.push(Action::Log(format!(
-            "node {node} ({}) is gone: {why}",
-            n.name
-        )));
+        out.push(Action::Log(format!("node {} is gone: {why}", n.name)));
         // A host fails whole: its other nodes (GPUs) are fenced with it (see "Hosts").
         let mut gone = vec![node];
         if let Some(host) = &n.host {
@@ -1493,7 +1499,7 @@ impl JobMachine {
                 let Some(s) = self.nodes.remove(&sibling) else {
                     continue;
                 };
-                let reason = format!("its host {host} failed with node {node} ({})", n.name);
+                let reason = format!("its host {host} failed with node {}", n.name);
                 if let Some(r) = self.recovery.as_mut() {
                     r.awaiting.remove(&sibling);
                     r.lost.push((s.name.clone(), reason.clone()));
@@ -1504,7 +1510,7 @@ impl JobMachine {
                     reason: reason.clone(),
                 });
                 out.push(Action::Log(format!(
-                    "node {sibling} ({}) is gone: fenced: {reason}",
+                    "node {} is gone: fenced: {reason}",
                     s.name
                 )));
                 gone.push(sibling);
@@ -1717,7 +1723,7 @@ impl JobMachine {
                 format!("{:.1} s (the member timeout)", deadline_ms as f64 / 1e3)
             };
             out.push(Action::Log(format!(
-                "node {id} ({name}) is slow, not gone: {what} for {:.1} s, but its worker \
+                "node {name} is slow, not gone: {what} for {:.1} s, but its worker \
                  heartbeats; waiting up to {up_to}",
                 waited_ms as f64 / 1e3,
             )));
@@ -1946,6 +1952,7 @@ impl JobMachine {
             }
             out.push(MemberSamples {
                 node,
+                name: name.to_owned(),
                 rank,
                 first_position: b.positions(cursor, want.start).start,
                 sequences: d.sequences.clone(),
@@ -2268,8 +2275,9 @@ impl JobMachine {
         let held = match held {
             Holdings::Planned { version } if Some(version) != current => {
                 out.push(Action::Log(format!(
-                    "node {node} reports the holdings of plan v{version}, but the plan is {}: \
+                    "node {} reports the holdings of plan v{version}, but the plan is {}: \
                      counted as holding nothing",
+                    n.name,
                     current.map_or("none".to_owned(), |v| format!("v{v}"))
                 )));
                 Holdings::Lists(Vec::new())
@@ -2280,8 +2288,10 @@ impl JobMachine {
         self.progress_ms = now_ms;
         match why {
             IdleReason::Failed(error) => {
+                let name = &self.nodes[&node].name;
+                let error = self.name_ranks(&error);
                 out.push(Action::Log(format!(
-                    "node {node}: step {step} failed: {error}"
+                    "node {name}: step {step} failed: {error}"
                 )));
                 self.interrupt(now_ms, out);
             }
@@ -3065,13 +3075,15 @@ impl JobMachine {
         for n in self.nodes.values_mut() {
             n.idle = None;
         }
+        let names: Vec<String> = self.members.iter().map(|&m| self.name_of(m)).collect();
         out.push(Action::Log(format!(
-            "epoch {}: plan v{} ({}) over {} nodes {:?}, {} transfers, resume at step {resume_step}",
+            "epoch {}: plan v{} ({}) over {} nodes [{}] (rank order), {} transfers, resume at \
+             step {resume_step}",
             self.epoch,
             plan.version,
             kind.name(),
             self.members.len(),
-            self.members,
+            names.join(", "),
             // Replica transfers and FSEP shard copies alike (what the record counts).
             transfers.len() + shard_transfers.len()
         )));
@@ -3201,6 +3213,47 @@ impl JobMachine {
     }
 
     /// The name of node `id`, live or stopped.
+    /// The name node `id` registered with, live or lost (its id where none is known: a
+    /// state saved before names were kept). What messages call a node.
+    pub fn name_of(&self, id: NodeId) -> String {
+        match self.names.get(&id) {
+            Some(name) => name.clone(),
+            None => match self.node_name(id) {
+                "" => format!("id {id}"),
+                name => name.to_owned(),
+            },
+        }
+    }
+
+    /// `error` (a worker's) with the node name after each `rank R` of the plan in force, so
+    /// that `rank 2 closed the connection` reads `rank 2 (n2) closed the connection`.
+    fn name_ranks(&self, error: &str) -> String {
+        let Some(plan) = &self.plan else {
+            return error.to_owned();
+        };
+        let mut out = String::with_capacity(error.len() + 16);
+        let mut rest = error;
+        while let Some(at) = rest.find("rank ") {
+            let (before, after) = rest.split_at(at + "rank ".len());
+            out.push_str(before);
+            let digits = after.len() - after.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+            let (number, tail) = after.split_at(digits);
+            out.push_str(number);
+            let id = number
+                .parse::<usize>()
+                .ok()
+                .and_then(|r| plan.node_map.get(r));
+            if let Some(&id) = id
+                && !tail.starts_with(" (")
+            {
+                let _ = write!(out, " ({})", self.name_of(id));
+            }
+            rest = tail;
+        }
+        out.push_str(rest);
+        out
+    }
+
     fn node_name(&self, id: NodeId) -> &str {
         match self.nodes.get(&id) {
             Some(n) => &n.name,
@@ -3255,7 +3308,10 @@ impl JobMachine {
         let experts = self.cfg.model.experts;
         for m in &self.members {
             if !self.nodes.contains_key(m) {
-                return Err(format!("member {m} is not a live node"));
+                return Err(format!(
+                    "member {m} ({}) is not a live node",
+                    self.name_of(*m)
+                ));
             }
         }
         let training = matches!(self.phase, Phase::Training);
@@ -3322,7 +3378,7 @@ fn diverged_copies<'a>(
     sums: impl Iterator<Item = (NodeId, &'a StateChecksums)>,
     name: impl Fn(NodeId) -> &'a str,
 ) -> Vec<String> {
-    let node = |id: NodeId| format!("node {id} ({})", name(id));
+    let node = |id: NodeId| format!("node {}", name(id));
     let mut problems = Vec::new();
     let mut dense: Option<(NodeId, u64)> = None;
     let mut replicas: BTreeMap<(u32, u32), (NodeId, u64)> = BTreeMap::new();
