@@ -295,8 +295,13 @@ pub enum FaultError {
     },
     /// A kill or join at or after the last step.
     #[error(
-        "{what}: fires after step {step}, at or after the last step of a {steps}-step run \
-         (a fault must fire after a step < steps-1, leaving at least one step to train after it)"
+        "{what}: fires after step {step}, but a {steps}-step run trains steps 0 to {} (counted \
+         from 0) and a fault must leave a step to train after it: {}",
+        steps.saturating_sub(1),
+        match steps {
+            0 | 1 => "such a short run has room for no fault".to_owned(),
+            n => format!("the latest is after step {}", n - 2),
+        }
     )]
     TooLate {
         /// The fault, as on the command line (`--kill 2@9`, `--join @9`).
@@ -987,7 +992,14 @@ mod tests {
             "{err}"
         );
         assert!(err.to_string().contains("--kill 1@9"), "{err}");
-        assert!(err.to_string().contains("10-step run"), "{err}");
+        assert!(
+            err.to_string().contains("10-step run trains steps 0 to 9"),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("the latest is after step 8"),
+            "{err}"
+        );
         assert!(schedule_from_flags(3, &[(1, 8)], &[], 10).is_ok());
         let err = schedule_from_flags(3, &[], &[12], 10).unwrap_err();
         assert!(err.to_string().contains("--join @12"), "{err}");

@@ -1353,7 +1353,7 @@ impl JobMachine {
             Event::CheckpointCommitted { step } => {
                 self.last_committed = Some(self.last_committed.map_or(step, |s| s.max(step)));
                 self.failed_checkpoints.clear();
-                out.push(Action::Log(format!("checkpoint of step {step} committed")));
+                out.push(Action::Log(format!("{} committed", checkpoint_label(step))));
             }
             Event::CheckpointFailed { step, error } => self.checkpoint_failed(step, &error, out),
             Event::CheckpointFound { step, data_cursor } => {
@@ -2358,19 +2358,19 @@ impl JobMachine {
         let failures = self.failed_checkpoints.len() as u64;
         let max = self.cfg.max_checkpoint_failures;
         if max > 0 && failures >= max {
-            out.push(Action::Log(format!(
-                "checkpoint of step {step} failed: {error}"
-            )));
+            let label = checkpoint_label(step);
+            out.push(Action::Log(format!("{label} failed: {error}")));
             return self.fail(
                 format!(
-                    "{failures} checkpoints in a row failed (the limit), the last of step \
-                     {step}: {error}"
+                    "{failures} checkpoints in a row failed (the limit), the last the {label}: \
+                     {error}"
                 ),
                 out,
             );
         }
         out.push(Action::Log(format!(
-            "checkpoint of step {step} failed (training goes on; {failures} in a row): {error}"
+            "{} failed (training goes on; {failures} in a row): {error}",
+            checkpoint_label(step)
         )));
     }
 
@@ -2465,19 +2465,20 @@ impl JobMachine {
             self.final_checkpoint_failures += 1;
             let newest = self
                 .last_committed
-                .map_or("none".to_owned(), |s| format!("step {s}"));
+                .map_or("none".to_owned(), checkpoint_label);
+            let last = total.saturating_sub(1);
             if self.final_checkpoint_failures >= FINAL_CHECKPOINT_TRIES {
                 return self.fail(
                     format!(
-                        "the checkpoint of the last step ({total}) failed {} times, so the \
-                         final state is not saved (the newest committed checkpoint: {newest})",
+                        "the checkpoint after the last step ({last}) failed {} times, so the \
+                         final state is not saved (the newest committed: the {newest})",
                         self.final_checkpoint_failures
                     ),
                     out,
                 );
             }
             out.push(Action::Log(format!(
-                "the checkpoint of the last step ({total}) was not committed (try {} of \
+                "the checkpoint after the last step ({last}) was not committed (try {} of \
                  {FINAL_CHECKPOINT_TRIES}): the members write it again",
                 self.final_checkpoint_failures
             )));
@@ -3141,7 +3142,8 @@ impl JobMachine {
             return self.plan_next(now_ms, out);
         }
         out.push(Action::Log(format!(
-            "restoring the checkpoint of step {step}"
+            "restoring the {}: training resumes at step {step}",
+            checkpoint_label(step)
         )));
         // The lineage goes on from this checkpoint: a newer one (damaged, or of an abandoned
         // history) does not hold its final state.
@@ -3151,8 +3153,9 @@ impl JobMachine {
             let cursor = data_cursor.unwrap_or_else(|| {
                 let assumed = step.saturating_mul(b.sequences);
                 out.push(Action::Log(format!(
-                    "the checkpoint of step {step} holds no data cursor (written without a \
-                     global batch): assuming step × {} = {assumed}",
+                    "the {} holds no data cursor (written without a global batch): assuming \
+                     {step} steps × {} = {assumed}",
+                    checkpoint_label(step),
                     b.sequences
                 )));
                 assumed
@@ -3191,13 +3194,15 @@ impl JobMachine {
         if self.cfg.checkpoint_every_steps > 0 && self.last_committed.is_some_and(|c| c >= total) {
             out.push(Action::Log(format!(
                 "{missing} in the members' final checksums (lost while stopping); the committed \
-                 checkpoint of step {total} holds the final state"
+                 checkpoint after the last step ({}) holds the final state",
+                total.saturating_sub(1)
             )));
             return Ok(());
         }
         Err(format!(
             "the final state is incomplete: {missing} in the final checksums of the members \
-             that stopped, and no checkpoint of the last step ({total}) was committed"
+             that stopped, and no checkpoint after the last step ({}) was committed",
+            total.saturating_sub(1)
         ))
     }
 
@@ -3368,6 +3373,17 @@ fn add_counts(sum: &mut Vec<Vec<u64>>, counts: &[Vec<u64>]) {
         for (a, &b) in s.iter_mut().zip(c) {
             *a = a.saturating_add(b);
         }
+    }
+}
+
+/// What messages call the checkpoint a restore resumes at step `step` from (its directory is
+/// `step-<step>`): the checkpoint after step `step - 1`, or of the initial state for 0. Steps
+/// are counted from 0, as in `--kill NODE@STEP` and the step records: "the checkpoint after
+/// step 4" holds the state that step 4's update left.
+pub fn checkpoint_label(step: u64) -> String {
+    match step.checked_sub(1) {
+        Some(last) => format!("checkpoint after step {last}"),
+        None => "checkpoint of the initial state".to_owned(),
     }
 }
 

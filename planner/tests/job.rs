@@ -1957,7 +1957,7 @@ fn a_failed_last_step_checkpoint_is_tried_again_then_fails_the_job() {
                 .expect("the job ends")
                 .expect_err("not a success");
             assert!(
-                err.contains("checkpoint of the last step (6) failed 3 times"),
+                err.contains("checkpoint after the last step (5) failed 3 times"),
                 "{err}"
             );
         }
@@ -2010,9 +2010,9 @@ fn a_member_lost_while_stopping_is_excused_by_the_committed_last_checkpoint() {
     });
     assert_eq!(finished(&a), Some(Ok(())));
     assert!(
-        logs(&a)
-            .iter()
-            .any(|l| l.contains("the committed checkpoint of step 4 holds the final state")),
+        logs(&a).iter().any(|l| {
+            l.contains("the committed checkpoint after the last step (3) holds the final state")
+        }),
         "{a:?}"
     );
 }

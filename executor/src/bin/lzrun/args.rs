@@ -260,7 +260,8 @@ fn parse_comm(s: &str) -> Result<CommKind, String> {
 /// What to train and for how long (shared by jobs and stand-alone workers).
 #[derive(Debug, Args)]
 pub struct ModelArgs {
-    /// Training steps.
+    /// Training steps (optimizer updates). They are counted from 0 in every output and flag:
+    /// `--steps 20` trains steps 0 to 19.
     #[arg(long, default_value_t = 20)]
     pub steps: u64,
     /// Model configuration: tiny (fast on CPU), gpt-s, gpt-m, gpt-l (the paper's, for GPUs), or
@@ -313,8 +314,10 @@ pub struct JobArgs {
     /// naming the holder. It must be writable.
     #[arg(long, value_name = "DIR")]
     pub ckpt_dir: Option<PathBuf>,
-    /// Checkpoint after every K completed steps (0: never; then a failure that loses every
-    /// replica of an expert ends the job).
+    /// Checkpoint after every K completed steps: after steps K-1, 2K-1, … (counted from 0),
+    /// and after the last step (0: never; then a failure that loses every replica of an expert
+    /// ends the job). The checkpoint after step S is the directory `step-<S+1>` of --ckpt-dir:
+    /// named after the step a restore resumes at.
     #[arg(long, value_name = "K", default_value_t = 5)]
     pub ckpt_every: u64,
     /// Checkpoints to keep (only checkpoints that verify count; a damaged one never costs a
