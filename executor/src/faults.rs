@@ -224,7 +224,7 @@ pub enum FaultError {
         /// What is wrong with it.
         reason: String,
     },
-    /// A `--kill-controller` argument that is not `@STEP` or `STEP`.
+    /// A `--kill-controller` argument that is not `@STEP`.
     #[error("invalid --kill-controller '{input}': {reason} (expected @STEP, e.g. @5)")]
     BadKillController {
         /// The argument as given.
@@ -232,7 +232,7 @@ pub enum FaultError {
         /// What is wrong with it.
         reason: String,
     },
-    /// A `--join` argument that is not `@STEP` or `STEP`.
+    /// A `--join` argument that is not `@STEP`.
     #[error("invalid --join '{input}': {reason} (expected @STEP, e.g. @5)")]
     BadJoin {
         /// The argument as given.
@@ -265,8 +265,10 @@ pub enum FaultError {
     },
     /// A kill of a node index that does not exist when the kill fires.
     #[error(
-        "--kill {node}@{step}: node {node} does not exist after step {step} \
-         (only {existing} node(s) by then: indices 0..{existing})"
+        "--kill {node}@{step}: there is no node n{node} by step {step}: the nodes launched by \
+         then are {} (--kill NODE@STEP names node nNODE: --nodes N starts n0 to n<N-1>, each \
+         --join the next); kill one of them, or add a --join at or before step {step}",
+        name_range(*existing)
     )]
     NoSuchNode {
         /// The index.
@@ -277,7 +279,7 @@ pub enum FaultError {
         existing: usize,
     },
     /// The same node index is killed twice.
-    #[error("node {node} is killed twice (after step {first} and again after step {second})")]
+    #[error("node n{node} is killed twice (after step {first} and again after step {second})")]
     KilledTwice {
         /// The index.
         node: usize,
@@ -296,8 +298,13 @@ pub enum FaultError {
     },
     /// A kill or join at or after the last step.
     #[error(
-        "{what}: fires after step {step}, at or after the last step of a {steps}-step run \
-         (a fault must fire after a step < steps-1, leaving at least one step to train after it)"
+        "{what}: fires after step {step}, but a {steps}-step run trains steps 0 to {} (counted \
+         from 0) and a fault must leave a step to train after it: {}",
+        steps.saturating_sub(1),
+        match steps {
+            0 | 1 => "such a short run has room for no fault".to_owned(),
+            n => format!("the latest is after step {}", n - 2),
+        }
     )]
     TooLate {
         /// The fault, as on the command line (`--kill 2@9`, `--join @9`).
@@ -310,6 +317,15 @@ pub enum FaultError {
     /// The chaos parameters admit no schedule.
     #[error("cannot build a random fault schedule: {0}")]
     Chaos(String),
+}
+
+/// The launch names of nodes `0..count`: `n0`, `n0..n1`, `n0..n4`.
+fn name_range(count: usize) -> String {
+    match count {
+        0 => "none".to_owned(),
+        1 => "n0".to_owned(),
+        n => format!("n0..n{}", n - 1),
+    }
 }
 
 /// The end of a window `[first, end)` that takes in an event at `last_ms`: the next whole
@@ -337,25 +353,30 @@ pub fn parse_kill(s: &str) -> Result<(usize, u64), FaultError> {
     Ok((node, step))
 }
 
-/// Parses a `--join` argument `@STEP` (e.g. `@5`: a node joins after step 5); a bare `STEP` is
-/// accepted too.
-pub fn parse_join(s: &str) -> Result<u64, FaultError> {
+/// The step of an `@STEP` argument; `reason` says what is wrong with one that is not.
+fn parse_at_step(s: &str) -> Result<u64, String> {
     let t = s.trim();
-    let step = t.strip_prefix('@').unwrap_or(t).trim();
-    step.parse().map_err(|e| FaultError::BadJoin {
+    // A bare number was taken as a step here while `--kill 2` was refused: both need the `@`.
+    let step = t.strip_prefix('@').ok_or("missing '@'")?.trim();
+    step.parse()
+        .map_err(|e| format!("step '{step}' is not a step number: {e}"))
+}
+
+/// Parses a `--join` argument `@STEP` (e.g. `@5`: a node joins after step 5). Spaces around
+/// the parts are ignored; the `@` is required, as in `--kill NODE@STEP`.
+pub fn parse_join(s: &str) -> Result<u64, FaultError> {
+    parse_at_step(s).map_err(|reason| FaultError::BadJoin {
         input: s.to_string(),
-        reason: format!("step '{step}' is not a step number: {e}"),
+        reason,
     })
 }
 
 /// Parses a `--kill-controller` argument `@STEP` (e.g. `@5`: kill the controller after step 5);
-/// a bare `STEP` is accepted too.
+/// the `@` is required.
 pub fn parse_kill_controller(s: &str) -> Result<u64, FaultError> {
-    let t = s.trim();
-    let step = t.strip_prefix('@').unwrap_or(t).trim();
-    step.parse().map_err(|e| FaultError::BadKillController {
+    parse_at_step(s).map_err(|reason| FaultError::BadKillController {
         input: s.to_string(),
-        reason: format!("step '{step}' is not a step number: {e}"),
+        reason,
     })
 }
 
@@ -866,7 +887,7 @@ mod tests {
         assert_eq!(parse_kill("2@5").unwrap(), (2, 5));
         assert_eq!(parse_kill(" 0 @ 17 ").unwrap(), (0, 17));
         assert_eq!(parse_join("@5").unwrap(), 5);
-        assert_eq!(parse_join("7").unwrap(), 7);
+        assert_eq!(parse_join(" @ 7 ").unwrap(), 7);
         for bad in ["25", "x@5", "2@", "@5", "-1@5", "2@-3", "2@5@6", ""] {
             let err = parse_kill(bad).unwrap_err();
             assert!(matches!(err, FaultError::BadKill { .. }), "{bad:?}");
@@ -874,11 +895,15 @@ mod tests {
             assert!(msg.contains(&format!("'{bad}'")), "{msg}");
             assert!(msg.contains("NODE@STEP"), "{msg}");
         }
-        for bad in ["@", "@x", "2@5", "@-1", ""] {
+        // Issue 35 item 6: a bare step (`--join 4`) was taken while `--kill 2` was refused.
+        for bad in ["@", "@x", "2@5", "@-1", "", "4", " 7 "] {
             let err = parse_join(bad).unwrap_err();
             assert!(matches!(err, FaultError::BadJoin { .. }), "{bad:?}");
             assert!(err.to_string().contains(&format!("'{bad}'")), "{err}");
+            assert!(err.to_string().contains("expected @STEP"), "{err}");
         }
+        let err = parse_join("4").unwrap_err().to_string();
+        assert!(err.contains("missing '@'"), "{err}");
     }
 
     #[test]
@@ -927,7 +952,18 @@ mod tests {
             ),
             "{err}"
         );
-        assert!(err.to_string().contains("node 3"), "{err}");
+        // Issue 35 item 6: the range in the terms --kill counts nodes in (launch names).
+        let msg = err.to_string();
+        assert!(msg.contains("there is no node n3 by step 2"), "{msg}");
+        assert!(
+            msg.contains("the nodes launched by then are n0..n2"),
+            "{msg}"
+        );
+        assert!(!msg.contains("indices"), "{msg}");
+        let one = schedule_from_flags(1, &[(5, 3)], &[], 10)
+            .unwrap_err()
+            .to_string();
+        assert!(one.contains("launched by then are n0 ("), "{one}");
         // ... nor if the join comes later ...
         assert!(matches!(
             schedule_from_flags(3, &[(3, 2)], &[3], 10),
@@ -959,7 +995,14 @@ mod tests {
             "{err}"
         );
         assert!(err.to_string().contains("--kill 1@9"), "{err}");
-        assert!(err.to_string().contains("10-step run"), "{err}");
+        assert!(
+            err.to_string().contains("10-step run trains steps 0 to 9"),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("the latest is after step 8"),
+            "{err}"
+        );
         assert!(schedule_from_flags(3, &[(1, 8)], &[], 10).is_ok());
         let err = schedule_from_flags(3, &[], &[12], 10).unwrap_err();
         assert!(err.to_string().contains("--join @12"), "{err}");
@@ -1125,7 +1168,12 @@ mod tests {
     #[test]
     fn controller_kills_parse_and_come_after_the_node_events_of_their_step() {
         assert_eq!(parse_kill_controller("@5").unwrap(), 5);
-        assert_eq!(parse_kill_controller(" 7 ").unwrap(), 7);
+        assert_eq!(parse_kill_controller(" @7 ").unwrap(), 7);
+        let e = parse_kill_controller("7").unwrap_err().to_string();
+        assert!(
+            e.contains("missing '@'") && e.contains("expected @STEP"),
+            "{e}"
+        );
         let e = parse_kill_controller("@x").unwrap_err().to_string();
         assert!(e.contains("--kill-controller '@x'"), "{e}");
         let mut s = schedule_from_flags(3, &[(1, 4)], &[4], 10).unwrap();

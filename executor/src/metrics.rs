@@ -678,7 +678,8 @@ pub fn routing_csv(records: &[StepRecord]) -> String {
 /// `samples.csv`: every sequence every member trained, one row each. Header
 /// `record,step,member,rank,position,source,sequence`: `record` is the 0-based row of
 /// `steps.csv` (a step counted again after a rollback to a checkpoint has a later block: the
-/// final history is each step's last block), `member` the node id, `position` the place in the
+/// final history is each step's last block), `member` the node's name (`n3`), `rank` its rank
+/// in the plan of the step, `position` the place in the
 /// global sample order, `source` the dataset of the blend (0 without a blend) and `sequence`
 /// the training sequence of that dataset (`lazarus_executor::dataset::TrainData`). In one
 /// epoch of a dataset each sequence is trained once.
@@ -691,7 +692,7 @@ pub fn samples_csv(records: &[StepRecord]) -> String {
                     s,
                     "{i},{},{},{},{},{source},{seq}",
                     r.step,
-                    m.node,
+                    m.name,
                     m.rank,
                     m.first_position + k as u64
                 );
@@ -768,10 +769,13 @@ fn sci6(x: f64) -> String {
 }
 
 /// A Megatron-style progress line for a completed step, e.g.
-/// ` iteration       12/      20 | consumed samples:          384 | elapsed time per iteration (ms): 31.2 | lm loss: 4.123456E+00 | tokens per second: 8192.0 | data wait (ms): 0.25 | MFU: 12.5% | live nodes: 4 | plan version: 3 |`.
+/// ` step       11/      19 | consumed samples:          384 | elapsed time per step (ms): 31.2 | lm loss: 4.123456E+00 | tokens per second: 8192.0 | data wait (ms): 0.25 | MFU: 12.5% | live nodes: 4 | plan version: 3 |`.
 ///
-/// The iteration is 1-based like Megatron's (`step + 1`: the last step of a 20-step run prints
-/// `20/20`); tokens per second are the record's `tokens_per_s`, the data wait its
+/// `step S/L` is step S of steps 0 to L: steps are counted from 0 everywhere (the loss table,
+/// `steps.csv`, `--kill NODE@STEP`, "after step S"), so the last step of a 20-step run prints
+/// `19/19`. Megatron's own line counts iterations from 1; this one used to as well, which made
+/// its "iteration 6" the "step 5" of every other output. Tokens per second are the record's
+/// `tokens_per_s`, the data wait its
 /// `data_wait_ms`. `MFU` is left out when it is unknown (NaN: no peak for the device).
 /// A step that was evaluated (`--eval-data`) adds `eval loss: X | eval ppl: Y |` after the
 /// MFU, in the format of Megatron's validation line (`lm loss value: X | lm loss PPL: Y`).
@@ -779,10 +783,10 @@ pub fn log_line(r: &StepRecord, total_steps: u64, consumed_samples: u64) -> Stri
     let mut s = String::with_capacity(240);
     let _ = write!(
         s,
-        " iteration {:>8}/{:>8} | consumed samples: {:>12} | elapsed time per iteration (ms): {:.1} \
+        " step {:>8}/{:>8} | consumed samples: {:>12} | elapsed time per step (ms): {:.1} \
          | lm loss: {} | tokens per second: {:.1} | data wait (ms): {:.2} |",
-        r.step + 1,
-        total_steps,
+        r.step,
+        total_steps.saturating_sub(1),
         consumed_samples,
         r.step_ms,
         sci6(r.loss),
@@ -1183,8 +1187,8 @@ mod tests {
         };
         assert_eq!(
             log_line(&r, 20, 384),
-            " iteration       12/      20 | consumed samples:          384 | elapsed time per \
-             iteration (ms): 31.2 | lm loss: 4.123456E+00 | tokens per second: 8192.0 | data \
+            " step       11/      19 | consumed samples:          384 | elapsed time per \
+             step (ms): 31.2 | lm loss: 4.123456E+00 | tokens per second: 8192.0 | data \
              wait (ms): 0.25 | MFU: 12.5% | live nodes: 4 | plan version: 3 |"
         );
         // No peak, no MFU: the field is left out, not printed as NaN.
@@ -1194,8 +1198,8 @@ mod tests {
         };
         assert_eq!(
             log_line(&unknown, 20, 384),
-            " iteration       12/      20 | consumed samples:          384 | elapsed time per \
-             iteration (ms): 31.2 | lm loss: 4.123456E+00 | tokens per second: 8192.0 | data \
+            " step       11/      19 | consumed samples:          384 | elapsed time per \
+             step (ms): 31.2 | lm loss: 4.123456E+00 | tokens per second: 8192.0 | data \
              wait (ms): 0.25 | live nodes: 4 | plan version: 3 |"
         );
         assert_eq!(sci6(0.000123), "1.230000E-04");

@@ -131,7 +131,7 @@ fn eval_reports_held_out_loss_at_due_steps_and_leaves_training_unchanged() {
     let lines: Vec<&str> = o
         .stdout
         .lines()
-        .filter(|l| l.starts_with(" iteration"))
+        .filter(|l| l.starts_with(" step "))
         .collect();
     assert_eq!(lines.len(), 6, "{}", o.show());
     for (line, r) in lines.iter().zip(&with) {

@@ -121,8 +121,17 @@ fn train(name: &str, extra: &[&str]) -> Run {
     );
     for row in rdr.records() {
         let row = row.unwrap();
-        let v: Vec<u64> = row.iter().map(|x| x.parse().unwrap()).collect();
-        let (record, step, position, source, sequence) = (v[0], v[1], v[4], v[5], v[6]);
+        // Issue 35 item 6: the member by its name (`n0`), as the log names it.
+        assert!(
+            row[2].starts_with('n'),
+            "member {:?} is not a node name",
+            &row[2]
+        );
+        let v: Vec<u64> = [0, 1, 3, 4, 5, 6]
+            .iter()
+            .map(|&c| row[c].parse().unwrap())
+            .collect();
+        let (record, step, position, source, sequence) = (v[0], v[1], v[3], v[4], v[5]);
         assert_eq!(source, 0, "one dataset");
         let e = by_step.entry(step).or_insert((record, Vec::new()));
         if record > e.0 {

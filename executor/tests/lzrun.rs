@@ -82,7 +82,7 @@ fn local_with_no_arguments_trains_and_the_loss_falls() {
     let o = lzrun(&["local"]);
     assert_eq!(o.code, Some(0), "{}", o.show());
     assert!(
-        o.stdout.contains(" iteration       20/      20 |"),
+        o.stdout.contains(" step       19/      19 |"),
         "{}",
         o.show()
     );
@@ -215,7 +215,7 @@ fn killing_one_host_of_two_gpus_takes_both_ranks_and_recovers_in_place() {
     // Both workers of the host left in the one reconfiguration.
     assert_eq!((rec.nodes_before, rec.nodes_after), (6, 4), "{rec:?}");
     assert!(
-        o.stderr.contains("killed node 1 (n1, ranks 2 and 3)"),
+        o.stderr.contains("killed node n1 (ranks 2 and 3)"),
         "{}",
         o.show()
     );
@@ -641,6 +641,11 @@ fn bad_input_exits_2_with_a_clear_error() {
         "invalid fit mode 'squash' (expected 'clamp', 'track' or 'scale')",
     );
     assert_error(&lzrun(&["local", "--map", "clamp"]), "--fault-trace");
+    // Issue 35 item 6: without --nodes nothing is fitted, and --map did nothing.
+    assert_error(
+        &lzrun(&["local", "--fault-trace", t, "--map", "clamp"]),
+        "not provided: --nodes <NODES>",
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -921,7 +926,7 @@ fn ctrl_c_stops_every_process() {
         "--ckpt-every",
         "2",
     ]));
-    live.wait_for(" iteration        4/");
+    live.wait_for(" step        3/");
     let addr = live.addr.clone();
     assert_eq!(processes_mentioning(&addr).len(), 3, "three agents run");
     // This run's processes: the launcher, three agents and their workers carry its TMPDIR
@@ -994,7 +999,7 @@ fn a_closed_stdout_stops_the_job_quietly() {
             .to_owned();
         assert!(!addr.is_empty(), "no controller address in {first:?}");
         let mut line = String::new();
-        while !line.contains(" iteration ") {
+        while !line.starts_with(" step ") {
             line.clear();
             assert!(reader.read_line(&mut line).unwrap() > 0, "no step line");
         }
@@ -1333,7 +1338,7 @@ fn run_with_a_stopped_process(name: &str, which: Stopped, flag: [&str; 2]) -> (O
         "--out",
         d,
     ]);
-    live.wait_for(" iteration        3/");
+    live.wait_for(" step        2/");
     let (agent, worker) = live.node(name);
     signal(
         if which == Stopped::Agent {
@@ -1354,7 +1359,7 @@ fn a_stopped_worker_is_fenced_and_the_job_finishes_without_it() {
     let (o, dir) = run_with_a_stopped_process("n2", Stopped::Worker, ["--timeout-ms", "1000"]);
     assert_eq!(o.code, Some(0), "{}", o.show());
     assert!(o.stdout.contains("node n2 fenced"), "{}", o.show());
-    assert!(o.stdout.contains(" iteration       60/"), "{}", o.show());
+    assert!(o.stdout.contains(" step       59/"), "{}", o.show());
     assert_eq!(assert_consistent(&dir, &MoeConfig::tiny()).len(), 3);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -1541,10 +1546,11 @@ fn a_checkpoint_that_cannot_be_written_fails_the_checkpoint_not_the_nodes() {
     assert_eq!(s.steps, 8, "{}", o.show());
     assert_eq!((s.recoveries, s.fallbacks), (0, 0), "{}", o.show());
     assert!(!o.stderr.contains("fenced"), "{}", o.show());
-    for step in [2, 4] {
+    // Blocked: the checkpoints a restore would resume at steps 2 and 4 from.
+    for step in [1, 3] {
         assert!(
             o.stderr.contains(&format!(
-                "checkpoint of step {step} failed (training goes on"
+                "checkpoint after step {step} failed (training goes on"
             )),
             "{}",
             o.show()
@@ -1576,7 +1582,7 @@ fn a_checkpoint_that_cannot_be_written_fails_the_checkpoint_not_the_nodes() {
     ]);
     assert_error(
         &o,
-        "2 checkpoints in a row failed (the limit), the last of step 4",
+        "2 checkpoints in a row failed (the limit), the last the checkpoint after step 3",
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -1617,12 +1623,12 @@ fn a_read_only_checkpoint_directory_is_refused_up_front_and_tolerated_mid_run() 
         "--ckpt-dir",
         c,
     ]);
-    live.wait_for(" iteration        3/");
+    live.wait_for(" step        2/");
     mode(0o555);
     let o = live.finish();
     mode(0o755);
     assert_eq!(o.code, Some(0), "{}", o.show());
-    assert!(o.stdout.contains(" iteration       12/"), "{}", o.show());
+    assert!(o.stdout.contains(" step       11/"), "{}", o.show());
     assert!(
         o.stdout.contains("failed (training goes on"),
         "{}",
@@ -1651,7 +1657,7 @@ fn a_second_job_on_a_checkpoint_directory_exits_2_naming_the_first() {
         "--state-dir",
         st,
     ]);
-    first.wait_for(" iteration        1/");
+    first.wait_for(" step        0/");
     let second = run(Command::new(LZRUN).args(["local", "--steps", "2", "--ckpt-dir", c]));
     // Issue 33 item 6.9: a locked state directory was called a "checkpoint directory".
     let other = dir.join("other");
@@ -1713,10 +1719,10 @@ fn a_file_size_limit_fails_the_checkpoints_not_the_nodes() {
     assert_eq!(o.code, Some(2), "{}", o.show());
     assert_error(
         &o,
-        "the checkpoint of the last step (6) failed 3 times, so the final state is not saved",
+        "the checkpoint after the last step (5) failed 3 times, so the final state is not saved",
     );
-    assert!(o.stdout.contains(" iteration        6/"), "{}", o.show());
-    assert!(o.stdout.contains("checkpoint of step"), "{}", o.show());
+    assert!(o.stdout.contains(" step        5/"), "{}", o.show());
+    assert!(o.stdout.contains("checkpoint after step"), "{}", o.show());
     assert!(o.stdout.contains("failed"), "{}", o.show());
     assert!(!o.stdout.contains("fenced"), "{}", o.show());
     let _ = std::fs::remove_dir_all(&dir);
@@ -1737,7 +1743,7 @@ fn entries_starting(dir: &Path, prefix: &str) -> Vec<String> {
 /// like on Ctrl-C: promptly, exit 2 saying so, no agent or worker left.
 fn stop_with(sig: i32, name: &str, args: &[&str], tmp: &Path) -> Outcome {
     let mut live = Live::start_cmd(Command::new(LZRUN).args(args).env("TMPDIR", tmp));
-    live.wait_for(" iteration        4/");
+    live.wait_for(" step        3/");
     let addr = live.addr.clone();
     // This run's processes only: other worktrees may be running lzrun tests meanwhile.
     let agents = processes_mentioning(&addr);
@@ -1800,7 +1806,8 @@ fn sigterm_and_sighup_stop_the_job_like_ctrl_c() {
         c,
     ];
     stop_with(libc::SIGTERM, "SIGTERM", &args, &dir);
-    // Iteration 4 is step 3: every worker reported the checkpoint of step 3 before it.
+    // Every worker reported the checkpoint after step 2 (the one a restore resumes at step 3
+    // from) before step 3's line.
     assert!(assert_latest_checkpoint_is_finite(&ck, &MoeConfig::tiny()) >= 3);
     assert_eq!(entries_starting(&ck, "."), Vec::<String>::new());
     // Without --ckpt-dir the checkpoints live in a temporary directory under TMPDIR.
@@ -1834,7 +1841,7 @@ fn sigterm_stops_a_storm_within_seconds_and_leaves_no_process() {
     ]));
     let first = live.stdout[0].clone();
     assert!(first.contains(", 600 faults scheduled ("), "{first}");
-    live.wait_for(" iteration        6/");
+    live.wait_for(" step        5/");
     let env = format!("TMPDIR={}", tmp.display());
     assert!(!processes_with_env(&env).is_empty());
     let sent = Instant::now();
@@ -2173,7 +2180,7 @@ fn a_sigkilled_controller_is_replaced_by_recover_and_the_run_completes_in_place(
             )
         })
         .collect();
-    first.wait_for(" iteration       12/");
+    first.wait_for(" step       11/");
     signal(i32::try_from(first.child.id()).unwrap(), libc::SIGKILL);
     let killed = Instant::now();
     let (code, before) = first.finish();
@@ -2194,7 +2201,7 @@ fn a_sigkilled_controller_is_replaced_by_recover_and_the_run_completes_in_place(
     let (code, after) = second.finish();
     assert_eq!(code, Some(0), "{after}");
     assert!(after.contains(&format!("listening on {addr}")), "{after}");
-    assert!(after.contains(" iteration       40/"), "{after}");
+    assert!(after.contains(" step       39/"), "{after}");
     assert!(after.contains("done: 40 steps"), "{after}");
     // Issue 33 item 6.9: the loss of step 0, counted by the dead controller, survives (it
     // printed "loss NaN → …").
@@ -2214,12 +2221,13 @@ fn a_sigkilled_controller_is_replaced_by_recover_and_the_run_completes_in_place(
         done.trim()
     );
     assert_eq!(assert_consistent(&out, &MoeConfig::tiny()).len(), 2);
-    // The finished job cannot be taken back again.
+    // The finished job cannot be taken back again, and the message says it finished.
     let again = run(Command::new(LZRUN)
         .args(["controller", "--recover"])
         .arg(&state)
         .env("LZRUN_TOKEN", "fail-over"));
-    assert_error(&again, "already over");
+    assert_error(&again, "finished: it trained all its steps");
+    assert_error(&again, "there is nothing to recover");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -2297,6 +2305,104 @@ fn recovering_from_a_missing_or_damaged_state_exits_2_naming_it() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Issue 35 item 6: `--recover` of a job that ended said its state file "is damaged". A
+/// finished job, or a failed one, has nothing to recover, and the message says which, and what
+/// to do instead.
+#[test]
+fn recovering_a_job_that_ended_says_how_it_ended_not_that_its_state_is_damaged() {
+    let dir = scratch("ended-state");
+    let recover = |state: &Path| {
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        run(Command::new(LZRUN)
+            .args(["controller", "--recover"])
+            .arg(state)
+            .env("LZRUN_TOKEN", "t"))
+    };
+    let finished = dir.join("finished");
+    let f = finished.to_str().unwrap();
+    let o = lzrun(&[
+        "local",
+        "--steps",
+        "2",
+        "--state-dir",
+        f,
+        "--format",
+        "json",
+    ]);
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    let o = recover(&finished);
+    assert_error(&o, "finished: it trained all its steps");
+    assert_error(&o, "there is nothing to recover");
+    assert!(!o.stderr.contains("damaged"), "{}", o.show());
+    assert_eq!(o.stderr.lines().count(), 1, "{}", o.show());
+
+    let failed = dir.join("failed");
+    let f = failed.to_str().unwrap();
+    let o = lzrun(&[
+        "local",
+        "--nodes",
+        "4",
+        "--steps",
+        "8",
+        "--kill",
+        "0@3",
+        "--kill",
+        "1@3",
+        "--ckpt-every",
+        "0",
+        "--state-dir",
+        f,
+    ]);
+    assert_eq!(o.code, Some(2), "{}", o.show());
+    let o = recover(&failed);
+    assert_error(&o, "failed (");
+    assert_error(&o, "lost every replica");
+    assert_error(&o, "there is nothing to recover");
+    assert!(!o.stderr.contains("damaged"), "{}", o.show());
+    // The job's options come from its state: one given with --recover had no effect.
+    let o = run(Command::new(LZRUN)
+        .args(["controller", "--steps", "50", "--recover"])
+        .arg(&finished)
+        .env("LZRUN_TOKEN", "t"));
+    assert_error(&o, "--steps cannot be given with --recover");
+    let o = run(Command::new(LZRUN)
+        .args(["controller", "--format", "json", "--recover"])
+        .arg(&finished)
+        .env("LZRUN_TOKEN", "t"));
+    assert_error(&o, "there is nothing to recover");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 35 item 6: `--kill 5@3` on 2 nodes named "indices 0..2" (neither how the flag counts
+/// nor the valid range); `--join 4` was taken as `--join @4` while `--kill 2` was refused.
+#[test]
+fn fault_flags_are_refused_in_the_terms_they_count_in() {
+    let o = lzrun(&["local", "--nodes", "2", "--kill", "5@3"]);
+    assert_error(&o, "--kill 5@3: there is no node n5 by step 3");
+    assert_error(&o, "the nodes launched by then are n0..n1");
+    assert!(!o.stderr.contains("indices"), "{}", o.show());
+    // The node a --join starts is the next name: n2 here.
+    let o = lzrun(&[
+        "local", "--nodes", "2", "--steps", "3", "--join", "@0", "--kill", "2@1",
+    ]);
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    let log = &o.stdout;
+    assert!(log.contains("started node n2 after step 0"), "{}", o.show());
+    assert!(
+        log.contains("killed node n2 with SIGKILL after step 1"),
+        "{}",
+        o.show()
+    );
+    for (flag, value) in [("--join", "4"), ("--kill-controller", "4")] {
+        let o = lzrun(&["local", flag, value]);
+        assert_error(
+            &o,
+            &format!("invalid {flag} '4': missing '@' (expected @STEP"),
+        );
+        assert_eq!(o.stderr.lines().count(), 1, "{}", o.show());
+    }
+}
+
 /// Issue 14, item 4 ("slow is not dead"): one node's worker takes 6 s per step (the test hook
 /// `LZRUN_TEST_STEP_DELAY` sleeps before each step while its heartbeat thread goes on), six
 /// times `--timeout-ms` and more than the member timeout (2 × 1 s + 2 s). Before, its peer's
@@ -2368,7 +2474,7 @@ fn a_frozen_worker_is_gone_within_the_heartbeat_timeout_and_the_job_recovers() {
         "--out",
         d,
     ]);
-    live.wait_for(" iteration        3/");
+    live.wait_for(" step        2/");
     let (_, worker) = live.node("n1");
     signal(worker, libc::SIGSTOP);
     let stopped = Instant::now();
@@ -2387,7 +2493,7 @@ fn a_frozen_worker_is_gone_within_the_heartbeat_timeout_and_the_job_recovers() {
         "fenced {detect:?} after the SIGSTOP\n{}",
         o.show()
     );
-    assert!(o.stdout.contains(" iteration       40/"), "{}", o.show());
+    assert!(o.stdout.contains(" step       39/"), "{}", o.show());
     assert_eq!(assert_consistent(&dir, &MoeConfig::tiny()).len(), 2);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -2401,6 +2507,19 @@ fn a_usage_error_names_the_missing_arguments() {
         .env_remove("LZRUN_TOKEN"));
     assert_error(&o, "not provided: --token <TOKEN>");
     assert_error(&o, "lzrun agent --help");
+    // Issue 35 item 6: the token can come from the environment; the message says so.
+    assert_error(&o, "(or the LZRUN_TOKEN environment variable)");
+    let o = run(Command::new(LZRUN)
+        .args(["controller", "--nodes", "2"])
+        .env_remove("LZRUN_TOKEN"));
+    assert_error(
+        &o,
+        "not provided: --token <TOKEN> (or the LZRUN_TOKEN environment variable)",
+    );
+    // An invalid value: one line, without clap's pointer to a `--help` the hint names better.
+    let o = run(Command::new(LZRUN).args(["local", "--kill", "2"]));
+    assert_error(&o, "missing '@'");
+    assert!(!o.stderr.contains("For more information"), "{}", o.show());
     let o = run(Command::new(LZRUN).args(["worker", "--world", "2"]));
     assert_error(&o, "--rank <RANK>");
     assert_error(&o, "--peers <PEERS>");
@@ -2447,8 +2566,12 @@ fn a_trace_that_starts_late_is_replayed_with_window() {
     let s = o.summary();
     assert_eq!(s.steps, 10, "{}", o.show());
     // b is removed 120 s into the window (after step 2), c added at 180 s (after step 3).
-    assert!(o.stderr.contains("killed node 1 (b)"), "{}", o.show());
-    assert!(o.stderr.contains("started node 2 (c)"), "{}", o.show());
+    assert!(
+        o.stderr.contains("killed node b with SIGKILL"),
+        "{}",
+        o.show()
+    );
+    assert!(o.stderr.contains("started node c "), "{}", o.show());
     assert_eq!(s.joins, 1, "{s:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -3014,7 +3137,7 @@ fn a_node_lost_as_the_job_finishes_never_leaves_a_successful_job_without_its_sta
             ])
             .env("LZRUN_TEST_STEP_DELAY", "0:400"),
     );
-    live.wait_for(" iteration       37/");
+    live.wait_for(" step       36/");
     let (agent, _) = live.node("n1");
     signal(agent, libc::SIGSTOP);
     let o = live.finish();
@@ -3142,6 +3265,6 @@ fn a_flipped_bit_in_one_copy_is_caught_at_the_step_it_happened() {
             "{}",
             o.show()
         );
-        assert!(!o.stdout.contains(" iteration        8/"), "{}", o.show());
+        assert!(!o.stdout.contains(" step        7/"), "{}", o.show());
     }
 }

@@ -141,6 +141,7 @@ pub use sharded::RankShardTransfer;
 pub mod relayout;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
@@ -426,6 +427,9 @@ pub struct StepData {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemberSamples {
     pub node: NodeId,
+    /// The node's name (what `samples.csv` calls the member).
+    #[serde(default)]
+    pub name: String,
     pub rank: usize,
     /// The position of `sequences[0]` in the global order.
     pub first_position: u64,
@@ -1029,6 +1033,14 @@ pub struct JobMachine {
     /// or a restored checkpoint's); the cursor of step `s` is `cursor + (s - step) · B`.
     #[serde(default)]
     data_origin: (u64, u64),
+    /// How the job ended ([`Action::Finished`]): `None` while it runs, and in a state saved
+    /// before this was recorded.
+    #[serde(default)]
+    outcome: Option<Result<(), String>>,
+    /// The name of every node that registered, lost ones too: messages name nodes by their
+    /// names (`n3`), never by the ids the driver numbers them with as they register.
+    #[serde(default)]
+    names: BTreeMap<NodeId, String>,
 }
 
 impl JobMachine {
@@ -1074,6 +1086,8 @@ impl JobMachine {
             final_checkpoint_failed: false,
             stopped: BTreeMap::new(),
             data_origin: (0, 0),
+            outcome: None,
+            names: BTreeMap::new(),
         })
     }
 
@@ -1134,6 +1148,11 @@ impl JobMachine {
     }
     pub fn is_over(&self) -> bool {
         self.phase == Phase::Over
+    }
+    /// How the job ended: `Ok` finished, `Err` failed (why); `None` while it runs, or for a
+    /// job that ended before its outcome was recorded in the saved state.
+    pub fn outcome(&self) -> Option<&Result<(), String>> {
+        self.outcome.as_ref()
     }
     /// Whether a driver restart is still being reconciled (some node of the saved state has
     /// neither come back nor been lost).
@@ -1334,7 +1353,7 @@ impl JobMachine {
             Event::CheckpointCommitted { step } => {
                 self.last_committed = Some(self.last_committed.map_or(step, |s| s.max(step)));
                 self.failed_checkpoints.clear();
-                out.push(Action::Log(format!("checkpoint of step {step} committed")));
+                out.push(Action::Log(format!("{} committed", checkpoint_label(step))));
             }
             Event::CheckpointFailed { step, error } => self.checkpoint_failed(step, &error, out),
             Event::CheckpointFound { step, data_cursor } => {
@@ -1383,12 +1402,11 @@ impl JobMachine {
                 host: host.clone(),
             },
         );
+        self.names.insert(node, name.clone());
         out.push(Action::StartWorker { node });
         match host {
-            Some(h) => out.push(Action::Log(format!(
-                "node {node} ({name}) joined on host {h}"
-            ))),
-            None => out.push(Action::Log(format!("node {node} ({name}) joined"))),
+            Some(h) => out.push(Action::Log(format!("node {name} joined on host {h}"))),
+            None => out.push(Action::Log(format!("node {name} joined"))),
         }
     }
 
@@ -1400,10 +1418,11 @@ impl JobMachine {
             return;
         }
         n.ready = true;
+        let name = n.name.clone();
         if !self.is_member(node) && self.plan.is_some() {
             self.join_waiting_since.get_or_insert(now_ms);
             out.push(Action::Log(format!(
-                "node {node} ready: joins at a step boundary"
+                "node {name} ready: joins at a step boundary"
             )));
         }
     }
@@ -1466,10 +1485,7 @@ impl JobMachine {
             }
             return;
         }
-        out.push(Action::Log(format!(
-            "node {node} ({}) is gone: {why}",
-            n.name
-        )));
+        out.push(Action::Log(format!("node {} is gone: {why}", n.name)));
         // A host fails whole: its other nodes (GPUs) are fenced with it (see "Hosts").
         let mut gone = vec![node];
         if let Some(host) = &n.host {
@@ -1483,7 +1499,7 @@ impl JobMachine {
                 let Some(s) = self.nodes.remove(&sibling) else {
                     continue;
                 };
-                let reason = format!("its host {host} failed with node {node} ({})", n.name);
+                let reason = format!("its host {host} failed with node {}", n.name);
                 if let Some(r) = self.recovery.as_mut() {
                     r.awaiting.remove(&sibling);
                     r.lost.push((s.name.clone(), reason.clone()));
@@ -1494,7 +1510,7 @@ impl JobMachine {
                     reason: reason.clone(),
                 });
                 out.push(Action::Log(format!(
-                    "node {sibling} ({}) is gone: fenced: {reason}",
+                    "node {} is gone: fenced: {reason}",
                     s.name
                 )));
                 gone.push(sibling);
@@ -1707,7 +1723,7 @@ impl JobMachine {
                 format!("{:.1} s (the member timeout)", deadline_ms as f64 / 1e3)
             };
             out.push(Action::Log(format!(
-                "node {id} ({name}) is slow, not gone: {what} for {:.1} s, but its worker \
+                "node {name} is slow, not gone: {what} for {:.1} s, but its worker \
                  heartbeats; waiting up to {up_to}",
                 waited_ms as f64 / 1e3,
             )));
@@ -1936,6 +1952,7 @@ impl JobMachine {
             }
             out.push(MemberSamples {
                 node,
+                name: name.to_owned(),
                 rank,
                 first_position: b.positions(cursor, want.start).start,
                 sequences: d.sequences.clone(),
@@ -2258,8 +2275,9 @@ impl JobMachine {
         let held = match held {
             Holdings::Planned { version } if Some(version) != current => {
                 out.push(Action::Log(format!(
-                    "node {node} reports the holdings of plan v{version}, but the plan is {}: \
+                    "node {} reports the holdings of plan v{version}, but the plan is {}: \
                      counted as holding nothing",
+                    n.name,
                     current.map_or("none".to_owned(), |v| format!("v{v}"))
                 )));
                 Holdings::Lists(Vec::new())
@@ -2270,8 +2288,10 @@ impl JobMachine {
         self.progress_ms = now_ms;
         match why {
             IdleReason::Failed(error) => {
+                let name = &self.nodes[&node].name;
+                let error = self.name_ranks(&error);
                 out.push(Action::Log(format!(
-                    "node {node}: step {step} failed: {error}"
+                    "node {name}: step {step} failed: {error}"
                 )));
                 self.interrupt(now_ms, out);
             }
@@ -2338,19 +2358,19 @@ impl JobMachine {
         let failures = self.failed_checkpoints.len() as u64;
         let max = self.cfg.max_checkpoint_failures;
         if max > 0 && failures >= max {
-            out.push(Action::Log(format!(
-                "checkpoint of step {step} failed: {error}"
-            )));
+            let label = checkpoint_label(step);
+            out.push(Action::Log(format!("{label} failed: {error}")));
             return self.fail(
                 format!(
-                    "{failures} checkpoints in a row failed (the limit), the last of step \
-                     {step}: {error}"
+                    "{failures} checkpoints in a row failed (the limit), the last the {label}: \
+                     {error}"
                 ),
                 out,
             );
         }
         out.push(Action::Log(format!(
-            "checkpoint of step {step} failed (training goes on; {failures} in a row): {error}"
+            "{} failed (training goes on; {failures} in a row): {error}",
+            checkpoint_label(step)
         )));
     }
 
@@ -2412,6 +2432,7 @@ impl JobMachine {
                 if self.nodes.values().all(|n| n.done.is_some()) {
                     self.phase = Phase::Over;
                     let result = self.check_final_state(out);
+                    self.outcome = Some(result.clone());
                     out.push(Action::Finished(result));
                 }
             }
@@ -2444,19 +2465,20 @@ impl JobMachine {
             self.final_checkpoint_failures += 1;
             let newest = self
                 .last_committed
-                .map_or("none".to_owned(), |s| format!("step {s}"));
+                .map_or("none".to_owned(), checkpoint_label);
+            let last = total.saturating_sub(1);
             if self.final_checkpoint_failures >= FINAL_CHECKPOINT_TRIES {
                 return self.fail(
                     format!(
-                        "the checkpoint of the last step ({total}) failed {} times, so the \
-                         final state is not saved (the newest committed checkpoint: {newest})",
+                        "the checkpoint after the last step ({last}) failed {} times, so the \
+                         final state is not saved (the newest committed: the {newest})",
                         self.final_checkpoint_failures
                     ),
                     out,
                 );
             }
             out.push(Action::Log(format!(
-                "the checkpoint of the last step ({total}) was not committed (try {} of \
+                "the checkpoint after the last step ({last}) was not committed (try {} of \
                  {FINAL_CHECKPOINT_TRIES}): the members write it again",
                 self.final_checkpoint_failures
             )));
@@ -3054,13 +3076,15 @@ impl JobMachine {
         for n in self.nodes.values_mut() {
             n.idle = None;
         }
+        let names: Vec<String> = self.members.iter().map(|&m| self.name_of(m)).collect();
         out.push(Action::Log(format!(
-            "epoch {}: plan v{} ({}) over {} nodes {:?}, {} transfers, resume at step {resume_step}",
+            "epoch {}: plan v{} ({}) over {} nodes [{}] (rank order), {} transfers, resume at \
+             step {resume_step}",
             self.epoch,
             plan.version,
             kind.name(),
             self.members.len(),
-            self.members,
+            names.join(", "),
             // Replica transfers and FSEP shard copies alike (what the record counts).
             transfers.len() + shard_transfers.len()
         )));
@@ -3118,7 +3142,8 @@ impl JobMachine {
             return self.plan_next(now_ms, out);
         }
         out.push(Action::Log(format!(
-            "restoring the checkpoint of step {step}"
+            "restoring the {}: training resumes at step {step}",
+            checkpoint_label(step)
         )));
         // The lineage goes on from this checkpoint: a newer one (damaged, or of an abandoned
         // history) does not hold its final state.
@@ -3128,8 +3153,9 @@ impl JobMachine {
             let cursor = data_cursor.unwrap_or_else(|| {
                 let assumed = step.saturating_mul(b.sequences);
                 out.push(Action::Log(format!(
-                    "the checkpoint of step {step} holds no data cursor (written without a \
-                     global batch): assuming step × {} = {assumed}",
+                    "the {} holds no data cursor (written without a global batch): assuming \
+                     {step} steps × {} = {assumed}",
+                    checkpoint_label(step),
                     b.sequences
                 )));
                 assumed
@@ -3151,6 +3177,7 @@ impl JobMachine {
         for &id in self.nodes.keys() {
             out.push(Action::Stop { node: id });
         }
+        self.outcome = Some(Err(why.clone()));
         out.push(Action::Finished(Err(why)));
     }
 
@@ -3167,13 +3194,15 @@ impl JobMachine {
         if self.cfg.checkpoint_every_steps > 0 && self.last_committed.is_some_and(|c| c >= total) {
             out.push(Action::Log(format!(
                 "{missing} in the members' final checksums (lost while stopping); the committed \
-                 checkpoint of step {total} holds the final state"
+                 checkpoint after the last step ({}) holds the final state",
+                total.saturating_sub(1)
             )));
             return Ok(());
         }
         Err(format!(
             "the final state is incomplete: {missing} in the final checksums of the members \
-             that stopped, and no checkpoint of the last step ({total}) was committed"
+             that stopped, and no checkpoint after the last step ({}) was committed",
+            total.saturating_sub(1)
         ))
     }
 
@@ -3189,6 +3218,47 @@ impl JobMachine {
     }
 
     /// The name of node `id`, live or stopped.
+    /// The name node `id` registered with, live or lost (its id where none is known: a
+    /// state saved before names were kept). What messages call a node.
+    pub fn name_of(&self, id: NodeId) -> String {
+        match self.names.get(&id) {
+            Some(name) => name.clone(),
+            None => match self.node_name(id) {
+                "" => format!("id {id}"),
+                name => name.to_owned(),
+            },
+        }
+    }
+
+    /// `error` (a worker's) with the node name after each `rank R` of the plan in force, so
+    /// that `rank 2 closed the connection` reads `rank 2 (n2) closed the connection`.
+    fn name_ranks(&self, error: &str) -> String {
+        let Some(plan) = &self.plan else {
+            return error.to_owned();
+        };
+        let mut out = String::with_capacity(error.len() + 16);
+        let mut rest = error;
+        while let Some(at) = rest.find("rank ") {
+            let (before, after) = rest.split_at(at + "rank ".len());
+            out.push_str(before);
+            let digits = after.len() - after.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+            let (number, tail) = after.split_at(digits);
+            out.push_str(number);
+            let id = number
+                .parse::<usize>()
+                .ok()
+                .and_then(|r| plan.node_map.get(r));
+            if let Some(&id) = id
+                && !tail.starts_with(" (")
+            {
+                let _ = write!(out, " ({})", self.name_of(id));
+            }
+            rest = tail;
+        }
+        out.push_str(rest);
+        out
+    }
+
     fn node_name(&self, id: NodeId) -> &str {
         match self.nodes.get(&id) {
             Some(n) => &n.name,
@@ -3243,7 +3313,10 @@ impl JobMachine {
         let experts = self.cfg.model.experts;
         for m in &self.members {
             if !self.nodes.contains_key(m) {
-                return Err(format!("member {m} is not a live node"));
+                return Err(format!(
+                    "member {m} ({}) is not a live node",
+                    self.name_of(*m)
+                ));
             }
         }
         let training = matches!(self.phase, Phase::Training);
@@ -3303,6 +3376,17 @@ fn add_counts(sum: &mut Vec<Vec<u64>>, counts: &[Vec<u64>]) {
     }
 }
 
+/// What messages call the checkpoint a restore resumes at step `step` from (its directory is
+/// `step-<step>`): the checkpoint after step `step - 1`, or of the initial state for 0. Steps
+/// are counted from 0, as in `--kill NODE@STEP` and the step records: "the checkpoint after
+/// step 4" holds the state that step 4's update left.
+pub fn checkpoint_label(step: u64) -> String {
+    match step.checked_sub(1) {
+        Some(last) => format!("checkpoint after step {last}"),
+        None => "checkpoint of the initial state".to_owned(),
+    }
+}
+
 /// Where copies of one object disagree among `sums` (node id, its fingerprints): the dense
 /// state (every node holds one), each `(layer, expert)` replica and each shard copy; one line
 /// per object that differs, naming it, the two nodes and (by `name`) their names.
@@ -3310,7 +3394,7 @@ fn diverged_copies<'a>(
     sums: impl Iterator<Item = (NodeId, &'a StateChecksums)>,
     name: impl Fn(NodeId) -> &'a str,
 ) -> Vec<String> {
-    let node = |id: NodeId| format!("node {id} ({})", name(id));
+    let node = |id: NodeId| format!("node {}", name(id));
     let mut problems = Vec::new();
     let mut dense: Option<(NodeId, u64)> = None;
     let mut replicas: BTreeMap<(u32, u32), (NodeId, u64)> = BTreeMap::new();

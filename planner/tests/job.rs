@@ -1424,7 +1424,7 @@ fn a_slow_member_whose_worker_heartbeats_is_waited_for_up_to_the_step_deadline()
     let a = j.alive_until(&[0, 1], 30_000 + 120_000);
     assert!(fences(&a).is_empty(), "within 4 × 30 s: {:?}", fences(&a));
     assert!(
-        logs(&a).iter().any(|l| l.contains("node 0 (n0) is slow")
+        logs(&a).iter().any(|l| l.contains("node n0 is slow")
             && l.contains("120.0 s (from the slowest recent step, 30.0 s)")),
         "{:?}",
         logs(&a)
@@ -1957,7 +1957,7 @@ fn a_failed_last_step_checkpoint_is_tried_again_then_fails_the_job() {
                 .expect("the job ends")
                 .expect_err("not a success");
             assert!(
-                err.contains("checkpoint of the last step (6) failed 3 times"),
+                err.contains("checkpoint after the last step (5) failed 3 times"),
                 "{err}"
             );
         }
@@ -2010,9 +2010,9 @@ fn a_member_lost_while_stopping_is_excused_by_the_committed_last_checkpoint() {
     });
     assert_eq!(finished(&a), Some(Ok(())));
     assert!(
-        logs(&a)
-            .iter()
-            .any(|l| l.contains("the committed checkpoint of step 4 holds the final state")),
+        logs(&a).iter().any(|l| {
+            l.contains("the committed checkpoint after the last step (3) holds the final state")
+        }),
         "{a:?}"
     );
 }
@@ -2111,9 +2111,8 @@ fn replicas_whose_fingerprints_differ_at_a_step_end_the_job_naming_them() {
             let err = finished(&a).expect("the job ends").expect_err("diverged");
             assert!(
                 err.contains("diverged at step 4")
-                    && err.contains(
-                        "expert 1 of layer 0: node 1 (n1)'s replica differs from node 0 (n0)'s"
-                    ),
+                    && err
+                        .contains("expert 1 of layer 0: node n1's replica differs from node n0's"),
                 "{err}"
             );
         }

@@ -55,8 +55,64 @@ enum Command {
     Predict(Box<predict_cmd::PredictArgs>),
 }
 
+/// A clap error as one line (the project's rule for bad input): the first line with the
+/// details clap lists under it (missing arguments, possible values, a similar flag), without
+/// the usage and the `--help` hint that follow, nor the tip to pass an unknown flag as a
+/// value, which misleads for a flag this subcommand does not take.
+fn one_line(rendered: &str) -> String {
+    let mut lines = rendered
+        .lines()
+        .take_while(|l| !l.starts_with("Usage:"))
+        .map(str::trim)
+        .filter(|l| {
+            !l.is_empty() && !l.starts_with("For more information") && !l.contains("as a value")
+        });
+    let first = lines.next().unwrap_or("");
+    let first = first.strip_prefix("error:").unwrap_or(first).trim();
+    let details: Vec<&str> = lines.collect();
+    match (details.is_empty(), first.ends_with(':')) {
+        (true, _) => first.to_owned(),
+        (false, true) => format!("{first} {}", details.join(", ")),
+        (false, false) => format!("{first}; {}", details.join("; ")),
+    }
+}
+
+/// `lzsim SUBCOMMAND --help` when the command line names one, else `lzsim --help`.
+fn help_hint() -> String {
+    use clap::CommandFactory;
+    let sub = std::env::args().nth(1).unwrap_or_default();
+    if Cli::command()
+        .get_subcommands()
+        .any(|c| c.get_name() == sub)
+    {
+        format!("lzsim {sub} --help")
+    } else {
+        "lzsim --help".to_owned()
+    }
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            return match e.kind() {
+                ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+                    let _ = e.print();
+                    ExitCode::SUCCESS
+                }
+                ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+                    let _ = e.print();
+                    ExitCode::from(2)
+                }
+                _ => {
+                    let msg = one_line(&e.to_string());
+                    let _ = writeln!(std::io::stderr(), "error: {msg} (see `{}`)", help_hint());
+                    ExitCode::from(2)
+                }
+            };
+        }
+    };
     let result = match cli.command {
         Command::Plan(a) => plan_cmd::run(&a),
         Command::Recovery(a) => recovery_cmd::run(&a),

@@ -4,7 +4,7 @@
 
 use crate::cost;
 use crate::limits::{
-    self, MAX_EXPERTS, MAX_GPUS_PER_NODE, MAX_LAYERS, MAX_NODES, MAX_REPLICA_SLOTS,
+    self, MAX_EXPERTS, MAX_F, MAX_GPUS_PER_NODE, MAX_LAYERS, MAX_NODES, MAX_REPLICA_SLOTS,
     MAX_SLOTS_PER_NODE,
 };
 use crate::replay::systems::lazarus::Lazarus;
@@ -21,6 +21,7 @@ use rand::SeedableRng;
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::seq::SliceRandom;
 use serde::Serialize;
+use std::path::PathBuf;
 use std::time::Instant;
 
 #[derive(Args, Debug)]
@@ -32,8 +33,9 @@ pub struct ReconfigArgs {
     #[arg(long, default_value_t = 2, value_parser = limits::count(MAX_NODES))]
     pub fail: usize,
     /// Training step whose routing history (the preceding rebalance window) drives the plan,
-    /// at most 1000000000000.
-    #[arg(long, default_value_t = 200)]
+    /// at most 1000000000000. Not in cluster-shape mode (its loads do not change with the
+    /// step).
+    #[arg(long, default_value_t = 200, conflicts_with_all = SHAPE_FLAGS)]
     pub step: u64,
     /// Failure sets to evaluate: all of them when there are at most this many, else a seeded
     /// sample of this size.
@@ -58,7 +60,68 @@ pub struct ReconfigArgs {
     #[arg(long, value_parser = limits::count(MAX_LAYERS))]
     pub layers: Option<usize>,
     #[command(flatten)]
-    pub sim: SimArgs,
+    pub sim: ReconfigSimArgs,
+}
+
+/// The flags that select cluster-shape mode.
+const SHAPE_FLAGS: [&str; 4] = ["gpus_per_node", "slots", "experts", "layers"];
+
+/// The options of `lzsim replay` that one reconfiguration depends on. The others (`--system`:
+/// this is Lazarus's; `--ckpt-every`, `--scale-out-wait`, `--boot`, `--sample-every`: a replay
+/// over time) were listed here and silently ignored; now they are usage errors.
+#[derive(Args, Debug, Clone)]
+pub struct ReconfigSimArgs {
+    /// Model profile: gpt-s, gpt-m, gpt-l, deepseek-v3, or a TOML file (in cluster-shape mode,
+    /// only its bytes per expert state).
+    #[arg(long, default_value = "gpt-l")]
+    pub model: String,
+    /// Hardware profile: rtx3090-100g, h200-400g, or a TOML file.
+    #[arg(long, default_value = "rtx3090-100g")]
+    pub hardware: String,
+    /// Expert loads from a SmartMoE gate trace (global_expert_counts.csv); default: Zipf. Not
+    /// in cluster-shape mode.
+    #[arg(long, conflicts_with_all = SHAPE_FLAGS)]
+    pub loads_trace: Option<PathBuf>,
+    /// Zipf exponent of synthetic loads (not with --loads-trace).
+    #[arg(long, default_value_t = 1.2, conflicts_with = "loads_trace")]
+    pub zipf: f64,
+    /// Synthetic loads drift (hot experts change) every this many steps (not with
+    /// --loads-trace, nor in cluster-shape mode).
+    #[arg(long, default_value_t = 500, conflicts_with_all = SHAPE_FLAGS, conflicts_with = "loads_trace")]
+    pub drift_every: u64,
+    /// Lazarus fault-tolerance threshold (default: the model profile's; 2 in cluster-shape
+    /// mode), 1..=1024.
+    #[arg(long, value_parser = limits::count(MAX_F))]
+    pub f: Option<usize>,
+    /// Lazarus rebalance period in steps: the routing window before --step that drives the
+    /// plan. Not in cluster-shape mode.
+    #[arg(long, default_value_t = 200, conflicts_with_all = SHAPE_FLAGS)]
+    pub rebalance_every: u64,
+    /// Seed (synthetic loads, the sample of failure sets, the failed nodes in cluster-shape
+    /// mode).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl ReconfigSimArgs {
+    /// The replay options these stand for (the others at values no reconfiguration reads).
+    fn sim(&self) -> SimArgs {
+        SimArgs {
+            system: "lazarus".into(),
+            model: self.model.clone(),
+            hardware: self.hardware.clone(),
+            loads_trace: self.loads_trace.clone(),
+            zipf: self.zipf,
+            drift_every: self.drift_every,
+            f: self.f,
+            ckpt_every: "none".into(),
+            rebalance_every: self.rebalance_every,
+            scale_out_wait: "2m".into(),
+            boot: None,
+            sample_every: None,
+            seed: self.seed,
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -130,7 +193,7 @@ pub fn report(a: &ReconfigArgs) -> Result<ReconfigReport> {
             a.fail
         );
     }
-    let setup = Setup::new(&a.sim)?;
+    let setup = Setup::new(&a.sim.sim())?;
     let cfg = &setup.base;
     let ctx = Ctx {
         hw: &cfg.hardware,
@@ -216,7 +279,7 @@ fn shape_report(a: &ReconfigArgs) -> Result<ReconfigReport> {
             a.nodes - a.fail
         );
     }
-    let setup = Setup::new(&a.sim)?;
+    let setup = Setup::new(&a.sim.sim())?;
     let hw = &setup.base.hardware;
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(a.sim.seed);
     let loads: Vec<Vec<u64>> = (0..layers)
@@ -293,14 +356,18 @@ pub fn run(a: &ReconfigArgs) -> Result<()> {
     if a.format == "json" {
         crate::stdout::println(&serde_json::to_string_pretty(&r)?)?;
     } else {
+        // Cluster-shape loads do not depend on a step.
+        let at = match r.plan_ms {
+            Some(_) => String::new(),
+            None => format!(" at step {}", r.step),
+        };
         crate::stdout::println(&format!(
-            "{} on {} nodes, {} failing at step {}: {} failure sets, {} unrecoverable (checkpoint)\n\
+            "{} on {} nodes, {} failing{at}: {} failure sets, {} unrecoverable (checkpoint)\n\
              replicas transferred: mean {:.1} (min {}, max {}); transfer {:.2} s; reconfiguration {:.1} s; \
              replan {:.1} ms",
             r.model,
             r.nodes,
             r.failed,
-            r.step,
             r.failure_sets,
             r.unrecoverable,
             r.replicas_mean,

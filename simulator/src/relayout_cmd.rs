@@ -34,9 +34,9 @@ pub struct RelayoutArgs {
     /// Trace samples of traffic a decision sums.
     #[arg(long, default_value_t = 5)]
     pub window: usize,
-    /// laer: a longer window its actions must not hurt (anti-thrashing).
-    #[arg(long, default_value_t = 20)]
-    pub long_window: usize,
+    /// laer: a longer window its actions must not hurt (anti-thrashing). [default: 20]
+    #[arg(long)]
+    pub long_window: Option<usize>,
     /// Nodes (failure domains), 1..=1048576; devices per node come from the hardware profile.
     /// Also devices x slots x layers and devices x experts <= 67108864.
     #[arg(long, default_value_t = 4, value_parser = limits::count(MAX_NODES))]
@@ -53,42 +53,49 @@ pub struct RelayoutArgs {
     /// Minimum replicas per expert for lazarus and laer, 1..=1024.
     #[arg(long, default_value_t = 2, value_parser = limits::count(MAX_F))]
     pub f: usize,
-    /// laer: recovery-probability floor at k = f node failures.
-    #[arg(long, default_value_t = 0.9)]
-    pub floor: f64,
+    /// laer: recovery-probability floor at k = f node failures. [default: 0.9]
+    #[arg(long)]
+    pub floor: Option<f64>,
     /// laer: weight of migration time against step time (β; default 1 when blocking, 0 when
     /// overlapped).
     #[arg(long)]
     pub migration_weight: Option<f64>,
-    /// laer: an action must shorten the step by this fraction of it (hysteresis).
-    #[arg(long, default_value_t = 0.0)]
-    pub min_gain: f64,
+    /// laer: an action must shorten the step by this fraction of it (hysteresis). [default: 0]
+    #[arg(long)]
+    pub min_gain: Option<f64>,
     /// laer: cap on bytes moved per decision (e.g. 2e9; default unlimited).
     #[arg(long)]
     pub max_bytes: Option<f64>,
     /// Migration pauses training (blocking) or overlaps it (overlapped: not charged).
     #[arg(long, default_value = "blocking", value_parser = ["blocking", "overlapped"])]
     pub migration: String,
-    /// Synthetic loads: Zipf exponent.
-    #[arg(long, default_value_t = 1.2)]
+    /// Synthetic loads: Zipf exponent (not with --routing).
+    #[arg(long, default_value_t = 1.2, conflicts_with = "routing")]
     pub zipf: f64,
-    /// Synthetic loads: hot experts change every this many steps.
-    #[arg(long, default_value_t = 500)]
+    /// Synthetic loads: hot experts change every this many steps (not with --routing).
+    #[arg(long, default_value_t = 500, conflicts_with = "routing")]
     pub drift_every: u64,
     /// Synthetic loads: steps to simulate (sampled every 10 steps); steps / 10 x layers x
-    /// experts <= 134217728 load counts (1 GB).
-    #[arg(long, default_value_t = 5000)]
+    /// experts <= 134217728 load counts (1 GB). Not with --routing (the trace's steps).
+    #[arg(long, default_value_t = 5000, conflicts_with = "routing")]
     pub steps: u64,
-    #[arg(long, default_value_t = 0)]
+    /// Synthetic loads: their seed (not with --routing).
+    #[arg(long, default_value_t = 0, conflicts_with = "routing")]
     pub seed: u64,
     /// Write per-policy time series (CSV) and the summary (JSON) here.
     #[arg(long)]
     pub out: Option<PathBuf>,
-    #[arg(long)]
+    /// Allow --out to be an existing non-empty directory.
+    #[arg(long, requires = "out")]
     pub overwrite: bool,
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     pub format: String,
 }
+
+/// `--floor` without one.
+const DEFAULT_FLOOR: f64 = 0.9;
+/// `--long-window` without one.
+const DEFAULT_LONG_WINDOW: usize = 20;
 
 pub fn parse_policies(a: &RelayoutArgs) -> Result<Vec<RelayoutPolicy>> {
     let mut out = Vec::new();
@@ -103,13 +110,29 @@ pub fn parse_policies(a: &RelayoutArgs) -> Result<Vec<RelayoutPolicy>> {
                 } else {
                     0.0
                 }),
-                recovery_floor: a.floor,
+                recovery_floor: a.floor.unwrap_or(DEFAULT_FLOOR),
                 max_bytes: a.max_bytes.map_or(u64::MAX, |b| b as u64),
-                min_step_gain: a.min_gain,
+                min_step_gain: a.min_gain.unwrap_or(0.0),
                 ..LaerParams::default()
             };
         }
         out.push(p);
+    }
+    // The laer parameters were taken and ignored without laer among the policies.
+    if !out.iter().any(|p| matches!(p, RelayoutPolicy::Laer(_))) {
+        let given = [
+            ("--floor", a.floor.is_some()),
+            ("--migration-weight", a.migration_weight.is_some()),
+            ("--min-gain", a.min_gain.is_some()),
+            ("--max-bytes", a.max_bytes.is_some()),
+            ("--long-window", a.long_window.is_some()),
+        ];
+        if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
+            bail!(
+                "{flag} is a parameter of the laer policy, and --policy {} has no laer",
+                a.policy
+            );
+        }
     }
     Ok(out)
 }
@@ -166,7 +189,7 @@ pub fn run(a: &RelayoutArgs) -> Result<()> {
     if !(a.threshold.is_finite() && a.threshold >= 1.0) {
         bail!("--threshold must be >= 1 (max/mean load)");
     }
-    if !(0.0..=1.0).contains(&a.floor) {
+    if !(0.0..=1.0).contains(&a.floor.unwrap_or(DEFAULT_FLOOR)) {
         bail!("--floor must be a probability in [0, 1]");
     }
     let policies = parse_policies(a)?;
@@ -193,7 +216,7 @@ pub fn run(a: &RelayoutArgs) -> Result<()> {
             imbalance_threshold: a.threshold,
         },
         window_samples: a.window,
-        long_window_samples: a.long_window,
+        long_window_samples: a.long_window.unwrap_or(DEFAULT_LONG_WINDOW),
         f: a.f,
         blocking_migration: a.migration == "blocking",
     };

@@ -40,8 +40,9 @@ pub struct ReplayArgs {
     #[arg(long, value_parser = limits::count(MAX_NODES))]
     pub max_nodes: Option<usize>,
     /// How --max-nodes maps a larger trace: clamp, track or scale (see lazarus-traces docs;
-    /// the same flag, parser and default as `lzrun local --map`).
-    #[arg(long, default_value_t = FitMode::DEFAULT, value_parser = FitMode::parse_flag)]
+    /// the same flag, parser and default as `lzrun local --map`). Needs --max-nodes.
+    #[arg(long, default_value_t = FitMode::DEFAULT, value_parser = FitMode::parse_flag,
+          requires = "max_nodes")]
     pub map: FitMode,
     /// Stop at this time (default: the trace's last event; 30m for the embedded trace), at most
     /// 365d; a trace that runs longer needs --end or --window.
@@ -51,7 +52,7 @@ pub struct ReplayArgs {
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Allow --out to be an existing non-empty directory.
-    #[arg(long)]
+    #[arg(long, requires = "out")]
     pub overwrite: bool,
     /// Output on stdout: a text table or one JSON object per system.
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
@@ -77,11 +78,12 @@ pub struct SimArgs {
     /// Expert loads from a SmartMoE gate trace (global_expert_counts.csv); default: Zipf.
     #[arg(long)]
     pub loads_trace: Option<PathBuf>,
-    /// Zipf exponent of synthetic loads.
-    #[arg(long, default_value_t = 1.2)]
+    /// Zipf exponent of synthetic loads (not with --loads-trace).
+    #[arg(long, default_value_t = 1.2, conflicts_with = "loads_trace")]
     pub zipf: f64,
-    /// Synthetic loads drift (hot experts change) every this many steps.
-    #[arg(long, default_value_t = 500)]
+    /// Synthetic loads drift (hot experts change) every this many steps (not with
+    /// --loads-trace).
+    #[arg(long, default_value_t = 500, conflicts_with = "loads_trace")]
     pub drift_every: u64,
     /// Lazarus fault-tolerance threshold (default: the model profile's), 1..=1024.
     #[arg(long, value_parser = limits::count(MAX_F))]
@@ -101,14 +103,24 @@ pub struct SimArgs {
     /// Boot time of nodes added after time 0 (default: the hardware profile's).
     #[arg(long)]
     pub boot: Option<String>,
-    /// Time-series sampling period (run directories only), at least 1ms; at most 1000000
-    /// samples per system.
-    #[arg(long, default_value = "10s")]
-    pub sample_every: String,
+    /// Time-series sampling period of a run directory (`lzsim replay --out`), at least 1ms;
+    /// at most 1000000 samples per system. [default: 10s]
+    #[arg(long)]
+    pub sample_every: Option<String>,
     /// Seed (synthetic loads; synthetic traces in sweeps).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }
+
+impl SimArgs {
+    /// `--sample-every`, or its default.
+    pub fn sample_every(&self) -> &str {
+        self.sample_every.as_deref().unwrap_or(DEFAULT_SAMPLE_EVERY)
+    }
+}
+
+/// The time-series period of a run directory without `--sample-every`.
+pub const DEFAULT_SAMPLE_EVERY: &str = "10s";
 
 /// Everything resolved from the arguments.
 pub struct Resolved {
@@ -204,7 +216,7 @@ impl Setup {
             scale_out_wait_s: parse_ms("--scale-out-wait", &sim.scale_out_wait)? as f64 / 1e3,
             node_boot_s,
             end_ms: None,
-            sample_every_s: parse_period_ms("--sample-every", &sim.sample_every)? as f64 / 1e3,
+            sample_every_s: parse_period_ms("--sample-every", sim.sample_every())? as f64 / 1e3,
             step_events: Vec::new(),
             end_after_steps: None,
             pause_lag_steps: 0,
@@ -272,14 +284,20 @@ pub fn resolve(args: &ReplayArgs) -> Result<Resolved> {
         ),
         None => last_ms,
     };
+    if args.out.is_none() && args.sim.sample_every.is_some() {
+        bail!(
+            "--sample-every sets the time-series period of a run directory, and there is none: \
+             give --out DIR too"
+        );
+    }
     if args.out.is_some() {
-        let period_ms = parse_period_ms("--sample-every", &args.sim.sample_every)?;
+        let period_ms = parse_period_ms("--sample-every", args.sim.sample_every())?;
         let samples = run_ms / period_ms + 1;
         if samples > MAX_SAMPLES {
             bail!(
                 "--sample-every {} over {} s of simulated time is {samples} samples per system, \
                  more than the limit of {MAX_SAMPLES}; sample at least every {} ms",
-                args.sim.sample_every,
+                args.sim.sample_every(),
                 run_ms / 1000,
                 run_ms.div_ceil(MAX_SAMPLES - 1)
             );

@@ -151,6 +151,9 @@ pub const MAX_SEEDS: u64 = 100_000;
 
 /// Runs the sweep and returns its rows in (hazard, seed, system) order.
 pub fn sweep(a: &SweepArgs, progress: bool) -> Result<Vec<Row>> {
+    if a.sim.sample_every.is_some() {
+        bail!("--sample-every is for the time series of `lzsim replay --out`: a sweep writes none");
+    }
     let rates = parse_rates(&a.hazard)?;
     let duration = parse_period_ms("--duration", &a.duration)?;
     let tick = parse_period_ms("--tick", &a.tick)?;

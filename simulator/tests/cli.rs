@@ -784,3 +784,173 @@ fn a_trace_of_200000_nodes_at_time_0_replays_in_bounded_time() {
     let _ = std::fs::remove_dir_all(&dir);
     assert!(v.to_string().contains("lazarus"), "{v}");
 }
+
+/// Issue 35 item 6, the walk over every flag of `lzsim replay` and `lzsim relayout`: flags that
+/// were taken and had no effect in the command they were given to are refused, one line,
+/// exit 2 — `--map` without `--max-nodes` (nothing is fitted), `--overwrite` without `--out`,
+/// `--sample-every` without a run directory, the synthetic-load flags with a loads or routing
+/// trace, the laer parameters without laer among the policies.
+#[test]
+fn flags_that_would_have_no_effect_are_refused() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["replay", "--map", "track"], "--max-nodes"),
+        (&["replay", "--overwrite"], "--out"),
+        (&["replay", "--sample-every", "1s"], "give --out DIR too"),
+        (&["sweep", "--sample-every", "1s"], "a sweep writes none"),
+        (
+            &["replay", "--loads-trace", "x.csv", "--zipf", "1.1"],
+            "--loads-trace",
+        ),
+        (
+            &["replay", "--loads-trace", "x.csv", "--drift-every", "9"],
+            "--loads-trace",
+        ),
+        (
+            &["relayout", "--routing", "x.csv", "--steps", "100"],
+            "--routing",
+        ),
+        (
+            &["relayout", "--routing", "x.csv", "--seed", "3"],
+            "--routing",
+        ),
+        (
+            &["relayout", "--routing", "x.csv", "--zipf", "1.1"],
+            "--routing",
+        ),
+        (&["relayout", "--overwrite"], "--out"),
+        (
+            &["relayout", "--policy", "static,lazarus", "--floor", "0.5"],
+            "--floor is a parameter of the laer policy, and --policy static,lazarus has no laer",
+        ),
+        (
+            &["relayout", "--policy", "eplb", "--min-gain", "0.1"],
+            "--min-gain is a parameter of the laer policy",
+        ),
+        (
+            &["relayout", "--policy", "eplb", "--long-window", "9"],
+            "--long-window",
+        ),
+    ];
+    for (args, needle) in cases {
+        let out = lzsim(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err:?} lacks {needle:?}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+    // With what they act on, they are taken.
+    let v = stdout_json(&[
+        "relayout", "--policy", "laer", "--floor", "0.5", "--steps", "300", "--format", "json",
+    ]);
+    assert_eq!(v[0]["policy"], "laer", "{v}");
+}
+
+/// Issue 35 item 6: `lzsim reconfig` listed the replay's `--system`, `--ckpt-every`,
+/// `--scale-out-wait`, `--boot` and `--sample-every` and ignored them (it costs one Lazarus
+/// reconfiguration); cluster-shape mode ignored `--loads-trace`, `--drift-every`,
+/// `--rebalance-every` and `--step`. Each is now one line, exit 2, and `--help` lists none of
+/// the replay-only ones.
+#[test]
+fn reconfig_refuses_the_flags_it_does_not_use() {
+    let help = lzsim(&["reconfig", "--help"]);
+    let help = String::from_utf8_lossy(&help.stdout);
+    for flag in [
+        "--system",
+        "--ckpt-every",
+        "--scale-out-wait",
+        "--boot",
+        "--sample-every",
+    ] {
+        assert!(!help.contains(flag), "{flag} in reconfig --help:\n{help}");
+        let out = lzsim(&["reconfig", flag, "1"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag}: {err}");
+        assert_eq!(err.lines().count(), 1, "{flag}: {err}");
+        assert!(
+            err.contains(&format!("unexpected argument '{flag}'")),
+            "{err}"
+        );
+        assert!(err.contains("lzsim reconfig --help"), "{err}");
+        assert!(out.stdout.is_empty(), "{flag}");
+    }
+    for flag in [
+        "--loads-trace",
+        "--drift-every",
+        "--rebalance-every",
+        "--step",
+    ] {
+        let out = lzsim(&[
+            "reconfig", "--nodes", "16", "--fail", "1", "--slots", "4", flag, "7",
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag}: {err}");
+        assert_eq!(err.lines().count(), 1, "{flag}: {err}");
+        assert!(err.contains(flag) && err.contains("--slots"), "{err}");
+    }
+    // What reconfig does use still works, in both modes.
+    let v = stdout_json(&[
+        "reconfig", "--model", "gpt-s", "--f", "2", "--format", "json",
+    ]);
+    assert_eq!(v["nodes"], 10);
+    let out = lzsim(&[
+        "reconfig",
+        "--nodes",
+        "16",
+        "--fail",
+        "1",
+        "--slots",
+        "4",
+        "--experts",
+        "16",
+        "--layers",
+        "2",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!text.contains("at step"), "{text}");
+}
+
+/// Issue 35 item 6: `lzsim relayout`'s `static` policy, which never changes its layout,
+/// reported a re-layout for every decision (311 on the SmartMoE trace, 0 bytes moved).
+/// `relayouts` counts the decisions that changed the layout; `decisions` counts them all.
+#[test]
+fn relayout_counts_only_decisions_that_change_the_layout() {
+    let v = stdout_json(&[
+        "relayout",
+        "--policy",
+        "static,lazarus",
+        "--steps",
+        "2000",
+        "--format",
+        "json",
+    ]);
+    let get = |p: &str, k: &str| {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["policy"] == p)
+            .unwrap_or_else(|| panic!("no {p}: {v}"))[k]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{p} lacks {k}: {v}"))
+    };
+    assert!(get("static", "decisions") > 0, "{v}");
+    assert_eq!(get("static", "relayouts"), 0, "{v}");
+    assert_eq!(get("static", "migrated_bytes"), 0, "{v}");
+    assert_eq!(
+        get("lazarus", "decisions"),
+        get("static", "decisions"),
+        "{v}"
+    );
+    let lazarus = get("lazarus", "relayouts");
+    assert!(lazarus > 0 && lazarus <= get("lazarus", "decisions"), "{v}");
+    let out = lzsim(&["relayout", "--policy", "static", "--steps", "2000"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let row = text.lines().find(|l| l.starts_with("static")).unwrap();
+    let cols: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(cols[6], "0", "relayouts column of {row:?}");
+}

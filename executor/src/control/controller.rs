@@ -357,7 +357,10 @@ impl Controller {
             .validate()
             .map_err(|e| damaged(format!("its job configuration is invalid: {e}")))?;
         if saved.machine.is_over() {
-            return Err(damaged("its job is already over".into()));
+            return Err(StateError::Over {
+                dir: dir.to_path_buf(),
+                outcome: saved.machine.outcome().cloned(),
+            });
         }
         // Every agent of the job would be refused with "wrong cluster token", exit and stop its
         // worker: refuse here, before anything listens. A state saved before fingerprints
@@ -684,10 +687,19 @@ impl Controller {
             out.retain(|o| !matches!(o, Output::Send(n, _) | Output::Close(n) if *n == id));
             return Err(Reject::Dropped {
                 node_id: id,
+                name: reg.node.clone(),
                 reason,
             });
         }
         Ok((id, self.seen.get(&id).copied().unwrap_or(0)))
+    }
+
+    /// What messages call node `node`: its name ([`JobMachine::name_of`]).
+    pub fn name_of(&self, node: NodeId) -> String {
+        match self.names.get(&node) {
+            Some(name) => name.clone(),
+            None => self.machine.name_of(node),
+        }
     }
 
     /// A heartbeat; `false` if the node is not (any more) part of the job.
@@ -763,7 +775,8 @@ impl Controller {
         let Some(parsed) = WorkerLine::parse(line) else {
             let text: String = line.chars().take(500).collect();
             out.push(Output::Notice(Notice::Log(format!(
-                "node {node}: {text:?}"
+                "node {}: {text:?}",
+                self.name_of(node)
             ))));
             return;
         };
@@ -848,7 +861,10 @@ impl Controller {
                 if epoch != self.machine.epoch() {
                     return None;
                 }
-                let error = format!("node {node} could not write its parts: {error}");
+                let error = format!(
+                    "node {} could not write its parts: {error}",
+                    self.name_of(node)
+                );
                 Event::CheckpointFailed { step, error }
             }
             WorkerEvent::Done(sums) => {
@@ -952,7 +968,7 @@ impl Controller {
                 out.push(Output::Send(
                     node,
                     ToAgent::Rejected {
-                        reason: format!("node {node} fenced: {reason}"),
+                        reason: format!("node {name} fenced: {reason}"),
                     },
                 ));
                 out.push(Output::Close(node));
@@ -1161,7 +1177,10 @@ impl Controller {
     /// Sends `node` its part of the reconfiguration of `epoch` again.
     fn resend(&mut self, node: NodeId, epoch: u64, out: &mut Vec<Output>) {
         let Some(issued) = self.issued.as_ref().filter(|i| i.command.epoch == epoch) else {
-            let line = format!("cannot send node {node} epoch {epoch} again: it is not the last");
+            let line = format!(
+                "cannot send node {} epoch {epoch} again: it is not the last",
+                self.name_of(node)
+            );
             return Self::notice(out, Notice::Log(line));
         };
         let Some(rank) = issued.members.iter().position(|&m| m == node) else {
@@ -1170,7 +1189,10 @@ impl Controller {
         let mut cmd = issued.command.clone();
         cmd.rank = rank;
         Self::command(node, &Command::Reconfigure(cmd), out);
-        let line = format!("node {node} never got its part of epoch {epoch}: sent again");
+        let line = format!(
+            "node {} never got its part of epoch {epoch}: sent again",
+            self.name_of(node)
+        );
         Self::notice(out, Notice::Log(line));
     }
 

@@ -160,12 +160,18 @@ pub enum Reject {
     IdsExhausted,
     #[error("the job is over")]
     Over,
-    #[error("node {node_id} ({name:?}) is not part of this job (any more)")]
+    /// A reattachment under an id this controller does not know by that name (the id is what
+    /// a reattaching agent presents).
+    #[error("node {name:?} (id {node_id}) is not part of this job (any more)")]
     UnknownNode { node_id: u32, name: String },
     /// The node came back, but what its worker holds does not fit the job (see
     /// `lazarus_planner::job::reconcile`).
-    #[error("node {node_id} cannot rejoin: {reason}")]
-    Dropped { node_id: u32, reason: String },
+    #[error("node {name} cannot rejoin: {reason}")]
+    Dropped {
+        node_id: u32,
+        name: String,
+        reason: String,
+    },
 }
 
 /// Why a message could not be encoded, decoded, sent or received.

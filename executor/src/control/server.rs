@@ -489,7 +489,8 @@ async fn session(
                             c.heartbeat(node_id, now, out).then(|| c.acked(node_id))
                         });
                         let Some(ack) = alive else {
-                            let _ = reject(ctx, framed, format!("node {node_id} expired")).await;
+                            let name = ctx.with(|c, _, _| c.name_of(node_id));
+                            let _ = reject(ctx, framed, format!("node {name} expired")).await;
                             return "expired".into();
                         };
                         if ack > acked {
@@ -506,11 +507,13 @@ async fn session(
                         return "said goodbye".into();
                     }
                     Ok(_) => {
-                        let _ = reject(ctx, framed, format!("node {node_id} fenced: unexpected message")).await;
+                        let name = ctx.with(|c, _, _| c.name_of(node_id));
+                        let _ = reject(ctx, framed, format!("node {name} fenced: unexpected message")).await;
                         return "protocol violation".into();
                     }
                     Err(e) => {
-                        let _ = reject(ctx, framed, format!("node {node_id} fenced: {e}")).await;
+                        let name = ctx.with(|c, _, _| c.name_of(node_id));
+                        let _ = reject(ctx, framed, format!("node {name} fenced: {e}")).await;
                         return format!("protocol violation: {e}");
                     }
                 }

@@ -68,6 +68,33 @@ pub enum StateError {
         path.display()
     )]
     WrongToken { path: PathBuf },
+    /// The saved job has ended (finished, or failed): a controller has nothing to take back.
+    #[error("{}", over_message(dir, outcome.as_ref()))]
+    Over {
+        dir: PathBuf,
+        /// How it ended (`None`: a state saved before the outcome was recorded).
+        outcome: Option<Result<(), String>>,
+    },
+}
+
+fn over_message(dir: &Path, outcome: Option<&Result<(), String>>) -> String {
+    let dir = dir.display();
+    match outcome {
+        Some(Ok(())) => format!(
+            "the job saved in {dir} finished: it trained all its steps and committed its final \
+             checkpoint, so there is nothing to recover (to train on, start a new job with \
+             --resume on its checkpoint directory)"
+        ),
+        Some(Err(why)) => format!(
+            "the job saved in {dir} failed ({why}), so there is nothing to recover (to go on \
+             from its newest checkpoint, start a new job with --resume on its checkpoint \
+             directory)"
+        ),
+        None => format!(
+            "the job saved in {dir} has ended, so there is nothing to recover (to go on from \
+             its newest checkpoint, start a new job with --resume on its checkpoint directory)"
+        ),
+    }
 }
 
 /// Domain separation of [`token_fingerprint`]'s hash.

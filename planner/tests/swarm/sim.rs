@@ -709,7 +709,7 @@ impl Sim {
                     // the job must not end well without its final state saved.
                     Err(e)
                         if self.final_commit_failures > 0
-                            && e.contains("checkpoint of the last step") =>
+                            && e.contains("checkpoint after the last step") =>
                     {
                         self.stats.final_checkpoint_failed += 1
                     }

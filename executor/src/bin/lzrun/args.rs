@@ -43,20 +43,23 @@ pub struct LocalArgs {
     /// most nodes the trace is fitted to (default: as many as it has).
     #[arg(long)]
     pub nodes: Option<usize>,
-    /// SIGKILL node NODE (0-based launch index; joined nodes get the next indices) with its
-    /// worker once every worker completed step STEP. Repeatable; several at one step fail
-    /// together.
+    /// SIGKILL node nNODE (its agent and worker) once every worker completed step STEP. NODE
+    /// is the number in the node's name, as the log names it: --nodes N starts n0 to n<N-1>,
+    /// and each --join starts the next (nN, nN+1, …); a name is never reused. Steps count from
+    /// 0 (see --steps): `--kill 2@5` kills n2 after step 5, the sixth update. Repeatable;
+    /// several at one step fail together.
     #[arg(long, value_name = "NODE@STEP", value_parser = parse_kill)]
     pub kill: Vec<(usize, u64)>,
-    /// Start a new node once every worker completed step STEP; it joins at the next step
-    /// boundary and receives its experts. Repeatable.
+    /// Start a new node once every worker completed step STEP (the `@` is required); it joins
+    /// at the next step boundary and receives its experts. It is named after the nodes
+    /// launched before it: the first --join on --nodes 4 starts n4. Repeatable.
     #[arg(long, value_name = "@STEP", value_parser = parse_join)]
     pub join: Vec<u64>,
-    /// Kill the controller once every worker completed step STEP, as SIGKILL would (its
-    /// connections drop, nothing more is saved), and start a new one from the saved job state
-    /// (--state-dir) --controller-down-ms later. Workers train on meanwhile; agents reconnect
-    /// and the job goes on without a checkpoint restore. Repeatable. Any controller crash
-    /// (a panic) is restarted the same way.
+    /// Kill the controller once every worker completed step STEP (the `@` is required), as
+    /// SIGKILL would (its connections drop, nothing more is saved), and start a new one from
+    /// the saved job state (--state-dir) --controller-down-ms later. Workers train on
+    /// meanwhile; agents reconnect and the job goes on without a checkpoint restore.
+    /// Repeatable. Any controller crash (a panic) is restarted the same way.
     #[arg(long, value_name = "@STEP", value_parser = parse_kill_controller)]
     pub kill_controller: Vec<u64>,
     /// How long a killed controller stays down before `lzrun local` restarts it.
@@ -77,8 +80,10 @@ pub struct LocalArgs {
     /// How a --fault-trace with more nodes than --nodes is fitted onto them: clamp (the live
     /// count clamped to --nodes, spare nodes promoted at once), track (the first --nodes nodes
     /// are the cluster; a removed one is replaced by the next node added later) or scale (the
-    /// live count scaled). The mappings, parser and default of `lzsim replay --map`.
-    #[arg(long, value_name = "clamp|track|scale", requires = "fault_trace",
+    /// live count scaled). The mappings, parser and default of `lzsim replay --map`. Needs
+    /// --nodes: without it the trace is replayed on as many nodes as it has, and nothing is
+    /// fitted.
+    #[arg(long, value_name = "clamp|track|scale", requires = "fault_trace", requires = "nodes",
           default_value_t = FitMode::DEFAULT, value_parser = FitMode::parse_flag)]
     pub map: FitMode,
     /// Trace seconds one training step stands for: an event at trace time t fires after step
@@ -116,14 +121,13 @@ pub struct ControllerArgs {
     #[arg(long)]
     pub listen: Option<SocketAddr>,
     /// Take back the job whose state a controller started with `--state-dir DIR` saved, after
-    /// that controller died (kill -9, a crash, its machine). The job's options come from DIR
-    /// (the job options given here are ignored, except --format, --metrics-out, --out and
-    /// --peak-tflops); the
-    /// token must be the job's. Agents reconnect on their own within their
-    /// --reconnect-grace-ms; workers that trained on meanwhile keep their state, and training
-    /// resumes in place when every node comes back (see the README, "Controller fail-over").
-    /// The controller goes on saving into DIR. Exit 2 with a clear message when DIR holds no
-    /// state, a damaged one, or a finished job.
+    /// that controller died (kill -9, a crash, its machine). The job's options come from DIR:
+    /// besides it, only --listen, --token, --format, --metrics-out, --out and --peak-tflops may
+    /// be given (any other is refused: it would have no effect). The token must be the job's.
+    /// Agents reconnect on their own within their --reconnect-grace-ms; workers that trained
+    /// on meanwhile keep their state, and training resumes in place when every node comes back
+    /// (see the README, "Controller fail-over"). The controller goes on saving into DIR. Exit
+    /// 2 with a clear message when DIR holds no state, a damaged one, or a job that ended.
     #[arg(long, value_name = "DIR", conflicts_with = "state_dir")]
     pub recover: Option<PathBuf>,
     /// Workers to wait for before the first plan: one per agent, or G per agent started with
@@ -242,7 +246,8 @@ fn parse_comm(s: &str) -> Result<CommKind, String> {
 /// What to train and for how long (shared by jobs and stand-alone workers).
 #[derive(Debug, Args)]
 pub struct ModelArgs {
-    /// Training steps.
+    /// Training steps (optimizer updates). They are counted from 0 in every output and flag:
+    /// `--steps 20` trains steps 0 to 19.
     #[arg(long, default_value_t = 20)]
     pub steps: u64,
     /// Model configuration: tiny (fast on CPU), gpt-s, gpt-m, gpt-l (the paper's, for GPUs), or
@@ -295,8 +300,10 @@ pub struct JobArgs {
     /// naming the holder. It must be writable.
     #[arg(long, value_name = "DIR")]
     pub ckpt_dir: Option<PathBuf>,
-    /// Checkpoint after every K completed steps (0: never; then a failure that loses every
-    /// replica of an expert ends the job).
+    /// Checkpoint after every K completed steps: after steps K-1, 2K-1, … (counted from 0),
+    /// and after the last step (0: never; then a failure that loses every replica of an expert
+    /// ends the job). The checkpoint after step S is the directory `step-<S+1>` of --ckpt-dir:
+    /// named after the step a restore resumes at.
     #[arg(long, value_name = "K", default_value_t = 5)]
     pub ckpt_every: u64,
     /// Checkpoints to keep (only checkpoints that verify count; a damaged one never costs a

@@ -336,7 +336,8 @@ impl Faults {
             match &self.schedule.events[i].fault {
                 // Fenced and killed by now (a storm may freeze or slow it first): nothing to do.
                 Fault::Kill { node } if !nodes.is_running(*node) => self.format.say(&format!(
-                    "lzrun local: node {node} is gone already; no kill {when}"
+                    "lzrun local: node {} is gone already; no kill {when}",
+                    nodes.label(*node)
                 )),
                 Fault::Kill { node } => {
                     let ranks = nodes.ranks(*node, handle);
@@ -347,7 +348,7 @@ impl Faults {
                             .with_rank(ranks.first().copied()),
                     );
                     self.format.say(&format!(
-                        "lzrun local: killed node {node} ({name}{}) with SIGKILL {when}",
+                        "lzrun local: killed node {name}{} with SIGKILL {when}",
                         describe_ranks(&ranks, nodes.gpus())
                     ));
                 }
@@ -363,7 +364,7 @@ impl Faults {
                             .with_rank(ranks.first().copied()),
                     );
                     self.format.say(&format!(
-                        "lzrun local: killed node {i} ({name}{}) with SIGKILL {when}",
+                        "lzrun local: killed node {name}{} with SIGKILL {when}",
                         describe_ranks(&ranks, nodes.gpus())
                     ));
                 }
@@ -381,10 +382,8 @@ impl Faults {
                         &name,
                         when,
                     ));
-                    self.format.say(&format!(
-                        "lzrun local: started node {} ({name}) {when}",
-                        nodes.launched() - 1
-                    ));
+                    self.format
+                        .say(&format!("lzrun local: started node {name} {when}"));
                 }
                 // `drive` kills it once this step's events are in.
                 Fault::KillController => {
@@ -434,26 +433,27 @@ impl Faults {
                 self.injected
                     .push(at.of(kind, Some(node), &name, when).with_rank(rank));
                 self.format.say(&format!(
-                    "lzrun local: froze node {node} ({name}): SIGSTOP to its {} {when}",
+                    "lzrun local: froze node {name}: SIGSTOP to its {} {when}",
                     kind.trim_start_matches("freeze-")
                 ));
             }
             Err(e) => self.format.say(&format!(
-                "lzrun local: no {kind} of node {node} {when}: {e}"
+                "lzrun local: no {kind} of node {} {when}: {e}",
+                self.nodes.label(node)
             )),
         }
     }
 }
 
-/// `, ranks 2 and 3` for the ranks a node's workers held (with several GPUs per node).
+/// ` (ranks 2 and 3)` for the ranks a node's workers held (with several GPUs per node).
 fn describe_ranks(ranks: &[usize], gpus: usize) -> String {
     match ranks {
         _ if gpus == 1 => String::new(),
-        [] => ", no rank".to_owned(),
-        [r] => format!(", rank {r}"),
+        [] => " (no rank)".to_owned(),
+        [r] => format!(" (rank {r})"),
         [rest @ .., last] => {
             let rest: Vec<String> = rest.iter().map(usize::to_string).collect();
-            format!(", ranks {} and {last}", rest.join(", "))
+            format!(" (ranks {} and {last})", rest.join(", "))
         }
     }
 }

@@ -24,7 +24,8 @@ mod worker;
 use std::io::Write;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::args::{AgentArgs, ControllerArgs, LocalArgs, WorkerArgs};
 
@@ -131,7 +132,8 @@ fn one_line(rendered: &str) -> String {
         .lines()
         .take_while(|l| !l.starts_with("Usage:"))
         .map(str::trim)
-        .filter(|l| !l.is_empty());
+        // An invalid value has no usage after it, only the hint `help_hint` gives better.
+        .filter(|l| !l.is_empty() && !l.starts_with("For more information"));
     let first = lines.next().unwrap_or("");
     let first = first.strip_prefix("error:").unwrap_or(first).trim();
     let details: Vec<&str> = lines.collect();
@@ -139,6 +141,55 @@ fn one_line(rendered: &str) -> String {
         (true, _) => first.to_owned(),
         (false, true) => format!("{first} {}", details.join(", ")),
         (false, false) => format!("{first}; {}", details.join("; ")),
+    }
+}
+
+/// A missing `--token` also names the environment variable that gives it: clap asked for the
+/// flag alone.
+fn name_token_env(msg: &str) -> String {
+    msg.replace(
+        "--token <TOKEN>",
+        "--token <TOKEN> (or the LZRUN_TOKEN environment variable)",
+    )
+}
+
+/// The options `lzrun controller --recover DIR` takes: the job's come from DIR.
+const RECOVER_OPTIONS: [&str; 7] = [
+    "recover",
+    "listen",
+    "token",
+    "format",
+    "metrics_out",
+    "out",
+    "peak_tflops",
+];
+
+/// `lzrun controller --recover DIR` with a job option on the command line (`--steps 50`):
+/// refused, as it would have no effect (the job's options are the saved job's).
+fn recover_takes_no_job_options(matches: &ArgMatches) -> anyhow::Result<()> {
+    let Some(("controller", m)) = matches.subcommand() else {
+        return Ok(());
+    };
+    if m.value_source("recover") != Some(ValueSource::CommandLine) {
+        return Ok(());
+    }
+    let cmd = Cli::command();
+    let args = cmd
+        .find_subcommand("controller")
+        .map(|c| c.get_arguments().cloned().collect::<Vec<_>>())
+        .unwrap_or_default();
+    let given = args.iter().find(|a| {
+        let id = a.get_id().as_str();
+        !RECOVER_OPTIONS.contains(&id) && m.value_source(id) == Some(ValueSource::CommandLine)
+    });
+    match given {
+        Some(a) => anyhow::bail!(
+            "--{} cannot be given with --recover: the job's options are the ones saved in its \
+             state directory (with --recover: --listen, --token, --format, --metrics-out, --out \
+             and --peak-tflops)",
+            a.get_long().unwrap_or(a.get_id().as_str())
+        ),
+        None => Ok(()),
     }
 }
 
@@ -162,8 +213,11 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
     }
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
+    let parsed = Cli::command()
+        .try_get_matches()
+        .and_then(|m| Ok((Cli::from_arg_matches(&m)?, m)));
+    let (cli, matches) = match parsed {
+        Ok(parsed) => parsed,
         Err(e) => {
             use clap::error::ErrorKind;
             return match e.kind() {
@@ -175,8 +229,11 @@ fn main() -> ExitCode {
                     let _ = e.print();
                     ExitCode::from(2)
                 }
-                _ => {
-                    let msg = one_line(&e.to_string());
+                kind => {
+                    let mut msg = one_line(&e.to_string());
+                    if kind == ErrorKind::MissingRequiredArgument {
+                        msg = name_token_env(&msg);
+                    }
                     let _ = writeln!(std::io::stderr(), "error: {msg} (see `{}`)", help_hint());
                     ExitCode::from(2)
                 }
@@ -186,7 +243,9 @@ fn main() -> ExitCode {
     // Every numeric flag within its bounds before anything starts (see `bounds`).
     let res = match cli.cmd {
         Cmd::Local(a) => bounds::check_local(&a).and_then(|()| local::local(a)),
-        Cmd::Controller(a) => bounds::check_controller(&a).and_then(|()| controller::controller(a)),
+        Cmd::Controller(a) => recover_takes_no_job_options(&matches)
+            .and_then(|()| bounds::check_controller(&a))
+            .and_then(|()| controller::controller(a)),
         Cmd::Agent(a) => bounds::check_agent(&a).and_then(|()| agent::agent(a)),
         Cmd::Worker(a) => bounds::check_worker(&a).and_then(|()| worker::worker(a)),
         Cmd::Calibrate(a) => calibrate::calibrate(a),

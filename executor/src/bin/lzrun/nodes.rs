@@ -108,6 +108,11 @@ impl Nodes {
         self.children.get(i).map(|(n, _)| n.as_str())
     }
 
+    /// What messages call node `i`: its name (`n3`), or `n<i>` before it was launched.
+    pub fn label(&self, i: usize) -> String {
+        self.name(i).map_or_else(|| format!("n{i}"), str::to_owned)
+    }
+
     /// The index of the running node called `name`.
     pub fn index_of(&self, name: &str) -> Option<usize> {
         self.children
@@ -135,7 +140,7 @@ impl Nodes {
     pub fn freeze_agent(&mut self, i: usize) -> Result<String> {
         let pid = self
             .agent_pid(i)
-            .ok_or_else(|| anyhow!("node {i} is not running"))?;
+            .ok_or_else(|| anyhow!("node {} is not running", self.label(i)))?;
         // SAFETY: kill(2) on a process this launcher started; no memory is shared.
         unsafe {
             libc::kill(pid, libc::SIGSTOP);
@@ -148,11 +153,11 @@ impl Nodes {
     pub fn freeze_worker(&mut self, i: usize) -> Result<String> {
         let agent = self
             .agent_pid(i)
-            .ok_or_else(|| anyhow!("node {i} is not running"))?;
+            .ok_or_else(|| anyhow!("node {} is not running", self.label(i)))?;
         let worker = children_of(agent)
             .into_iter()
             .next()
-            .ok_or_else(|| anyhow!("node {i} has no worker process"))?;
+            .ok_or_else(|| anyhow!("node {} has no worker process", self.label(i)))?;
         // SAFETY: kill(2) on a child of a process this launcher started; no memory is shared.
         unsafe {
             libc::kill(worker, libc::SIGSTOP);
@@ -165,10 +170,10 @@ impl Nodes {
         let (name, slot) = self
             .children
             .get_mut(i)
-            .ok_or_else(|| anyhow!("no node {i}"))?;
+            .ok_or_else(|| anyhow!("no node n{i} was launched"))?;
         let mut child = slot
             .take()
-            .ok_or_else(|| anyhow!("node {i} is not running"))?;
+            .ok_or_else(|| anyhow!("node {name} is not running"))?;
         let pgid = i32::try_from(child.id()).context("pid out of range")?;
         // SAFETY: kill(2) with a negative pid signals that process group; no memory is shared.
         unsafe {
