@@ -2633,8 +2633,12 @@ fn a_node_count_trace_makes_the_changes_of_its_event_csv() {
     let from_counts = membership(&counts, "m-counts");
     let (lines, schedule, injected) = &from_counts;
     assert_eq!(lines.len(), 2, "{lines:?}");
-    assert!(lines[0].contains("killed node 2 (n2"), "{lines:?}");
-    assert!(lines[1].ends_with("started node 3 (n3)"), "{lines:?}");
+    // One name per node (issue 35 item 6): the trace's names.
+    assert!(
+        lines[0].contains("killed node n2 with SIGKILL"),
+        "{lines:?}"
+    );
+    assert!(lines[1].ends_with("started node n3"), "{lines:?}");
     let after: Vec<_> = schedule
         .as_array()
         .unwrap()
