@@ -3234,6 +3234,12 @@ fn a_resume_with_nothing_left_to_train_is_refused() {
             err.contains("step 6") && err.contains("--steps"),
             "the line names the checkpoint's step and the flag: {err}"
         );
+        // In the one step numbering (issue 35 item 6): the checkpoint after step 5.
+        assert!(
+            err.contains("its newest checkpoint is the checkpoint after step 5")
+                && err.contains(&format!("--steps {steps} trains steps 0 to")),
+            "{err}"
+        );
     }
     let latest = std::fs::read_to_string(ck.join("latest")).unwrap();
     assert!(

@@ -234,13 +234,18 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
         );
         // A checkpoint at or past the last step leaves nothing to train: a job that "trains"
         // 0 steps and exits 0 would claim work it did not do.
+        // Steps count from 0: the checkpoint `step-<S>` holds the state after step S-1 and
+        // resumes at step S, and `--steps N` trains steps 0 to N-1.
         if let Ok(Some(step)) = checkpoint::latest_step(r) {
             ensure!(
                 step < a.model.steps,
-                "--resume {}: its newest checkpoint is of step {step}, at or past --steps {}: \
-                 nothing to train (raise --steps)",
+                "--resume {}: its newest checkpoint is the {} (training would resume at step \
+                 {step}), but --steps {} trains steps 0 to {}: nothing is left to train (raise \
+                 --steps)",
                 r.display(),
-                a.model.steps
+                lazarus_planner::job::checkpoint_label(step),
+                a.model.steps,
+                a.model.steps.saturating_sub(1)
             );
         }
     }
