@@ -213,6 +213,14 @@ pub trait Communicator: Send {
     /// Abort: every later op fails fast with Aborted; peers blocked on us see PeerClosed/Timeout.
     fn abort(&mut self);
 
+    /// Whether this communicator was aborted (by [`Communicator::abort`], from another thread,
+    /// or by a failed operation): the step it serves is lost, so compute between two
+    /// collectives (a rank's local experts) checks it to give up at once rather than at its
+    /// next collective. A backend that cannot tell says `false` (its next operation fails).
+    fn is_aborted(&self) -> bool {
+        false
+    }
+
     /// Changes how long one wait on a peer may last (at least 1 ms), from the next operation
     /// on: a managed worker follows its step deadline with it
     /// ([`lazarus_planner::deadline`]).

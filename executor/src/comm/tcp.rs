@@ -923,6 +923,10 @@ impl Communicator for TcpCommunicator {
         self.payload_bytes_sent
     }
 
+    fn is_aborted(&self) -> bool {
+        TcpCommunicator::is_aborted(self)
+    }
+
     fn set_timeout_ms(&mut self, timeout_ms: u64) -> Result<(), CommError> {
         TcpCommunicator::set_timeout_ms(self, timeout_ms)
     }

@@ -34,8 +34,9 @@ use candle_core::{DType, Device, Result, Tensor};
 use lazarus_kernels::{DispatchTables, KernelError, cpu};
 use lazarus_planner::dispatch::DispatchPlan;
 
+/// Without a backtrace, as `super::fsep::wrap`.
 fn kerr(e: KernelError) -> candle_core::Error {
-    candle_core::Error::wrap(e)
+    candle_core::Error::Wrapped(Box::new(e))
 }
 
 /// Whether a layer whose rows live on `device` is routed on that device (feature `cuda` and

@@ -9,8 +9,22 @@ use lazarus_planner::dispatch::{DispatchPlan, RecvBlock, plan};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+/// A communicator (or other library) error as a candle error, without the backtrace
+/// `candle_core::Error::wrap` captures when `RUST_BACKTRACE` is set: capturing one walks the
+/// stack on every failed collective, and displaying it resolves symbols (the first time in a
+/// process, seconds of reading debug information: `worker::managed::error_text`).
 fn wrap<E: std::error::Error + Send + Sync + 'static>(e: E) -> candle_core::Error {
-    candle_core::Error::wrap(e)
+    fsep::wrap(e)
+}
+
+/// Fails when the communicator was aborted (a peer is gone, or the controller said so): the
+/// step is lost, so the rest of this rank's expert compute would be wasted, and its report
+/// waits for it ([`crate::comm::Communicator::is_aborted`]).
+fn check_live(inner: &Inner) -> Result<()> {
+    if inner.comm.is_aborted() {
+        return Err(wrap(crate::comm::CommError::Aborted));
+    }
+    Ok(())
 }
 
 /// What one forward exchange of one MoE layer did on this worker.
@@ -37,6 +51,7 @@ fn backward_experts(
     let mut dx_recv = vec![0f32; recv_g.len()];
     let t = CpuClock::start();
     for (&e, blocks) in groups {
+        check_live(inner)?;
         let w = inner.weights(layer, e)?.clone();
         let dev = w.w1.device().clone();
         let n = blocks.iter().map(|b| b.len as usize).sum::<usize>();
@@ -82,6 +97,7 @@ fn forward_experts(
     let mut computed = vec![0u64; ne];
     let t0 = CpuClock::start();
     for (&e, blocks) in groups {
+        check_live(inner)?;
         let w = inner.weights(layer, e)?;
         let wdev = w.w1.device().clone();
         let n = blocks.iter().map(|b| b.len as usize).sum::<usize>();

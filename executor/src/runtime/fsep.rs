@@ -21,8 +21,12 @@ pub(super) type ExpertGrads = BTreeMap<(usize, usize), (Tensor, Tensor)>;
 /// FSEP: summed gradient shards (1-D) by `(layer, expert, shard)`.
 pub type ShardGrads = BTreeMap<(usize, usize, usize), Tensor>;
 
+/// A communicator (or other library) error as a candle error, without the backtrace
+/// `candle_core::Error::wrap` captures when `RUST_BACKTRACE` is set: capturing one walks the
+/// stack on every failed collective, and displaying it resolves symbols (the first time in a
+/// process, seconds of reading debug information: `worker::managed::error_text`).
 pub(super) fn wrap<E: std::error::Error + Send + Sync + 'static>(e: E) -> candle_core::Error {
-    candle_core::Error::wrap(e)
+    candle_core::Error::Wrapped(Box::new(e))
 }
 
 /// Bytes this rank sent to other ranks, by purpose (what stays on the rank is not counted).

@@ -878,15 +878,106 @@ fn fresh_state(job: &JobSpec) -> Result<State> {
     Ok(st)
 }
 
-/// An error with its causes on one line.
+/// An error with its causes on one line: the first line of each.
+///
+/// Only the first line of each cause is formatted, never the rest. This is the cause of a
+/// job's first failure taking 2–3 steps to be reported (`results/sim-vs-real/`, item 6;
+/// `results/executor/recovery.md`): with `RUST_BACKTRACE=1` in the environment, candle's
+/// errors carry a captured backtrace (`candle_core::Error::bt`) and display it after their
+/// first line; formatting it resolves its symbols, and the first resolution in a process
+/// reads and decompresses the binary's debug information — 0.3–0.5 s for the release build
+/// and seconds for the debug build on this machine, once per process (later failures found
+/// the symbols cached, hence fast). Every survivor of a first failure paid it before it
+/// could report `Failed`.
 fn error_text(e: &anyhow::Error) -> String {
     e.chain()
-        .map(|c| c.to_string().lines().next().unwrap_or("").to_owned())
+        .map(|c| first_line(c))
         .collect::<Vec<_>>()
         .join(": ")
+}
+
+/// The first line of `d`'s text, formatting nothing past it (see [`error_text`]).
+fn first_line(d: &dyn std::fmt::Display) -> String {
+    /// Keeps what is written up to the first newline, then fails the formatting, which stops
+    /// it: the arguments after that are never formatted.
+    struct UpToNewline(String);
+    impl std::fmt::Write for UpToNewline {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            match s.find('\n') {
+                Some(i) => {
+                    self.0.push_str(&s[..i]);
+                    Err(std::fmt::Error)
+                }
+                None => {
+                    self.0.push_str(s);
+                    Ok(())
+                }
+            }
+        }
+    }
+    let mut w = UpToNewline(String::new());
+    // An error here is the newline that ended the line (or a Display impl that failed: what
+    // it wrote so far is all there is).
+    let _ = std::fmt::write(&mut w, format_args!("{d}"));
+    w.0
 }
 
 /// Elapsed milliseconds since `t`.
 pub fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// Counts how often the part after its first line was formatted.
+    static TAIL_FORMATTED: AtomicUsize = AtomicUsize::new(0);
+
+    /// What a backtrace-carrying error displays: a message, a newline, then something costly
+    /// to format (a backtrace resolves its symbols then).
+    #[derive(Debug)]
+    struct WithCostlyTail;
+
+    struct Tail;
+
+    impl std::fmt::Display for Tail {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            TAIL_FORMATTED.fetch_add(1, Ordering::SeqCst);
+            f.write_str("frame 0: resolved at great cost")
+        }
+    }
+
+    impl std::fmt::Display for WithCostlyTail {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "rank 2 closed the connection\n{}", Tail)
+        }
+    }
+
+    impl std::error::Error for WithCostlyTail {}
+
+    #[test]
+    fn a_failure_report_formats_only_the_first_line_of_each_cause() {
+        let e = anyhow::Error::new(WithCostlyTail).context("step 6");
+        assert_eq!(error_text(&e), "step 6: rank 2 closed the connection");
+        assert_eq!(
+            TAIL_FORMATTED.load(Ordering::SeqCst),
+            0,
+            "the text after a cause's first line (a backtrace) was formatted"
+        );
+        assert_eq!(first_line(&"one line"), "one line");
+        assert_eq!(first_line(&"\nafter"), "");
+    }
+
+    #[test]
+    fn a_candle_error_with_a_backtrace_reports_its_message_alone() {
+        let inner = candle_core::Error::Msg("communicator aborted".into());
+        let e = candle_core::Error::WithBacktrace {
+            inner: Box::new(inner),
+            backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+        };
+        let e = anyhow::Error::from(e).context("rank 1");
+        assert_eq!(error_text(&e), "rank 1: communicator aborted");
+    }
 }

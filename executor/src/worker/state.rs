@@ -349,6 +349,11 @@ pub fn train_step_input(
     let mut stats = RoutingStats::default();
     let mut losses = Vec::with_capacity(tokens.len());
     for round in 0..rounds as usize {
+        // A peer is gone (or the controller aborted the step): every round left is wasted
+        // compute that delays this member's failure report.
+        if experts.with_comm(|c| c.is_aborted())? {
+            return Err(crate::comm::CommError::Aborted.into());
+        }
         let Some(t) = tokens.get(round) else {
             experts.phantom_round(model.config().d_model)?;
             continue;
