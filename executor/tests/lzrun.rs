@@ -50,7 +50,15 @@ fn assert_consistent(dir: &Path, cfg: &MoeConfig) -> Vec<Checksums> {
         let path = entry.unwrap().path();
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         if name.starts_with("node") && name.ends_with(".json") {
-            sums.push(Checksums::read(&path).expect("checksum file"));
+            let s = Checksums::read(&path).expect("checksum file");
+            // A newcomer started near the end that never became a member (world 0, no step)
+            // holds its fresh initial state, not the job's; the controller's final check
+            // leaves it out too. With faster recoveries a trace run ends before such a late
+            // addition has joined more often.
+            if s.world == 0 && s.steps == 0 {
+                continue;
+            }
+            sums.push(s);
         }
     }
     assert!(!sums.is_empty(), "no checksum files in {}", dir.display());
