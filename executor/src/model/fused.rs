@@ -14,6 +14,17 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Whether [`gelu`] takes the fused path ([`set_fused_kernels`]).
+static FUSED: AtomicBool = AtomicBool::new(true);
+
+/// Turns the fused kernels off (candle's own ops) or on (the default), process-wide: the
+/// baseline of the benchmarks that measure them in one process. The results are the same bits
+/// either way.
+pub fn set_fused_kernels(on: bool) {
+    FUSED.store(on, Ordering::Relaxed);
+}
 
 /// Elements per rayon task: large enough that the split costs nothing measurable, small enough
 /// that a layer's activations spread over every thread.
@@ -22,7 +33,7 @@ const CHUNK: usize = 1 << 14;
 /// candle's tanh-approximated GELU, `0.5·x·(1 + tanh(√(2/π)·x·(1 + 0.044715·x²)))`, with a
 /// fused backward on f32 CPU tensors (bit-identical to `Tensor::gelu`, forward and backward).
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    if !x.device().is_cpu() || x.dtype() != DType::F32 {
+    if !FUSED.load(Ordering::Relaxed) || !x.device().is_cpu() || x.dtype() != DType::F32 {
         return x.gelu();
     }
     x.contiguous()?.apply_op1(Gelu)
