@@ -39,7 +39,7 @@ pub use dense::{DenseModel, MoeOutput, RoutingStats, moe_layer};
 pub use experts::{ExpertExec, ExpertState, ExpertStore, ExpertWeights, LocalExperts};
 pub use flops::{active_matmul_params_per_token, model_flops_per_token};
 pub use fsep::{ExpertMode, ShardState, ShardStore, assemble, cut, one_per_rank, shard_range};
-pub use fused::{gelu, set_fused_kernels};
+pub use fused::{gelu, set_fused_kernels, swiglu};
 pub use init::Fnv64;
 pub(crate) use init::rng_for;
 pub use optim::{AdamW, OptimState, ParamState, ParamsAdamW, grad_scale, scale_grad, sq_norm};
