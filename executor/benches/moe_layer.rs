@@ -23,6 +23,11 @@
 //! candle's CPU matmul uses `RAYON_NUM_THREADS` threads (default: physical cores); set it to
 //! pin the thread count.
 //!
+//! JSON mode also times the layer with the fused CPU kernels turned off (candle's own ops,
+//! `set_fused_kernels(false)`), runs interleaved in the same process, and prints
+//! `unfused_median_s` and `fused_speedup` (unfused / fused median); the two must compute the
+//! same bits, which it checks (loss, routing, gradient norms).
+//!
 //! `MOE_BENCH_PRECISION=bf16` runs the experts' products in bf16 with f32 masters (the model's
 //! mixed precision, `Precision::Bf16`); the default is f32.
 //!
@@ -35,7 +40,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Result, Tensor, Var};
 use criterion::{Criterion, Throughput};
 use lazarus_executor::model::{
-    ExpertState, ExpertStore, LocalExperts, MoeConfig, Precision, moe_layer,
+    ExpertState, ExpertStore, LocalExperts, MoeConfig, Precision, moe_layer, set_fused_kernels,
 };
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -254,23 +259,48 @@ fn json_mode() -> Result<()> {
     let threads = candle_core::utils::get_num_threads();
     for shape in shapes {
         let layer = Layer::new(shape, &device, precision)?;
+        set_fused_kernels(false);
+        let unfused = layer.check()?;
+        set_fused_kernels(true);
         let check = layer.check()?;
+        if (
+            check.loss,
+            check.lb,
+            &check.counts,
+            check.grad_norm_x,
+            check.grad_norm_router,
+        ) != (
+            unfused.loss,
+            unfused.lb,
+            &unfused.counts,
+            unfused.grad_norm_x,
+            unfused.grad_norm_router,
+        ) || check.grad_norm_experts.to_bits() != unfused.grad_norm_experts.to_bits()
+        {
+            candle_core::bail!(
+                "{}: the fused kernels changed the layer's results",
+                shape.name
+            );
+        }
         for _ in 0..warmup {
             black_box(layer.step()?);
         }
+        // Fused and unfused runs alternate so both see the same background load.
         let mut times = Vec::with_capacity(max_runs);
+        let mut base_times = Vec::with_capacity(max_runs);
         let start = Instant::now();
         while times.len() < max_runs && (times.len() < 5 || start.elapsed() < budget) {
+            set_fused_kernels(false);
+            let t0 = Instant::now();
+            black_box(layer.step()?);
+            base_times.push(t0.elapsed().as_secs_f64());
+            set_fused_kernels(true);
             let t0 = Instant::now();
             black_box(layer.step()?);
             times.push(t0.elapsed().as_secs_f64());
         }
-        times.sort_by(f64::total_cmp);
-        let median = if times.len() % 2 == 1 {
-            times[times.len() / 2]
-        } else {
-            0.5 * (times[times.len() / 2 - 1] + times[times.len() / 2])
-        };
+        let median = median_of(&mut times);
+        let base_median = median_of(&mut base_times);
         let line = serde_json::json!({
             "framework": "candle",
             "device": if device.is_cuda() { "cuda" } else { "cpu" },
@@ -286,6 +316,8 @@ fn json_mode() -> Result<()> {
             "median_s": median,
             "min_s": times[0],
             "tokens_per_s": shape.tokens as f64 / median,
+            "unfused_median_s": base_median,
+            "fused_speedup": base_median / median,
             "loss": check.loss,
             "lb": check.lb,
             "counts": check.counts,
@@ -296,6 +328,17 @@ fn json_mode() -> Result<()> {
         println!("{line}");
     }
     Ok(())
+}
+
+/// The median of `times` (sorted in place).
+fn median_of(times: &mut [f64]) -> f64 {
+    times.sort_by(f64::total_cmp);
+    let n = times.len();
+    if n % 2 == 1 {
+        times[n / 2]
+    } else {
+        0.5 * (times[n / 2 - 1] + times[n / 2])
+    }
 }
 
 /// `MOE_BENCH_PRECISION`: f32 (default) or bf16.

@@ -61,7 +61,7 @@ pub struct ExpertWeights {
 impl ExpertWeights {
     /// `gelu(x·w1)·w2` for `x [n, d]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.compute.matmul(x, &self.w1)?.gelu()?;
+        let h = super::fused::gelu(&self.compute.matmul(x, &self.w1)?)?;
         self.compute.matmul(&h, &self.w2)
     }
 }

@@ -1,0 +1,107 @@
+//! One whole training step on the CPU (forward, backward, gradient clipping, AdamW on the dense
+//! part and every expert), in tokens/s: the executor's single-worker [`Trainer`] on the
+//! embedded corpus. Two shapes: `tiny` ([`MoeConfig::tiny`]) and `gpt_s_2l`, GPT-S's layer and
+//! vocabulary shapes (d 768, 12 heads, d_ff 3072, 8 experts, top-1, vocab 50,257) with 2 of its
+//! 12 layers and 2 × 128 tokens, so that weights, moments and gradients fit a shared machine.
+//!
+//! Two trainers of the same seed run side by side in one process, steps alternating: one with
+//! the fused CPU kernels off (candle's own ops, `set_fused_kernels(false)`), the baseline, and
+//! one with them on. Their losses must agree bit for bit at every step (checked), and the bench
+//! prints one JSON line per shape with both medians and `fused_speedup` = unfused / fused.
+//! `results/executor/train_step_torch.py` is the PyTorch twin of the same step, and
+//! `results/executor/regenerate.sh` runs both, interleaved.
+//!
+//! `cargo bench -p lazarus-executor --bench train_step` (RAYON_NUM_THREADS pins the threads;
+//! `STEP_BENCH_STEPS`, default 8, timed steps per trainer after 2 warm-up steps;
+//! `STEP_BENCH_SHAPES=tiny` keeps only the named shapes).
+
+use candle_core::Result;
+use lazarus_executor::model::{MoeConfig, Trainer, set_fused_kernels};
+use std::time::Instant;
+
+fn shapes() -> Vec<(&'static str, MoeConfig)> {
+    let gpt_s_2l = MoeConfig {
+        n_layers: 2,
+        seq_len: 128,
+        batch: 2,
+        ..MoeConfig::gpt_s()
+    };
+    vec![("tiny", MoeConfig::tiny()), ("gpt_s_2l", gpt_s_2l)]
+}
+
+fn median_of(times: &mut [f64]) -> f64 {
+    times.sort_by(f64::total_cmp);
+    let n = times.len();
+    if n % 2 == 1 {
+        times[n / 2]
+    } else {
+        0.5 * (times[n / 2 - 1] + times[n / 2])
+    }
+}
+
+fn timed(trainer: &mut Trainer, fused: bool) -> Result<(f64, f32)> {
+    set_fused_kernels(fused);
+    let t0 = Instant::now();
+    let report = trainer.step()?;
+    Ok((t0.elapsed().as_secs_f64(), report.loss))
+}
+
+fn main() -> Result<()> {
+    let steps: usize = std::env::var("STEP_BENCH_STEPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(8)
+        .max(1);
+    let only: Option<Vec<String>> = std::env::var("STEP_BENCH_SHAPES")
+        .ok()
+        .map(|s| s.split(',').map(|x| x.trim().to_owned()).collect());
+    let threads = candle_core::utils::get_num_threads();
+    for (name, cfg) in shapes() {
+        if only.as_ref().is_some_and(|o| !o.iter().any(|x| x == name)) {
+            continue;
+        }
+        let mut base = Trainer::new(&cfg)?;
+        let mut fused = Trainer::new(&cfg)?;
+        let (mut base_times, mut times, mut losses) = (Vec::new(), Vec::new(), Vec::new());
+        for i in 0..steps + 2 {
+            let (tb, lb) = timed(&mut base, false)?;
+            let (tf, lf) = timed(&mut fused, true)?;
+            if lb.to_bits() != lf.to_bits() {
+                candle_core::bail!(
+                    "{name} step {i}: loss {lf} with the fused kernels, {lb} without"
+                );
+            }
+            losses.push(lf);
+            if i >= 2 {
+                base_times.push(tb);
+                times.push(tf);
+            }
+        }
+        let tokens = cfg.batch * cfg.seq_len;
+        let (median, base_median) = (median_of(&mut times), median_of(&mut base_times));
+        let line = serde_json::json!({
+            "framework": "candle",
+            "bench": "train_step",
+            "config": name,
+            "vocab": cfg.vocab,
+            "d_model": cfg.d_model,
+            "n_layers": cfg.n_layers,
+            "n_heads": cfg.n_heads,
+            "d_ff": cfg.d_ff,
+            "experts": cfg.experts,
+            "top_k": cfg.top_k,
+            "tokens": tokens,
+            "threads": threads,
+            "runs": times.len(),
+            "median_s": median,
+            "min_s": times[0],
+            "tokens_per_s": tokens as f64 / median,
+            "unfused_median_s": base_median,
+            "fused_speedup": base_median / median,
+            "first_loss": losses[0],
+            "last_loss": losses[losses.len() - 1],
+        });
+        println!("{line}");
+    }
+    Ok(())
+}

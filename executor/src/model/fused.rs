@@ -1,0 +1,408 @@
+//! Fused CPU element-wise kernels with a backward, as candle custom ops.
+//!
+//! candle computes `gelu` in one pass but differentiates it as a chain of twelve tensor ops
+//! (cube, four affines, two adds, tanh, square, mul, …), each a full pass over the activations
+//! with a fresh allocation; in one MoE layer that backward cost more than the expert matmuls.
+//! [`gelu`] runs the same forward and a backward that evaluates the *same* f32 expression per
+//! element in one pass, split over rayon's threads. The arithmetic is candle's own, operation by
+//! operation and in the same order (`affine(m, a)` is `v·m + a` in f32, `powf` is the libm
+//! call, no fused multiply-add), so the gradients are bit-identical to candle's: training does
+//! not change, only its speed (checked by the tests below against candle's ops).
+//!
+//! Only f32 on the CPU takes the fused path; other dtypes and CUDA tensors use candle's ops.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Whether [`gelu`] takes the fused path ([`set_fused_kernels`]).
+static FUSED: AtomicBool = AtomicBool::new(true);
+
+/// Turns the fused kernels off (candle's own ops) or on (the default), process-wide: the
+/// baseline of the benchmarks that measure them in one process. The results are the same bits
+/// either way.
+pub fn set_fused_kernels(on: bool) {
+    FUSED.store(on, Ordering::Relaxed);
+}
+
+/// Elements per rayon task: large enough that the split costs nothing measurable, small enough
+/// that a layer's activations spread over every thread.
+const CHUNK: usize = 1 << 14;
+
+/// candle's tanh-approximated GELU, `0.5·x·(1 + tanh(√(2/π)·x·(1 + 0.044715·x²)))`, with a
+/// fused backward on f32 CPU tensors (bit-identical to `Tensor::gelu`, forward and backward).
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    if !FUSED.load(Ordering::Relaxed) || !x.device().is_cpu() || x.dtype() != DType::F32 {
+        return x.gelu();
+    }
+    x.contiguous()?.apply_op1(Gelu)
+}
+
+/// The f32 slice of a contiguous CPU storage.
+fn f32_slice<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> Result<&'a [f32]> {
+    let CpuStorage::F32(data) = storage else {
+        candle_core::bail!("{op}: f32 only, got {:?}", storage.dtype());
+    };
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&data[start..end]),
+        None => candle_core::bail!("{op}: the input must be contiguous"),
+    }
+}
+
+/// `out[i] = f(a[i])` over rayon chunks.
+fn map1(a: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {
+    let mut out = vec![0f32; a.len()];
+    out.par_chunks_mut(CHUNK)
+        .zip(a.par_chunks(CHUNK))
+        .for_each(|(o, a)| {
+            for (o, &a) in o.iter_mut().zip(a) {
+                *o = f(a);
+            }
+        });
+    out
+}
+
+/// `out[i] = f(a[i], b[i])` over rayon chunks.
+fn map2(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) -> Vec<f32> {
+    let mut out = vec![0f32; a.len()];
+    out.par_chunks_mut(CHUNK)
+        .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
+        .for_each(|(o, (a, b))| {
+            for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
+                *o = f(a, b);
+            }
+        });
+    out
+}
+
+/// candle's f32 `gelu` (`candle_core::op::Gelu::f32`).
+#[inline(always)]
+fn gelu_f32(v: f32) -> f32 {
+    const SQRT_TWO_OVER_PI: f32 = 0.797_884_6;
+    0.5 * v * (1.0 + f32::tanh(SQRT_TWO_OVER_PI * v * (1.0 + 0.044715 * v * v)))
+}
+
+/// candle's `affine(mul, add)` on f32: `v·mul + add` with both constants rounded to f32 (the
+/// `+ add` is kept even when it is 0: it turns −0 into +0, as candle's op does).
+#[inline(always)]
+fn affine(v: f32, mul: f64, add: f64) -> f32 {
+    v * (mul as f32) + (add as f32)
+}
+
+/// `g · gelu'(x)` exactly as candle's backward of `UnaryOp::Gelu` (candle-core 0.11,
+/// `backprop.rs`) computes it, one tensor op per line:
+/// `cube = x³; t = tanh(0.0356774·cube + 0.797885·x);`
+/// `gelu' = (0.5·t + (0.0535161·cube + 0.398942·x)·(1 − t²)) + 0.5`.
+#[inline(always)]
+fn gelu_grad_f32(x: f32, g: f32) -> f32 {
+    // The exponents go through `black_box`: with a constant 2.0 LLVM turns `powf` into `t·t`,
+    // which is not always the libm `powf` result candle's runtime exponent gets.
+    let (three, two) = (std::hint::black_box(3.0f32), std::hint::black_box(2.0f32));
+    let cube = x.powf(three);
+    let t = (affine(cube, 0.0356774, 0.0) + affine(x, 0.797885, 0.0)).tanh();
+    let half_t = affine(t, 0.5, 0.0);
+    let inner = affine(cube, 0.0535161, 0.0) + affine(x, 0.398942, 0.0);
+    let one_minus_t2 = affine(t.powf(two), -1.0, 1.0);
+    let d = affine(half_t + inner * one_minus_t2, 1.0, 0.5);
+    g * d
+}
+
+struct Gelu;
+
+impl CustomOp1 for Gelu {
+    fn name(&self) -> &'static str {
+        "fused-gelu"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(storage, layout, self.name())?;
+        Ok((CpuStorage::F32(map1(x, gelu_f32)), layout.shape().clone()))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let grad = grad_res.contiguous()?;
+        Ok(Some(arg.apply_op2_no_bwd(&grad, &GeluGrad)?))
+    }
+}
+
+/// `(x, g) ↦ g·gelu'(x)`, the backward of [`Gelu`].
+struct GeluGrad;
+
+impl CustomOp2 for GeluGrad {
+    fn name(&self) -> &'static str {
+        "fused-gelu-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        if l1.shape() != l2.shape() {
+            candle_core::bail!(
+                "{}: shapes {:?} and {:?} differ",
+                self.name(),
+                l1.shape(),
+                l2.shape()
+            );
+        }
+        let x = f32_slice(s1, l1, self.name())?;
+        let g = f32_slice(s2, l2, self.name())?;
+        Ok((
+            CpuStorage::F32(map2(x, g, gelu_grad_f32)),
+            l1.shape().clone(),
+        ))
+    }
+}
+
+/// `silu(h[:, ..ff]) ⊙ h[:, ff..]` of `h [n, 2ff]` (SwiGLU, Shazeer 2020, "GLU Variants Improve
+/// Transformer", Eq. 6 with Swish β = 1): one pass forward, one pass backward on f32 CPU
+/// tensors; elsewhere (and with the fused kernels off) the same from candle's differentiable
+/// ops. The forward is candle's `silu` composition op by op (`g·recip(exp(−g)·1 + 1)·u`), so
+/// both paths give the same output bits; the backward evaluates
+/// `∂/∂g = grad·u·σ(g)·(1 + g·(1 − σ(g)))`, `∂/∂u = grad·silu(g)` in one pass, which rounds
+/// differently from candle's chain of ops (checked against it within f32 error and against
+/// finite differences).
+pub fn swiglu(h: &Tensor, ff: usize) -> Result<Tensor> {
+    let (_, cols) = h.dims2()?;
+    if cols != 2 * ff {
+        candle_core::bail!("swiglu: {cols} columns, need 2·ff = {}", 2 * ff);
+    }
+    if !FUSED.load(Ordering::Relaxed) || !h.device().is_cpu() || h.dtype() != DType::F32 {
+        let g = h.narrow(1, 0, ff)?;
+        let sigmoid = (g.neg()?.exp()? + 1.0)?.recip()?;
+        return (g * sigmoid)? * h.narrow(1, ff, ff)?;
+    }
+    h.contiguous()?.apply_op1(SwiGlu { ff })
+}
+
+/// candle's `(g.neg().exp() + 1).recip()` on f32: σ(g).
+#[inline(always)]
+fn sigmoid_f32(g: f32) -> f32 {
+    1.0 / affine((-g).exp(), 1.0, 1.0)
+}
+
+struct SwiGlu {
+    ff: usize,
+}
+
+impl CustomOp1 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "fused-swiglu"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let h = f32_slice(storage, layout, self.name())?;
+        let ff = self.ff;
+        let rows = h.len() / (2 * ff);
+        let mut out = vec![0f32; rows * ff];
+        out.par_chunks_mut(ff)
+            .zip(h.par_chunks(2 * ff))
+            .for_each(|(o, h)| {
+                let (g, u) = h.split_at(ff);
+                for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                    *o = (g * sigmoid_f32(g)) * u;
+                }
+            });
+        Ok((CpuStorage::F32(out), Shape::from((rows, ff))))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let grad = grad_res.contiguous()?;
+        Ok(Some(
+            arg.apply_op2_no_bwd(&grad, &SwiGluGrad { ff: self.ff })?,
+        ))
+    }
+}
+
+/// `(h [n, 2ff], grad [n, ff]) ↦ ∂ [n, 2ff]`, the backward of [`SwiGlu`].
+struct SwiGluGrad {
+    ff: usize,
+}
+
+impl CustomOp2 for SwiGluGrad {
+    fn name(&self) -> &'static str {
+        "fused-swiglu-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let h = f32_slice(s1, l1, self.name())?;
+        let grad = f32_slice(s2, l2, self.name())?;
+        let ff = self.ff;
+        if h.len() != 2 * grad.len() {
+            candle_core::bail!(
+                "{}: {} inputs for {} gradients",
+                self.name(),
+                h.len(),
+                grad.len()
+            );
+        }
+        let mut out = vec![0f32; h.len()];
+        out.par_chunks_mut(2 * ff)
+            .zip(h.par_chunks(2 * ff).zip(grad.par_chunks(ff)))
+            .for_each(|(o, (h, gr))| {
+                let (dg, du) = o.split_at_mut(ff);
+                let (g, u) = h.split_at(ff);
+                for j in 0..ff {
+                    let s = sigmoid_f32(g[j]);
+                    let silu = g[j] * s;
+                    du[j] = gr[j] * silu;
+                    dg[j] = gr[j] * u[j] * (s * (1.0 + g[j] * (1.0 - s)));
+                }
+            });
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// Values that exercise every branch of the formula: zeros of both signs, tiny, large,
+    /// saturated tanh, and a dense sweep.
+    fn inputs(n: usize) -> Vec<f32> {
+        let mut v = vec![
+            0.0, -0.0, 1e-30, -1e-30, 1e-7, -3.0, 3.0, 9.5, -9.5, 40.0, -40.0,
+        ];
+        let mut s = 0x9e37_79b9_u32;
+        while v.len() < n {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            v.push((s as f32 / u32::MAX as f32 - 0.5) * 12.0);
+        }
+        v
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    }
+
+    /// Forward and backward equal candle's `gelu` bit for bit, over more than one rayon chunk
+    /// and with a non-trivial upstream gradient.
+    #[test]
+    fn gelu_matches_candle_bit_for_bit() -> Result<()> {
+        let rows = 3 * CHUNK / 7 + 5;
+        let n = rows * 7;
+        let x = Var::from_vec(inputs(n), (rows, 7), &Device::Cpu)?;
+        let w = Tensor::from_vec(inputs(n + 5)[5..].to_vec(), x.shape(), &Device::Cpu)?;
+        let ours = gelu(x.as_tensor())?;
+        let theirs = x.as_tensor().gelu()?;
+        assert_eq!(bits(&ours), bits(&theirs));
+        let g_ours = ours.mul(&w)?.sum_all()?.backward()?;
+        let g_theirs = theirs.mul(&w)?.sum_all()?.backward()?;
+        let (a, b) = (g_ours.get(&x).unwrap(), g_theirs.get(&x).unwrap());
+        let (a, b) = (bits(a), bits(b));
+        let xs = x.as_tensor().flatten_all()?.to_vec1::<f32>()?;
+        for i in 0..n {
+            assert_eq!(
+                a[i],
+                b[i],
+                "element {i}: x {} grad {} vs candle {}",
+                xs[i],
+                f32::from_bits(a[i]),
+                f32::from_bits(b[i])
+            );
+        }
+        Ok(())
+    }
+
+    /// A strided input (a transpose) goes through `contiguous` and still matches.
+    #[test]
+    fn gelu_of_a_strided_input() -> Result<()> {
+        let x = Var::from_vec(inputs(6 * 5), (6, 5), &Device::Cpu)?;
+        let xt = x.as_tensor().t()?;
+        let ours = gelu(&xt)?;
+        let theirs = xt.gelu()?;
+        assert_eq!(bits(&ours), bits(&theirs));
+        let ga = ours.sqr()?.sum_all()?.backward()?;
+        let gb = theirs.sqr()?.sum_all()?.backward()?;
+        assert_eq!(bits(ga.get(&x).unwrap()), bits(gb.get(&x).unwrap()));
+        Ok(())
+    }
+
+    /// The gradient against central finite differences in f64 of the exact GELU (guards the
+    /// formula itself, not only its agreement with candle).
+    #[test]
+    fn gelu_gradient_against_finite_differences() -> Result<()> {
+        let xs: Vec<f32> = (-40..=40).map(|i| i as f32 * 0.1).collect();
+        let x = Var::from_vec(xs.clone(), xs.len(), &Device::Cpu)?;
+        let g = gelu(x.as_tensor())?.sum_all()?.backward()?;
+        let g = g.get(&x).unwrap().to_vec1::<f32>()?;
+        let f = |v: f64| {
+            0.5 * v
+                * (1.0
+                    + (((2.0 / std::f64::consts::PI).sqrt()) * (v + 0.044715 * v.powi(3))).tanh())
+        };
+        for (&v, &gv) in xs.iter().zip(&g) {
+            let h = 1e-4;
+            let v = v as f64;
+            let fd = (f(v + h) - f(v - h)) / (2.0 * h);
+            assert!((gv as f64 - fd).abs() < 1e-4, "x {v}: {gv} vs {fd}");
+        }
+        Ok(())
+    }
+
+    /// SwiGLU: forward bit-identical to candle's ops, backward within f32 rounding of them, and
+    /// against central finite differences in f64.
+    #[test]
+    fn swiglu_matches_candle_and_finite_differences() -> Result<()> {
+        let (rows, ff) = (CHUNK / 64 + 3, 40);
+        let xs: Vec<f32> = inputs(rows * 2 * ff).iter().map(|v| v * 0.5).collect();
+        let h = Var::from_vec(xs.clone(), (rows, 2 * ff), &Device::Cpu)?;
+        let w = Tensor::from_vec(
+            inputs(rows * ff + 3)[3..].to_vec(),
+            (rows, ff),
+            &Device::Cpu,
+        )?;
+        set_fused_kernels(false);
+        let theirs = swiglu(h.as_tensor(), ff)?;
+        let g_theirs = theirs.mul(&w)?.sum_all()?.backward()?;
+        set_fused_kernels(true);
+        let ours = swiglu(h.as_tensor(), ff)?;
+        assert_eq!(bits(&ours), bits(&theirs));
+        let g_ours = ours.mul(&w)?.sum_all()?.backward()?;
+        let a = g_ours.get(&h).unwrap().flatten_all()?.to_vec1::<f32>()?;
+        let b = g_theirs.get(&h).unwrap().flatten_all()?.to_vec1::<f32>()?;
+        let wv = w.flatten_all()?.to_vec1::<f32>()?;
+        let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
+        for (i, (&a, &b)) in a.iter().zip(&b).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                "element {i}: {a} vs candle {b}"
+            );
+            let (r, c) = (i / (2 * ff), i % (2 * ff));
+            let (j, gate) = if c < ff { (c, true) } else { (c - ff, false) };
+            let g = xs[r * 2 * ff + j] as f64;
+            let u = xs[r * 2 * ff + ff + j] as f64;
+            let f = |g: f64, u: f64| g * sig(g) * u * wv[r * ff + j] as f64;
+            let e = 1e-4;
+            let fd = if gate {
+                (f(g + e, u) - f(g - e, u)) / (2.0 * e)
+            } else {
+                (f(g, u + e) - f(g, u - e)) / (2.0 * e)
+            };
+            assert!(
+                (a as f64 - fd).abs() < 1e-3 * (1.0 + fd.abs()),
+                "element {i}: {a} vs fd {fd}"
+            );
+        }
+        Ok(())
+    }
+}
