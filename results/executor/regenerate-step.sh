@@ -6,6 +6,7 @@
 #
 #   bash results/executor/regenerate-step.sh                 # 2 rounds, 2 threads
 #   ROUNDS=3 THREADS=2 STEPS=8 bash results/executor/regenerate-step.sh
+#   SHAPES=tiny,gpt_s_2l bash results/executor/regenerate-step.sh   # GPT-S shapes: > 8 GB, see the bench
 #
 # Needs: cargo, python3 with numpy and torch (pip install torch numpy).
 set -euo pipefail
@@ -14,6 +15,7 @@ cd "$(dirname "$0")/../.."
 THREADS="${THREADS:-2}"
 ROUNDS="${ROUNDS:-2}"
 STEPS="${STEPS:-8}"
+SHAPES="${SHAPES:-tiny}"
 PYTHON="${PYTHON:-python3}"
 DIR=results/executor
 RAW="$DIR/train_step_raw.jsonl"
@@ -33,13 +35,13 @@ test -x "$BENCH_BIN"
 for round in $(seq 1 "$ROUNDS"); do
     load="$(cut -d' ' -f1 /proc/loadavg)"
     echo "== round $round: candle, load average $load" >&2
-    STEP_BENCH_STEPS="$STEPS" RAYON_NUM_THREADS="$THREADS" "$BENCH_BIN" |
+    STEP_BENCH_SHAPES="$SHAPES" STEP_BENCH_STEPS="$STEPS" RAYON_NUM_THREADS="$THREADS" "$BENCH_BIN" |
         python3 -c "import json,sys; [print(json.dumps({**json.loads(l), 'round': $round, 'load_before': $load}), flush=True) for l in sys.stdin if l.startswith('{')]" |
         tee -a "$RAW"
     load="$(cut -d' ' -f1 /proc/loadavg)"
     echo "== round $round: torch, load average $load" >&2
     STEP_BENCH_STEPS="$STEPS" OMP_NUM_THREADS="$THREADS" MKL_NUM_THREADS="$THREADS" MOE_THREADS="$THREADS" \
-        "$PYTHON" "$DIR/train_step_torch.py" |
+        "$PYTHON" "$DIR/train_step_torch.py" ${SHAPES//,/ } |
         python3 -c "import json,sys; [print(json.dumps({**json.loads(l), 'round': $round, 'load_before': $load}), flush=True) for l in sys.stdin if l.startswith('{')]" |
         tee -a "$RAW"
 done
