@@ -444,13 +444,20 @@ pub fn decode_expert(b: &[u8]) -> Result<ExpertState, CheckpointError> {
 fn decode_expert_as(what: &str, b: &[u8]) -> Result<ExpertState, CheckpointError> {
     let s: ExpertState = decode(what, b)?;
     let n = s.d_model.checked_mul(s.d_ff);
-    for (field, len) in [
-        ("w1", s.w1.len()),
-        ("w2", s.w2.len()),
-        ("m1", s.m1.len()),
-        ("v1", s.v1.len()),
-        ("m2", s.m2.len()),
-        ("v2", s.v2.len()),
+    // `w1` is d_model x d_ff (GELU) or d_model x 2·d_ff (SwiGLU, `MoeConfig::w1_cols`); the
+    // manifest's config says which, checked against it where the expert is read for a model.
+    let n1 = if n.is_some_and(|n| s.w1.len() == 2 * n) {
+        n.map(|n| 2 * n)
+    } else {
+        n
+    };
+    for (field, len, n) in [
+        ("w1", s.w1.len(), n1),
+        ("w2", s.w2.len(), n),
+        ("m1", s.m1.len(), n1),
+        ("v1", s.v1.len(), n1),
+        ("m2", s.m2.len(), n),
+        ("v2", s.v2.len(), n),
     ] {
         if n != Some(len) {
             return Err(CheckpointError::InvalidState {
@@ -1323,7 +1330,9 @@ impl Loaded {
                 "holds expert ({}, {}), expected ({layer}, {expert})",
                 s.layer, s.expert
             ))
-        } else if (s.d_model, s.d_ff) != (cfg.d_model, cfg.d_ff) {
+        } else if (s.d_model, s.d_ff) != (cfg.d_model, cfg.d_ff)
+            || s.w1.len() != cfg.d_model * cfg.w1_cols()
+        {
             Some(format!(
                 "expert is {}x{}, the model's are {}x{}",
                 s.d_model, s.d_ff, cfg.d_model, cfg.d_ff

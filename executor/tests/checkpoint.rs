@@ -35,6 +35,7 @@ fn cfg() -> MoeConfig {
         grad_clip_norm: 0.0,
         seed: 7,
         precision: Precision::Auto,
+        hf: None,
     }
 }
 

@@ -28,6 +28,7 @@ fn small(top_k: usize) -> MoeConfig {
         grad_clip_norm: 0.0,
         seed: 7,
         precision: Precision::Auto,
+        hf: None,
     }
 }
 
@@ -163,7 +164,7 @@ proptest! {
     /// Counts sum to tokens × k for any shape, and match the recorded choices.
     #[test]
     fn counts_match_choices(b in 1usize..4, s in 1usize..6, experts in 2usize..6, k in 1usize..3, seed in 0u64..1000) {
-        let cfg = MoeConfig { vocab: 256, d_model: 8, n_layers: 2, n_heads: 2, d_ff: 8, experts, top_k: k, seq_len: s, batch: b, lb_loss_coef: 0.01, lr: 1e-3, adam_beta2: 0.999, grad_clip_norm: 0.0, seed, precision: Precision::Auto };
+        let cfg = MoeConfig { vocab: 256, d_model: 8, n_layers: 2, n_heads: 2, d_ff: 8, experts, top_k: k, seq_len: s, batch: b, lb_loss_coef: 0.01, lr: 1e-3, adam_beta2: 0.999, grad_clip_norm: 0.0, seed, precision: Precision::Auto, hf: None };
         let model = DenseModel::new(&cfg, &Device::Cpu).unwrap();
         let store = ExpertStore::all(&cfg, &Device::Cpu).unwrap();
         let mut stats = RoutingStats::default();

@@ -1,6 +1,10 @@
-//! Shape and training hyper-parameters of the GPT-style MoE model.
+//! Shape and training hyper-parameters of the MoE model: the paper's GPT-style family
+//! (the default) or a Hugging Face family read from its `config.json`
+//! ([`MoeConfig::from_hf_config_json`], [`HfModel`]).
 
 use serde::{Deserialize, Serialize};
+
+pub use super::hf::{Family, HfModel};
 
 /// Why a [`MoeConfig`] cannot build a model. Each variant names the offending quantity.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -23,6 +27,10 @@ pub enum ConfigError {
     },
     #[error("precision must be auto, f32 or bf16 (got {0:?})")]
     Precision(String),
+    /// A Hugging Face `config.json` field that is missing, malformed or asks for something the
+    /// executor does not implement (it refuses rather than train another model).
+    #[error("config.json: {field}: {why}")]
+    Hf { field: String, why: String },
 }
 
 /// The arithmetic of the matrix products in the forward and backward passes (mixed precision).
@@ -131,6 +139,13 @@ pub struct MoeConfig {
     /// without it means `auto`.
     #[serde(default)]
     pub precision: Precision,
+    /// The Hugging Face family and its architecture fields when the model comes from a
+    /// `config.json` ([`MoeConfig::from_hf_config_json`]); `None` (absent from old files, job
+    /// JSON and checkpoint manifests) is the GPT-style model. For an HF family `d_ff` is the
+    /// routed experts' intermediate size (`intermediate_size` for Mixtral,
+    /// `moe_intermediate_size` for Qwen-MoE and DeepSeek-V3) and `n_heads` the query heads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hf: Option<Box<HfModel>>,
 }
 
 fn default_adam_beta2() -> f64 {
@@ -161,6 +176,7 @@ impl MoeConfig {
             grad_clip_norm: 1.0,
             seed: 0,
             precision: Precision::Auto,
+            hf: None,
         }
     }
 
@@ -197,6 +213,27 @@ impl MoeConfig {
             grad_clip_norm: 1.0,
             seed: 0,
             precision: Precision::Auto,
+            hf: None,
+        }
+    }
+
+    /// The model family: [`Family::Gpt`] unless the config came from a `config.json`.
+    pub fn family(&self) -> Family {
+        self.hf.as_ref().map_or(Family::Gpt, |h| h.family)
+    }
+
+    /// Whether routed experts are SwiGLU (`w1` holds the gate and up projections side by side).
+    pub fn gated_experts(&self) -> bool {
+        self.hf.is_some()
+    }
+
+    /// Columns of an expert's `w1`: `d_ff` for the GPT family's GELU experts, `2·d_ff` for a
+    /// SwiGLU family (gate projection in columns `0..d_ff`, up projection in `d_ff..2·d_ff`).
+    pub fn w1_cols(&self) -> usize {
+        if self.gated_experts() {
+            2 * self.d_ff
+        } else {
+            self.d_ff
         }
     }
 
@@ -217,7 +254,9 @@ impl MoeConfig {
                 return Err(ConfigError::Zero { name });
             }
         }
-        if !self.d_model.is_multiple_of(self.n_heads) {
+        if let Some(hf) = &self.hf {
+            hf.validate(self)?;
+        } else if !self.d_model.is_multiple_of(self.n_heads) {
             return Err(ConfigError::HeadSplit {
                 d_model: self.d_model,
                 n_heads: self.n_heads,
@@ -273,14 +312,17 @@ impl MoeConfig {
         }
     }
 
-    /// Parameters of one expert (`w1` + `w2`, no biases).
+    /// Parameters of one routed expert (`w1` + `w2`, no biases; `3·d·d_ff` for SwiGLU).
     pub fn expert_params(&self) -> usize {
-        2 * self.d_model * self.d_ff
+        (self.w1_cols() + self.d_ff) * self.d_model
     }
 
     /// Parameters replicated on every worker: embeddings (LM head tied to the token
     /// embedding), attention, layer norms, routers, final norm.
     pub fn dense_params(&self) -> usize {
+        if let Some(hf) = &self.hf {
+            return hf.dense_params(self);
+        }
         let d = self.d_model;
         let per_layer = 2 * 2 * d // ln1, ln2
             + 3 * d * d + 3 * d // qkv

@@ -5,12 +5,22 @@
 //! feed-forward is an MoE layer; the experts themselves are not part of [`DenseModel`] but are
 //! reached through an [`ExpertExec`].
 //!
+//! A Hugging Face family (`MoeConfig::hf`, see `model::hf`) is built instead from its own
+//! parameters, named exactly by their `transformers` tensor names and stored in their layout
+//! (`nn.Linear` weights `[out, in]`, the forward computes `x·Wᵀ`): pre-norm blocks with
+//! RMSNorm, rotary positions (`rotate_half` convention, `rope_theta`), grouped-query attention
+//! (Qwen2 q/k/v biases, Qwen3 per-head q/k RMSNorm), the family's router (softmax, top-k,
+//! renormalised always for Mixtral and with `norm_topk_prob` for Qwen) and the Qwen2-MoE
+//! shared expert with its sigmoid gate; final RMSNorm; `lm_head` unless tied.
+//!
 //! Two candle traps are avoided on purpose: `candle_nn::ops::softmax_last_dim` and the fused
 //! `candle_nn::LayerNorm` / `ops::layer_norm` path have **no backward** (gradients silently
 //! stop), so this module uses `ops::softmax` and `ops::layer_norm_slow`.
 
+use super::config::HfModel;
 use super::config::{MoeConfig, Precision};
-use super::experts::ExpertExec;
+use super::experts::{ExpertExec, sigmoid, silu};
+use super::hf::Family;
 use super::init::normal;
 use super::optim::AdamW;
 use candle_core::{D, Device, Result, Tensor, Var};
@@ -77,6 +87,42 @@ pub struct DenseModel {
     /// The products' arithmetic on this device ([`crate::model::Precision::on`]): attention,
     /// projections and the LM head; the router, norms, softmaxes and the loss stay f32.
     compute: Precision,
+    /// The parameters of a Hugging Face family (then `blocks` is empty and `wte` is
+    /// `model.embed_tokens.weight`).
+    hf: Option<HfParts>,
+}
+
+/// One block of a Hugging Face family.
+#[derive(Debug, Clone)]
+struct HfBlock {
+    in_norm: Tensor,
+    /// `[out, in]` weights and optional biases of q, k, v, o.
+    q: (Tensor, Option<Tensor>),
+    k: (Tensor, Option<Tensor>),
+    v: (Tensor, Option<Tensor>),
+    o: (Tensor, Option<Tensor>),
+    /// Qwen3: RMSNorm weights `[head_dim]` of each query and key head.
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    post_norm: Tensor,
+    /// `[E, d]`.
+    router: Tensor,
+    /// Shared expert `(gate [sff, d], up [sff, d], down [d, sff])`.
+    shared: Option<(Tensor, Tensor, Tensor)>,
+    /// Qwen2-MoE `shared_expert_gate.weight [1, d]`.
+    shared_gate: Option<Tensor>,
+}
+
+#[derive(Debug, Clone)]
+struct HfParts {
+    arch: HfModel,
+    blocks: Vec<HfBlock>,
+    norm: Tensor,
+    /// `lm_head.weight [vocab, d]`; `None` when tied to the embedding.
+    lm_head: Option<Tensor>,
+    /// Rotary tables `[seq_len, head_dim]`.
+    cos: Tensor,
+    sin: Tensor,
 }
 
 impl std::fmt::Debug for DenseModel {
@@ -114,6 +160,167 @@ impl Builder<'_> {
         let t = Tensor::full(value, n, self.device)?;
         self.push(name, t)
     }
+
+    /// An `nn.Linear(inp, out)` weight `[out, in]` named `{prefix}.weight`, N(0, std), and
+    /// its zero bias `{prefix}.bias` when `bias`.
+    fn linear(
+        &mut self,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+        std: f64,
+        bias: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let w = self.normal(format!("{prefix}.weight"), (out, inp), std)?;
+        let b = if bias {
+            Some(self.fill(format!("{prefix}.bias"), out, 0.0)?)
+        } else {
+            None
+        };
+        Ok((w, b))
+    }
+}
+
+/// The variables of a Hugging Face family, in `transformers`' module order, with
+/// `transformers`' initialisation (`nn.Linear` and `nn.Embedding` N(0, initializer_range),
+/// RMSNorm weights 1, biases 0).
+fn build_hf(cfg: &MoeConfig, hf: &HfModel, b: &mut Builder<'_>) -> Result<(Tensor, HfParts)> {
+    let (d, std) = (cfg.d_model, hf.initializer_range);
+    let (q, kv) = (cfg.n_heads * hf.head_dim, hf.n_kv_heads * hf.head_dim);
+    let embed = b.normal("model.embed_tokens.weight".into(), (cfg.vocab, d), std)?;
+    let mut blocks = Vec::with_capacity(cfg.n_layers);
+    for l in 0..cfg.n_layers {
+        let p = format!("model.layers.{l}");
+        let a = format!("{p}.self_attn");
+        let in_norm = b.fill(format!("{p}.input_layernorm.weight"), d, 1.0)?;
+        let qp = b.linear(&format!("{a}.q_proj"), q, d, std, hf.qkv_bias)?;
+        let kp = b.linear(&format!("{a}.k_proj"), kv, d, std, hf.qkv_bias)?;
+        let vp = b.linear(&format!("{a}.v_proj"), kv, d, std, hf.qkv_bias)?;
+        let op = b.linear(&format!("{a}.o_proj"), d, q, std, hf.o_bias)?;
+        let (q_norm, k_norm) = if hf.qk_norm {
+            (
+                Some(b.fill(format!("{a}.q_norm.weight"), hf.head_dim, 1.0)?),
+                Some(b.fill(format!("{a}.k_norm.weight"), hf.head_dim, 1.0)?),
+            )
+        } else {
+            (None, None)
+        };
+        let post_norm = b.fill(format!("{p}.post_attention_layernorm.weight"), d, 1.0)?;
+        let router = b.normal(hf.router_name(l), (cfg.experts, d), std)?;
+        let shared = match hf.shared_prefix(l) {
+            Some(sp) => {
+                let f = hf.shared_ff;
+                Some((
+                    b.linear(&format!("{sp}.gate_proj"), f, d, std, false)?.0,
+                    b.linear(&format!("{sp}.up_proj"), f, d, std, false)?.0,
+                    b.linear(&format!("{sp}.down_proj"), d, f, std, false)?.0,
+                ))
+            }
+            None => None,
+        };
+        let shared_gate = if hf.shared_gate {
+            Some(b.normal(
+                format!("{}.shared_expert_gate.weight", hf.moe_prefix(l)),
+                (1, d),
+                std,
+            )?)
+        } else {
+            None
+        };
+        blocks.push(HfBlock {
+            in_norm,
+            q: qp,
+            k: kp,
+            v: vp,
+            o: op,
+            q_norm,
+            k_norm,
+            post_norm,
+            router,
+            shared,
+            shared_gate,
+        });
+    }
+    let norm = b.fill("model.norm.weight".into(), d, 1.0)?;
+    let lm_head = if hf.tie_word_embeddings {
+        None
+    } else {
+        Some(b.normal("lm_head.weight".into(), (cfg.vocab, d), std)?)
+    };
+    let (cos, sin) = rope_tables(cfg.seq_len, hf.head_dim, hf.rope_theta, b.device)?;
+    Ok((
+        embed,
+        HfParts {
+            arch: hf.clone(),
+            blocks,
+            norm,
+            lm_head,
+            cos,
+            sin,
+        },
+    ))
+}
+
+/// Rotary tables `cos, sin [s, head_dim]` (Su et al. 2021, "RoFormer", Eq. 34, in the
+/// `rotate_half` layout of `transformers`: frequency `i` at columns `i` and `i + head_dim/2`).
+/// `inv_freq_i = θ^(−2i/head_dim)` and the angle `pos · inv_freq_i` are rounded to f32 as
+/// `transformers` computes them, the cos/sin of the f32 angle in f64 then rounded.
+pub(crate) fn rope_tables(
+    s: usize,
+    hd: usize,
+    theta: f64,
+    dev: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let half = hd / 2;
+    let inv: Vec<f32> = (0..half)
+        .map(|i| (1.0 / theta.powf((2 * i) as f64 / hd as f64)) as f32)
+        .collect();
+    let (mut cos, mut sin) = (Vec::with_capacity(s * hd), Vec::with_capacity(s * hd));
+    for pos in 0..s {
+        // The same frequencies in both halves (`torch.cat((freqs, freqs), -1)`).
+        for _half in 0..2 {
+            for f in &inv {
+                let angle = f64::from(pos as f32 * f);
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+    }
+    Ok((
+        Tensor::from_vec(cos, (s, hd), dev)?,
+        Tensor::from_vec(sin, (s, hd), dev)?,
+    ))
+}
+
+/// RMSNorm over the last dimension, `x / sqrt(mean(x²) + eps) · w` (Zhang & Sennrich 2019,
+/// Eq. 4), from ops with a backward (candle's fused `rms_norm` has none).
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?;
+    x.broadcast_mul(&ms.sqrt()?.recip()?)?.broadcast_mul(w)
+}
+
+/// `x·cos + rotate_half(x)·sin` for `x [.., s, hd]` and tables `[s, hd]`, where
+/// `rotate_half(x) = [−x[hd/2..], x[..hd/2]]` (`transformers`' `apply_rotary_pos_emb`), from
+/// `narrow`, `neg`, `cat` and products (candle's `rotary_emb::rope` has no backward).
+pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let hd = x.dim(D::Minus1)?;
+    let half = hd / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let rot = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    x.broadcast_mul(cos)? + rot.broadcast_mul(sin)?
+}
+
+/// Each of the `kv` heads of `x [b, kv, s, hd]` repeated `rep` times in place:
+/// `[b, kv·rep, s, hd]` with query head `h` reading kv head `h / rep` (`repeat_kv`).
+fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
+    if rep == 1 {
+        return Ok(x.clone());
+    }
+    let (b, kv, s, hd) = x.dims4()?;
+    let x = x.unsqueeze(2)?;
+    let copies = vec![&x; rep];
+    Tensor::cat(&copies, 2)?.reshape((b, kv * rep, s, hd))
 }
 
 impl DenseModel {
@@ -129,10 +336,23 @@ impl DenseModel {
             device,
             vars: Vec::new(),
         };
-        let wte = b.normal("wte".into(), (cfg.vocab, d), std)?;
-        let wpe = b.normal("wpe".into(), (cfg.seq_len, d), std / 2.0)?;
+        let (wte, wpe, hf) = match &cfg.hf {
+            Some(arch) => {
+                let (embed, parts) = build_hf(cfg, arch, &mut b)?;
+                (
+                    embed,
+                    Tensor::zeros((1, d), candle_core::DType::F32, device)?,
+                    Some(parts),
+                )
+            }
+            None => {
+                let wte = b.normal("wte".into(), (cfg.vocab, d), std)?;
+                let wpe = b.normal("wpe".into(), (cfg.seq_len, d), std / 2.0)?;
+                (wte, wpe, None)
+            }
+        };
         let mut blocks = Vec::with_capacity(cfg.n_layers);
-        for l in 0..cfg.n_layers {
+        for l in (0..cfg.n_layers).filter(|_| hf.is_none()) {
             let p = |s: &str| format!("h.{l}.{s}");
             blocks.push(Block {
                 ln1_w: b.fill(p("ln1.weight"), d, 1.0)?,
@@ -146,8 +366,17 @@ impl DenseModel {
                 router_w: b.normal(p("router.weight"), (d, e), std)?,
             });
         }
-        let lnf_w = b.fill("ln_f.weight".into(), d, 1.0)?;
-        let lnf_b = b.fill("ln_f.bias".into(), d, 0.0)?;
+        let (lnf_w, lnf_b) = if hf.is_some() {
+            (
+                Tensor::ones(d, candle_core::DType::F32, device)?,
+                Tensor::zeros(d, candle_core::DType::F32, device)?,
+            )
+        } else {
+            (
+                b.fill("ln_f.weight".into(), d, 1.0)?,
+                b.fill("ln_f.bias".into(), d, 0.0)?,
+            )
+        };
         let varmap = VarMap::new();
         {
             let mut data = varmap
@@ -171,6 +400,7 @@ impl DenseModel {
             forced: None,
             router_skew: 0.0,
             compute: cfg.precision.on(device),
+            hf,
         })
     }
 
@@ -240,7 +470,7 @@ impl DenseModel {
         let inp = tokens.narrow(1, 0, t - 1)?;
         let tgt = tokens.narrow(1, 1, t - 1)?.flatten_all()?;
         let (h, lb) = self.hidden(&inp, experts, stats)?;
-        let logits = self.compute.matmul(&h, &self.wte.t()?)?;
+        let logits = self.compute.matmul(&h, &self.head().t()?)?;
         let ce = candle_nn::loss::cross_entropy(&logits, &tgt)?;
         debug_assert_eq!(logits.dims2()?, (b * (t - 1), self.cfg.vocab));
         stats.ce_loss = ce.to_scalar::<f32>()?;
@@ -263,8 +493,16 @@ impl DenseModel {
         let (h, _) = self.hidden(tokens, experts, stats)?;
         stats.ce_loss = 0.0;
         self.compute
-            .matmul(&h, &self.wte.t()?)?
+            .matmul(&h, &self.head().t()?)?
             .reshape((b, s, self.cfg.vocab))
+    }
+
+    /// The LM head `[vocab, d]`: `lm_head.weight`, else the (tied) token embedding.
+    fn head(&self) -> &Tensor {
+        self.hf
+            .as_ref()
+            .and_then(|h| h.lm_head.as_ref())
+            .unwrap_or(&self.wte)
     }
 
     /// Final hidden states `[b·s, d]` and the per-layer load-balancing losses.
@@ -277,6 +515,9 @@ impl DenseModel {
         let (b, s) = tokens.dims2()?;
         if s == 0 || s > self.cfg.seq_len {
             candle_core::bail!("sequence length {s} outside 1..={}", self.cfg.seq_len);
+        }
+        if let Some(hf) = &self.hf {
+            return self.hf_hidden(hf, tokens, experts, stats);
         }
         let d = self.cfg.d_model;
         let n = b * s;
@@ -363,6 +604,120 @@ impl DenseModel {
     }
 }
 
+impl DenseModel {
+    /// [`Self::hidden`] of a Hugging Face family: embedding, pre-norm blocks
+    /// `x += attn(rms(x)); x += moe(rms(x))`, final RMSNorm.
+    fn hf_hidden(
+        &self,
+        hf: &HfParts,
+        tokens: &Tensor,
+        experts: &mut dyn ExpertExec,
+        stats: &mut RoutingStats,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let (b, s) = tokens.dims2()?;
+        let eps = hf.arch.rms_norm_eps;
+        let mut x = self.wte.index_select(&tokens.flatten_all()?, 0)?;
+        let mask = causal_mask(s, &self.device)?;
+        let cos = hf.cos.narrow(0, 0, s)?;
+        let sin = hf.sin.narrow(0, 0, s)?;
+        *stats = RoutingStats {
+            counts: Vec::with_capacity(self.cfg.n_layers),
+            choices: Vec::with_capacity(self.cfg.n_layers),
+            lb_loss: Vec::with_capacity(self.cfg.n_layers),
+            ce_loss: 0.0,
+        };
+        let mut lbs = Vec::with_capacity(self.cfg.n_layers);
+        for (l, blk) in hf.blocks.iter().enumerate() {
+            let h = rms_norm(&x, &blk.in_norm, eps)?;
+            x = (x + self.hf_attention(&hf.arch, blk, &h, (b, s), &mask, (&cos, &sin))?)?;
+            let h = rms_norm(&x, &blk.post_norm, eps)?;
+            let (y, lb) = self.hf_moe(l, &hf.arch, blk, &h, experts, stats)?;
+            x = (x + y)?;
+            lbs.push(lb);
+        }
+        Ok((rms_norm(&x, &hf.norm, eps)?, lbs))
+    }
+
+    /// `x·Wᵀ (+ bias)` in the model's precision.
+    fn linear(&self, x: &Tensor, (w, bias): &(Tensor, Option<Tensor>)) -> Result<Tensor> {
+        let y = self.compute.matmul(x, &w.t()?)?;
+        match bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+
+    /// Causal grouped-query attention with rotary positions of `h [b·s, d]`.
+    fn hf_attention(
+        &self,
+        arch: &HfModel,
+        blk: &HfBlock,
+        h: &Tensor,
+        (b, s): (usize, usize),
+        mask: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
+    ) -> Result<Tensor> {
+        let (nh, nkv, hd) = (self.cfg.n_heads, arch.n_kv_heads, arch.head_dim);
+        let eps = arch.rms_norm_eps;
+        let mut q = self.linear(h, &blk.q)?.reshape((b, s, nh, hd))?;
+        let mut k = self.linear(h, &blk.k)?.reshape((b, s, nkv, hd))?;
+        let v = self.linear(h, &blk.v)?.reshape((b, s, nkv, hd))?;
+        if let (Some(qn), Some(kn)) = (&blk.q_norm, &blk.k_norm) {
+            q = rms_norm(&q, qn, eps)?;
+            k = rms_norm(&k, kn, eps)?;
+        }
+        let q = apply_rope(&q.transpose(1, 2)?.contiguous()?, cos, sin)?;
+        let k = apply_rope(&k.transpose(1, 2)?.contiguous()?, cos, sin)?;
+        let v = v.transpose(1, 2)?.contiguous()?;
+        let k = repeat_kv(&k, nh / nkv)?;
+        let v = repeat_kv(&v, nh / nkv)?;
+        let mm = |a: &Tensor, b: &Tensor| self.compute.matmul(a, b);
+        let att = (mm(&q.contiguous()?, &k.t()?.contiguous()?)? / (hd as f64).sqrt())?;
+        let att = softmax(&att.broadcast_add(mask)?, D::Minus1)?;
+        let y = mm(&att, &v)?; // [b, nh, s, hd]
+        let y = y.transpose(1, 2)?.contiguous()?.reshape((b * s, nh * hd))?;
+        self.linear(&y, &blk.o)
+    }
+
+    /// The family's MoE feed-forward of `h [n, d]`: routed experts (softmax router, top-k,
+    /// gates renormalised for Mixtral and with `norm_topk_prob`) plus the shared expert
+    /// (Qwen2-MoE: scaled by `sigmoid(h·shared_expert_gateᵀ)`).
+    fn hf_moe(
+        &self,
+        layer: usize,
+        arch: &HfModel,
+        blk: &HfBlock,
+        h: &Tensor,
+        experts: &mut dyn ExpertExec,
+        stats: &mut RoutingStats,
+    ) -> Result<(Tensor, Tensor)> {
+        let k = self.cfg.top_k;
+        let logits = h.matmul(&blk.router.t()?)?;
+        let forced = match &self.forced {
+            Some(f) => Some(forced_choice(f, layer, h.dims2()?.0, k, self.cfg.experts)?),
+            None if self.router_skew > 0.0 => Some(skewed_choice(&logits, k, self.router_skew)?),
+            None => None,
+        };
+        let probs = softmax(&logits, D::Minus1)?;
+        let renorm = arch.family == Family::Mixtral || arch.norm_topk_prob;
+        let m = moe_from_probs(layer, h, &probs, k, renorm, forced, experts)?;
+        stats.lb_loss.push(m.lb_loss.to_scalar::<f32>()?);
+        stats.counts.push(m.counts);
+        stats.choices.push(m.choice);
+        let mut out = m.out;
+        if let Some((g, u, d)) = &blk.shared {
+            let mm = |a: &Tensor, b: &Tensor| self.compute.matmul(a, b);
+            let a = (silu(&mm(h, &g.t()?)?)? * mm(h, &u.t()?)?)?;
+            let mut y = mm(&a, &d.t()?)?;
+            if let Some(sg) = &blk.shared_gate {
+                y = y.broadcast_mul(&sigmoid(&h.matmul(&sg.t()?)?)?)?;
+            }
+            out = (out + y)?;
+        }
+        Ok((out, m.lb_loss))
+    }
+}
+
 /// What one MoE layer computed ([`moe_layer`]).
 #[derive(Debug, Clone)]
 pub struct MoeOutput {
@@ -387,11 +742,27 @@ pub fn moe_layer(
     forced: Option<Vec<u32>>,
     experts: &mut dyn ExpertExec,
 ) -> Result<MoeOutput> {
-    let (n, _) = h.dims2()?;
-    let ne = router_w.dims2()?.1;
-    let device = h.device();
     // Differentiable softmax: the router learns through the gates (and the lb loss).
     let probs = softmax(&h.matmul(router_w)?, D::Minus1)?;
+    // Top-1 keeps the raw probability (Switch): renormalising one gate would make it 1 and
+    // cut the router off from the LM loss. Top-k ≥ 2 renormalises over the chosen experts.
+    moe_from_probs(layer, h, &probs, k, k > 1, forced, experts)
+}
+
+/// [`moe_layer`] from the router's probabilities `probs [n, E]`: top-`k` (or `forced`),
+/// gates = the chosen probabilities, renormalised to sum 1 when `renorm`.
+fn moe_from_probs(
+    layer: usize,
+    h: &Tensor,
+    probs: &Tensor,
+    k: usize,
+    renorm: bool,
+    forced: Option<Vec<u32>>,
+    experts: &mut dyn ExpertExec,
+) -> Result<MoeOutput> {
+    let (n, _) = h.dims2()?;
+    let ne = probs.dims2()?.1;
+    let device = h.device();
     let choice = match forced {
         Some(f) => f,
         None => top_k(&probs.to_vec2::<f32>()?, k),
@@ -407,9 +778,7 @@ pub fn moe_layer(
     }
     let idx = Tensor::from_slice(&choice, (n, k), device)?;
     let gates = probs.gather(&idx, 1)?;
-    // Top-1 keeps the raw probability (Switch): renormalising one gate would make it 1 and
-    // cut the router off from the LM loss. Top-k ≥ 2 renormalises over the chosen experts.
-    let gates = if k > 1 {
+    let gates = if renorm {
         gates.broadcast_div(&gates.sum_keepdim(1)?)?
     } else {
         gates

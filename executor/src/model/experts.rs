@@ -1,7 +1,10 @@
 //! Expert replicas held by one worker, their optimizer state, and pluggable expert execution.
 //!
-//! An expert is `y = gelu(x·w1)·w2` with `w1: d×ff`, `w2: ff×d`, no biases (GELU is candle's
-//! tanh approximation, as in GPT-2). A worker holds only the replicas its plan assigns; each
+//! An expert of the GPT family is `y = gelu(x·w1)·w2` with `w1: d×ff`, `w2: ff×d`, no biases
+//! (GELU is candle's tanh approximation, as in GPT-2). An expert of a Hugging Face family is
+//! SwiGLU: `w1: d×2ff` holds the gate projection (columns `0..ff`) and the up projection
+//! (`ff..2ff`) side by side, `y = (silu(x·w1[:, ..ff]) ⊙ x·w1[:, ff..])·w2`
+//! ([`MoeConfig::w1_cols`]; the layout is the one agreed for export, see `model::hf`). A worker holds only the replicas its plan assigns; each
 //! replica carries its own AdamW so that weights *and* moments *and* step move together on
 //! migration ([`ExpertStore::export`] / [`ExpertStore::import`]).
 
@@ -50,7 +53,7 @@ impl ExpertExec for LocalExperts<'_> {
 /// of a forward through them land on the replica).
 #[derive(Debug, Clone)]
 pub struct ExpertWeights {
-    /// `[d_model, d_ff]`
+    /// `[d_model, d_ff]`, or `[d_model, 2·d_ff]` for a SwiGLU expert (gate | up).
     pub w1: Tensor,
     /// `[d_ff, d_model]`
     pub w2: Tensor,
@@ -59,11 +62,29 @@ pub struct ExpertWeights {
 }
 
 impl ExpertWeights {
-    /// `gelu(x·w1)·w2` for `x [n, d]`.
+    /// `gelu(x·w1)·w2` for `x [n, d]`; SwiGLU `(silu(x·w1_gate) ⊙ x·w1_up)·w2` when `w1` has
+    /// twice as many columns as `w2` has rows (the shapes say which family it is).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = super::fused::gelu(&self.compute.matmul(x, &self.w1)?)?;
+        let ff = self.w2.dims2()?.0;
+        let h = self.compute.matmul(x, &self.w1)?;
+        let h = if h.dims2()?.1 == 2 * ff {
+            super::fused::swiglu(&h, ff)?
+        } else {
+            super::fused::gelu(&h)?
+        };
         self.compute.matmul(&h, &self.w2)
     }
+}
+
+/// `silu(x) = x·σ(x)` from ops that all have a backward (`exp`, `recip`, products), checked
+/// against finite differences in the tests.
+pub fn silu(x: &Tensor) -> Result<Tensor> {
+    x * sigmoid(x)?
+}
+
+/// `σ(x) = 1 / (1 + e^{−x})` from differentiable primitives.
+pub fn sigmoid(x: &Tensor) -> Result<Tensor> {
+    (x.neg()?.exp()? + 1.0)?.recip()
 }
 
 /// Everything that migrates with one expert replica: weights, AdamW moments, step.
@@ -126,6 +147,10 @@ struct Replica {
 pub struct ExpertStore {
     d_model: usize,
     d_ff: usize,
+    /// Columns of `w1` ([`MoeConfig::w1_cols`]).
+    w1_cols: usize,
+    /// Init std of `w1`.
+    std_in: f64,
     n_layers: usize,
     std_out: f64,
     seed: u64,
@@ -141,8 +166,15 @@ impl ExpertStore {
         Self {
             d_model: cfg.d_model,
             d_ff: cfg.d_ff,
+            w1_cols: cfg.w1_cols(),
+            // Hugging Face families: every matrix N(0, initializer_range) as `transformers`
+            // initialises them; GPT: 0.02 and the GPT-2 residual scaling.
+            std_in: cfg.hf.as_ref().map_or(0.02, |h| h.initializer_range),
             n_layers: cfg.n_layers,
-            std_out: 0.02 / (2.0 * cfg.n_layers as f64).sqrt(),
+            std_out: cfg.hf.as_ref().map_or_else(
+                || 0.02 / (2.0 * cfg.n_layers as f64).sqrt(),
+                |h| h.initializer_range,
+            ),
             seed: cfg.seed,
             device: device.clone(),
             params: cfg.adam_params(),
@@ -180,12 +212,12 @@ impl ExpertStore {
     /// Adds a freshly initialised replica (the same bits on every worker for the same seed);
     /// replaces an existing one.
     pub fn add(&mut self, layer: usize, expert: usize) -> Result<()> {
-        let (d, f) = (self.d_model, self.d_ff);
+        let (d, f, c) = (self.d_model, self.d_ff, self.w1_cols);
         let w1 = normal(
             self.seed,
             &name(layer, expert, "w1"),
-            (d, f),
-            0.02,
+            (d, c),
+            self.std_in,
             &self.device,
         )?;
         let w2 = normal(
@@ -334,7 +366,7 @@ impl ExpertStore {
     /// Installs `state` as the replica `(state.layer, state.expert)`, creating it or
     /// overwriting it in place (existing `ExpertWeights` tensors see the new values).
     pub fn import(&mut self, state: &ExpertState) -> Result<()> {
-        let (d, f) = (self.d_model, self.d_ff);
+        let (d, f, c) = (self.d_model, self.d_ff, self.w1_cols);
         if state.d_model != d || state.d_ff != f {
             candle_core::bail!(
                 "expert state is {}x{}, this model is {d}x{f}",
@@ -342,21 +374,21 @@ impl ExpertStore {
                 state.d_ff
             );
         }
-        for (what, len) in [
-            ("w1", state.w1.len()),
-            ("w2", state.w2.len()),
-            ("m1", state.m1.len()),
-            ("v1", state.v1.len()),
-            ("m2", state.m2.len()),
-            ("v2", state.v2.len()),
+        for (what, len, want) in [
+            ("w1", state.w1.len(), d * c),
+            ("w2", state.w2.len(), d * f),
+            ("m1", state.m1.len(), d * c),
+            ("v1", state.v1.len(), d * c),
+            ("m2", state.m2.len(), d * f),
+            ("v2", state.v2.len(), d * f),
         ] {
-            if len != d * f {
-                candle_core::bail!("expert state {what} has {len} values, expected {}", d * f);
+            if len != want {
+                candle_core::bail!("expert state {what} has {len} values, expected {want}");
             }
         }
         let key = (state.layer, state.expert);
         if !self.replicas.contains_key(&key) {
-            let w1 = Var::zeros((d, f), candle_core::DType::F32, &self.device)?;
+            let w1 = Var::zeros((d, c), candle_core::DType::F32, &self.device)?;
             let w2 = Var::zeros((f, d), candle_core::DType::F32, &self.device)?;
             let opt = AdamW::new(
                 vec![("w1".into(), w1.clone()), ("w2".into(), w2.clone())],
@@ -370,7 +402,7 @@ impl ExpertStore {
             params: vec![
                 ParamState {
                     name: "w1".into(),
-                    shape: vec![d, f],
+                    shape: vec![d, c],
                     value: state.w1.clone(),
                     m: state.m1.clone(),
                     v: state.v1.clone(),

@@ -8,7 +8,7 @@
 //! rank with an all-to-all of shards ([`crate::runtime::DistributedExperts::new_sharded`]) and
 //! returns each gradient shard to every holder, so the optimizer runs on local shards only.
 //!
-//! Shard `w` of `S` covers `[w·P/S, (w+1)·P/S)` of the `P = 2·d_model·d_ff` values, so shard
+//! Shard `w` of `S` covers `[w·P/S, (w+1)·P/S)` of the `P = 2·d_model·d_ff` values (`3·d_model·d_ff` for SwiGLU experts), so shard
 //! sizes differ by at most one value. AdamW is element-wise, so updating the shards of an
 //! expert with the slices of its summed gradient gives the same values, bit for bit, as
 //! updating the whole expert with the whole gradient (given the same clipping factor); and
@@ -133,12 +133,24 @@ pub fn cut(state: &ExpertState, world: usize, w: usize) -> ShardState {
 }
 
 /// The whole expert from its shards, `shards[w]` = shard `w` (all of one expert, one step).
+/// `w2` is `d_ff × d_model`; `w1` is the rest, `d_model × d_ff` (GELU) or `d_model × 2·d_ff`
+/// (SwiGLU, [`MoeConfig::w1_cols`]) — anything else is an error.
 pub fn assemble(d_model: usize, d_ff: usize, shards: &[ShardState]) -> Result<ExpertState> {
     let Some(first) = shards.first() else {
         candle_core::bail!("assembling an expert from no shards");
     };
     let (layer, expert, step) = (first.layer, first.expert, first.step);
-    let n = d_model * d_ff;
+    let n2 = d_model * d_ff;
+    let total: usize = shards.iter().map(|s| s.value.len()).sum();
+    if total != 2 * n2 && total != 3 * n2 {
+        candle_core::bail!(
+            "shards of ({layer}, {expert}) hold {total} values, not an expert of \
+             {d_model}x{d_ff} (GELU {} or SwiGLU {})",
+            2 * n2,
+            3 * n2
+        );
+    }
+    let n = total - n2;
     let world = shards.len();
     let (mut p, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new());
     for (w, s) in shards.iter().enumerate() {
@@ -153,7 +165,7 @@ pub fn assemble(d_model: usize, d_ff: usize, shards: &[ShardState]) -> Result<Ex
                 s.step
             );
         }
-        let want = shard_range(2 * n, world, w).len();
+        let want = shard_range(total, world, w).len();
         if s.value.len() != want || s.m.len() != want || s.v.len() != want {
             candle_core::bail!("shard {w} of ({layer}, {expert}) is not {want} values");
         }
@@ -196,6 +208,8 @@ pub struct ShardStore {
     holders: Vec<Vec<usize>>,
     d_model: usize,
     d_ff: usize,
+    /// Columns of `w1` ([`MoeConfig::w1_cols`]).
+    w1_cols: usize,
     n_layers: usize,
     experts: usize,
     device: Device,
@@ -309,6 +323,7 @@ impl ShardStore {
             holders,
             d_model: cfg.d_model,
             d_ff: cfg.d_ff,
+            w1_cols: cfg.w1_cols(),
             n_layers: cfg.n_layers,
             experts: cfg.experts,
             device: device.clone(),
@@ -402,6 +417,11 @@ impl ShardStore {
         self.d_ff
     }
 
+    /// Columns of each expert's `w1` ([`MoeConfig::w1_cols`]).
+    pub fn w1_cols(&self) -> usize {
+        self.w1_cols
+    }
+
     pub fn device(&self) -> &Device {
         &self.device
     }
@@ -411,9 +431,10 @@ impl ShardStore {
         self.compute
     }
 
-    /// Values of one whole expert, `2·d_model·d_ff`.
+    /// Values of one whole expert, `(w1_cols + d_ff)·d_model` (`2·d·ff` GELU, `3·d·ff`
+    /// SwiGLU).
     pub fn expert_len(&self) -> usize {
-        2 * self.d_model * self.d_ff
+        (self.w1_cols + self.d_ff) * self.d_model
     }
 
     /// The values of the flattened expert that shard `w` covers.

@@ -183,7 +183,7 @@ struct Inner {
     /// `model::shadow`).
     joining: BTreeMap<(usize, usize), Vec<Rank>>,
     /// `(d_model, d_ff)` and device of the zeros a joining rank contributes.
-    joining_shape: Option<(usize, usize, Device)>,
+    joining_shape: Option<(usize, usize, usize, Device)>,
     /// The dispatch kernels of the CUDA devices layers ran on (feature `cuda`).
     kernels: dispatch::Kernels,
 }
@@ -518,13 +518,15 @@ impl DistributedExperts {
 
     /// Replicated re-layout in flight: from the next step on, the ranks `joining[(l, e)]`
     /// join expert `(l, e)`'s gradient all-reduce, a rank among them that holds no replica
-    /// contributing zeros of `(d_model, d_ff)` on `device` (so the sum is the holders') and
+    /// contributing zeros of `w1 (d_model, w1_cols)`, `w2 (d_ff, d_model)` on `device` (so the
+    /// sum is the holders'; `w1_cols` is `MoeConfig::w1_cols`, 2·d_ff for SwiGLU) and
     /// getting the reduced gradient in [`Self::reduce_expert_grads`]' result. Every member
     /// must set the same table at the same step boundary.
     pub fn set_joining(
         &mut self,
         joining: BTreeMap<(usize, usize), Vec<Rank>>,
         d_model: usize,
+        w1_cols: usize,
         d_ff: usize,
         device: Device,
     ) -> Result<()> {
@@ -536,7 +538,7 @@ impl DistributedExperts {
             candle_core::bail!("a joining rank outside the {} ranks", self.world);
         }
         inner.joining = joining;
-        inner.joining_shape = Some((d_model, d_ff, device));
+        inner.joining_shape = Some((d_model, w1_cols, d_ff, device));
         Ok(())
     }
 
@@ -734,7 +736,7 @@ impl DistributedExperts {
                     w.w2.shape().clone(),
                     w.w1.device().clone(),
                 ),
-                (None, Some((d, f, dev))) => ((*d, *f).into(), (*f, *d).into(), dev.clone()),
+                (None, Some((d, c, f, dev))) => ((*d, *c).into(), (*f, *d).into(), dev.clone()),
                 (None, None) => candle_core::bail!("no shape for expert ({l}, {e})"),
             };
             let mut buf = match inner.grads.get(&(l, e)) {

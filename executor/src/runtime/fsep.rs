@@ -106,8 +106,9 @@ pub(super) fn materialise(
             pos[src] += n;
         }
         let dev = shards.device();
-        let w1 = Var::from_tensor(&Tensor::from_slice(&p[..d * f], (d, f), dev)?)?;
-        let w2 = Var::from_tensor(&Tensor::from_slice(&p[d * f..], (f, d), dev)?)?;
+        let c = shards.w1_cols();
+        let w1 = Var::from_tensor(&Tensor::from_slice(&p[..d * c], (d, c), dev)?)?;
+        let w2 = Var::from_tensor(&Tensor::from_slice(&p[d * c..], (f, d), dev)?)?;
         out.insert(
             e,
             ExpertWeights {

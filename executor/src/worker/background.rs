@@ -117,7 +117,13 @@ impl Migration {
         for &(l, e, _, dst) in transfers {
             joining.entry((l, e)).or_default().push(dst);
         }
-        dist.set_joining(joining, st.cfg.d_model, st.cfg.d_ff, st.dev.clone())?;
+        dist.set_joining(
+            joining,
+            st.cfg.d_model,
+            st.cfg.w1_cols(),
+            st.cfg.d_ff,
+            st.dev.clone(),
+        )?;
         let cancel = Arc::new(AtomicBool::new(false));
         let timeout = Duration::from_millis(mesh.timeout_ms.max(1));
         let (sent_tx, sent) = mpsc::channel();

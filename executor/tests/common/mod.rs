@@ -58,5 +58,6 @@ pub fn small_config(seed: u64) -> MoeConfig {
         grad_clip_norm: 1.0,
         seed,
         precision: lazarus_executor::model::Precision::Auto,
+        hf: None,
     }
 }

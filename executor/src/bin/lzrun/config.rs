@@ -1,10 +1,30 @@
-//! Model configurations: a built-in name, or a TOML file (`base` + overrides).
+//! Model configurations: a built-in name, or a TOML file (`base` + overrides), optionally with
+//! the model itself from a Hugging Face `config.json` (`--model-config`).
 
 use std::path::Path;
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use lazarus_executor::model::{MoeConfig, Precision};
 use lazarus_executor::worker::{CONFIG_NAMES, config_by_name};
+
+use crate::args::ModelArgs;
+
+/// The model of the command line: `--model-config config.json` with `--config`'s training
+/// knobs, or `--config` alone.
+pub fn load_model(a: &ModelArgs) -> Result<MoeConfig> {
+    let base = load_config(&a.config, a.seed, a.precision)?;
+    let Some(path) = &a.model_config else {
+        return Ok(base);
+    };
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading --model-config {}", path.display()))?;
+    let cfg = MoeConfig::from_hf_config_json(&text)
+        .map_err(|e| anyhow!("--model-config {}: {e}", path.display()))?
+        .with_training_of(&base);
+    cfg.validate()
+        .map_err(|e| anyhow!("--model-config {}: {e}", path.display()))?;
+    Ok(cfg)
+}
 
 /// A model configuration by name, or from a TOML file (`base` + overrides), with the command
 /// line's seed and precision when given.

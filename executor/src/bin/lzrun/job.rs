@@ -20,7 +20,7 @@ use lazarus_planner::job::ReplicaMigration;
 use lazarus_planner::job::relayout::{LaerRelayout, Relayout};
 
 use crate::args::{JobArgs, MigrationArg, RelayoutArg};
-use crate::config::load_config;
+use crate::config::load_model;
 use crate::drive::Interrupted;
 
 /// Everything a job needs from the command line, resolved.
@@ -216,7 +216,7 @@ fn check_job_args(a: &JobArgs, nodes: usize) -> Result<()> {
 /// `temp_state` the job state is saved even without `--state-dir` (in a temporary directory).
 pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -> Result<Job> {
     check_job_args(a, nodes)?;
-    let config = load_config(&a.model.config, a.model.seed, a.model.precision)?;
+    let config = load_model(&a.model)?;
     crate::bounds::check_model_bounds(a, config.experts)?;
     let slots = a
         .slots

@@ -11,7 +11,7 @@ use lazarus_executor::worker::{
 };
 
 use crate::args::WorkerArgs;
-use crate::config::load_config;
+use crate::config::load_model;
 
 /// One whole line on stdout (from any thread: lines never interleave).
 fn emit(line: &str) -> Result<()> {
@@ -109,7 +109,7 @@ pub fn worker(a: WorkerArgs) -> Result<()> {
     let opts = WorkerOptions {
         rank,
         peers: a.peers,
-        config: load_config(&a.model.config, a.model.seed, a.model.precision)?,
+        config: load_model(&a.model)?,
         steps: a.model.steps,
         epoch: a.epoch,
         timeout_ms: a.timeout_ms,

@@ -1,0 +1,537 @@
+//! Hugging Face MoE families read from a `config.json` (issue 32): `MixtralForCausalLM`,
+//! `Qwen2MoeForCausalLM`, `Qwen3MoeForCausalLM` and `DeepseekV3ForCausalLM`.
+//!
+//! The fields and their defaults follow the `transformers` configuration and modelling files of
+//! each architecture (`models/{mixtral,qwen2_moe,qwen3_moe,deepseek_v3}`). What the executor
+//! does not implement is refused with a [`ConfigError::Hf`] naming the field, never trained as
+//! something else:
+//!
+//! * `rope_scaling` (any non-null value), a sliding window that would change the attention
+//!   (`sliding_window` below `max_position_embeddings` for Mixtral, `use_sliding_window` for
+//!   Qwen), router jitter noise, attention dropout, an activation other than `silu`;
+//! * dense (non-MoE) layers: Qwen's `decoder_sparse_step` other than 1 or a non-empty
+//!   `mlp_only_layers`, DeepSeek's `first_k_dense_replace` above 0 — every layer must be an MoE
+//!   layer, so `model.layers.{i}.mlp.{gate,up,down}_proj` of a dense layer never occurs;
+//! * DeepSeek-V3's multi-head latent attention (`kv_lora_rank`, `q_lora_rank`, …): refused, so
+//!   no `DeepseekV3ForCausalLM` config trains yet (its routing fields are parsed and checked).
+//!
+//! Naming (the interface agreed with the export side): dense variables carry their Hugging
+//! Face tensor names and layouts ([`HfModel::router_name`] etc.); a routed expert keeps the
+//! executor's `w1 [d, 2·ff]` (gate projection transposed in columns `0..ff`, up projection
+//! transposed in `ff..2·ff`) and `w2 [ff, d]` (down projection transposed), named in Hugging
+//! Face terms by [`HfModel::expert_tensor_names`].
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use super::config::{ConfigError, MoeConfig};
+
+/// The model family of a [`MoeConfig`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum Family {
+    /// The paper's GPT-2-style MoE: learned positions, LayerNorm, GELU experts.
+    #[default]
+    #[serde(rename = "gpt")]
+    Gpt,
+    #[serde(rename = "MixtralForCausalLM")]
+    Mixtral,
+    #[serde(rename = "Qwen2MoeForCausalLM")]
+    Qwen2Moe,
+    #[serde(rename = "Qwen3MoeForCausalLM")]
+    Qwen3Moe,
+    #[serde(rename = "DeepseekV3ForCausalLM")]
+    DeepseekV3,
+}
+
+impl Family {
+    /// The `architectures` entry of a `config.json` (`gpt` for the GPT family).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Gpt => "gpt",
+            Self::Mixtral => "MixtralForCausalLM",
+            Self::Qwen2Moe => "Qwen2MoeForCausalLM",
+            Self::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Self::DeepseekV3 => "DeepseekV3ForCausalLM",
+        }
+    }
+
+    fn from_architecture(s: &str) -> Option<Self> {
+        [
+            Self::Mixtral,
+            Self::Qwen2Moe,
+            Self::Qwen3Moe,
+            Self::DeepseekV3,
+        ]
+        .into_iter()
+        .find(|f| f.name() == s)
+    }
+
+    fn from_model_type(s: &str) -> Option<Self> {
+        match s {
+            "mixtral" => Some(Self::Mixtral),
+            "qwen2_moe" => Some(Self::Qwen2Moe),
+            "qwen3_moe" => Some(Self::Qwen3Moe),
+            "deepseek_v3" => Some(Self::DeepseekV3),
+            _ => None,
+        }
+    }
+}
+
+/// How the router turns logits into scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scoring {
+    /// `softmax` over the experts (Mixtral, Qwen).
+    #[default]
+    Softmax,
+    /// Element-wise `sigmoid` (DeepSeek-V3).
+    Sigmoid,
+}
+
+/// The architecture fields of a Hugging Face family beyond [`MoeConfig`]'s shape.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HfModel {
+    pub family: Family,
+    /// `num_key_value_heads` (grouped-query attention; divides `n_heads`).
+    pub n_kv_heads: usize,
+    /// Size of one attention head (`head_dim`, else `hidden_size / num_attention_heads`).
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    /// `false`: a separate `lm_head.weight [vocab, d]`.
+    pub tie_word_embeddings: bool,
+    /// Upper bound of the training sequence length.
+    pub max_position_embeddings: usize,
+    /// Std of the normal initialisation of every matrix (`initializer_range`).
+    pub initializer_range: f64,
+    /// Biases on `q_proj`, `k_proj`, `v_proj` (Qwen2-MoE always; Qwen3-MoE `attention_bias`).
+    pub qkv_bias: bool,
+    /// Bias on `o_proj` (Qwen3-MoE `attention_bias`).
+    pub o_bias: bool,
+    /// RMSNorm of each query and key head before the rotation (Qwen3-MoE).
+    pub qk_norm: bool,
+    /// Renormalise the top-k gates to sum to 1 (always for Mixtral).
+    pub norm_topk_prob: bool,
+    pub scoring: Scoring,
+    /// Intermediate size of the always-on shared expert MLP, 0 for none (Qwen2-MoE
+    /// `shared_expert_intermediate_size`, DeepSeek `n_shared_experts · moe_intermediate_size`).
+    pub shared_ff: usize,
+    /// The shared expert's output is scaled by `sigmoid(x · shared_expert_gate)` (Qwen2-MoE).
+    pub shared_gate: bool,
+    /// DeepSeek group-limited routing: `n_group` groups, the best `topk_group` of them.
+    pub n_group: usize,
+    pub topk_group: usize,
+    /// DeepSeek: gates are multiplied by this (1 elsewhere).
+    pub routed_scaling_factor: f64,
+    /// The parsed `config.json`, kept so an export can write it back.
+    pub config_json: Value,
+}
+
+fn err(field: &str, why: impl Into<String>) -> ConfigError {
+    ConfigError::Hf {
+        field: field.to_owned(),
+        why: why.into(),
+    }
+}
+
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl Fields<'_> {
+    fn present(&self, k: &str) -> Option<&Value> {
+        self.0.get(k).filter(|v| !v.is_null())
+    }
+
+    fn usize_req(&self, k: &str) -> Result<usize, ConfigError> {
+        match self.present(k) {
+            None => Err(err(k, "missing")),
+            Some(v) => v
+                .as_u64()
+                .and_then(|x| usize::try_from(x).ok())
+                .ok_or_else(|| err(k, format!("must be a non-negative integer, got {v}"))),
+        }
+    }
+
+    fn usize_or(&self, k: &str, default: usize) -> Result<usize, ConfigError> {
+        if self.present(k).is_some() {
+            self.usize_req(k)
+        } else {
+            Ok(default)
+        }
+    }
+
+    fn f64_or(&self, k: &str, default: f64) -> Result<f64, ConfigError> {
+        match self.present(k) {
+            None => Ok(default),
+            Some(v) => v
+                .as_f64()
+                .filter(|x| x.is_finite())
+                .ok_or_else(|| err(k, format!("must be a finite number, got {v}"))),
+        }
+    }
+
+    fn bool_or(&self, k: &str, default: bool) -> Result<bool, ConfigError> {
+        match self.present(k) {
+            None => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| err(k, format!("must be true or false, got {v}"))),
+        }
+    }
+
+    fn str_or<'b>(&'b self, k: &str, default: &'b str) -> Result<&'b str, ConfigError> {
+        match self.present(k) {
+            None => Ok(default),
+            Some(v) => v
+                .as_str()
+                .ok_or_else(|| err(k, format!("must be a string, got {v}"))),
+        }
+    }
+
+    /// Refuses a field that is present and not null.
+    fn refuse_set(&self, k: &str, why: &str) -> Result<(), ConfigError> {
+        match self.present(k) {
+            Some(v) => Err(err(k, format!("{v}: {why}"))),
+            None => Ok(()),
+        }
+    }
+
+    /// Refuses a number field that is present and non-zero.
+    fn refuse_nonzero(&self, k: &str, why: &str) -> Result<(), ConfigError> {
+        if self.f64_or(k, 0.0)? != 0.0 {
+            return Err(err(k, format!("{}: {why}", self.0[k])));
+        }
+        Ok(())
+    }
+}
+
+impl MoeConfig {
+    /// The model of a Hugging Face `config.json` (see the [module docs](super::hf) for the
+    /// families and what is refused). The training knobs (`seq_len`, `batch`, `lr`,
+    /// `adam_beta2`, `grad_clip_norm`, `seed`, `precision`) are [`MoeConfig::tiny`]'s; set them
+    /// afterwards ([`MoeConfig::with_training_of`]). `lb_loss_coef` is
+    /// `router_aux_loss_coef · top_k` (default coefficient 0.001 for Mixtral and Qwen, 0 for
+    /// DeepSeek-V3, which balances with its bias instead): `transformers`' loss counts each
+    /// token's `top_k` choices as fractions summing to `top_k` where the executor's sum to 1,
+    /// so the scaled coefficient gives the same loss term.
+    pub fn from_hf_config_json(text: &str) -> Result<MoeConfig, ConfigError> {
+        let value: Value =
+            serde_json::from_str(text).map_err(|e| err("(file)", format!("not JSON: {e}")))?;
+        let Value::Object(map) = &value else {
+            return Err(err("(file)", "not a JSON object"));
+        };
+        let f = Fields(map);
+        let family = match map.get("architectures") {
+            Some(Value::Array(a)) if !a.is_empty() => {
+                let s = a[0]
+                    .as_str()
+                    .ok_or_else(|| err("architectures", "must be a list of strings"))?;
+                Family::from_architecture(s).ok_or_else(|| {
+                    err(
+                        "architectures",
+                        format!(
+                            "{s:?} is not supported (supported: MixtralForCausalLM, \
+                             Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM)"
+                        ),
+                    )
+                })?
+            }
+            _ => {
+                let t = f.str_or("model_type", "")?;
+                Family::from_model_type(t).ok_or_else(|| {
+                    err(
+                        "architectures",
+                        format!("missing, and model_type {t:?} is not a supported MoE family"),
+                    )
+                })?
+            }
+        };
+        let d = f.usize_req("hidden_size")?;
+        let n_heads = f.usize_req("num_attention_heads")?;
+        if n_heads == 0 {
+            return Err(err("num_attention_heads", "must be at least 1"));
+        }
+        let n_kv_heads = f.usize_or("num_key_value_heads", n_heads)?;
+        let head_dim = f.usize_or("head_dim", d / n_heads)?;
+        let act = f.str_or("hidden_act", "silu")?;
+        if act != "silu" {
+            return Err(err(
+                "hidden_act",
+                format!("{act:?}: only silu is supported"),
+            ));
+        }
+        f.refuse_set("rope_scaling", "rope scaling is not supported")?;
+        f.refuse_nonzero("attention_dropout", "dropout is not supported")?;
+        let max_pos = f.usize_or("max_position_embeddings", 4096)?;
+        let mut hf = HfModel {
+            family,
+            n_kv_heads,
+            head_dim,
+            rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)?,
+            rope_theta: f.f64_or("rope_theta", 10000.0)?,
+            tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
+            max_position_embeddings: max_pos,
+            initializer_range: f.f64_or("initializer_range", 0.02)?,
+            qkv_bias: false,
+            o_bias: false,
+            qk_norm: false,
+            norm_topk_prob: true,
+            scoring: Scoring::Softmax,
+            shared_ff: 0,
+            shared_gate: false,
+            n_group: 1,
+            topk_group: 1,
+            routed_scaling_factor: 1.0,
+            config_json: value.clone(),
+        };
+        let (experts, d_ff, aux_default) = match family {
+            Family::Gpt => unreachable!("not an architecture name"),
+            Family::Mixtral => {
+                f.refuse_nonzero("router_jitter_noise", "router jitter is not supported")?;
+                if f.present("sliding_window").is_some() {
+                    let w = f.usize_req("sliding_window")?;
+                    if w < max_pos {
+                        return Err(err(
+                            "sliding_window",
+                            format!(
+                                "{w} below max_position_embeddings {max_pos}: sliding-window \
+                                 attention is not supported"
+                            ),
+                        ));
+                    }
+                }
+                (
+                    f.usize_req("num_local_experts")?,
+                    f.usize_req("intermediate_size")?,
+                    0.02,
+                )
+            }
+            Family::Qwen2Moe | Family::Qwen3Moe => {
+                if f.bool_or("use_sliding_window", false)? {
+                    return Err(err(
+                        "use_sliding_window",
+                        "sliding-window attention is not supported",
+                    ));
+                }
+                let step = f.usize_or("decoder_sparse_step", 1)?;
+                if step != 1 {
+                    return Err(err(
+                        "decoder_sparse_step",
+                        format!("{step}: dense (non-MoE) layers are not supported; use 1"),
+                    ));
+                }
+                if let Some(v) = f.present("mlp_only_layers")
+                    && v.as_array().is_none_or(|a| !a.is_empty())
+                {
+                    return Err(err(
+                        "mlp_only_layers",
+                        format!("{v}: dense (non-MoE) layers are not supported; use []"),
+                    ));
+                }
+                hf.norm_topk_prob = f.bool_or("norm_topk_prob", false)?;
+                if family == Family::Qwen2Moe {
+                    hf.qkv_bias = f.bool_or("qkv_bias", true)?;
+                    hf.shared_ff = f.usize_or("shared_expert_intermediate_size", 0)?;
+                    hf.shared_gate = hf.shared_ff > 0;
+                } else {
+                    let bias = f.bool_or("attention_bias", false)?;
+                    hf.qkv_bias = bias;
+                    hf.o_bias = bias;
+                    hf.qk_norm = true;
+                }
+                (
+                    f.usize_req("num_experts")?,
+                    f.usize_req("moe_intermediate_size")?,
+                    0.001,
+                )
+            }
+            Family::DeepseekV3 => {
+                hf.scoring = match f.str_or("scoring_func", "sigmoid")? {
+                    "sigmoid" => Scoring::Sigmoid,
+                    s => return Err(err("scoring_func", format!("{s:?}: only sigmoid"))),
+                };
+                let m = f.str_or("topk_method", "noaux_tc")?;
+                if m != "noaux_tc" {
+                    return Err(err("topk_method", format!("{m:?}: only noaux_tc")));
+                }
+                hf.norm_topk_prob = f.bool_or("norm_topk_prob", true)?;
+                hf.n_group = f.usize_or("n_group", 1)?;
+                hf.topk_group = f.usize_or("topk_group", 1)?;
+                hf.routed_scaling_factor = f.f64_or("routed_scaling_factor", 1.0)?;
+                let d_ff = f.usize_req("moe_intermediate_size")?;
+                hf.shared_ff = f.usize_or("n_shared_experts", 0)? * d_ff;
+                let dense = f.usize_or("first_k_dense_replace", 0)?;
+                if dense != 0 {
+                    return Err(err(
+                        "first_k_dense_replace",
+                        format!("{dense}: dense (non-MoE) layers are not supported; use 0"),
+                    ));
+                }
+                // MLA: every DeepseekV3 attention projects through latent ranks; the executor
+                // has only (grouped-query) multi-head attention, so it refuses rather than
+                // train a different attention under DeepSeek's names.
+                for k in ["kv_lora_rank", "q_lora_rank", "qk_rope_head_dim"] {
+                    if f.present(k).is_some() || k == "kv_lora_rank" {
+                        return Err(err(
+                            k,
+                            "DeepSeek-V3's multi-head latent attention (MLA) is not supported",
+                        ));
+                    }
+                }
+                (f.usize_req("n_routed_experts")?, d_ff, 0.0)
+            }
+        };
+        let top_k = f.usize_req("num_experts_per_tok")?;
+        let mut cfg = MoeConfig {
+            vocab: f.usize_req("vocab_size")?,
+            d_model: d,
+            n_layers: f.usize_req("num_hidden_layers")?,
+            n_heads,
+            d_ff,
+            experts,
+            top_k,
+            lb_loss_coef: f.f64_or("router_aux_loss_coef", aux_default)? * top_k as f64,
+            hf: Some(Box::new(hf)),
+            ..MoeConfig::tiny()
+        };
+        cfg.seq_len = cfg.seq_len.min(max_pos);
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// This model with the training knobs of `base` (`seq_len`, `batch`, `lr`, `adam_beta2`,
+    /// `grad_clip_norm`, `seed`, `precision`); the shape and `lb_loss_coef` stay this config's.
+    pub fn with_training_of(self, base: &MoeConfig) -> MoeConfig {
+        MoeConfig {
+            seq_len: base.seq_len,
+            batch: base.batch,
+            lr: base.lr,
+            adam_beta2: base.adam_beta2,
+            grad_clip_norm: base.grad_clip_norm,
+            seed: base.seed,
+            precision: base.precision,
+            ..self
+        }
+    }
+}
+
+impl HfModel {
+    /// Shape checks of an HF family (called by [`MoeConfig::validate`]).
+    pub(crate) fn validate(&self, cfg: &MoeConfig) -> Result<(), ConfigError> {
+        if self.n_kv_heads == 0 || !cfg.n_heads.is_multiple_of(self.n_kv_heads) {
+            return Err(err(
+                "num_key_value_heads",
+                format!(
+                    "{} must divide num_attention_heads {}",
+                    self.n_kv_heads, cfg.n_heads
+                ),
+            ));
+        }
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return Err(err(
+                "head_dim",
+                format!("{} must be even and at least 2 (rotary)", self.head_dim),
+            ));
+        }
+        if cfg.seq_len > self.max_position_embeddings {
+            return Err(err(
+                "max_position_embeddings",
+                format!(
+                    "{} is below the training seq_len {}",
+                    self.max_position_embeddings, cfg.seq_len
+                ),
+            ));
+        }
+        if !(self.rms_norm_eps > 0.0 && self.rope_theta > 0.0 && self.initializer_range > 0.0) {
+            return Err(err(
+                "rms_norm_eps",
+                "rms_norm_eps, rope_theta and initializer_range must be > 0",
+            ));
+        }
+        if self.n_group == 0
+            || !cfg.experts.is_multiple_of(self.n_group)
+            || self.topk_group == 0
+            || self.topk_group > self.n_group
+        {
+            return Err(err(
+                "n_group",
+                format!(
+                    "n_group {} must divide the experts {} and topk_group {} be in 1..=n_group",
+                    self.n_group, cfg.experts, self.topk_group
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Parameters replicated on every worker (embeddings, LM head unless tied, attention,
+    /// norms, routers, shared experts).
+    pub(crate) fn dense_params(&self, cfg: &MoeConfig) -> usize {
+        let d = cfg.d_model;
+        let (q, kv) = (cfg.n_heads * self.head_dim, self.n_kv_heads * self.head_dim);
+        let mut per_layer = 2 * d // input / post-attention norms
+            + d * (q + 2 * kv) + q * d // q, k, v, o
+            + d * cfg.experts; // router
+        if self.qkv_bias {
+            per_layer += q + 2 * kv;
+        }
+        if self.o_bias {
+            per_layer += d;
+        }
+        if self.qk_norm {
+            per_layer += 2 * self.head_dim;
+        }
+        per_layer += 3 * d * self.shared_ff;
+        if self.shared_gate {
+            per_layer += d;
+        }
+        if self.family == Family::DeepseekV3 {
+            per_layer += cfg.experts; // e_score_correction_bias
+        }
+        let head = if self.tie_word_embeddings {
+            0
+        } else {
+            cfg.vocab * d
+        };
+        cfg.vocab * d + head + cfg.n_layers * per_layer + d
+    }
+
+    /// `model.layers.{layer}.block_sparse_moe` (Mixtral) or `model.layers.{layer}.mlp`.
+    pub fn moe_prefix(&self, layer: usize) -> String {
+        match self.family {
+            Family::Mixtral => format!("model.layers.{layer}.block_sparse_moe"),
+            _ => format!("model.layers.{layer}.mlp"),
+        }
+    }
+
+    /// The router's tensor name, `[E, d]`.
+    pub fn router_name(&self, layer: usize) -> String {
+        format!("{}.gate.weight", self.moe_prefix(layer))
+    }
+
+    /// The Hugging Face names of routed expert `(layer, expert)`'s gate, up and down
+    /// projections (shapes `[ff, d]`, `[ff, d]`, `[d, ff]`): `w1` columns `0..ff` are the
+    /// gate's transpose, columns `ff..2·ff` the up's, `w2` the down's transpose.
+    pub fn expert_tensor_names(&self, layer: usize, expert: usize) -> [String; 3] {
+        let p = format!("{}.experts.{expert}", self.moe_prefix(layer));
+        match self.family {
+            Family::Mixtral => [
+                format!("{p}.w1.weight"),
+                format!("{p}.w3.weight"),
+                format!("{p}.w2.weight"),
+            ],
+            _ => [
+                format!("{p}.gate_proj.weight"),
+                format!("{p}.up_proj.weight"),
+                format!("{p}.down_proj.weight"),
+            ],
+        }
+    }
+
+    /// Prefix of the shared expert MLP (`{gate,up,down}_proj.weight` below it), if any.
+    pub fn shared_prefix(&self, layer: usize) -> Option<String> {
+        (self.shared_ff > 0).then(|| match self.family {
+            Family::DeepseekV3 => format!("model.layers.{layer}.mlp.shared_experts"),
+            _ => format!("model.layers.{layer}.mlp.shared_expert"),
+        })
+    }
+}

@@ -1,0 +1,480 @@
+//! Issue 32: Hugging Face model families (Mixtral, Qwen2-MoE, Qwen3-MoE) from a `config.json`.
+//! Config parsing and refusals, `transformers` names and shapes, finite-difference checks of
+//! every new op's gradient, and training that lowers the loss.
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use lazarus_executor::model::{
+    ConfigError, DenseModel, ExpertStore, ExpertWeights, Family, LocalExperts, MoeConfig,
+    Precision, RoutingStats, Trainer, apply_rope, rms_norm, sigmoid, silu, swiglu,
+};
+
+/// A tiny Mixtral-style `config.json` (byte vocabulary, GQA 4 query / 2 kv heads, 4 experts
+/// top-2, untied head).
+pub fn mixtral_json() -> String {
+    serde_json::json!({
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": 256, "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_local_experts": 4, "num_experts_per_tok": 2,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": false, "router_aux_loss_coef": 0.02, "hidden_act": "silu",
+        "sliding_window": null, "initializer_range": 0.02
+    })
+    .to_string()
+}
+
+fn qwen2_json() -> String {
+    serde_json::json!({
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": false,
+        "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": false, "use_sliding_window": false
+    })
+    .to_string()
+}
+
+fn qwen3_json() -> String {
+    serde_json::json!({
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "head_dim": 16,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": true,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": true, "attention_bias": false
+    })
+    .to_string()
+}
+
+fn with(json: &str, key: &str, value: serde_json::Value) -> String {
+    let mut v: serde_json::Value = serde_json::from_str(json).unwrap();
+    v[key] = value;
+    v.to_string()
+}
+
+fn refused(json: &str, field: &str) {
+    match MoeConfig::from_hf_config_json(json) {
+        Err(ConfigError::Hf { field: f, why }) => {
+            assert_eq!(f, field, "refused for {f}: {why}");
+            assert!(!why.contains('\n'));
+        }
+        other => panic!("expected a refusal naming {field}, got {other:?}"),
+    }
+}
+
+#[test]
+fn mixtral_config_reads_the_hf_fields() {
+    let c = MoeConfig::from_hf_config_json(&mixtral_json()).unwrap();
+    assert_eq!(c.family(), Family::Mixtral);
+    assert_eq!(
+        (
+            c.vocab, c.d_model, c.n_layers, c.n_heads, c.d_ff, c.experts, c.top_k
+        ),
+        (256, 32, 2, 4, 48, 4, 2)
+    );
+    let hf = c.hf.as_ref().unwrap();
+    assert_eq!((hf.n_kv_heads, hf.head_dim), (2, 8));
+    assert_eq!(hf.rms_norm_eps, 1e-5);
+    assert!(!hf.tie_word_embeddings && hf.norm_topk_prob);
+    // router_aux_loss_coef · top_k (transformers counts top-k fractions summing to k).
+    assert!((c.lb_loss_coef - 0.04).abs() < 1e-12);
+    assert_eq!(c.w1_cols(), 96);
+    assert_eq!(c.expert_params(), 3 * 32 * 48);
+    // Round trip through the job JSON / manifest.
+    let back: MoeConfig = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
+    assert_eq!(back, c);
+    // The GPT family serialises as before (old manifests and job JSON unchanged).
+    let tiny = serde_json::to_value(MoeConfig::tiny()).unwrap();
+    assert!(tiny.get("hf").is_none());
+}
+
+#[test]
+fn qwen_configs_read_their_fields() {
+    let c = MoeConfig::from_hf_config_json(&qwen2_json()).unwrap();
+    let hf = c.hf.as_ref().unwrap();
+    assert_eq!(c.family(), Family::Qwen2Moe);
+    assert_eq!((c.d_ff, c.experts, hf.shared_ff), (16, 8, 32));
+    assert!(hf.qkv_bias && !hf.o_bias && hf.shared_gate && !hf.norm_topk_prob && !hf.qk_norm);
+    let c = MoeConfig::from_hf_config_json(&qwen3_json()).unwrap();
+    let hf = c.hf.as_ref().unwrap();
+    assert_eq!(c.family(), Family::Qwen3Moe);
+    assert_eq!((hf.head_dim, hf.n_kv_heads, hf.shared_ff), (16, 2, 0));
+    assert!(hf.qk_norm && hf.norm_topk_prob && !hf.qkv_bias && hf.tie_word_embeddings);
+}
+
+#[test]
+fn unsupported_configs_are_refused_naming_the_field() {
+    let m = mixtral_json();
+    refused(
+        &with(&m, "architectures", serde_json::json!(["LlamaForCausalLM"])),
+        "architectures",
+    );
+    refused(
+        &with(
+            &m,
+            "rope_scaling",
+            serde_json::json!({"type": "linear", "factor": 2.0}),
+        ),
+        "rope_scaling",
+    );
+    refused(
+        &with(&m, "sliding_window", serde_json::json!(16)),
+        "sliding_window",
+    );
+    refused(
+        &with(&m, "hidden_act", serde_json::json!("gelu")),
+        "hidden_act",
+    );
+    refused(
+        &with(&m, "router_jitter_noise", serde_json::json!(0.1)),
+        "router_jitter_noise",
+    );
+    refused(
+        &with(&m, "hidden_size", serde_json::json!("32")),
+        "hidden_size",
+    );
+    refused(
+        &with(&m, "num_key_value_heads", serde_json::json!(3)),
+        "num_key_value_heads",
+    );
+    // The training seq_len (from --config) must fit max_position_embeddings.
+    let short =
+        MoeConfig::from_hf_config_json(&with(&m, "max_position_embeddings", serde_json::json!(16)))
+            .unwrap();
+    assert_eq!(short.seq_len, 16);
+    match (MoeConfig {
+        seq_len: 32,
+        ..short
+    })
+    .validate()
+    {
+        Err(ConfigError::Hf { field, .. }) => assert_eq!(field, "max_position_embeddings"),
+        other => panic!("{other:?}"),
+    }
+    let mut v: serde_json::Value = serde_json::from_str(&m).unwrap();
+    v.as_object_mut().unwrap().remove("num_local_experts");
+    refused(&v.to_string(), "num_local_experts");
+    refused(
+        &with(&qwen2_json(), "decoder_sparse_step", serde_json::json!(2)),
+        "decoder_sparse_step",
+    );
+    refused(
+        &with(&qwen2_json(), "mlp_only_layers", serde_json::json!([0])),
+        "mlp_only_layers",
+    );
+    refused(
+        &with(&qwen2_json(), "use_sliding_window", serde_json::json!(true)),
+        "use_sliding_window",
+    );
+    let ds = serde_json::json!({
+        "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 256, "hidden_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "n_routed_experts": 8,
+        "moe_intermediate_size": 16, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+        "kv_lora_rank": 16, "q_lora_rank": null, "qk_rope_head_dim": 8, "first_k_dense_replace": 0
+    });
+    refused(&ds.to_string(), "kv_lora_rank");
+    refused("not json", "(file)");
+}
+
+#[test]
+fn dense_variables_have_transformers_names_and_shapes() -> Result<()> {
+    let c = MoeConfig::from_hf_config_json(&mixtral_json()).unwrap();
+    let m = DenseModel::new(&c, &Device::Cpu)?;
+    let shape = |n: &str| m.var(n).unwrap_or_else(|| panic!("no {n}")).dims().to_vec();
+    assert_eq!(shape("model.embed_tokens.weight"), [256, 32]);
+    assert_eq!(shape("model.layers.1.self_attn.q_proj.weight"), [32, 32]);
+    assert_eq!(shape("model.layers.1.self_attn.k_proj.weight"), [16, 32]);
+    assert_eq!(shape("model.layers.1.self_attn.v_proj.weight"), [16, 32]);
+    assert_eq!(shape("model.layers.1.self_attn.o_proj.weight"), [32, 32]);
+    assert_eq!(shape("model.layers.0.input_layernorm.weight"), [32]);
+    assert_eq!(
+        shape("model.layers.0.post_attention_layernorm.weight"),
+        [32]
+    );
+    assert_eq!(
+        shape("model.layers.0.block_sparse_moe.gate.weight"),
+        [4, 32]
+    );
+    assert_eq!(shape("model.norm.weight"), [32]);
+    assert_eq!(shape("lm_head.weight"), [256, 32]);
+    let total: usize = m.named_vars().iter().map(|(_, v)| v.elem_count()).sum();
+    assert_eq!(total, c.dense_params());
+    assert!(
+        m.named_vars()
+            .iter()
+            .all(|(n, _)| n.starts_with("model.") || n == "lm_head.weight")
+    );
+
+    let c = MoeConfig::from_hf_config_json(&qwen2_json()).unwrap();
+    let m = DenseModel::new(&c, &Device::Cpu)?;
+    let shape = |n: &str| m.var(n).unwrap_or_else(|| panic!("no {n}")).dims().to_vec();
+    assert_eq!(shape("model.layers.0.self_attn.q_proj.bias"), [32]);
+    assert_eq!(shape("model.layers.0.self_attn.k_proj.bias"), [32]);
+    assert!(m.var("model.layers.0.self_attn.o_proj.bias").is_none());
+    assert_eq!(shape("model.layers.0.mlp.gate.weight"), [8, 32]);
+    assert_eq!(
+        shape("model.layers.0.mlp.shared_expert.gate_proj.weight"),
+        [32, 32]
+    );
+    assert_eq!(
+        shape("model.layers.0.mlp.shared_expert.down_proj.weight"),
+        [32, 32]
+    );
+    assert_eq!(
+        shape("model.layers.0.mlp.shared_expert_gate.weight"),
+        [1, 32]
+    );
+    let total: usize = m.named_vars().iter().map(|(_, v)| v.elem_count()).sum();
+    assert_eq!(total, c.dense_params());
+
+    let c = MoeConfig::from_hf_config_json(&qwen3_json()).unwrap();
+    let m = DenseModel::new(&c, &Device::Cpu)?;
+    let shape = |n: &str| m.var(n).unwrap_or_else(|| panic!("no {n}")).dims().to_vec();
+    assert_eq!(shape("model.layers.0.self_attn.q_norm.weight"), [16]);
+    assert_eq!(shape("model.layers.0.self_attn.k_norm.weight"), [16]);
+    assert_eq!(shape("model.layers.0.self_attn.q_proj.weight"), [64, 32]);
+    assert_eq!(shape("model.layers.0.self_attn.o_proj.weight"), [32, 64]);
+    assert!(m.var("lm_head.weight").is_none(), "tied");
+    let total: usize = m.named_vars().iter().map(|(_, v)| v.elem_count()).sum();
+    assert_eq!(total, c.dense_params());
+    let hf = c.hf.as_ref().unwrap();
+    assert_eq!(
+        hf.expert_tensor_names(1, 3),
+        [
+            "model.layers.1.mlp.experts.3.gate_proj.weight".to_owned(),
+            "model.layers.1.mlp.experts.3.up_proj.weight".to_owned(),
+            "model.layers.1.mlp.experts.3.down_proj.weight".to_owned(),
+        ]
+    );
+    Ok(())
+}
+
+/// Seeded: two builds of the same HF model and experts are bit-identical (what lets workers
+/// start identical).
+#[test]
+fn hf_initialisation_is_seeded() -> Result<()> {
+    let c = MoeConfig::from_hf_config_json(&mixtral_json()).unwrap();
+    let dev = Device::Cpu;
+    let (a, b) = (DenseModel::new(&c, &dev)?, DenseModel::new(&c, &dev)?);
+    for ((na, va), (nb, vb)) in a.named_vars().iter().zip(b.named_vars()) {
+        assert_eq!(na, nb);
+        let (x, y) = (
+            va.flatten_all()?.to_vec1::<f32>()?,
+            vb.flatten_all()?.to_vec1::<f32>()?,
+        );
+        assert_eq!(x, y, "{na}");
+    }
+    let e1 = ExpertStore::with_replicas(&c, &dev, [(1, 2)])?.export(1, 2)?;
+    let e2 = ExpertStore::all(&c, &dev)?.export(1, 2)?;
+    assert_eq!(e1, e2);
+    assert_eq!((e1.w1.len(), e1.w2.len()), (32 * 96, 48 * 32));
+    Ok(())
+}
+
+// ---- finite-difference gradient checks (f64, central differences) ----
+
+/// Checks `d/dx Σ f(x)·r` (fixed random `r`, so every output element matters differently)
+/// against central differences of step `h` for every element of `x`, in f64.
+fn check_grad(name: &str, x0: &Tensor, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<()> {
+    let x = Var::from_tensor(x0)?;
+    let y = f(x.as_tensor())?;
+    let r = Tensor::randn(0.0f64, 1.0, y.shape(), &Device::Cpu)?;
+    let obj = |t: &Tensor| -> Result<f64> { (f(t)? * &r)?.sum_all()?.to_scalar::<f64>() };
+    let loss = (y * &r)?.sum_all()?;
+    let grads = loss.backward()?;
+    let g = grads
+        .get(x.as_tensor())
+        .unwrap_or_else(|| panic!("{name}: no gradient reached the input"))
+        .flatten_all()?
+        .to_vec1::<f64>()?;
+    let base = x0.flatten_all()?.to_vec1::<f64>()?;
+    let h = 1e-5;
+    let mut worst = 0.0f64;
+    for i in 0..base.len() {
+        let mut p = base.clone();
+        p[i] += h;
+        let up = obj(&Tensor::from_vec(p.clone(), x0.shape(), &Device::Cpu)?)?;
+        p[i] -= 2.0 * h;
+        let down = obj(&Tensor::from_vec(p, x0.shape(), &Device::Cpu)?)?;
+        let num = (up - down) / (2.0 * h);
+        let err = (num - g[i]).abs() / (1.0 + num.abs());
+        worst = worst.max(err);
+    }
+    assert!(worst < 1e-6, "{name}: gradient off by {worst:e} (relative)");
+    assert!(
+        g.iter().any(|v| v.abs() > 1e-3),
+        "{name}: a vanishing gradient proves nothing"
+    );
+    Ok(())
+}
+
+fn randn(shape: &[usize]) -> Result<Tensor> {
+    Tensor::randn(0.0f64, 1.0, shape, &Device::Cpu)
+}
+
+#[test]
+fn gradient_of_rms_norm_matches_finite_differences() -> Result<()> {
+    let w = ((randn(&[6])? * 0.5)? + 1.0)?;
+    check_grad("rms_norm(x)", &randn(&[3, 2, 6])?, |x| {
+        rms_norm(x, &w, 1e-5)
+    })?;
+    let x = randn(&[4, 6])?;
+    check_grad("rms_norm(w)", &w, |w| rms_norm(&x, w, 1e-5))
+}
+
+#[test]
+fn gradient_of_rotary_embedding_matches_finite_differences() -> Result<()> {
+    let (s, hd) = (5, 8);
+    let ang: Vec<f64> = (0..s * hd).map(|i| 0.37 * i as f64).collect();
+    let cos = Tensor::from_vec(
+        ang.iter().map(|a| a.cos()).collect::<Vec<_>>(),
+        (s, hd),
+        &Device::Cpu,
+    )?;
+    let sin = Tensor::from_vec(
+        ang.iter().map(|a| a.sin()).collect::<Vec<_>>(),
+        (s, hd),
+        &Device::Cpu,
+    )?;
+    check_grad("rope", &randn(&[2, 3, s, hd])?, |x| {
+        apply_rope(x, &cos, &sin)
+    })
+}
+
+#[test]
+fn gradient_of_silu_sigmoid_and_swiglu_matches_finite_differences() -> Result<()> {
+    check_grad("sigmoid", &(randn(&[4, 5])? * 3.0)?, sigmoid)?;
+    check_grad("silu", &(randn(&[4, 5])? * 3.0)?, silu)?;
+    check_grad("swiglu", &(randn(&[4, 10])? * 2.0)?, |h| swiglu(h, 5))
+}
+
+#[test]
+fn gradient_of_a_swiglu_expert_matches_finite_differences() -> Result<()> {
+    let (d, ff) = (4, 3);
+    let w1 = (randn(&[d, 2 * ff])? * 0.5)?;
+    let w2 = (randn(&[ff, d])? * 0.5)?;
+    let x = randn(&[5, d])?;
+    let fwd = |x: &Tensor, w1: &Tensor, w2: &Tensor| {
+        ExpertWeights {
+            w1: w1.clone(),
+            w2: w2.clone(),
+            compute: Precision::F32,
+        }
+        .forward(x)
+    };
+    check_grad("expert(x)", &x, |x| fwd(x, &w1, &w2))?;
+    check_grad("expert(w1)", &w1, |w| fwd(&x, w, &w2))?;
+    check_grad("expert(w2)", &w2, |w| fwd(&x, &w1, w))
+}
+
+/// The whole HF model (GQA, q/k norms, biases, shared expert and gate, untied head): with the
+/// routing held fixed, the f32 loss's central differences agree with the backward pass on the
+/// entry of largest gradient of every dense variable, and every variable gets a gradient.
+#[test]
+fn whole_model_gradients_match_finite_differences() -> Result<()> {
+    for json in [mixtral_json(), qwen2_json(), qwen3_json()] {
+        let c = MoeConfig::from_hf_config_json(&json).unwrap();
+        let c = MoeConfig {
+            precision: Precision::F32,
+            seq_len: 8,
+            ..c
+        };
+        let dev = Device::Cpu;
+        let mut m = DenseModel::new(&c, &dev)?;
+        let store = ExpertStore::all(&c, &dev)?;
+        let tokens: Vec<u32> = (0..18).map(|i| (i * 37 % 256) as u32).collect();
+        let tokens = Tensor::from_vec(tokens, (2, 9), &dev)?;
+        let mut stats = RoutingStats::default();
+        let loss = m.loss(&tokens, &mut LocalExperts(&store), &mut stats)?;
+        m.set_forced_routing(Some(stats.choices.clone()));
+        let grads = loss.backward()?;
+        for (name, var) in m.named_vars().to_vec() {
+            let g = grads
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("{:?}: no gradient for {name}", c.family()))
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let (i, gi) = g
+                .iter()
+                .copied()
+                .enumerate()
+                .max_by(|a, b| a.1.abs().total_cmp(&b.1.abs()))
+                .unwrap();
+            assert!(gi.abs() > 1e-6, "{name}: gradient all zero");
+            let base = var.flatten_all()?.to_vec1::<f32>()?;
+            let h = 1e-2f32;
+            let mut at = |delta: f32| -> Result<f64> {
+                let mut p = base.clone();
+                p[i] += delta;
+                var.set(&Tensor::from_vec(p, var.shape(), &dev)?)?;
+                let l = m.loss(&tokens, &mut LocalExperts(&store), &mut stats)?;
+                Ok(f64::from(l.to_scalar::<f32>()?))
+            };
+            let num = (at(h)? - at(-h)?) / (2.0 * f64::from(h));
+            var.set(&Tensor::from_vec(base, var.shape(), &dev)?)?;
+            let err = (num - f64::from(gi)).abs();
+            assert!(
+                err < 0.03 * f64::from(gi.abs()) + 2e-4,
+                "{:?} {name}[{i}]: backward {gi}, finite differences {num}",
+                c.family()
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn hf_families_train_and_the_loss_falls() -> Result<()> {
+    for json in [mixtral_json(), qwen2_json(), qwen3_json()] {
+        let c = MoeConfig::from_hf_config_json(&json).unwrap();
+        let c = MoeConfig {
+            precision: Precision::F32,
+            lr: 3e-3,
+            ..c
+        };
+        let mut t = Trainer::new(&c)?;
+        let first = t.step()?.loss;
+        let mut last = first;
+        for _ in 0..25 {
+            last = t.step()?.loss;
+        }
+        assert!(
+            last.is_finite() && last < first - 0.3,
+            "{:?}: {first} -> {last}",
+            c.family()
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn bf16_products_train_an_hf_family() -> Result<()> {
+    let c = MoeConfig::from_hf_config_json(&mixtral_json()).unwrap();
+    let c = MoeConfig {
+        precision: Precision::Bf16,
+        ..c
+    };
+    let mut t = Trainer::new(&c)?;
+    let r = t.step()?;
+    assert!(r.loss.is_finite());
+    let _ = DType::BF16;
+    Ok(())
+}
+
+/// Model FLOPs of the tiny Mixtral by hand: attention q, k, v, o `32·(32 + 2·16) + 32·32 =
+/// 3072`, router `32·4 = 128`, two SwiGLU experts `2·3·32·48 = 9216`: 12416 per layer, 24832
+/// for two; LM head `256·32 = 8192`; 33024 active weights. 6 · 33024 = 198144, attention
+/// scores `12·2·(4·8)·32 = 24576`: 222720 FLOPs per token.
+#[test]
+fn model_flops_of_a_mixtral_by_hand() {
+    use lazarus_executor::model::{active_matmul_params_per_token, model_flops_per_token};
+    let c = MoeConfig::from_hf_config_json(&mixtral_json()).unwrap();
+    assert_eq!(c.seq_len, 32);
+    assert_eq!(active_matmul_params_per_token(&c), 33_024);
+    assert_eq!(model_flops_per_token(&c), 222_720.0);
+}
