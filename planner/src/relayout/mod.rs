@@ -358,6 +358,16 @@ impl Evaluator {
     pub fn score(&self) -> Score {
         score_totals(self.topo, self.link, &self.total)
     }
+
+    /// `self.score().step_time_s` without the power means (the same maxima, the same bits).
+    pub fn step_time_s(&self) -> f64 {
+        let (mut max_load, mut max_comm) = (0.0f64, 0.0f64);
+        for t in &self.total {
+            max_load = max_load.max(t[0]);
+            max_comm = max_comm.max(t[1].max(t[2]));
+        }
+        4.0 * max_comm + 3.0 * max_load * self.link.compute_s_per_token
+    }
 }
 
 /// [`Score`] from the per-device totals of an [`Evaluator`] (or of [`Scorer`], which adds them
@@ -466,6 +476,8 @@ impl Scorer {
 
     /// [`score`] of traffic given expert-major (`traffic[e·devices + d]`: tokens routed to `e`
     /// by the gate on device `d`, integers as `f64`).
+    // Devices index several per-device arrays (traffic, replicas, rows, totals) in one loop.
+    #[allow(clippy::needless_range_loop)]
     pub fn score_expert_major(
         &mut self,
         topo: Topology,
@@ -753,6 +765,7 @@ mod tests {
                     )
                 };
                 prop_assert_eq!(bits(&sparse), bits(&full));
+                prop_assert_eq!(sparse.step_time_s().to_bits(), sparse.score().step_time_s.to_bits());
             }
         }
 
