@@ -4,6 +4,9 @@
 //! (`ref`), with process CPU time per run. With `prev` it also checks that both decide the same.
 //!
 //! Run: `cargo run --release -p lazarus-planner --example laer_decision -- [REPEATS [prev|ref]]`.
+//! With `score` instead of `prev|ref` it times scoring one layout on the same instance, the
+//! `Scorer` (what `score()` and `lzsim relayout` use) alternated with the full `Evaluator` it
+//! replaces, checks that both give the same bits, and prints the ratio.
 //! The shared machine's wall clock is noisy: compare the two side by side in one process.
 
 // Test oracles kept outside the library (see `tests/oracles/`).
@@ -14,7 +17,7 @@ mod laer_reference;
 
 use lazarus_planner::PlacePolicy;
 use lazarus_planner::relayout::laer::{LaerOutcome, LaerParams, laer};
-use lazarus_planner::relayout::{LinkModel, Topology, migration, score};
+use lazarus_planner::relayout::{Evaluator, LinkModel, Scorer, Topology, migration, score};
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 use std::time::Instant;
@@ -70,6 +73,10 @@ fn main() {
                 .collect()
         })
         .collect();
+    if other == Some("score") {
+        score_side_by_side(topo, link, &traffic, &current, repeats);
+        return;
+    }
     let params = LaerParams {
         f: 2,
         recovery_floor: 0.9,
@@ -131,4 +138,49 @@ fn main() {
         );
     }
     println!();
+}
+
+/// Medians over `repeats` alternated runs of the evaluator's score (the baseline) and the
+/// scorer's, each run scoring the layout 10 times.
+fn score_side_by_side(
+    topo: Topology,
+    link: LinkModel,
+    traffic: &[Vec<u64>],
+    layout: &lazarus_planner::LayerPlacement,
+    repeats: usize,
+) {
+    let mut scorer = Scorer::default();
+    let want = Evaluator::new(topo, link, traffic, layout).unwrap().score();
+    let got = scorer.score(topo, link, traffic, layout).unwrap();
+    assert_eq!(
+        format!("{want:?}"),
+        format!("{got:?}"),
+        "the scorer and the evaluator differ"
+    );
+    let (mut base, mut new) = (Vec::new(), Vec::new());
+    for _ in 0..repeats.max(1) {
+        let t0 = Instant::now();
+        for _ in 0..10 {
+            std::hint::black_box(Evaluator::new(topo, link, traffic, layout).unwrap().score());
+        }
+        base.push(t0.elapsed().as_secs_f64() / 10.0);
+        let t0 = Instant::now();
+        for _ in 0..10 {
+            std::hint::black_box(scorer.score(topo, link, traffic, layout).unwrap());
+        }
+        new.push(t0.elapsed().as_secs_f64() / 10.0);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (b, n) = (median(&mut base), median(&mut new));
+    println!(
+        "score one layout, median of {} alternated runs: evaluator {:.2} ms, scorer {:.2} ms, \
+         ratio {:.2}x (same score)",
+        base.len(),
+        b * 1e3,
+        n * 1e3,
+        b / n
+    );
 }

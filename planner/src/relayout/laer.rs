@@ -1165,7 +1165,7 @@ impl State<'_> {
 
     /// Step time under the long-term traffic (0 when none was given).
     fn long_step(&self) -> f64 {
-        self.ev_long.as_ref().map_or(0.0, |l| l.score().step_time_s)
+        self.ev_long.as_ref().map_or(0.0, Evaluator::step_time_s)
     }
 
     fn apply(&mut self, a: Action) {

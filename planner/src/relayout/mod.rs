@@ -356,36 +356,52 @@ impl Evaluator {
     }
 
     pub fn score(&self) -> Score {
-        let (mut max_load, mut sum_load, mut max_comm) = (0.0f64, 0.0, 0.0f64);
+        score_totals(self.topo, self.link, &self.total)
+    }
+
+    /// `self.score().step_time_s` without the power means (the same maxima, the same bits).
+    pub fn step_time_s(&self) -> f64 {
+        let (mut max_load, mut max_comm) = (0.0f64, 0.0f64);
         for t in &self.total {
             max_load = max_load.max(t[0]);
-            sum_load += t[0];
             max_comm = max_comm.max(t[1].max(t[2]));
         }
-        // Power means of order P, scaled by the maxima for numerical range.
-        const P: i32 = 16;
-        let (mut pl, mut pc) = (0.0f64, 0.0f64);
-        for t in &self.total {
-            if max_load > 0.0 {
-                pl += (t[0] / max_load).powi(P);
-            }
-            if max_comm > 0.0 {
-                pc += (t[1].max(t[2]) / max_comm).powi(P);
-            }
+        4.0 * max_comm + 3.0 * max_load * self.link.compute_s_per_token
+    }
+}
+
+/// [`Score`] from the per-device totals of an [`Evaluator`] (or of [`Scorer`], which adds them
+/// up the same way).
+fn score_totals(topo: Topology, link: LinkModel, total: &[[f64; 3]]) -> Score {
+    let (mut max_load, mut sum_load, mut max_comm) = (0.0f64, 0.0, 0.0f64);
+    for t in total {
+        max_load = max_load.max(t[0]);
+        sum_load += t[0];
+        max_comm = max_comm.max(t[1].max(t[2]));
+    }
+    // Power means of order P, scaled by the maxima for numerical range.
+    const P: i32 = 16;
+    let (mut pl, mut pc) = (0.0f64, 0.0f64);
+    for t in total {
+        if max_load > 0.0 {
+            pl += (t[0] / max_load).powi(P);
         }
-        let n = self.topo.devices as f64;
-        let pmean = |sum: f64, max: f64| max * (sum / n).powf(1.0 / P as f64);
-        let mean = sum_load / n;
-        let comm_s = 4.0 * max_comm;
-        let compute_s = 3.0 * max_load * self.link.compute_s_per_token;
-        Score {
-            step_time_s: comm_s + compute_s,
-            comm_s,
-            compute_s,
-            load_ratio: if mean > 0.0 { max_load / mean } else { 1.0 },
-            smooth_step_time_s: 4.0 * pmean(pc, max_comm)
-                + 3.0 * pmean(pl, max_load) * self.link.compute_s_per_token,
+        if max_comm > 0.0 {
+            pc += (t[1].max(t[2]) / max_comm).powi(P);
         }
+    }
+    let n = topo.devices as f64;
+    let pmean = |sum: f64, max: f64| max * (sum / n).powf(1.0 / P as f64);
+    let mean = sum_load / n;
+    let comm_s = 4.0 * max_comm;
+    let compute_s = 3.0 * max_load * link.compute_s_per_token;
+    Score {
+        step_time_s: comm_s + compute_s,
+        comm_s,
+        compute_s,
+        load_ratio: if mean > 0.0 { max_load / mean } else { 1.0 },
+        smooth_step_time_s: 4.0 * pmean(pc, max_comm)
+            + 3.0 * pmean(pl, max_load) * link.compute_s_per_token,
     }
 }
 
@@ -396,7 +412,206 @@ pub fn score(
     traffic: &[Vec<u64>],
     layout: &LayerPlacement,
 ) -> Result<Score, PlanError> {
-    Ok(Evaluator::new(topo, link, traffic, layout)?.score())
+    Scorer::default().score(topo, link, traffic, layout)
+}
+
+/// Scores layouts with the arithmetic of [`Evaluator::new`] + [`Evaluator::score`], bit for
+/// bit, without keeping each expert's per-device contributions (256 × 1,024 × 3 values, 6 MiB
+/// at 1,024 devices, allocated and faulted in afresh by every [`Evaluator`]): a score only needs
+/// the per-device totals, which add the experts' contributions in expert order either way.
+/// Its buffers are reused from call to call (`lzsim relayout` scores every layer of every
+/// sample).
+#[derive(Debug, Clone, Default)]
+pub struct Scorer {
+    /// `traffic[e·devices + d]`, as `f64` (the evaluator's conversion).
+    traffic: Vec<f64>,
+    /// Holders of each expert, in device order (a device once per replica): CSR rows.
+    holder_start: Vec<usize>,
+    holders: Vec<u32>,
+    /// One expert's replicas per device (zero outside its holders between experts).
+    rep: Vec<u32>,
+    /// One expert's `[cap, over, resid]` per device.
+    row: Vec<[f64; 3]>,
+    node: Vec<f64>,
+    total: Vec<[f64; 3]>,
+}
+
+impl Scorer {
+    /// [`score`] with this scorer's buffers.
+    pub fn score(
+        &mut self,
+        topo: Topology,
+        link: LinkModel,
+        traffic: &[Vec<u64>],
+        layout: &LayerPlacement,
+    ) -> Result<Score, PlanError> {
+        topo.validate()?;
+        let experts = layout.experts();
+        if traffic.len() != topo.devices || layout.nodes() != topo.devices {
+            return Err(PlanError::LayerNodeMismatch {
+                layer: 0,
+                expected: topo.devices,
+                got: traffic.len().min(layout.nodes()),
+            });
+        }
+        if let Some(row) = traffic.iter().find(|r| r.len() != experts) {
+            return Err(PlanError::LoadCount {
+                expected: experts,
+                got: row.len(),
+            });
+        }
+        let devices = topo.devices;
+        let mut by_expert = std::mem::take(&mut self.traffic);
+        by_expert.clear();
+        by_expert.resize(experts * devices, 0.0);
+        for (d, row) in traffic.iter().enumerate() {
+            for (e, &x) in row.iter().enumerate() {
+                by_expert[e * devices + d] = x as f64;
+            }
+        }
+        let out = self.score_expert_major(topo, link, &by_expert, layout);
+        self.traffic = by_expert;
+        out
+    }
+
+    /// [`score`] of traffic given expert-major (`traffic[e·devices + d]`: tokens routed to `e`
+    /// by the gate on device `d`, integers as `f64`).
+    // Devices index several per-device arrays (traffic, replicas, rows, totals) in one loop.
+    #[allow(clippy::needless_range_loop)]
+    pub fn score_expert_major(
+        &mut self,
+        topo: Topology,
+        link: LinkModel,
+        traffic: &[f64],
+        layout: &LayerPlacement,
+    ) -> Result<Score, PlanError> {
+        topo.validate()?;
+        let (devices, experts) = (topo.devices, layout.experts());
+        if layout.nodes() != devices {
+            return Err(PlanError::LayerNodeMismatch {
+                layer: 0,
+                expected: devices,
+                got: layout.nodes(),
+            });
+        }
+        if traffic.len() != experts * devices {
+            return Err(PlanError::LoadCount {
+                expected: experts,
+                got: traffic.len() / devices,
+            });
+        }
+        let (nodes, dpn) = (topo.nodes(), topo.devices_per_node);
+        // Holders per expert in device order (counting sort of the grid's cells).
+        let grid = layout.grid();
+        self.holder_start.clear();
+        self.holder_start.resize(experts + 1, 0);
+        for &e in grid.cells() {
+            self.holder_start[e as usize + 1] += 1;
+        }
+        for e in 0..experts {
+            self.holder_start[e + 1] += self.holder_start[e];
+        }
+        self.holders.clear();
+        self.holders.resize(grid.cells().len(), 0);
+        {
+            let mut next = self.holder_start[..experts].to_vec();
+            for (d, row) in grid.iter().enumerate() {
+                for &e in row {
+                    self.holders[next[e as usize]] = d as u32;
+                    next[e as usize] += 1;
+                }
+            }
+        }
+        self.rep.clear();
+        self.rep.resize(devices, 0);
+        self.row.clear();
+        self.row.resize(devices, [0.0; 3]);
+        self.total.clear();
+        self.total.resize(devices, [0.0; 3]);
+        let b = link.bytes_per_token;
+        let (bi, bo) = (link.intra_node_bytes_per_s, link.inter_node_bytes_per_s);
+        for e in 0..experts {
+            let held = &self.holders[self.holder_start[e]..self.holder_start[e + 1]];
+            for &d in held {
+                self.rep[d as usize] += 1;
+            }
+            let own_row = &traffic[e * devices..(e + 1) * devices];
+            // As `Evaluator::refresh(e, None)` on a fresh evaluator: the same expressions in
+            // the same order (its `total − 0` is exact and left out).
+            let r = held.len() as u64 as f64;
+            let t: f64 = own_row.iter().sum();
+            self.node.clear();
+            self.node.resize(4 * nodes, 0.0);
+            let (over_node, rest) = self.node.split_at_mut(nodes);
+            let (resid_node, rest) = rest.split_at_mut(nodes);
+            let (w_eg, w_ing) = rest.split_at_mut(nodes);
+            // First pass. A device without a replica has `cap = 0`, so `keep = 0`, `over =
+            // own` and `resid = +0.0`, whose additions leave the sums as they are (they start at
+            // `+0.0` and only add non-negative values): only its `over` is added.
+            let mut s = 0.0;
+            for n in 0..nodes {
+                let (mut o, mut rs) = (0.0f64, 0.0f64);
+                for d in n * dpn..(n + 1) * dpn {
+                    let own = own_row[d];
+                    let rep = self.rep[d];
+                    if rep == 0 {
+                        o += own;
+                        continue;
+                    }
+                    let cap = if r > 0.0 { t * rep as f64 / r } else { 0.0 };
+                    let keep = own.min(cap);
+                    let (over, resid) = (own - keep, cap - keep);
+                    o += over;
+                    rs += resid;
+                    s += resid;
+                    self.row[d] = [cap, over, resid];
+                }
+                over_node[n] = o;
+                resid_node[n] = rs;
+            }
+            let flows = s > 0.0 && r > 0.0 && t > 0.0;
+            if flows {
+                for n in 0..nodes {
+                    let x = resid_node[n] / s;
+                    w_eg[n] = x / bi + (1.0 - x) / bo;
+                    let y = over_node[n] / s;
+                    w_ing[n] = y / bi + (1.0 - y) / bo;
+                }
+            }
+            // A device without a replica adds `cap = 0` and `ingress = 0·b·w`, which is `+0.0`
+            // (no change) unless `b·w` is not finite (a zero bandwidth): then it is added.
+            let zero_ing = flows && !(b.is_finite() && w_ing.iter().all(|w| w.is_finite()));
+            let live = r > 0.0 && t > 0.0;
+            for n in 0..nodes {
+                for d in n * dpn..(n + 1) * dpn {
+                    let tot = &mut self.total[d];
+                    if self.rep[d] == 0 {
+                        if flows {
+                            tot[1] += own_row[d] * b * w_eg[n];
+                            if zero_ing {
+                                tot[2] += 0.0 * b * w_ing[n];
+                            }
+                        }
+                        continue;
+                    }
+                    let [cap, over, resid] = self.row[d];
+                    let (mut eg, mut ing) = (0.0, 0.0);
+                    if flows {
+                        eg = over * b * w_eg[n];
+                        ing = resid * b * w_ing[n];
+                    }
+                    let cap = if live { cap } else { 0.0 };
+                    tot[0] += cap;
+                    tot[1] += eg;
+                    tot[2] += ing;
+                }
+            }
+            for &d in held {
+                self.rep[d as usize] = 0;
+            }
+        }
+        Ok(score_totals(topo, link, &self.total))
+    }
 }
 
 /// State moved from `old` to `new` (same devices): every expert a device holds in `new` but not
@@ -550,6 +765,57 @@ mod tests {
                     )
                 };
                 prop_assert_eq!(bits(&sparse), bits(&full));
+                prop_assert_eq!(sparse.step_time_s().to_bits(), sparse.score().step_time_s.to_bits());
+            }
+        }
+
+        /// The scorer gives the evaluator's score bit for bit (duplicate replicas, experts
+        /// without replicas or tokens, tokens on one device), also reusing its buffers over
+        /// layouts of different shapes.
+        #[test]
+        fn scorer_equals_evaluator(
+            nodes in 1usize..=6,
+            dpn in 1usize..=4,
+            slots in 1usize..=3,
+            experts in 1usize..=24,
+            seed in any::<u64>(),
+        ) {
+            let mut z = seed | 1;
+            let mut next = move |m: u64| {
+                z ^= z << 13;
+                z ^= z >> 7;
+                z ^= z << 17;
+                z % m
+            };
+            // Now and then a zero bandwidth: infinite link times, whose products with zero
+            // tokens are NaN in the evaluator and must be in the scorer too.
+            let link = LinkModel {
+                bytes_per_token: 14336.0,
+                intra_node_bytes_per_s: if next(5) == 0 { 0.0 } else { 360e9 },
+                inter_node_bytes_per_s: 40e9,
+                compute_s_per_token: 1e-10,
+                bytes_per_expert: 1 << 20,
+            };
+            let mut scorer = Scorer::default();
+            for shrink in 0..2 {
+                let dpn = (dpn - shrink).max(1);
+                let topo = Topology { devices: nodes * dpn, devices_per_node: dpn, slots_per_device: slots };
+                let total = topo.devices * slots;
+                // Some experts may hold no slot at all.
+                let cells: Vec<u32> = (0..total).map(|_| next(experts as u64) as u32).collect();
+                let grid: Vec<Vec<u32>> = cells.chunks(slots).map(<[u32]>::to_vec).collect();
+                let layout = LayerPlacement::from_grid(grid, experts, None).unwrap();
+                let traffic: Vec<Vec<u64>> = (0..topo.devices)
+                    .map(|d| (0..experts).map(|e| match e % 4 {
+                        0 => 0,
+                        1 => if d == 0 { next(1000) } else { 0 },
+                        _ => next(5000),
+                    }).collect())
+                    .collect();
+                let want = Evaluator::new(topo, link, &traffic, &layout).unwrap().score();
+                let got = scorer.score(topo, link, &traffic, &layout).unwrap();
+                let bits = |s: Score| [s.step_time_s, s.comm_s, s.compute_s, s.load_ratio, s.smooth_step_time_s].map(f64::to_bits);
+                prop_assert_eq!(bits(got), bits(want));
             }
         }
     }

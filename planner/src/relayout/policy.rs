@@ -3,7 +3,7 @@
 use super::eplb::{EplbMode, eplb, eplb_remap};
 use super::flexmoe::flexmoe;
 use super::laer::{LaerParams, laer};
-use super::{LayoutMigration, LinkModel, Score, Topology, migration, score};
+use super::{LayoutMigration, LinkModel, Score, Topology, migration};
 use crate::error::PlanError;
 use crate::migrate::{MappingMethod, PhysicalNode, map_nodes, min_cost_assignment};
 use crate::place::{Grid, LayerPlacement};
@@ -110,6 +110,28 @@ pub fn relayout(
     current: &LayerPlacement,
     f: usize,
 ) -> Result<RelayoutDecision, PlanError> {
+    let (layout, migration) =
+        relayout_moves(policy, topo, link, traffic, long_traffic, current, f)?;
+    let mut scorer = super::Scorer::default();
+    Ok(RelayoutDecision {
+        migration,
+        before: scorer.score(topo, link, traffic, current)?,
+        after: scorer.score(topo, link, traffic, &layout)?,
+        layout,
+    })
+}
+
+/// [`relayout`] without the scores before and after: the new layout and what it moves (a
+/// replay that scores each layout under its own traffic needs no more).
+pub fn relayout_moves(
+    policy: &RelayoutPolicy,
+    topo: Topology,
+    link: LinkModel,
+    traffic: &[Vec<u64>],
+    long_traffic: Option<&[Vec<u64>]>,
+    current: &LayerPlacement,
+    f: usize,
+) -> Result<(LayerPlacement, LayoutMigration), PlanError> {
     let layout = match policy {
         RelayoutPolicy::Static => current.clone(),
         RelayoutPolicy::Lazarus => lazarus_replan(topo, traffic, current, f)?,
@@ -120,12 +142,8 @@ pub fn relayout(
         }
         RelayoutPolicy::Laer(p) => laer(topo, link, traffic, long_traffic, current, p)?.layout,
     };
-    Ok(RelayoutDecision {
-        migration: migration(current, &layout, &link)?,
-        before: score(topo, link, traffic, current)?,
-        after: score(topo, link, traffic, &layout)?,
-        layout,
-    })
+    let moved = migration(current, &layout, &link)?;
+    Ok((layout, moved))
 }
 
 /// Lazarus's rebalance at device granularity: Eq. 1 + MRO for the nodes (`c` = the node's
