@@ -633,3 +633,55 @@ fn export_refuses_a_missing_checkpoint_and_an_occupied_out() {
     assert!(o.stderr.contains("no valid checkpoint"), "{}", o.show());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_restore_before_the_first_checkpoint_goes_back_to_the_init_from_weights() {
+    let dir = scratch("init-restore");
+    let cfg = config_of(&qwen3_moe());
+    let init = dir.join("init");
+    write_fresh(&cfg, &init, u64::MAX);
+    let ckpt = dir.join("ckpt");
+    // One replica per expert on 2 nodes of 2 slots: killing n1 after step 1 loses experts,
+    // and the only checkpoint is the initial state (--ckpt-every 5 > --steps).
+    let o = lzrun(&[
+        "local",
+        "--nodes",
+        "2",
+        "--steps",
+        "3",
+        "--init-from",
+        s(&init),
+        "--ckpt-dir",
+        s(&ckpt),
+        "--ckpt-every",
+        "5",
+        "--fault-tolerance",
+        "1",
+        "--slots",
+        "2",
+        "--kill",
+        "1@1",
+        "--join",
+        "@1",
+        "--format",
+        "json",
+    ]);
+    let summary = o.summary();
+    assert_eq!(summary.fallbacks, 1, "{}", o.show());
+    assert!(
+        o.stderr
+            .contains("lost every replica: restoring a checkpoint"),
+        "{}",
+        o.show()
+    );
+    assert!(
+        o.stderr
+            .matches("restoring the checkpoint of the initial state")
+            .count()
+            >= 2,
+        "{}",
+        o.show()
+    );
+    assert_eq!(summary.steps, 3);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
