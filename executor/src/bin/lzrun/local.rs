@@ -88,7 +88,12 @@ pub fn local(a: LocalArgs) -> Result<()> {
     };
     report.say(&format!(
         "lzrun local: {} nodes{per_node}, config {}, {} steps, {faults}, controller {addr}",
-        schedule.initial_nodes, a.job.model.config, a.job.model.steps,
+        schedule.initial_nodes,
+        match &a.job.model.model_config {
+            Some(p) => format!("{} (training knobs of {})", p.display(), a.job.model.config),
+            None => a.job.model.config.clone(),
+        },
+        a.job.model.steps,
     ));
     if let Some(line) = mfu_line {
         report.say(&line);

@@ -1,0 +1,287 @@
+//! Issue 32 acceptance: a tiny Mixtral-style and a tiny Qwen-MoE-style `config.json` (written
+//! here) train under `lzrun local --model-config` with a kill (in-place recovery), a double kill
+//! (checkpoint restore), a join with a re-layout, and resilient FSEP; the loss falls and every
+//! copy of the state stays identical (dense checksums over the Hugging Face variables, expert
+//! checksums over the SwiGLU experts).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use lazarus_executor::metrics::Summary;
+use lazarus_executor::model::MoeConfig;
+use lazarus_executor::worker::Checksums;
+
+mod process;
+use process::{Outcome, run_within};
+
+const LZRUN: &str = env!("CARGO_BIN_EXE_lzrun");
+const LIMIT: Duration = Duration::from_secs(300);
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn mixtral() -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["MixtralForCausalLM"],
+        "vocab_size": 256, "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_local_experts": 4, "num_experts_per_tok": 2,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": false, "router_aux_loss_coef": 0.02
+    })
+}
+
+fn qwen2() -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": false,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": true
+    })
+}
+
+fn qwen3() -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 256, "hidden_size": 32, "head_dim": 16, "moe_intermediate_size": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": true,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0
+    })
+}
+
+/// A scratch directory with `config.json` written into it; returns the directory and the model.
+fn setup(name: &str, json: &serde_json::Value) -> (PathBuf, MoeConfig) {
+    let dir = process::scratch("families", name);
+    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+    let cfg = MoeConfig::from_hf_config_json(&json.to_string()).unwrap();
+    (dir, cfg)
+}
+
+fn lzrun(dir: &Path, args: &[&str]) -> Outcome {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let cfg = dir.join("config.json");
+    let mut cmd = Command::new(LZRUN);
+    cmd.arg("local")
+        .arg("--model-config")
+        .arg(&cfg)
+        .args(["--format", "json", "--out"])
+        .arg(dir)
+        .args(args);
+    run_within(&mut cmd, LIMIT)
+}
+
+/// Same check as `lzrun.rs`: dense checksums equal on every worker, every replica (or shard
+/// copy) of an expert identical, every expert held.
+fn assert_consistent(dir: &Path, cfg: &MoeConfig) -> usize {
+    let mut sums = Vec::new();
+    for entry in std::fs::read_dir(dir).expect("checksum dir") {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("node") && name.ends_with(".json") {
+            sums.push(Checksums::read(&path).expect("checksum file"));
+        }
+    }
+    assert!(!sums.is_empty(), "no checksum files in {}", dir.display());
+    let mut seen: BTreeMap<(usize, usize), Vec<(u64, u64)>> = BTreeMap::new();
+    for s in &sums {
+        assert_eq!(s.dense, sums[0].dense, "dense weights differ: {sums:?}");
+        for r in &s.replicas {
+            seen.entry((r.layer, r.expert))
+                .or_default()
+                .push((r.checksum, r.weights_checksum));
+        }
+    }
+    for l in 0..cfg.n_layers {
+        for e in 0..cfg.experts {
+            let v = seen
+                .get(&(l, e))
+                .unwrap_or_else(|| panic!("expert {e} of layer {l} is held by nobody"));
+            assert!(
+                v.iter().all(|x| *x == v[0]),
+                "replicas of ({l}, {e}) differ: {v:?}"
+            );
+        }
+    }
+    sums.len()
+}
+
+fn assert_learns(s: &Summary, o: &Outcome) {
+    assert!(
+        s.final_loss < s.initial_loss - 0.3,
+        "loss {} -> {}: {}",
+        s.initial_loss,
+        s.final_loss,
+        o.show()
+    );
+}
+
+#[test]
+fn mixtral_recovers_in_place_from_a_kill() {
+    let (dir, cfg) = setup("mixtral-kill", &mixtral());
+    let o = lzrun(&dir, &["--nodes", "4", "--steps", "12", "--kill", "2@5"]);
+    let s = o.summary();
+    assert_eq!(s.steps, 12);
+    assert_eq!((s.recoveries, s.fallbacks), (1, 0), "{}", o.show());
+    assert_learns(&s, &o);
+    assert_eq!(assert_consistent(&dir, &cfg), 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn mixtral_restores_the_checkpoint_after_a_double_kill() {
+    let (dir, cfg) = setup("mixtral-double", &mixtral());
+    let ck = dir.join("ckpt");
+    let o = lzrun(
+        &dir,
+        &[
+            "--nodes",
+            "4",
+            "--steps",
+            "12",
+            "--kill",
+            "0@6",
+            "--kill",
+            "1@6",
+            "--ckpt-every",
+            "4",
+            "--ckpt-dir",
+            ck.to_str().unwrap(),
+        ],
+    );
+    let s = o.summary();
+    assert_eq!(s.steps, 12);
+    assert_eq!(s.fallbacks, 1, "{}", o.show());
+    let rec = s
+        .reconfigurations
+        .iter()
+        .find(|r| r.kind == "checkpoint")
+        .unwrap();
+    assert_eq!(rec.resume_step, 4, "{rec:?}");
+    assert_learns(&s, &o);
+    assert_eq!(assert_consistent(&dir, &cfg), 2);
+    // The manifest carries the HF model (and its config.json) for a later resume or export.
+    let latest = std::fs::read_to_string(ck.join("latest")).unwrap();
+    let manifest = std::fs::read_to_string(ck.join(latest.trim()).join("manifest.json")).unwrap();
+    assert!(manifest.contains("MixtralForCausalLM"), "{manifest}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Qwen2-MoE (shared expert with its gate, q/k/v biases, 8 fine-grained experts): a join and
+/// Lazarus re-layouts from the routing statistics, then a kill.
+#[test]
+fn qwen2_moe_joins_relayouts_and_recovers() {
+    let (dir, cfg) = setup("qwen2", &qwen2());
+    let o = lzrun(
+        &dir,
+        &[
+            "--nodes",
+            "3",
+            "--steps",
+            "14",
+            "--join",
+            "@3",
+            "--rebalance-every",
+            "4",
+            "--router-skew",
+            "4",
+            "--migration",
+            "blocking",
+            "--kill",
+            "1@9",
+        ],
+    );
+    let s = o.summary();
+    assert_eq!(s.steps, 14);
+    assert_eq!((s.joins, s.recoveries), (1, 1), "{}", o.show());
+    assert!(s.rebalances >= 1, "{}", o.show());
+    assert_learns(&s, &o);
+    assert_eq!(assert_consistent(&dir, &cfg), 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Qwen3-MoE (q/k norms, tied head) with resilient FSEP (2 copies of every shard) and bf16
+/// products: a kill loses no shard.
+#[test]
+fn qwen3_moe_trains_with_resilient_fsep_and_bf16() {
+    let (dir, _) = setup("qwen3", &qwen3());
+    let o = lzrun(
+        &dir,
+        &[
+            "--nodes",
+            "4",
+            "--steps",
+            "12",
+            "--expert-mode",
+            "fsep",
+            "--shard-copies",
+            "2",
+            "--precision",
+            "bf16",
+            "--kill",
+            "3@5",
+        ],
+    );
+    let s = o.summary();
+    assert_eq!(s.steps, 12);
+    assert_eq!((s.recoveries, s.fallbacks), (1, 0), "{}", o.show());
+    assert_learns(&s, &o);
+    assert_eq!(assert_fsep_consistent(&dir), 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// An FSEP run's checksum files: one dense state everywhere, no whole replica anywhere.
+fn assert_fsep_consistent(dir: &Path) -> usize {
+    let mut sums = Vec::new();
+    for entry in std::fs::read_dir(dir).expect("checksum dir") {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("node") && name.ends_with(".json") {
+            sums.push(Checksums::read(&path).expect("checksum file"));
+        }
+    }
+    for s in &sums {
+        assert_eq!(s.dense, sums[0].dense, "dense weights differ: {sums:?}");
+        assert!(
+            s.replicas.is_empty(),
+            "an FSEP worker holds replicas: {s:?}"
+        );
+    }
+    sums.len()
+}
+
+/// Bad `config.json`s: one line naming the field, exit 2.
+#[test]
+fn unsupported_configs_exit_2_naming_the_field() {
+    for (name, patch, field) in [
+        (
+            "rope",
+            ("rope_scaling", serde_json::json!({"type": "yarn"})),
+            "rope_scaling",
+        ),
+        (
+            "arch",
+            ("architectures", serde_json::json!(["GPT2LMHeadModel"])),
+            "architectures",
+        ),
+        (
+            "short",
+            ("max_position_embeddings", serde_json::json!(8)),
+            "max_position_embeddings",
+        ),
+    ] {
+        let mut json = mixtral();
+        json[patch.0] = patch.1;
+        let dir = process::scratch("families", name);
+        std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+        let o = lzrun(&dir, &["--steps", "2"]);
+        assert_eq!(o.code, Some(2), "{}", o.show());
+        assert!(o.stderr.contains(field), "{}", o.show());
+        assert_eq!(o.stderr.trim().lines().count(), 1, "{}", o.show());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
