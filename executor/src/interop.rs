@@ -158,8 +158,8 @@ pub struct NamedTensor {
 // config.json
 
 /// The `config.json` of an export: the family's Hugging Face configuration as it was read
-/// (`hf.config_json`) with `torch_dtype: "float32"` and `architectures` set, or the lazarus
-/// GPT description.
+/// (`hf.config_json`) with `torch_dtype` (and `dtype` where present) `"float32"` and
+/// `architectures` set, or the lazarus GPT description.
 pub fn config_json(cfg: &MoeConfig) -> Value {
     match &cfg.hf {
         Some(hf) => {
@@ -167,6 +167,11 @@ pub fn config_json(cfg: &MoeConfig) -> Value {
             if let Value::Object(m) = &mut v {
                 m.insert("architectures".into(), json!([hf.family.name()]));
                 m.insert("torch_dtype".into(), json!("float32"));
+                // transformers 5 names it `dtype` (and prefers it): the same value, or a
+                // `save_pretrained` config of a bf16 model would load the f32 export as bf16.
+                if m.contains_key("dtype") {
+                    m.insert("dtype".into(), json!("float32"));
+                }
             }
             v
         }
@@ -946,6 +951,21 @@ pub fn npy_bytes(shape: &[usize], values: &[f32]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_exported_config_says_float32_under_both_dtype_names() {
+        let text = json!({
+            "architectures": ["MixtralForCausalLM"], "vocab_size": 16, "hidden_size": 8,
+            "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_local_experts": 2, "num_experts_per_tok": 1, "dtype": "bfloat16",
+            "torch_dtype": "bfloat16", "max_position_embeddings": 64
+        });
+        let cfg = MoeConfig::from_hf_config_json(&text.to_string()).unwrap();
+        let c = config_json(&cfg);
+        assert_eq!(c["dtype"], json!("float32"));
+        assert_eq!(c["torch_dtype"], json!("float32"));
+        assert_eq!(c["hidden_size"], json!(8));
+    }
 
     #[test]
     fn npy_header_is_aligned_and_describes_the_array() {
