@@ -748,35 +748,32 @@ pub fn open_checkpoint(path: &Path) -> Result<Loaded, InteropError> {
             rejected: Vec::new(),
         });
     }
-    let step = checkpoint::latest_step(path)?;
-    // The config to check against is the checkpoint's own: read it from the manifest `latest`
-    // names (or, with no pointer, of the newest directory load_latest would try).
-    let dir = match step {
-        Some(s) => path.join(checkpoint::step_dir_name(s)),
-        None => {
-            let mut dirs: Vec<u64> = io("listing", path, fs::read_dir(path))?
-                .filter_map(|e| e.ok())
-                .filter_map(|e| checkpoint::parse_step_dir_name(e.file_name().to_str()?))
-                .collect();
-            dirs.sort_unstable();
-            match dirs.last() {
-                Some(s) => path.join(checkpoint::step_dir_name(*s)),
-                None => {
-                    return Err(InteropError::Checkpoint(CheckpointError::NoCheckpoint {
-                        root: path.to_path_buf(),
-                        rejected: Vec::new(),
-                    }));
-                }
-            }
+    // The config to verify against is the checkpoint's own: that of the manifest `latest`
+    // names, else of the newest committed directory whose manifest reads (a damaged newest
+    // one is then rejected by `load_latest`, which falls back as a restore would).
+    let mut steps: Vec<u64> = io("listing", path, fs::read_dir(path))?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| checkpoint::parse_step_dir_name(e.file_name().to_str()?))
+        .collect();
+    steps.sort_unstable_by(|a, b| b.cmp(a));
+    if let Ok(Some(s)) = checkpoint::latest_step(path) {
+        steps.insert(0, s);
+    }
+    for s in steps {
+        let mpath = path
+            .join(checkpoint::step_dir_name(s))
+            .join(checkpoint::MANIFEST);
+        let Ok(text) = fs::read_to_string(&mpath) else {
+            continue;
+        };
+        if let Ok(manifest) = serde_json::from_str::<Manifest>(&text) {
+            return Ok(checkpoint::load_latest(path, &manifest.config)?);
         }
-    };
-    let mpath = dir.join(checkpoint::MANIFEST);
-    let text = io("reading", &mpath, fs::read_to_string(&mpath))?;
-    let manifest: Manifest = serde_json::from_str(&text).map_err(|e| InteropError::ConfigJson {
-        path: mpath.clone(),
-        reason: e.to_string(),
-    })?;
-    Ok(checkpoint::load_latest(path, &manifest.config)?)
+    }
+    Err(InteropError::Checkpoint(CheckpointError::NoCheckpoint {
+        root: path.to_path_buf(),
+        rejected: Vec::new(),
+    }))
 }
 
 /// The dense state and every expert of a verified checkpoint.
