@@ -465,3 +465,16 @@ fn bf16_products_train_an_hf_family() -> Result<()> {
     let _ = DType::BF16;
     Ok(())
 }
+
+/// Model FLOPs of the tiny Mixtral by hand: attention q, k, v, o `32·(32 + 2·16) + 32·32 =
+/// 3072`, router `32·4 = 128`, two SwiGLU experts `2·3·32·48 = 9216`: 12416 per layer, 24832
+/// for two; LM head `256·32 = 8192`; 33024 active weights. 6 · 33024 = 198144, attention
+/// scores `12·2·(4·8)·32 = 24576`: 222720 FLOPs per token.
+#[test]
+fn model_flops_of_a_mixtral_by_hand() {
+    use lazarus_executor::model::{active_matmul_params_per_token, model_flops_per_token};
+    let c = MoeConfig::from_hf_config_json(&mixtral_json()).unwrap();
+    assert_eq!(c.seq_len, 32);
+    assert_eq!(active_matmul_params_per_token(&c), 33_024);
+    assert_eq!(model_flops_per_token(&c), 222_720.0);
+}

@@ -118,6 +118,20 @@ pub struct RunModel {
     pub top_k: usize,
     pub seq_len: u64,
     pub batch: u64,
+    /// The Hugging Face family's architecture (`lzrun --model-config`, issue 32); absent for
+    /// the GPT-style model and in older runs.
+    #[serde(default)]
+    pub hf: Option<RunHf>,
+}
+
+/// The fields of `MoeConfig::hf` (`lazarus_executor::model::HfModel`) the profile needs.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct RunHf {
+    pub n_kv_heads: u64,
+    pub head_dim: u64,
+    pub tie_word_embeddings: bool,
+    /// Intermediate size of the shared expert MLP (0: none).
+    pub shared_ff: u64,
 }
 
 /// A fault of `lzrun`'s schedule (`lazarus_executor::faults::Fault`).
@@ -480,10 +494,26 @@ impl RunDir {
             ),
             None => String::new(),
         };
+        // A Hugging Face family: SwiGLU experts (3 matrices), grouped-query attention
+        // (`d·(q + 2·kv) + q·d` weights, score width `heads·head_dim`), the shared expert as
+        // `shared_ff / d_ff` always-active experts, the LM head untied unless tied.
+        let arch = match &m.hf {
+            Some(h) => {
+                let (q, kv) = (m.n_heads * h.head_dim, h.n_kv_heads * h.head_dim);
+                format!(
+                    "ffn_matrices = 3\nattention_params_per_layer = {}\n\
+                     attention_score_width = {q}\nshared_experts = {}\ntied_embeddings = {}\n",
+                    m.d_model * (q + 2 * kv) + q * m.d_model,
+                    h.shared_ff.div_ceil(m.d_ff.max(1)),
+                    h.tie_word_embeddings
+                )
+            }
+            None => "ffn_matrices = 2\nshared_experts = 0\ntied_embeddings = true\n".to_owned(),
+        };
         let text = format!(
             "name = \"lzrun\"\nlayers = {l}\nmoe_layers = {l}\nd_model = {d}\nffn_hidden = {ff}\n\
-             ffn_matrices = 2\nexperts = {e}\nshared_experts = 0\ntop_k = {k}\nvocab = {v}\n\
-             tied_embeddings = true\nseq_len = {s}\nbatch_per_gpu = {b}\n\
+             {arch}experts = {e}\ntop_k = {k}\nvocab = {v}\n\
+             seq_len = {s}\nbatch_per_gpu = {b}\n\
              bytes_per_param_weights = 4\nbytes_per_param_state = 12\n\
              bytes_per_expert_state = {es}\nep_size = {e}\nslots_per_gpu = {slots}\nf = {f}\n\
              {global_batch}",
@@ -973,6 +1003,33 @@ mod tests {
         run.config.micro_batch = Some(4);
         let e = run.config.global_batch().unwrap_err();
         assert!(e.contains("global_batch 10, micro_batch 4"), "{e}");
+    }
+
+    /// Issue 32: a run of a Hugging Face family (`model.hf` in run.json) is profiled with
+    /// SwiGLU experts (`3·d·ff`), its grouped-query attention and shared expert, and its
+    /// untied head; a GPT run (no `hf`) keeps the 2-matrix, `4·d²`, tied profile.
+    #[test]
+    fn predict_profiles_a_hugging_face_family_from_run_json() {
+        let mut run = fixture();
+        let gpt = run.model_profile().unwrap();
+        assert_eq!(gpt.ffn_matrices, 2);
+        assert_eq!(gpt.shared_experts, 0);
+        assert!(gpt.tied_embeddings);
+        let m = &mut run.config.model;
+        let (d, ff, heads) = (m.d_model, m.d_ff, m.n_heads);
+        m.hf = Some(RunHf {
+            n_kv_heads: 1,
+            head_dim: 8,
+            tie_word_embeddings: false,
+            shared_ff: 2 * ff,
+        });
+        let p = run.model_profile().unwrap();
+        assert_eq!(p.ffn_matrices, 3);
+        assert_eq!(p.expert_params(), 3 * d * ff);
+        assert_eq!(p.shared_experts, 2);
+        assert!(!p.tied_embeddings);
+        let (q, kv) = (heads * 8, 8);
+        assert_eq!(p.attention_params_per_layer(), d * (q + 2 * kv) + q * d);
     }
 
     /// B = 16 in micro-batches of 4: 4 ranks train one round of 4 sequences, 3 ranks two

@@ -24,6 +24,20 @@ use super::MoeConfig;
 /// embedding but still a product). Not counted: the embedding lookups (token and position: a
 /// gather, no product), biases and layer norms (elementwise, a vanishing share of the FLOPs).
 pub fn active_matmul_params_per_token(cfg: &MoeConfig) -> u64 {
+    if let Some(hf) = &cfg.hf {
+        // A Hugging Face family: q, k, v, o of grouped-query attention, the router, `top_k`
+        // SwiGLU experts (`3·d·d_ff`), the shared expert (`3·d·shared_ff` and its gate `d`),
+        // and the LM head (tied or not, one product).
+        let (d, h) = (cfg.d_model as u64, hf.head_dim as u64);
+        let (q, kv) = (cfg.n_heads as u64 * h, hf.n_kv_heads as u64 * h);
+        let shared = 3 * d * hf.shared_ff as u64 + if hf.shared_gate { d } else { 0 };
+        let per_layer = d * (q + 2 * kv)
+            + q * d
+            + d * cfg.experts as u64
+            + cfg.top_k as u64 * cfg.expert_params() as u64
+            + shared;
+        return cfg.n_layers as u64 * per_layer + cfg.vocab as u64 * d;
+    }
     let d = cfg.d_model as u64;
     let per_layer = 4 * d * d + d * cfg.experts as u64 + cfg.top_k as u64 * 2 * d * cfg.d_ff as u64;
     cfg.n_layers as u64 * per_layer + cfg.vocab as u64 * d
@@ -33,8 +47,13 @@ pub fn active_matmul_params_per_token(cfg: &MoeConfig) -> u64 {
 /// model-FLOPs convention (see the module docs): `6 · active parameters + 12 · n_layers ·
 /// d_model · seq_len`. Multiply by tokens per second for the model FLOP/s of a run.
 pub fn model_flops_per_token(cfg: &MoeConfig) -> f64 {
+    // The score products' width is heads · head_dim (d_model for the GPT family).
+    let width = cfg
+        .hf
+        .as_ref()
+        .map_or(cfg.d_model, |h| cfg.n_heads * h.head_dim);
     6.0 * active_matmul_params_per_token(cfg) as f64
-        + 12.0 * cfg.n_layers as f64 * cfg.d_model as f64 * cfg.seq_len as f64
+        + 12.0 * cfg.n_layers as f64 * width as f64 * cfg.seq_len as f64
 }
 
 #[cfg(test)]
