@@ -6,13 +6,14 @@
 //! MoE model of [`model`] with the distributed expert runtime of [`runtime`]). Every placement,
 //! dispatch and migration decision is the planner's. [`checkpoint`] writes and verifies atomic
 //! checkpoints, [`faults`] turns flags and spot traces into fault schedules, [`metrics`] writes
-//! what a run measured. See `executor/README.md`.
+//! what a run measured, [`interop`] reads and writes Hugging Face model directories. See `executor/README.md`.
 pub mod checkpoint;
 pub mod comm;
 pub mod control;
 pub mod dataset;
 pub mod device;
 pub mod faults;
+pub mod interop;
 pub mod metrics;
 pub mod model;
 pub mod runtime;

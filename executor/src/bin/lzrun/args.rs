@@ -345,6 +345,21 @@ pub struct JobArgs {
     /// checkpointing into DIR unless --ckpt-dir says otherwise.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// Start (or fine-tune) from a Hugging Face model directory: DIR/config.json gives the
+    /// model (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM; or a lazarus GPT
+    /// export), --config only the training knobs (seq_len, batch, lr, adam_beta2,
+    /// grad_clip_norm, seed, precision), and the weights (model.safetensors, or the shards of
+    /// model.safetensors.index.json; F32, BF16 or F16, widened to f32) every variable and
+    /// expert; AdamW moments start at zero and the step at 0. The weights are committed as the
+    /// checkpoint of the initial state of the checkpoint directory (a restore before the first
+    /// checkpoint goes back to them), which must not hold checkpoints yet. With --resume on a
+    /// directory that holds a checkpoint, --resume wins and DIR's weights are not read (so the
+    /// same command line continues a fine-tuning run; DIR/config.json still gives the model).
+    /// Not with --model-config (DIR/config.json is the model). Exit status 2 with one line
+    /// naming the tensor, field or file on a missing or extra tensor, a wrong shape or dtype, an
+    /// unsupported architecture or field, an index naming a missing file or a truncated file.
+    #[arg(long, value_name = "DIR", conflicts_with = "model_config")]
+    pub init_from: Option<PathBuf>,
     /// Replan from the routing statistics every K steps and migrate through the same path
     /// (0: only on membership changes). With --relayout laer: the re-layout period.
     #[arg(

@@ -10,6 +10,7 @@ use lazarus_executor::control::{Controller, JobParams, ServerConfig};
 use lazarus_executor::dataset::{
     DataFormat, DataSource, DataSpec, EvalData, EvalSpec, TokenDataset, TokenDtype, TrainData,
 };
+use lazarus_executor::interop;
 use lazarus_executor::model::{ExpertMode, MoeConfig};
 use lazarus_executor::worker::CheckpointSpec;
 use lazarus_planner::ModelSpec;
@@ -20,7 +21,7 @@ use lazarus_planner::job::ReplicaMigration;
 use lazarus_planner::job::relayout::{LaerRelayout, Relayout};
 
 use crate::args::{JobArgs, MigrationArg, RelayoutArg};
-use crate::config::load_model;
+use crate::config::{load_config, load_model};
 use crate::drive::Interrupted;
 
 /// Everything a job needs from the command line, resolved.
@@ -29,6 +30,9 @@ pub struct Job {
     pub params: JobParams,
     /// A checkpoint directory we created (no `--ckpt-dir`), see [`Job::clean_up`].
     pub temp_ckpt: Option<PathBuf>,
+    /// The checkpoint of the initial state of `--init-from` without checkpoints: removed at
+    /// the end.
+    temp_init: Option<PathBuf>,
     /// The lock on the checkpoint directory: never read, held for the whole job (dropping it
     /// releases the directory).
     _ckpt_lock: Option<RootLock>,
@@ -56,6 +60,9 @@ impl Job {
             let _ = checkpoint::remove_staging(root);
         }
         if let Some(dir) = &self.temp_state {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        if let Some(dir) = &self.temp_init {
             let _ = std::fs::remove_dir_all(dir);
         }
         let Some(dir) = &self.temp_ckpt else {
@@ -120,6 +127,7 @@ impl Job {
             server: ServerConfig::new(50, params.rules.heartbeat_timeout_ms),
             params,
             temp_ckpt: None,
+            temp_init: None,
             _ckpt_lock: ckpt_lock,
             state_dir: Some(dir.to_path_buf()),
             temp_state: None,
@@ -216,7 +224,17 @@ fn check_job_args(a: &JobArgs, nodes: usize) -> Result<()> {
 /// `temp_state` the job state is saved even without `--state-dir` (in a temporary directory).
 pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -> Result<Job> {
     check_job_args(a, nodes)?;
-    let config = load_model(&a.model)?;
+    // --init-from: the model of DIR/config.json, the training knobs of --config (issue 32).
+    let resume_wins = init_from_resume_wins(a);
+    let config = match &a.init_from {
+        Some(dir) => {
+            let base = load_config(&a.model.config, a.model.seed, a.model.precision)?;
+            interop::read_config(dir, &base)
+                .map_err(|e| anyhow!("--init-from {}: {e}", dir.display()))?
+        }
+        _ => load_model(&a.model)?,
+    };
+    let mut resume = a.resume.clone();
     crate::bounds::check_model_bounds(a, config.experts)?;
     let slots = a
         .slots
@@ -226,7 +244,11 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
         "{nodes} nodes × {slots} slots cannot hold {} experts (raise --slots)",
         config.experts
     );
-    if let Some(r) = &a.resume {
+    if let Some(r) = a
+        .resume
+        .as_ref()
+        .filter(|_| a.init_from.is_none() || resume_wins)
+    {
         ensure!(
             r.is_dir(),
             "--resume {}: no such checkpoint directory",
@@ -256,7 +278,7 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
     } else {
         // A resumed run goes on checkpointing where it resumed from: its continuation must
         // not end up in a directory removed on success.
-        let root = match (&a.ckpt_dir, &a.resume, &a.metrics_out, &a.out) {
+        let root = match (&a.ckpt_dir, &resume, &a.metrics_out, &a.out) {
             (Some(d), _, _, _) | (None, Some(d), _, _) => d.clone(),
             (None, None, Some(d), _) | (None, None, None, Some(d)) => d.join("ckpt"),
             (None, None, None, None) => {
@@ -275,6 +297,20 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
             every_steps: a.ckpt_every,
         })
     };
+    let mut temp_init = None;
+    if let (Some(dir), false) = (&a.init_from, resume_wins) {
+        let root = match &checkpoint {
+            Some(c) => c.root.clone(),
+            // Checkpoints off: the initial state still goes through a checkpoint, of its own.
+            None => {
+                let d = std::env::temp_dir().join(format!("lzrun-init-{}", std::process::id()));
+                temp_init = Some(d.clone());
+                d
+            }
+        };
+        init_from(dir, &config, &root)?;
+        resume = Some(root);
+    }
     let model = ModelSpec {
         experts: config.experts,
         layers: config.n_layers,
@@ -298,7 +334,7 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
     } else {
         0
     };
-    rules.resume = a.resume.is_some();
+    rules.resume = resume.is_some();
     rules.max_nonfinite_steps = a.max_nonfinite_steps;
     rules.max_checkpoint_failures = a.max_ckpt_failures;
     rules.bytes_per_expert = config.expert_state_bytes() as u64;
@@ -345,13 +381,14 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
             checkpoint,
             checkpoint_keep: a.ckpt_keep,
             out: a.out.clone(),
-            resume: a.resume.clone(),
+            resume,
             router_skew: a.router_skew,
             verify_every: a.verify_every,
             data,
             eval,
         },
         temp_ckpt,
+        temp_init,
         _ckpt_lock: ckpt_lock,
         state_dir,
         temp_state,
@@ -548,4 +585,46 @@ fn holder() -> String {
     };
     let sub = std::env::args().nth(1).unwrap_or_default();
     format!("held by lzrun {sub}, pid {} on {host}", std::process::id())
+}
+
+/// `--init-from` with `--resume` on a directory that holds a checkpoint: the checkpoint wins
+/// (the same command line continues a fine-tuning run) and the model directory's weights are
+/// not read (its config.json still gives the model the checkpoint must be of).
+fn init_from_resume_wins(a: &JobArgs) -> bool {
+    a.init_from.is_some() && a.resume.as_deref().is_some_and(holds_checkpoint)
+}
+
+/// Whether `root` holds a committed checkpoint (or a pointer to one).
+fn holds_checkpoint(root: &Path) -> bool {
+    matches!(checkpoint::latest_step(root), Ok(Some(_)))
+        || std::fs::read_dir(root).is_ok_and(|entries| {
+            entries.filter_map(|e| e.ok()).any(|e| {
+                e.file_name()
+                    .to_str()
+                    .and_then(checkpoint::parse_step_dir_name)
+                    .is_some()
+            })
+        })
+}
+
+/// `--init-from DIR`: DIR's weights committed as the checkpoint of the initial state of
+/// `root` (the job then starts by restoring it). Refused when `root` holds checkpoints:
+/// committing step 0 would discard them.
+fn init_from(dir: &Path, config: &MoeConfig, root: &Path) -> Result<()> {
+    ensure!(
+        !holds_checkpoint(root),
+        "--init-from {}: the checkpoint directory {} already holds checkpoints; continue them \
+         with --resume {} or give another --ckpt-dir",
+        dir.display(),
+        root.display(),
+        root.display()
+    );
+    std::fs::create_dir_all(root)
+        .with_context(|| format!("creating the checkpoint directory {}", root.display()))?;
+    interop::init_checkpoint(dir, config, root).map_err(|e| {
+        // Nothing half-written stays behind: the parts were staged, never committed.
+        let _ = checkpoint::remove_staging(root);
+        anyhow!("--init-from {}: {e}", dir.display())
+    })?;
+    Ok(())
 }

@@ -89,9 +89,15 @@ pub fn local(a: LocalArgs) -> Result<()> {
     report.say(&format!(
         "lzrun local: {} nodes{per_node}, config {}, {} steps, {faults}, controller {addr}",
         schedule.initial_nodes,
-        match &a.job.model.model_config {
-            Some(p) => format!("{} (training knobs of {})", p.display(), a.job.model.config),
-            None => a.job.model.config.clone(),
+        match (&a.job.init_from, &a.job.model.model_config) {
+            (Some(p), _) => format!(
+                "{} (--init-from; training knobs of {})",
+                p.display(),
+                a.job.model.config
+            ),
+            (None, Some(p)) =>
+                format!("{} (training knobs of {})", p.display(), a.job.model.config),
+            (None, None) => a.job.model.config.clone(),
         },
         a.job.model.steps,
     ));

@@ -13,6 +13,7 @@ mod calibrate;
 mod config;
 mod controller;
 mod drive;
+mod export;
 mod job;
 mod local;
 mod nodes;
@@ -121,6 +122,31 @@ enum Cmd {
     /// `lzrun tokenizer --vocab 512 --input executor/data/corpus.txt --out tokenizer.json`.
     /// Exit status 2 with one line on bad input.
     Tokenizer(prepare::TokenizerArgs),
+    // Hugging Face interop (issue 32).
+    /// Write an `lzrun` checkpoint as a Hugging Face model directory: config.json + safetensors.
+    ///
+    /// Reads CKPT_DIR (a checkpoint root: its newest valid checkpoint, as --resume reads it; or
+    /// one `step-*` directory) and writes the family's own config.json (as it was read, with
+    /// torch_dtype "float32") and its weights in the family's tensor names and layouts
+    /// (Mixtral, Qwen2-MoE, Qwen3-MoE): model.safetensors, or above --shard-size-mb the shards
+    /// model-00001-of-0000N.safetensors … and model.safetensors.index.json, as `transformers`
+    /// writes them. Every expert is read from the checkpoint's part (an FSEP job gathers its
+    /// shards before writing it). The export loads with
+    /// `AutoModelForCausalLM.from_pretrained(DIR)` and with `lzrun local --init-from DIR`.
+    /// The paper's GPT family has no `transformers` class: it is exported in a lazarus naming
+    /// (`model_type` "lazarus_gpt_moe", see executor/README.md) that only --init-from reads.
+    /// Exit status 2 with one line on a missing or damaged checkpoint or an --out that already
+    /// holds a model.
+    Export(export::ExportArgs),
+    /// One batch forward on this process (CPU, f32, no training): logits and loss.
+    ///
+    /// Reads the model from --init-from DIR (a Hugging Face model directory) or --ckpt DIR (an
+    /// `lzrun` checkpoint), runs the batch of --tokens (JSON: equal-length arrays of token
+    /// ids), writes the logits to --out as a .npy file (little-endian f32, [batch, seq, vocab])
+    /// and prints one JSON line: the mean next-token cross-entropy ("loss": position t's logits
+    /// predict token t+1, the `transformers` loss with labels = input ids), the shape, the
+    /// family. Exit status 2 with one line on bad input.
+    Logits(export::LogitsArgs),
 }
 
 /// A clap error as one line, details included: clap lists what the first line announces (the
@@ -197,7 +223,10 @@ fn recover_takes_no_job_options(matches: &ArgMatches) -> anyhow::Result<()> {
 fn help_hint() -> String {
     let sub = std::env::args().nth(1);
     match sub.as_deref() {
-        Some(s @ ("local" | "controller" | "agent" | "worker" | "prepare" | "tokenizer")) => {
+        Some(
+            s @ ("local" | "controller" | "agent" | "worker" | "prepare" | "tokenizer" | "export"
+            | "logits"),
+        ) => {
             format!("lzrun {s} --help")
         }
         _ => "lzrun --help".to_owned(),
@@ -251,6 +280,8 @@ fn main() -> ExitCode {
         Cmd::Calibrate(a) => calibrate::calibrate(a),
         Cmd::Prepare(a) => prepare::prepare(a),
         Cmd::Tokenizer(a) => prepare::tokenizer(a),
+        Cmd::Export(a) => export::export(a),
+        Cmd::Logits(a) => export::logits(a),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,
