@@ -478,3 +478,63 @@ fn model_flops_of_a_mixtral_by_hand() {
     assert_eq!(active_matmul_params_per_token(&c), 33_024);
     assert_eq!(model_flops_per_token(&c), 222_720.0);
 }
+
+/// `transformers` 5 saves the rotary base inside `rope_parameters` (`{"rope_type": "default",
+/// "rope_theta": …}`), not at the top level: it must be read from there, a rotary type we do not
+/// implement refused, two different bases refused, and a config with no base at all takes the
+/// family's own default (Mixtral's is 1e6, not 10,000).
+#[test]
+fn the_rotary_base_is_read_from_rope_parameters_and_defaults_per_family() {
+    let strip = |json: &str| {
+        let mut v: serde_json::Value = serde_json::from_str(json).unwrap();
+        v.as_object_mut().unwrap().remove("rope_theta");
+        v.to_string()
+    };
+    let theta = |json: &str| {
+        MoeConfig::from_hf_config_json(json)
+            .unwrap()
+            .hf
+            .unwrap()
+            .rope_theta
+    };
+    let nested = with(
+        &strip(&mixtral_json()),
+        "rope_parameters",
+        serde_json::json!({"rope_type": "default", "rope_theta": 1e6}),
+    );
+    assert_eq!(theta(&nested), 1e6);
+    assert_eq!(theta(&strip(&mixtral_json())), 1e6);
+    assert_eq!(theta(&strip(&qwen2_json())), 10000.0);
+    assert_eq!(theta(&strip(&qwen3_json())), 10000.0);
+    // Both places, the same value: fine; different values: refused.
+    let both = with(
+        &mixtral_json(),
+        "rope_parameters",
+        serde_json::json!({"rope_type": "default", "rope_theta": 10000.0}),
+    );
+    assert_eq!(theta(&both), 10000.0);
+    refused(
+        &with(
+            &mixtral_json(),
+            "rope_parameters",
+            serde_json::json!({"rope_type": "default", "rope_theta": 5e5}),
+        ),
+        "rope_parameters",
+    );
+    refused(
+        &with(
+            &strip(&mixtral_json()),
+            "rope_parameters",
+            serde_json::json!({"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}),
+        ),
+        "rope_parameters",
+    );
+    refused(
+        &with(
+            &strip(&mixtral_json()),
+            "rope_parameters",
+            serde_json::json!(7),
+        ),
+        "rope_parameters",
+    );
+}

@@ -6,8 +6,9 @@
 //! does not implement is refused with a [`ConfigError::Hf`] naming the field, never trained as
 //! something else:
 //!
-//! * `rope_scaling` (any non-null value), a sliding window that would change the attention
-//!   (`sliding_window` below `max_position_embeddings` for Mixtral, `use_sliding_window` for
+//! * `rope_scaling` (any non-null value), a `rope_parameters` whose `rope_type` is not
+//!   `default` (its `rope_theta` is read like the top-level one), a sliding window that would
+//!   change the attention (`sliding_window` below `max_position_embeddings` for Mixtral, `use_sliding_window` for
 //!   Qwen), router jitter noise, attention dropout, an activation other than `silu`;
 //! * dense (non-MoE) layers: Qwen's `decoder_sparse_step` other than 1 or a non-empty
 //!   `mlp_only_layers`, DeepSeek's `first_k_dense_replace` above 0 — every layer must be an MoE
@@ -204,6 +205,55 @@ impl Fields<'_> {
     }
 }
 
+/// The rotary base: `transformers` 4 writes `rope_theta` at the top level, `transformers` 5
+/// inside `rope_parameters` (`{"rope_type": "default", "rope_theta": …}`); either is read, and
+/// two different values, a `rope_type` other than `default` (YaRN, linear, dynamic, … scale
+/// the frequencies, which this model does not) or a malformed object are refused. With neither,
+/// the family's own default: Mixtral 1e6, the others 10,000 (the `transformers` config
+/// classes' defaults).
+fn rope_theta(f: &Fields<'_>, family: Family) -> Result<f64, ConfigError> {
+    let top = f
+        .present("rope_theta")
+        .map(|_| f.f64_or("rope_theta", 0.0))
+        .transpose()?;
+    let nested = match f.present("rope_parameters") {
+        None => None,
+        Some(Value::Object(p)) => {
+            let p = Fields(p);
+            let kind = p
+                .str_or("rope_type", "default")
+                .map_err(|e| err("rope_parameters", format!("rope_type: {e}")))?;
+            if kind != "default" {
+                return Err(err(
+                    "rope_parameters",
+                    format!("rope_type {kind:?} is not supported (only \"default\")"),
+                ));
+            }
+            p.present("rope_theta")
+                .map(|_| p.f64_or("rope_theta", 0.0))
+                .transpose()
+                .map_err(|e| err("rope_parameters", format!("rope_theta: {e}")))?
+        }
+        Some(v) => {
+            return Err(err(
+                "rope_parameters",
+                format!("must be an object, got {v}"),
+            ));
+        }
+    };
+    match (top, nested) {
+        (Some(a), Some(b)) if a != b => Err(err(
+            "rope_parameters",
+            format!("rope_theta {b} differs from the top-level rope_theta {a}"),
+        )),
+        (Some(a), _) | (None, Some(a)) => Ok(a),
+        (None, None) => Ok(match family {
+            Family::Mixtral => 1e6,
+            _ => 10000.0,
+        }),
+    }
+}
+
 impl MoeConfig {
     /// The model of a Hugging Face `config.json` (see the [module docs](super::hf) for the
     /// families and what is refused). The training knobs (`seq_len`, `batch`, `lr`,
@@ -267,7 +317,7 @@ impl MoeConfig {
             n_kv_heads,
             head_dim,
             rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)?,
-            rope_theta: f.f64_or("rope_theta", 10000.0)?,
+            rope_theta: rope_theta(&f, family)?,
             tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
             max_position_embeddings: max_pos,
             initializer_range: f.f64_or("initializer_range", 0.02)?,
