@@ -31,12 +31,14 @@ use std::time::{Duration, Instant};
 
 /// The documents whose shell examples are run (every document with a ```` ```sh ```` block;
 /// `every_document_with_shell_examples_is_listed` keeps this list whole).
-const DOCS: [&str; 6] = [
+const DOCS: [&str; 8] = [
     "README.md",
     "executor/README.md",
     "kernels/README.md",
     "notebooks/README.md",
     "results/executor/README.md",
+    "results/executor/recovery.md",
+    "results/hf-interop/README.md",
     "results/swarm/README.md",
 ];
 
@@ -212,6 +214,9 @@ fn skip_reason(e: &Example, all: bool) -> Option<&'static str> {
     if c.starts_with("cargo test --workspace") {
         return Some("the test command itself");
     }
+    if c.starts_with("cargo build --release -p lazarus-executor --bin lzrun") {
+        return Some("a release build (minutes); the tests use the debug build");
+    }
     if c.starts_with("cargo build")
         || has("setup-cuda.sh")
         || has("stage-gpu.sh")
@@ -229,7 +234,7 @@ fn skip_reason(e: &Example, all: bool) -> Option<&'static str> {
     if has("kernels/build-ptx.sh") || has("$LZ_CUDA_LIBS") {
         return Some("the CUDA build or a GPU: .ci/cuda builds and checks this path");
     }
-    if c.starts_with("bash results/") || has("regenerate.sh") {
+    if c.starts_with("bash results/") || has(" bash results/") || has("regenerate.sh") {
         return Some("regenerates a results folder (minutes to hours)");
     }
     if c.starts_with("pip ")
