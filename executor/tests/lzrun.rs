@@ -18,7 +18,7 @@ use lazarus_executor::model::MoeConfig;
 use lazarus_executor::worker::Checksums;
 
 mod process;
-use process::{Outcome, run_within};
+use process::{Outcome, assert_consistent, run_within};
 
 const LZRUN: &str = env!("CARGO_BIN_EXE_lzrun");
 const LIMIT: Duration = Duration::from_secs(300);
@@ -40,49 +40,6 @@ fn scratch(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-/// Every worker's checksum file in `dir`: replicas of one expert identical everywhere, the dense
-/// weights identical everywhere, every expert of every layer held somewhere. Returns the files.
-fn assert_consistent(dir: &Path, cfg: &MoeConfig) -> Vec<Checksums> {
-    let mut sums = Vec::new();
-    for entry in std::fs::read_dir(dir).expect("checksum dir") {
-        let path = entry.unwrap().path();
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        if name.starts_with("node") && name.ends_with(".json") {
-            let s = Checksums::read(&path).expect("checksum file");
-            // A newcomer started near the end that never became a member (world 0, no step)
-            // holds its fresh initial state, not the job's; the controller's final check
-            // leaves it out too. With faster recoveries a trace run ends before such a late
-            // addition has joined more often.
-            if s.world == 0 && s.steps == 0 {
-                continue;
-            }
-            sums.push(s);
-        }
-    }
-    assert!(!sums.is_empty(), "no checksum files in {}", dir.display());
-    let mut seen: BTreeMap<(usize, usize), Vec<(u64, u64)>> = BTreeMap::new();
-    for s in &sums {
-        assert_eq!(s.dense, sums[0].dense, "dense weights differ: {sums:?}");
-        for r in &s.replicas {
-            seen.entry((r.layer, r.expert))
-                .or_default()
-                .push((r.checksum, r.weights_checksum));
-        }
-    }
-    for l in 0..cfg.n_layers {
-        for e in 0..cfg.experts {
-            let v = seen
-                .get(&(l, e))
-                .unwrap_or_else(|| panic!("expert {e} of layer {l} is held by nobody"));
-            assert!(
-                v.iter().all(|x| *x == v[0]),
-                "replicas of expert {e} of layer {l} differ: {v:?}"
-            );
-        }
-    }
-    sums
 }
 
 #[test]

@@ -6,6 +6,10 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use lazarus_executor::metrics::Summary;
+use lazarus_executor::model::MoeConfig;
+use lazarus_executor::worker::Checksums;
+use std::collections::BTreeMap;
+use std::path::Path;
 
 pub struct Outcome {
     pub code: Option<i32>,
@@ -75,4 +79,50 @@ pub fn run_within(cmd: &mut Command, limit: Duration) -> Outcome {
         stdout: out_t.join().unwrap(),
         stderr: err_t.join().unwrap(),
     }
+}
+
+/// Every worker's checksum file in `dir`: replicas of one expert identical everywhere, the dense
+/// weights identical everywhere, every expert of every layer held somewhere (replicas or FSEP
+/// shard copies; the checksums cover whatever parameters the model family has). Returns the
+/// files.
+#[allow(dead_code)] // lzrun.rs and families_lzrun.rs
+pub fn assert_consistent(dir: &Path, cfg: &MoeConfig) -> Vec<Checksums> {
+    let mut sums = Vec::new();
+    for entry in std::fs::read_dir(dir).expect("checksum dir") {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("node") && name.ends_with(".json") {
+            let s = Checksums::read(&path).expect("checksum file");
+            // A newcomer started near the end that never became a member (world 0, no step)
+            // holds its fresh initial state, not the job's; the controller's final check
+            // leaves it out too. With faster recoveries a trace run ends before such a late
+            // addition has joined more often.
+            if s.world == 0 && s.steps == 0 {
+                continue;
+            }
+            sums.push(s);
+        }
+    }
+    assert!(!sums.is_empty(), "no checksum files in {}", dir.display());
+    let mut seen: BTreeMap<(usize, usize), Vec<(u64, u64)>> = BTreeMap::new();
+    for s in &sums {
+        assert_eq!(s.dense, sums[0].dense, "dense weights differ: {sums:?}");
+        for r in &s.replicas {
+            seen.entry((r.layer, r.expert))
+                .or_default()
+                .push((r.checksum, r.weights_checksum));
+        }
+    }
+    for l in 0..cfg.n_layers {
+        for e in 0..cfg.experts {
+            let v = seen
+                .get(&(l, e))
+                .unwrap_or_else(|| panic!("expert {e} of layer {l} is held by nobody"));
+            assert!(
+                v.iter().all(|x| *x == v[0]),
+                "replicas of expert {e} of layer {l} differ: {v:?}"
+            );
+        }
+    }
+    sums
 }
