@@ -11,10 +11,9 @@ use std::time::Duration;
 
 use lazarus_executor::metrics::Summary;
 use lazarus_executor::model::MoeConfig;
-use lazarus_executor::worker::Checksums;
 
 mod process;
-use process::{Outcome, assert_consistent, run_within};
+use process::{Outcome, assert_consistent, assert_fsep_consistent, run_within};
 
 const LZRUN: &str = env!("CARGO_BIN_EXE_lzrun");
 const LIMIT: Duration = Duration::from_secs(300);
@@ -196,26 +195,6 @@ fn qwen3_moe_trains_with_resilient_fsep_and_bf16() {
     assert_learns(&s, &o);
     assert_eq!(assert_fsep_consistent(&dir), 3);
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// An FSEP run's checksum files: one dense state everywhere, no whole replica anywhere.
-fn assert_fsep_consistent(dir: &Path) -> usize {
-    let mut sums = Vec::new();
-    for entry in std::fs::read_dir(dir).expect("checksum dir") {
-        let path = entry.unwrap().path();
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        if name.starts_with("node") && name.ends_with(".json") {
-            sums.push(Checksums::read(&path).expect("checksum file"));
-        }
-    }
-    for s in &sums {
-        assert_eq!(s.dense, sums[0].dense, "dense weights differ: {sums:?}");
-        assert!(
-            s.replicas.is_empty(),
-            "an FSEP worker holds replicas: {s:?}"
-        );
-    }
-    sums.len()
 }
 
 /// Bad `config.json`s: one line naming the field, exit 2.

@@ -18,7 +18,7 @@ use lazarus_executor::model::MoeConfig;
 use lazarus_executor::worker::Checksums;
 
 mod process;
-use process::{Outcome, assert_consistent, run_within};
+use process::{Outcome, assert_consistent, assert_fsep_consistent, run_within};
 
 const LZRUN: &str = env!("CARGO_BIN_EXE_lzrun");
 const LIMIT: Duration = Duration::from_secs(300);
@@ -2752,28 +2752,6 @@ fn a_storm_that_cannot_be_built_is_a_clear_error() {
     let o = lzrun(&["local", "--storm", "5", "--kill", "0@3"]);
     assert_eq!(o.code, Some(2), "{}", o.show());
     assert!(o.stderr.contains("cannot be used with"), "{}", o.show());
-}
-
-/// Every node's checksum file of an FSEP run: one dense state everywhere, no whole replica
-/// anywhere (each worker holds only shards). Returns how many files.
-fn assert_fsep_consistent(dir: &Path) -> usize {
-    let mut sums = Vec::new();
-    for entry in std::fs::read_dir(dir).expect("checksum dir") {
-        let path = entry.unwrap().path();
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        if name.starts_with("node") && name.ends_with(".json") {
-            sums.push(Checksums::read(&path).expect("checksum file"));
-        }
-    }
-    assert!(!sums.is_empty(), "no checksum files in {}", dir.display());
-    for s in &sums {
-        assert_eq!(s.dense, sums[0].dense, "dense weights differ: {sums:?}");
-        assert!(
-            s.replicas.is_empty(),
-            "an FSEP worker holds replicas: {s:?}"
-        );
-    }
-    sums.len()
 }
 
 /// Issue 13 item 1: `lzrun local --expert-mode fsep` trains the default tiny job to the end.

@@ -126,3 +126,26 @@ pub fn assert_consistent(dir: &Path, cfg: &MoeConfig) -> Vec<Checksums> {
     }
     sums
 }
+
+/// Every node's checksum file of an FSEP run: one dense state everywhere, no whole replica
+/// anywhere (each worker holds only shards). Returns how many files.
+#[allow(dead_code)] // lzrun.rs and families_lzrun.rs
+pub fn assert_fsep_consistent(dir: &Path) -> usize {
+    let mut sums = Vec::new();
+    for entry in std::fs::read_dir(dir).expect("checksum dir") {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("node") && name.ends_with(".json") {
+            sums.push(Checksums::read(&path).expect("checksum file"));
+        }
+    }
+    assert!(!sums.is_empty(), "no checksum files in {}", dir.display());
+    for s in &sums {
+        assert_eq!(s.dense, sums[0].dense, "dense weights differ: {sums:?}");
+        assert!(
+            s.replicas.is_empty(),
+            "an FSEP worker holds replicas: {s:?}"
+        );
+    }
+    sums.len()
+}

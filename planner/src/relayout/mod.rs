@@ -128,6 +128,31 @@ pub struct Evaluator {
     scratch: Vec<f64>,
 }
 
+/// Checks a scoring's inputs (the topology, one traffic row of `experts` counts per device, a
+/// layout of as many devices); returns the number of experts.
+fn check_inputs(
+    topo: Topology,
+    traffic: &[Vec<u64>],
+    layout: &LayerPlacement,
+) -> Result<usize, PlanError> {
+    topo.validate()?;
+    let experts = layout.experts();
+    if traffic.len() != topo.devices || layout.nodes() != topo.devices {
+        return Err(PlanError::LayerNodeMismatch {
+            layer: 0,
+            expected: topo.devices,
+            got: traffic.len().min(layout.nodes()),
+        });
+    }
+    if let Some(row) = traffic.iter().find(|r| r.len() != experts) {
+        return Err(PlanError::LoadCount {
+            expected: experts,
+            got: row.len(),
+        });
+    }
+    Ok(experts)
+}
+
 impl Evaluator {
     /// `traffic[device][expert]` and the layout (`layout.grid()[device]`).
     pub fn new(
@@ -136,21 +161,7 @@ impl Evaluator {
         traffic: &[Vec<u64>],
         layout: &LayerPlacement,
     ) -> Result<Self, PlanError> {
-        topo.validate()?;
-        let experts = layout.experts();
-        if traffic.len() != topo.devices || layout.nodes() != topo.devices {
-            return Err(PlanError::LayerNodeMismatch {
-                layer: 0,
-                expected: topo.devices,
-                got: traffic.len().min(layout.nodes()),
-            });
-        }
-        if let Some(row) = traffic.iter().find(|r| r.len() != experts) {
-            return Err(PlanError::LoadCount {
-                expected: experts,
-                got: row.len(),
-            });
-        }
+        let experts = check_inputs(topo, traffic, layout)?;
         // Transposed row by row (the same values as a column-wise read, cache-friendly).
         let mut by_expert: Vec<Vec<f64>> = (0..experts)
             .map(|_| Vec::with_capacity(topo.devices))
@@ -445,21 +456,7 @@ impl Scorer {
         traffic: &[Vec<u64>],
         layout: &LayerPlacement,
     ) -> Result<Score, PlanError> {
-        topo.validate()?;
-        let experts = layout.experts();
-        if traffic.len() != topo.devices || layout.nodes() != topo.devices {
-            return Err(PlanError::LayerNodeMismatch {
-                layer: 0,
-                expected: topo.devices,
-                got: traffic.len().min(layout.nodes()),
-            });
-        }
-        if let Some(row) = traffic.iter().find(|r| r.len() != experts) {
-            return Err(PlanError::LoadCount {
-                expected: experts,
-                got: row.len(),
-            });
-        }
+        let experts = check_inputs(topo, traffic, layout)?;
         let devices = topo.devices;
         let mut by_expert = std::mem::take(&mut self.traffic);
         by_expert.clear();
