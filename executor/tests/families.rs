@@ -5,7 +5,7 @@
 use candle_core::{DType, Device, Result, Tensor, Var};
 use lazarus_executor::model::{
     ConfigError, DenseModel, ExpertStore, ExpertWeights, Family, LocalExperts, MoeConfig,
-    Precision, RoutingStats, Trainer, apply_rope, rms_norm, sigmoid, silu, swiglu,
+    Precision, RoutingStats, Trainer, apply_rope, deinterleave, rms_norm, sigmoid, silu, swiglu,
 };
 
 /// A tiny Mixtral-style `config.json` (byte vocabulary, GQA 4 query / 2 kv heads, 4 experts
@@ -49,6 +49,34 @@ fn qwen3_json() -> String {
         "tie_word_embeddings": true, "attention_bias": false
     })
     .to_string()
+}
+
+/// A tiny DeepSeek-V3-style `config.json`: multi-head latent attention (low-rank queries,
+/// interleaved rotary dims), 8 routed experts in 4 groups (best 2 groups, top-2), sigmoid
+/// scores scaled by 2.5, one shared expert, every layer MoE.
+pub fn deepseek_json() -> String {
+    serde_json::json!({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+        "moe_intermediate_size": 16, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4,
+        "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+        "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": true,
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "first_k_dense_replace": 0,
+        "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+        "v_head_dim": 8, "rope_interleave": true, "head_dim": 4,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": false, "attention_bias": false, "initializer_range": 0.02
+    })
+    .to_string()
+}
+
+/// [`deepseek_json`] with a single `q_proj` (`q_lora_rank: null`), the `rotate_half` rotary
+/// layout and attention biases.
+fn deepseek_full_q_json() -> String {
+    let j = with(&deepseek_json(), "q_lora_rank", serde_json::Value::Null);
+    let j = with(&j, "rope_interleave", serde_json::json!(false));
+    with(&j, "attention_bias", serde_json::json!(true))
 }
 
 fn with(json: &str, key: &str, value: serde_json::Value) -> String {
@@ -105,6 +133,56 @@ fn qwen_configs_read_their_fields() {
     assert_eq!(c.family(), Family::Qwen3Moe);
     assert_eq!((hf.head_dim, hf.n_kv_heads, hf.shared_ff), (16, 2, 0));
     assert!(hf.qk_norm && hf.norm_topk_prob && !hf.qkv_bias && hf.tie_word_embeddings);
+}
+
+#[test]
+fn deepseek_config_reads_its_fields_and_the_class_defaults() {
+    use lazarus_executor::model::Scoring;
+    let c = MoeConfig::from_hf_config_json(&deepseek_json()).unwrap();
+    assert_eq!(c.family(), Family::DeepseekV3);
+    assert_eq!(
+        (c.d_ff, c.experts, c.top_k, c.lb_loss_coef),
+        (16, 8, 2, 0.0)
+    );
+    let hf = c.hf.as_ref().unwrap();
+    let m = hf.mla.as_ref().unwrap();
+    assert_eq!(
+        (
+            m.q_lora_rank,
+            m.kv_lora_rank,
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.v_head_dim
+        ),
+        (Some(16), 16, 8, 4, 8)
+    );
+    assert!(m.rope_interleave);
+    assert_eq!(hf.head_dim, 4, "the rotary tables span qk_rope_head_dim");
+    assert_eq!(hf.scoring, Scoring::Sigmoid);
+    assert_eq!((hf.n_group, hf.topk_group, hf.shared_ff), (4, 2, 16));
+    assert_eq!(
+        (hf.routed_scaling_factor, hf.bias_update_speed),
+        (2.5, 0.001)
+    );
+    assert!(hf.norm_topk_prob && !hf.shared_gate && !hf.qkv_bias);
+    let full = MoeConfig::from_hf_config_json(&deepseek_full_q_json()).unwrap();
+    let fm = full.hf.as_ref().unwrap().mla.clone().unwrap();
+    assert_eq!((fm.q_lora_rank, fm.rope_interleave), (None, false));
+    // Absent fields take `DeepseekV3Config`'s defaults.
+    let mut v: serde_json::Value = serde_json::from_str(&deepseek_json()).unwrap();
+    for k in [
+        "routed_scaling_factor",
+        "n_shared_experts",
+        "q_lora_rank",
+        "rope_interleave",
+    ] {
+        v.as_object_mut().unwrap().remove(k);
+    }
+    let d = MoeConfig::from_hf_config_json(&v.to_string()).unwrap();
+    let dh = d.hf.as_ref().unwrap();
+    assert_eq!((dh.routed_scaling_factor, dh.shared_ff), (2.5, 16));
+    let dm = dh.mla.as_ref().unwrap();
+    assert_eq!((dm.q_lora_rank, dm.rope_interleave), (Some(1536), true));
 }
 
 #[test]
@@ -171,13 +249,32 @@ fn unsupported_configs_are_refused_naming_the_field() {
         &with(&qwen2_json(), "use_sliding_window", serde_json::json!(true)),
         "use_sliding_window",
     );
-    let ds = serde_json::json!({
-        "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 256, "hidden_size": 32,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "n_routed_experts": 8,
-        "moe_intermediate_size": 16, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
-        "kv_lora_rank": 16, "q_lora_rank": null, "qk_rope_head_dim": 8, "first_k_dense_replace": 0
-    });
-    refused(&ds.to_string(), "kv_lora_rank");
+    let ds = deepseek_json();
+    let strip = |k: &str| {
+        let mut v: serde_json::Value = serde_json::from_str(&ds).unwrap();
+        v.as_object_mut().unwrap().remove(k);
+        v.to_string()
+    };
+    // `transformers`' default is 3 dense layers, which this executor does not build.
+    refused(&strip("first_k_dense_replace"), "first_k_dense_replace");
+    refused(
+        &with(&ds, "num_key_value_heads", serde_json::json!(2)),
+        "num_key_value_heads",
+    );
+    refused(&with(&ds, "n_group", serde_json::json!(8)), "n_group");
+    refused(&with(&ds, "topk_group", serde_json::json!(5)), "n_group");
+    refused(
+        &with(&ds, "scoring_func", serde_json::json!("softmax")),
+        "scoring_func",
+    );
+    refused(
+        &with(&ds, "topk_method", serde_json::json!("greedy")),
+        "topk_method",
+    );
+    refused(
+        &with(&ds, "kv_lora_rank", serde_json::json!(0)),
+        "kv_lora_rank",
+    );
     refused("not json", "(file)");
 }
 
@@ -251,6 +348,57 @@ fn dense_variables_have_transformers_names_and_shapes() -> Result<()> {
             "model.layers.1.mlp.experts.3.down_proj.weight".to_owned(),
         ]
     );
+
+    // DeepSeek-V3: MLA (`DeepseekV3Attention`'s names and `[out, in]` shapes), the router
+    // with its bias buffer, the shared experts.
+    for (json, full_q) in [(deepseek_json(), false), (deepseek_full_q_json(), true)] {
+        let c = MoeConfig::from_hf_config_json(&json).unwrap();
+        let m = DenseModel::new(&c, &Device::Cpu)?;
+        let shape = |n: &str| m.var(n).unwrap_or_else(|| panic!("no {n}")).dims().to_vec();
+        let a = "model.layers.1.self_attn";
+        if full_q {
+            assert_eq!(shape(&format!("{a}.q_proj.weight")), [4 * 12, 32]);
+            assert!(m.var(&format!("{a}.q_a_proj.weight")).is_none());
+            assert_eq!(shape(&format!("{a}.kv_a_proj_with_mqa.bias")), [20]);
+            assert_eq!(shape(&format!("{a}.o_proj.bias")), [32]);
+        } else {
+            assert_eq!(shape(&format!("{a}.q_a_proj.weight")), [16, 32]);
+            assert_eq!(shape(&format!("{a}.q_a_layernorm.weight")), [16]);
+            assert_eq!(shape(&format!("{a}.q_b_proj.weight")), [4 * 12, 16]);
+            assert!(m.var(&format!("{a}.q_proj.weight")).is_none());
+            assert!(m.var(&format!("{a}.o_proj.bias")).is_none());
+        }
+        assert_eq!(
+            shape(&format!("{a}.kv_a_proj_with_mqa.weight")),
+            [16 + 4, 32]
+        );
+        assert_eq!(shape(&format!("{a}.kv_a_layernorm.weight")), [16]);
+        assert_eq!(shape(&format!("{a}.kv_b_proj.weight")), [4 * (8 + 8), 16]);
+        assert_eq!(shape(&format!("{a}.o_proj.weight")), [32, 4 * 8]);
+        assert_eq!(shape("model.layers.0.mlp.gate.weight"), [8, 32]);
+        assert_eq!(
+            shape("model.layers.0.mlp.gate.e_score_correction_bias"),
+            [8]
+        );
+        assert_eq!(
+            shape("model.layers.0.mlp.shared_experts.gate_proj.weight"),
+            [16, 32]
+        );
+        assert_eq!(
+            shape("model.layers.0.mlp.shared_experts.down_proj.weight"),
+            [32, 16]
+        );
+        assert_eq!(shape("lm_head.weight"), [256, 32]);
+        let total: usize = m.named_vars().iter().map(|(_, v)| v.elem_count()).sum();
+        assert_eq!(total, c.dense_params());
+        assert_eq!(
+            m.routing_bias_names(),
+            [
+                "model.layers.0.mlp.gate.e_score_correction_bias",
+                "model.layers.1.mlp.gate.e_score_correction_bias"
+            ]
+        );
+    }
     Ok(())
 }
 
@@ -343,7 +491,17 @@ fn gradient_of_rotary_embedding_matches_finite_differences() -> Result<()> {
     )?;
     check_grad("rope", &randn(&[2, 3, s, hd])?, |x| {
         apply_rope(x, &cos, &sin)
-    })
+    })?;
+    // DeepSeek's interleaved layout: pairs regrouped, then rotated.
+    check_grad("deinterleave + rope", &randn(&[2, 3, s, hd])?, |x| {
+        apply_rope(&deinterleave(x)?, &cos, &sin)
+    })?;
+    let x = Tensor::arange(0f32, 8.0, &Device::Cpu)?.reshape((1, 8))?;
+    assert_eq!(
+        deinterleave(&x)?.to_vec2::<f32>()?,
+        [[0.0, 2.0, 4.0, 6.0, 1.0, 3.0, 5.0, 7.0]]
+    );
+    Ok(())
 }
 
 #[test]
@@ -377,7 +535,13 @@ fn gradient_of_a_swiglu_expert_matches_finite_differences() -> Result<()> {
 /// entry of largest gradient of every dense variable, and every variable gets a gradient.
 #[test]
 fn whole_model_gradients_match_finite_differences() -> Result<()> {
-    for json in [mixtral_json(), qwen2_json(), qwen3_json()] {
+    for json in [
+        mixtral_json(),
+        qwen2_json(),
+        qwen3_json(),
+        deepseek_json(),
+        deepseek_full_q_json(),
+    ] {
         let c = MoeConfig::from_hf_config_json(&json).unwrap();
         let c = MoeConfig {
             precision: Precision::F32,
@@ -393,7 +557,16 @@ fn whole_model_gradients_match_finite_differences() -> Result<()> {
         let loss = m.loss(&tokens, &mut LocalExperts(&store), &mut stats)?;
         m.set_forced_routing(Some(stats.choices.clone()));
         let grads = loss.backward()?;
+        let frozen = m.routing_bias_names();
         for (name, var) in m.named_vars().to_vec() {
+            if frozen.contains(&name) {
+                // The routing bias steers the choice only: no gradient reaches it.
+                assert!(
+                    grads.get(var.as_tensor()).is_none(),
+                    "{name} has a gradient"
+                );
+                continue;
+            }
             let g = grads
                 .get(var.as_tensor())
                 .unwrap_or_else(|| panic!("{:?}: no gradient for {name}", c.family()))
@@ -430,7 +603,7 @@ fn whole_model_gradients_match_finite_differences() -> Result<()> {
 
 #[test]
 fn hf_families_train_and_the_loss_falls() -> Result<()> {
-    for json in [mixtral_json(), qwen2_json(), qwen3_json()] {
+    for json in [mixtral_json(), qwen2_json(), qwen3_json(), deepseek_json()] {
         let c = MoeConfig::from_hf_config_json(&json).unwrap();
         let c = MoeConfig {
             precision: Precision::F32,
@@ -449,6 +622,89 @@ fn hf_families_train_and_the_loss_falls() -> Result<()> {
             c.family()
         );
     }
+    Ok(())
+}
+
+/// Auxiliary-loss-free balancing (DeepSeek-V3 report §2.1.2): after each step every bias
+/// moves by exactly ±γ toward the step's mean load (or stays when the load equals it), AdamW
+/// never touches it (its weight decay would), and the gates are the raw scores.
+#[test]
+fn deepseek_routing_bias_follows_the_load_and_nothing_else() -> Result<()> {
+    let c = MoeConfig::from_hf_config_json(&deepseek_json()).unwrap();
+    let gamma = c.hf.as_ref().unwrap().bias_update_speed as f32;
+    let mut t = Trainer::new(&c)?;
+    let names = t.model.routing_bias_names();
+    let bias = |t: &Trainer, l: usize| -> Vec<f32> {
+        t.model.var(&names[l]).unwrap().to_vec1::<f32>().unwrap()
+    };
+    for _ in 0..3 {
+        let before: Vec<Vec<f32>> = (0..2).map(|l| bias(&t, l)).collect();
+        let r = t.step()?;
+        for (l, counts) in r.counts.iter().enumerate() {
+            let mean = counts.iter().sum::<u64>() as f64 / counts.len() as f64;
+            let after = bias(&t, l);
+            for e in 0..counts.len() {
+                let want = if (counts[e] as f64) < mean {
+                    before[l][e] + gamma
+                } else if (counts[e] as f64) > mean {
+                    before[l][e] - gamma
+                } else {
+                    before[l][e]
+                };
+                assert_eq!(after[e], want, "layer {l} expert {e}: counts {counts:?}");
+            }
+        }
+    }
+    // Exported as the optimizer's state with zero moments (never updated by AdamW).
+    let st = t.export_dense()?;
+    let p = st.params.iter().find(|p| p.name == names[0]).unwrap();
+    assert!(p.m.iter().chain(&p.v).all(|&x| x == 0.0));
+    assert!(p.value.iter().any(|&x| x != 0.0));
+    Ok(())
+}
+
+/// The bias balances: from a router initialised to prefer two experts, 60 steps with the
+/// report's bias update (γ = 0.001) end with a far more even load (mean max/mean over the
+/// last 20 steps and both layers) than the same run without it.
+#[test]
+fn deepseek_routing_bias_evens_the_load() -> Result<()> {
+    let imbalance = |speed: f64| -> Result<f64> {
+        let mut c = MoeConfig::from_hf_config_json(&deepseek_json()).unwrap();
+        c.hf.as_mut().unwrap().bias_update_speed = speed;
+        c.lr = 1e-9; // the router stays (nearly) as initialised: only the bias can even the load
+        let mut t = Trainer::new(&c)?;
+        // A router that scores experts 0 and 1 high for every token.
+        for l in 0..c.n_layers {
+            let v = t
+                .model
+                .var(&format!("model.layers.{l}.mlp.gate.weight"))
+                .unwrap();
+            let w = v.to_vec2::<f32>()?;
+            let w: Vec<f32> = w
+                .iter()
+                .enumerate()
+                .flat_map(|(e, row)| row.iter().map(move |&x| x + if e < 2 { 0.05 } else { 0.0 }))
+                .collect();
+            v.set(&Tensor::from_vec(w, (c.experts, c.d_model), &Device::Cpu)?)?;
+        }
+        let (mut sum, mut n) = (0.0f64, 0);
+        for step in 0..60 {
+            let r = t.step()?;
+            if step >= 40 {
+                for counts in &r.counts {
+                    let mean = counts.iter().sum::<u64>() as f64 / counts.len() as f64;
+                    sum += *counts.iter().max().unwrap() as f64 / mean;
+                    n += 1;
+                }
+            }
+        }
+        Ok(sum / f64::from(n))
+    };
+    let (without, with_bias) = (imbalance(0.0)?, imbalance(0.001)?);
+    assert!(
+        with_bias < 1.5 && with_bias < 0.6 * without,
+        "max/mean load: {with_bias:.2} with the bias update, {without:.2} without"
+    );
     Ok(())
 }
 

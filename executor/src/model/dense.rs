@@ -20,7 +20,7 @@
 use super::config::HfModel;
 use super::config::{MoeConfig, Precision};
 use super::experts::{ExpertExec, sigmoid, silu};
-use super::hf::Family;
+use super::hf::{Family, Scoring};
 use super::init::normal;
 use super::optim::AdamW;
 use candle_core::{D, Device, Result, Tensor, Var};
@@ -92,21 +92,49 @@ pub struct DenseModel {
     hf: Option<HfParts>,
 }
 
+/// An `nn.Linear`: weight `[out, in]` and optional bias `[out]`.
+type Linear = (Tensor, Option<Tensor>);
+
+/// The attention of one block of a Hugging Face family.
+#[derive(Debug, Clone)]
+enum HfAttention {
+    /// Grouped-query attention: q, k, v, o.
+    Gqa {
+        q: Linear,
+        k: Linear,
+        v: Linear,
+        o: Linear,
+        /// Qwen3: RMSNorm weights `[head_dim]` of each query and key head.
+        q_norm: Option<Tensor>,
+        k_norm: Option<Tensor>,
+    },
+    /// DeepSeek-V3's multi-head latent attention ([`super::hf::Mla`]).
+    Mla {
+        q: MlaQuery,
+        kv_a: Linear,
+        kv_norm: Tensor,
+        kv_b: Tensor,
+        o: Linear,
+    },
+}
+
+/// MLA's query projection: one `q_proj`, or `q_a_proj`, RMSNorm, `q_b_proj`.
+#[derive(Debug, Clone)]
+enum MlaQuery {
+    Full(Tensor),
+    LowRank { a: Linear, norm: Tensor, b: Tensor },
+}
+
 /// One block of a Hugging Face family.
 #[derive(Debug, Clone)]
 struct HfBlock {
     in_norm: Tensor,
-    /// `[out, in]` weights and optional biases of q, k, v, o.
-    q: (Tensor, Option<Tensor>),
-    k: (Tensor, Option<Tensor>),
-    v: (Tensor, Option<Tensor>),
-    o: (Tensor, Option<Tensor>),
-    /// Qwen3: RMSNorm weights `[head_dim]` of each query and key head.
-    q_norm: Option<Tensor>,
-    k_norm: Option<Tensor>,
+    attn: HfAttention,
     post_norm: Tensor,
     /// `[E, d]`.
     router: Tensor,
+    /// DeepSeek-V3 `e_score_correction_bias [E]`: biases the choice only, never the gates.
+    router_bias: Option<Tensor>,
     /// Shared expert `(gate [sff, d], up [sff, d], down [d, sff])`.
     shared: Option<(Tensor, Tensor, Tensor)>,
     /// Qwen2-MoE `shared_expert_gate.weight [1, d]`.
@@ -193,20 +221,77 @@ fn build_hf(cfg: &MoeConfig, hf: &HfModel, b: &mut Builder<'_>) -> Result<(Tenso
         let p = format!("model.layers.{l}");
         let a = format!("{p}.self_attn");
         let in_norm = b.fill(format!("{p}.input_layernorm.weight"), d, 1.0)?;
-        let qp = b.linear(&format!("{a}.q_proj"), q, d, std, hf.qkv_bias)?;
-        let kp = b.linear(&format!("{a}.k_proj"), kv, d, std, hf.qkv_bias)?;
-        let vp = b.linear(&format!("{a}.v_proj"), kv, d, std, hf.qkv_bias)?;
-        let op = b.linear(&format!("{a}.o_proj"), d, q, std, hf.o_bias)?;
-        let (q_norm, k_norm) = if hf.qk_norm {
-            (
-                Some(b.fill(format!("{a}.q_norm.weight"), hf.head_dim, 1.0)?),
-                Some(b.fill(format!("{a}.k_norm.weight"), hf.head_dim, 1.0)?),
-            )
-        } else {
-            (None, None)
+        let attn = match &hf.mla {
+            None => {
+                let qp = b.linear(&format!("{a}.q_proj"), q, d, std, hf.qkv_bias)?;
+                let kp = b.linear(&format!("{a}.k_proj"), kv, d, std, hf.qkv_bias)?;
+                let vp = b.linear(&format!("{a}.v_proj"), kv, d, std, hf.qkv_bias)?;
+                let op = b.linear(&format!("{a}.o_proj"), d, q, std, hf.o_bias)?;
+                let (q_norm, k_norm) = if hf.qk_norm {
+                    (
+                        Some(b.fill(format!("{a}.q_norm.weight"), hf.head_dim, 1.0)?),
+                        Some(b.fill(format!("{a}.k_norm.weight"), hf.head_dim, 1.0)?),
+                    )
+                } else {
+                    (None, None)
+                };
+                HfAttention::Gqa {
+                    q: qp,
+                    k: kp,
+                    v: vp,
+                    o: op,
+                    q_norm,
+                    k_norm,
+                }
+            }
+            Some(m) => {
+                // `DeepseekV3Attention`'s module order; `attention_bias` on q_a, kv_a and o.
+                let h = cfg.n_heads;
+                let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
+                let query = match m.q_lora_rank {
+                    None => {
+                        MlaQuery::Full(b.linear(&format!("{a}.q_proj"), h * qk, d, std, false)?.0)
+                    }
+                    Some(r) => MlaQuery::LowRank {
+                        a: b.linear(&format!("{a}.q_a_proj"), r, d, std, hf.qkv_bias)?,
+                        norm: b.fill(format!("{a}.q_a_layernorm.weight"), r, 1.0)?,
+                        b: b.linear(&format!("{a}.q_b_proj"), h * qk, r, std, false)?.0,
+                    },
+                };
+                let kv_a = b.linear(
+                    &format!("{a}.kv_a_proj_with_mqa"),
+                    m.kv_lora_rank + m.qk_rope_head_dim,
+                    d,
+                    std,
+                    hf.qkv_bias,
+                )?;
+                let kv_norm = b.fill(format!("{a}.kv_a_layernorm.weight"), m.kv_lora_rank, 1.0)?;
+                let kv_b = b
+                    .linear(
+                        &format!("{a}.kv_b_proj"),
+                        h * (m.qk_nope_head_dim + m.v_head_dim),
+                        m.kv_lora_rank,
+                        std,
+                        false,
+                    )?
+                    .0;
+                let o = b.linear(&format!("{a}.o_proj"), d, h * m.v_head_dim, std, hf.o_bias)?;
+                HfAttention::Mla {
+                    q: query,
+                    kv_a,
+                    kv_norm,
+                    kv_b,
+                    o,
+                }
+            }
         };
         let post_norm = b.fill(format!("{p}.post_attention_layernorm.weight"), d, 1.0)?;
         let router = b.normal(hf.router_name(l), (cfg.experts, d), std)?;
+        let router_bias = if hf.bias_update_speed > 0.0 || hf.family == Family::DeepseekV3 {
+            Some(b.fill(hf.routing_bias_name(l), cfg.experts, 0.0)?)
+        } else {
+            None
+        };
         let shared = match hf.shared_prefix(l) {
             Some(sp) => {
                 let f = hf.shared_ff;
@@ -229,14 +314,10 @@ fn build_hf(cfg: &MoeConfig, hf: &HfModel, b: &mut Builder<'_>) -> Result<(Tenso
         };
         blocks.push(HfBlock {
             in_norm,
-            q: qp,
-            k: kp,
-            v: vp,
-            o: op,
-            q_norm,
-            k_norm,
+            attn,
             post_norm,
             router,
+            router_bias,
             shared,
             shared_gate,
         });
@@ -321,6 +402,32 @@ fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
     let x = x.unsqueeze(2)?;
     let copies = vec![&x; rep];
     Tensor::cat(&copies, 2)?.reshape((b, kv * rep, s, hd))
+}
+
+/// How attention scores are scaled: divided by `√x` (the GPT and GQA families, as before) or
+/// multiplied by `x` (MLA, as `transformers` computes it).
+#[derive(Debug, Clone, Copy)]
+enum Scale {
+    DivSqrt(f64),
+    Mul(f64),
+}
+
+/// The last dimension's interleaved pairs `(x0, x1), (x2, x3), …` regrouped as
+/// `[x0, x2, …, x1, x3, …]`, after which [`apply_rope`]'s `rotate_half` rotates each pair by
+/// its frequency: DeepSeek's interleaved rotary layout (`transformers`'
+/// `apply_rotary_pos_emb_interleave` gives the same values in the same regrouped order).
+pub fn deinterleave(x: &Tensor) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let Some((&hd, lead)) = dims.split_last() else {
+        candle_core::bail!("deinterleave of a scalar");
+    };
+    let mut pairs = lead.to_vec();
+    pairs.extend([hd / 2, 2]);
+    let r = pairs.len();
+    x.reshape(pairs)?
+        .transpose(r - 2, r - 1)?
+        .contiguous()?
+        .reshape(dims)
 }
 
 impl DenseModel {
@@ -431,8 +538,63 @@ impl DenseModel {
 
     /// A fresh AdamW over all dense variables with the config's hyper-parameters
     /// ([`MoeConfig::adam_params`]).
+    /// The routing biases ([`Self::routing_bias_names`]) are held out of its updates.
     pub fn optimizer(&self) -> Result<AdamW> {
-        AdamW::new(self.vars.clone(), self.cfg.adam_params())
+        let mut opt = AdamW::new(self.vars.clone(), self.cfg.adam_params())?;
+        opt.freeze(&self.routing_bias_names())?;
+        Ok(opt)
+    }
+
+    /// The dense variables no gradient updates: DeepSeek-V3's per-layer routing biases
+    /// (`…mlp.gate.e_score_correction_bias`), moved by [`Self::update_routing_bias`] instead.
+    /// Empty for every other family.
+    pub fn routing_bias_names(&self) -> Vec<String> {
+        match (&self.hf, &self.cfg.hf) {
+            (Some(parts), Some(arch)) => (0..parts.blocks.len())
+                .filter(|&l| parts.blocks[l].router_bias.is_some())
+                .map(|l| arch.routing_bias_name(l))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Auxiliary-loss-free balancing (DeepSeek-V3 report §2.1.2): after a step whose routing
+    /// sent `counts[layer][expert]` tokens (the whole step's global batch, every member's
+    /// micro-batches together, so every member applies the same update), each expert's bias
+    /// moves by `bias_update_speed` up when its load is below the layer's mean, down when
+    /// above, not at all when equal. A no-op for families without the bias.
+    pub fn update_routing_bias(&self, counts: &[Vec<u64>]) -> Result<()> {
+        let (Some(parts), Some(arch)) = (&self.hf, &self.cfg.hf) else {
+            return Ok(());
+        };
+        let speed = arch.bias_update_speed as f32;
+        for (l, blk) in parts.blocks.iter().enumerate() {
+            let Some(bias) = &blk.router_bias else {
+                continue;
+            };
+            let Some(c) = counts.get(l).filter(|c| c.len() == self.cfg.experts) else {
+                candle_core::bail!(
+                    "routing bias update: no counts of {} experts for layer {l}",
+                    self.cfg.experts
+                );
+            };
+            let mean = c.iter().sum::<u64>() as f64 / c.len() as f64;
+            let next: Vec<f32> = bias
+                .to_vec1::<f32>()?
+                .iter()
+                .zip(c)
+                .map(|(&b, &n)| match (n as f64).total_cmp(&mean) {
+                    std::cmp::Ordering::Less => b + speed,
+                    std::cmp::Ordering::Greater => b - speed,
+                    std::cmp::Ordering::Equal => b,
+                })
+                .collect();
+            let var = self
+                .var(&arch.routing_bias_name(l))
+                .ok_or_else(|| candle_core::Error::Msg("routing bias variable missing".into()))?;
+            var.set(&Tensor::from_vec(next, self.cfg.experts, &self.device)?)?;
+        }
+        Ok(())
     }
 
     /// Routing replay: when set, layer `l` sends token `t` to experts
@@ -647,7 +809,8 @@ impl DenseModel {
         }
     }
 
-    /// Causal grouped-query attention with rotary positions of `h [b·s, d]`.
+    /// Causal self-attention with rotary positions of `h [b·s, d]`: grouped-query attention,
+    /// or DeepSeek's multi-head latent attention.
     fn hf_attention(
         &self,
         arch: &HfModel,
@@ -659,10 +822,39 @@ impl DenseModel {
     ) -> Result<Tensor> {
         let (nh, nkv, hd) = (self.cfg.n_heads, arch.n_kv_heads, arch.head_dim);
         let eps = arch.rms_norm_eps;
-        let mut q = self.linear(h, &blk.q)?.reshape((b, s, nh, hd))?;
-        let mut k = self.linear(h, &blk.k)?.reshape((b, s, nkv, hd))?;
-        let v = self.linear(h, &blk.v)?.reshape((b, s, nkv, hd))?;
-        if let (Some(qn), Some(kn)) = (&blk.q_norm, &blk.k_norm) {
+        let (q, k, v, o, q_norm, k_norm) = match &blk.attn {
+            HfAttention::Gqa {
+                q,
+                k,
+                v,
+                o,
+                q_norm,
+                k_norm,
+            } => (q, k, v, o, q_norm, k_norm),
+            HfAttention::Mla {
+                q,
+                kv_a,
+                kv_norm,
+                kv_b,
+                o,
+            } => {
+                let Some(m) = &arch.mla else {
+                    candle_core::bail!("MLA weights without an MLA shape");
+                };
+                return self.mla_attention(
+                    m,
+                    (q, kv_a, kv_norm, kv_b, o),
+                    h,
+                    (b, s),
+                    mask,
+                    (cos, sin),
+                );
+            }
+        };
+        let mut q = self.linear(h, q)?.reshape((b, s, nh, hd))?;
+        let mut k = self.linear(h, k)?.reshape((b, s, nkv, hd))?;
+        let v = self.linear(h, v)?.reshape((b, s, nkv, hd))?;
+        if let (Some(qn), Some(kn)) = (q_norm, k_norm) {
             q = rms_norm(&q, qn, eps)?;
             k = rms_norm(&k, kn, eps)?;
         }
@@ -671,12 +863,86 @@ impl DenseModel {
         let v = v.transpose(1, 2)?.contiguous()?;
         let k = repeat_kv(&k, nh / nkv)?;
         let v = repeat_kv(&v, nh / nkv)?;
-        let mm = |a: &Tensor, b: &Tensor| self.compute.matmul(a, b);
-        let att = (mm(&q.contiguous()?, &k.t()?.contiguous()?)? / (hd as f64).sqrt())?;
-        let att = softmax(&att.broadcast_add(mask)?, D::Minus1)?;
-        let y = mm(&att, &v)?; // [b, nh, s, hd]
+        let y = self.attend(&q, &k, &v, Scale::DivSqrt(hd as f64), mask)?; // [b, nh, s, hd]
         let y = y.transpose(1, 2)?.contiguous()?.reshape((b * s, nh * hd))?;
-        self.linear(&y, &blk.o)
+        self.linear(&y, o)
+    }
+
+    /// `softmax(scale(q·kᵀ) + mask)·v` over `[b, heads, s, ·]`.
+    fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: Scale,
+        mask: &Tensor,
+    ) -> Result<Tensor> {
+        let mm = |a: &Tensor, b: &Tensor| self.compute.matmul(a, b);
+        let scores = mm(&q.contiguous()?, &k.t()?.contiguous()?)?;
+        let att = match scale {
+            Scale::DivSqrt(x) => (scores / x.sqrt())?,
+            Scale::Mul(x) => (scores * x)?,
+        };
+        let att = softmax(&att.broadcast_add(mask)?, D::Minus1)?;
+        mm(&att, &v.contiguous()?)
+    }
+
+    /// DeepSeek-V3's multi-head latent attention of `h [b·s, d]` (`transformers`'
+    /// `DeepseekV3Attention`): per-head queries of `nope + rope` dims, the latent `c_kv`
+    /// (RMSNorm) expanded into per-head keys (`nope`) and values (`v`), one rotary key
+    /// (`rope`) shared by every head, scores scaled by `(nope + rope)^-1/2`.
+    #[allow(clippy::type_complexity)]
+    fn mla_attention(
+        &self,
+        m: &super::hf::Mla,
+        (q, kv_a, kv_norm, kv_b, o): (&MlaQuery, &Linear, &Tensor, &Tensor, &Linear),
+        h: &Tensor,
+        (b, s): (usize, usize),
+        mask: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
+    ) -> Result<Tensor> {
+        use super::hf::MLA_NORM_EPS;
+        let nh = self.cfg.n_heads;
+        let (nope, rope, vd, r) = (
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.v_head_dim,
+            m.kv_lora_rank,
+        );
+        let q = match q {
+            MlaQuery::Full(w) => self.linear(h, &(w.clone(), None))?,
+            MlaQuery::LowRank { a, norm, b: wb } => {
+                let c = rms_norm(&self.linear(h, a)?, norm, MLA_NORM_EPS)?;
+                self.linear(&c, &(wb.clone(), None))?
+            }
+        };
+        let q = q.reshape((b, s, nh, nope + rope))?.transpose(1, 2)?; // [b, nh, s, nope+rope]
+        let q_pass = q.narrow(D::Minus1, 0, nope)?;
+        let q_rot = q.narrow(D::Minus1, nope, rope)?.contiguous()?;
+        let ckv = self.linear(h, kv_a)?; // [b·s, r + rope]
+        let latent = rms_norm(&ckv.narrow(1, 0, r)?, kv_norm, MLA_NORM_EPS)?;
+        let k_rot = ckv.narrow(1, r, rope)?.reshape((b, 1, s, rope))?;
+        let (q_rot, k_rot) = if m.rope_interleave {
+            (deinterleave(&q_rot)?, deinterleave(&k_rot)?)
+        } else {
+            (q_rot, k_rot.contiguous()?)
+        };
+        let q_rot = apply_rope(&q_rot, cos, sin)?;
+        let k_rot = apply_rope(&k_rot, cos, sin)?;
+        let kv = self
+            .linear(&latent, &(kv_b.clone(), None))?
+            .reshape((b, s, nh, nope + vd))?
+            .transpose(1, 2)?; // [b, nh, s, nope+v]
+        let k_pass = kv.narrow(D::Minus1, 0, nope)?;
+        let v = kv.narrow(D::Minus1, nope, vd)?;
+        let k_rot = k_rot.broadcast_as((b, nh, s, rope))?.contiguous()?;
+        let q = Tensor::cat(&[&q_pass.contiguous()?, &q_rot], D::Minus1)?;
+        let k = Tensor::cat(&[&k_pass.contiguous()?, &k_rot], D::Minus1)?;
+        // `transformers` multiplies by the rounded `qk_head_dim ** -0.5`.
+        let scale = Scale::Mul(((nope + rope) as f64).powf(-0.5));
+        let y = self.attend(&q, &k, &v, scale, mask)?; // [b, nh, s, v]
+        let y = y.transpose(1, 2)?.contiguous()?.reshape((b * s, nh * vd))?;
+        self.linear(&y, o)
     }
 
     /// The family's MoE feed-forward of `h [n, d]`: routed experts (softmax router, top-k,
@@ -698,9 +964,48 @@ impl DenseModel {
             None if self.router_skew > 0.0 => Some(skewed_choice(&logits, k, self.router_skew)?),
             None => None,
         };
-        let probs = softmax(&logits, D::Minus1)?;
-        let renorm = arch.family == Family::Mixtral || arch.norm_topk_prob;
-        let m = moe_from_probs(layer, h, &probs, k, renorm, forced, experts)?;
+        let m = if arch.scoring == Scoring::Sigmoid {
+            // DeepSeek-V3: sigmoid scores; the bias only steers the (group-limited) choice;
+            // gates are the chosen scores, renormalised (`+ 1e-20` as `transformers`) and
+            // scaled. The balance statistic uses each token's scores normalised to sum 1 (the
+            // report's complementary sequence-wise loss does the same, §2.1.2).
+            let scores = sigmoid(&logits)?;
+            let choice = match forced {
+                Some(f) => f,
+                None => {
+                    let bias = match &blk.router_bias {
+                        Some(b) => b.to_vec1::<f32>()?,
+                        None => vec![0.0; self.cfg.experts],
+                    };
+                    group_limited_top_k(
+                        &scores.to_vec2::<f32>()?,
+                        &bias,
+                        arch.n_group,
+                        arch.topk_group,
+                        k,
+                    )
+                }
+            };
+            let gating = Gating {
+                renorm: arch.norm_topk_prob,
+                eps: 1e-20,
+                scale: arch.routed_scaling_factor,
+            };
+            let lb_probs = scores.broadcast_div(&scores.sum_keepdim(1)?)?;
+            moe_from_scores(
+                layer,
+                h,
+                (&scores, &lb_probs),
+                k,
+                gating,
+                Some(choice),
+                experts,
+            )?
+        } else {
+            let probs = softmax(&logits, D::Minus1)?;
+            let renorm = arch.family == Family::Mixtral || arch.norm_topk_prob;
+            moe_from_probs(layer, h, &probs, k, renorm, forced, experts)?
+        };
         stats.lb_loss.push(m.lb_loss.to_scalar::<f32>()?);
         stats.counts.push(m.counts);
         stats.choices.push(m.choice);
@@ -760,6 +1065,35 @@ fn moe_from_probs(
     forced: Option<Vec<u32>>,
     experts: &mut dyn ExpertExec,
 ) -> Result<MoeOutput> {
+    let gating = Gating {
+        renorm,
+        eps: 0.0,
+        scale: 1.0,
+    };
+    moe_from_scores(layer, h, (probs, probs), k, gating, forced, experts)
+}
+
+/// How the chosen experts' scores become gates: renormalised over the chosen (`sum + eps`
+/// when `eps > 0`) when `renorm`, then multiplied by `scale` unless it is 1.
+#[derive(Debug, Clone, Copy)]
+struct Gating {
+    renorm: bool,
+    eps: f64,
+    scale: f64,
+}
+
+/// One MoE layer from the router's `scores [n, E]` (the gates' source) and `lb_probs [n, E]`
+/// (rows summing to 1, for the balance statistic): top-`k` of the scores (or `forced`), gates
+/// by `gating`, one batch per expert through `experts`, weighted combine.
+fn moe_from_scores(
+    layer: usize,
+    h: &Tensor,
+    (probs, lb_probs): (&Tensor, &Tensor),
+    k: usize,
+    gating: Gating,
+    forced: Option<Vec<u32>>,
+    experts: &mut dyn ExpertExec,
+) -> Result<MoeOutput> {
     let (n, _) = h.dims2()?;
     let ne = probs.dims2()?.1;
     let device = h.device();
@@ -778,10 +1112,15 @@ fn moe_from_probs(
     }
     let idx = Tensor::from_slice(&choice, (n, k), device)?;
     let gates = probs.gather(&idx, 1)?;
-    let gates = if renorm {
-        gates.broadcast_div(&gates.sum_keepdim(1)?)?
-    } else {
+    let gates = match gating {
+        Gating { renorm: false, .. } => gates,
+        Gating { eps, .. } if eps > 0.0 => gates.broadcast_div(&(gates.sum_keepdim(1)? + eps)?)?,
+        _ => gates.broadcast_div(&gates.sum_keepdim(1)?)?,
+    };
+    let gates = if gating.scale == 1.0 {
         gates
+    } else {
+        (gates * gating.scale)?
     };
     let gates = gates.flatten_all()?;
     let mut batches = Vec::new();
@@ -818,7 +1157,7 @@ fn moe_from_probs(
     // Switch load balancing: E · Σ_e (tokens_e / (n·k)) · mean_t p_e(t).
     let frac: Vec<f32> = counts.iter().map(|&c| c as f32 / (n * k) as f32).collect();
     let frac = Tensor::from_vec(frac, ne, device)?;
-    let lb_loss = ((probs.mean(0)? * frac)?.sum_all()? * ne as f64)?;
+    let lb_loss = ((lb_probs.mean(0)? * frac)?.sum_all()? * ne as f64)?;
     Ok(MoeOutput {
         out,
         lb_loss,
@@ -844,6 +1183,51 @@ pub(crate) fn top_k(probs: &[Vec<f32>], k: usize) -> Vec<u32> {
         order.extend(0..row.len() as u32);
         order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
         out.extend_from_slice(&order[..k]);
+    }
+    out
+}
+
+/// DeepSeek-V3's node-limited choice (`transformers`' `DeepseekV3TopkRouter`): per token the
+/// biased scores `s + bias` (f32), each of the `n_group` equal groups scored by the sum of its
+/// best two, the best `topk_group` groups kept, and the `k` best biased scores among their
+/// experts, largest first. Ties go to the lower group and expert id.
+pub(crate) fn group_limited_top_k(
+    scores: &[Vec<f32>],
+    bias: &[f32],
+    n_group: usize,
+    topk_group: usize,
+    k: usize,
+) -> Vec<u32> {
+    let mut out = Vec::with_capacity(scores.len() * k);
+    for row in scores {
+        let biased: Vec<f32> = row.iter().zip(bias).map(|(s, b)| s + b).collect();
+        let per = biased.len() / n_group;
+        let group_score: Vec<f32> = biased
+            .chunks(per)
+            .map(|g| {
+                let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+                for &x in g {
+                    if x.total_cmp(&a).is_gt() {
+                        (a, b) = (x, a);
+                    } else if x.total_cmp(&b).is_gt() {
+                        b = x;
+                    }
+                }
+                a + b
+            })
+            .collect();
+        let mut groups: Vec<usize> = (0..n_group).collect();
+        groups.sort_by(|&x, &y| group_score[y].total_cmp(&group_score[x]).then(x.cmp(&y)));
+        let mut cand: Vec<u32> = groups[..topk_group]
+            .iter()
+            .flat_map(|&g| (g * per..(g + 1) * per).map(|e| e as u32))
+            .collect();
+        cand.sort_by(|&x, &y| {
+            biased[y as usize]
+                .total_cmp(&biased[x as usize])
+                .then(x.cmp(&y))
+        });
+        out.extend_from_slice(&cand[..k]);
     }
     out
 }
@@ -896,6 +1280,27 @@ mod tests {
         let p = vec![vec![0.1, 0.4, 0.4, 0.1], vec![0.7, 0.1, 0.05, 0.15]];
         assert_eq!(top_k(&p, 1), vec![1, 0]);
         assert_eq!(top_k(&p, 2), vec![1, 2, 0, 3]);
+    }
+
+    /// Node-limited routing: the best single expert (4) loses when its group's best two sum
+    /// below two other groups'; a bias on it lifts its group and makes it the first choice.
+    #[test]
+    fn group_limited_top_k_picks_within_the_best_groups() {
+        let row = vec![0.9, 0.0, 0.5, 0.5, 0.8, 0.0, 0.1, 0.1];
+        assert_eq!(top_k(std::slice::from_ref(&row), 2), vec![0, 4]);
+        let zero = [0f32; 8];
+        assert_eq!(
+            group_limited_top_k(std::slice::from_ref(&row), &zero, 4, 2, 2),
+            vec![0, 2]
+        );
+        // One group of all: plain top-k of the biased scores.
+        assert_eq!(
+            group_limited_top_k(std::slice::from_ref(&row), &zero, 1, 1, 2),
+            vec![0, 4]
+        );
+        let mut bias = zero;
+        bias[4] = 0.3;
+        assert_eq!(group_limited_top_k(&[row], &bias, 4, 2, 2), vec![4, 2]);
     }
 
     #[test]

@@ -25,14 +25,13 @@ use super::MoeConfig;
 /// gather, no product), biases and layer norms (elementwise, a vanishing share of the FLOPs).
 pub fn active_matmul_params_per_token(cfg: &MoeConfig) -> u64 {
     if let Some(hf) = &cfg.hf {
-        // A Hugging Face family: q, k, v, o of grouped-query attention, the router, `top_k`
-        // SwiGLU experts (`3·d·d_ff`), the shared expert (`3·d·shared_ff` and its gate `d`),
-        // and the LM head (tied or not, one product).
-        let (d, h) = (cfg.d_model as u64, hf.head_dim as u64);
-        let (q, kv) = (cfg.n_heads as u64 * h, hf.n_kv_heads as u64 * h);
+        // A Hugging Face family: the attention's projections (q, k, v, o of grouped-query
+        // attention; MLA's low-rank ones), the router, `top_k` SwiGLU experts (`3·d·d_ff`),
+        // the shared expert (`3·d·shared_ff` and its gate `d`), and the LM head (tied or not,
+        // one product).
+        let d = cfg.d_model as u64;
         let shared = 3 * d * hf.shared_ff as u64 + if hf.shared_gate { d } else { 0 };
-        let per_layer = d * (q + 2 * kv)
-            + q * d
+        let per_layer = hf.attention_matmul_params(cfg) as u64
             + d * cfg.experts as u64
             + cfg.top_k as u64 * cfg.expert_params() as u64
             + shared;
@@ -47,13 +46,20 @@ pub fn active_matmul_params_per_token(cfg: &MoeConfig) -> u64 {
 /// model-FLOPs convention (see the module docs): `6 · active parameters + 12 · n_layers ·
 /// d_model · seq_len`. Multiply by tokens per second for the model FLOP/s of a run.
 pub fn model_flops_per_token(cfg: &MoeConfig) -> f64 {
-    // The score products' width is heads · head_dim (d_model for the GPT family).
+    // The score products' width is heads · head_dim (d_model for the GPT family); MLA's
+    // `QKᵀ` is `heads·(nope + rope)` wide and its `AV` `heads·v`, so their mean.
     let width = cfg
         .hf
         .as_ref()
-        .map_or(cfg.d_model, |h| cfg.n_heads * h.head_dim);
+        .map_or(cfg.d_model as f64, |h| match &h.mla {
+            None => (cfg.n_heads * h.head_dim) as f64,
+            Some(m) => {
+                let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
+                (cfg.n_heads * (qk + m.v_head_dim)) as f64 / 2.0
+            }
+        });
     6.0 * active_matmul_params_per_token(cfg) as f64
-        + 12.0 * cfg.n_layers as f64 * width as f64 * cfg.seq_len as f64
+        + 12.0 * cfg.n_layers as f64 * width * cfg.seq_len as f64
 }
 
 #[cfg(test)]

@@ -11,10 +11,22 @@
 //!   change the attention (`sliding_window` below `max_position_embeddings` for Mixtral, `use_sliding_window` for
 //!   Qwen), router jitter noise, attention dropout, an activation other than `silu`;
 //! * dense (non-MoE) layers: Qwen's `decoder_sparse_step` other than 1 or a non-empty
-//!   `mlp_only_layers`, DeepSeek's `first_k_dense_replace` above 0 — every layer must be an MoE
-//!   layer, so `model.layers.{i}.mlp.{gate,up,down}_proj` of a dense layer never occurs;
-//! * DeepSeek-V3's multi-head latent attention (`kv_lora_rank`, `q_lora_rank`, …): refused, so
-//!   no `DeepseekV3ForCausalLM` config trains yet (its routing fields are parsed and checked).
+//!   `mlp_only_layers`, DeepSeek's `first_k_dense_replace` above 0 (its `transformers` default
+//!   is 3, so a DeepSeek config must say 0) — every layer must be an MoE layer, so
+//!   `model.layers.{i}.mlp.{gate,up,down}_proj` of a dense layer never occurs;
+//! * DeepSeek-V3 with `num_key_value_heads` other than `num_attention_heads` (its latent
+//!   attention expands keys and values to every query head), or groups of fewer than two
+//!   experts (the group score is the sum of the group's best two).
+//!
+//! DeepSeek-V3 (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", §2.1) trains with its
+//! multi-head latent attention ([`Mla`]: low-rank query and key/value projections, a decoupled
+//! rotary key shared by the heads, interleaved rotary layout unless `rope_interleave` is
+//! false), sigmoid router scores, node-limited routing (`n_group` groups scored by their best
+//! two experts, top-k among the best `topk_group` groups), gates renormalised and multiplied by
+//! `routed_scaling_factor`, `n_shared_experts` always-on experts, and auxiliary-loss-free
+//! balancing: the per-expert `e_score_correction_bias` only biases the choice and is updated
+//! after every step by `±bias_update_speed` toward the mean load of the step's global batch
+//! (§2.1.2; γ = 0.001 as in the report's pre-training).
 //!
 //! Naming (the interface agreed with the export side): dense variables carry their Hugging
 //! Face tensor names and layouts ([`HfModel::router_name`] etc.); a routed expert keeps the
@@ -124,9 +136,42 @@ pub struct HfModel {
     pub topk_group: usize,
     /// DeepSeek: gates are multiplied by this (1 elsewhere).
     pub routed_scaling_factor: f64,
+    /// DeepSeek-V3's multi-head latent attention (`None`: grouped-query attention).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mla: Option<Mla>,
+    /// DeepSeek-V3's auxiliary-loss-free balancing: after every step each expert's routing bias
+    /// moves by this much toward the step's mean load (0: no bias, the other families).
+    #[serde(default)]
+    pub bias_update_speed: f64,
     /// The parsed `config.json`, kept so an export can write it back.
     pub config_json: Value,
 }
+
+/// The shape of DeepSeek-V3's multi-head latent attention (DeepSeek-V2 report §2.1;
+/// `transformers`' `DeepseekV3Attention`): queries through `q_a_proj [q_lora_rank, d]`,
+/// RMSNorm and `q_b_proj [heads·(nope + rope), q_lora_rank]` (or one `q_proj` when
+/// `q_lora_rank` is null); `kv_a_proj_with_mqa [kv_lora_rank + rope, d]` gives the latent
+/// (RMSNorm, then `kv_b_proj [heads·(nope + v), kv_lora_rank]` into per-head keys and values)
+/// and one rotary key of `rope` dims shared by every head; `o_proj [d, heads·v]`. The scores
+/// are scaled by `(nope + rope)^-1/2`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Mla {
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    /// The rotary dims of `q` and `k` come in interleaved pairs `(x0, x1), (x2, x3), …` (the
+    /// released DeepSeek weights); `false`: the `rotate_half` halves.
+    pub rope_interleave: bool,
+}
+
+/// The DeepSeek-V3 report's bias update speed γ (§2.1.2, pre-training).
+pub const DEEPSEEK_BIAS_UPDATE_SPEED: f64 = 0.001;
+
+/// RMSNorm epsilon of MLA's two latent norms (`DeepseekV3RMSNorm`'s default; the
+/// `rms_norm_eps` field is not passed to them).
+pub const MLA_NORM_EPS: f64 = 1e-6;
 
 fn err(field: &str, why: impl Into<String>) -> ConfigError {
     ConfigError::Hf {
@@ -331,6 +376,8 @@ impl MoeConfig {
             n_group: 1,
             topk_group: 1,
             routed_scaling_factor: 1.0,
+            mla: None,
+            bias_update_speed: 0.0,
             config_json: value.clone(),
         };
         let (experts, d_ff, aux_default) = match family {
@@ -395,6 +442,8 @@ impl MoeConfig {
                 )
             }
             Family::DeepseekV3 => {
+                // Defaults are `DeepseekV3Config`'s (what `transformers` builds from a file
+                // that omits the field).
                 hf.scoring = match f.str_or("scoring_func", "sigmoid")? {
                     "sigmoid" => Scoring::Sigmoid,
                     s => return Err(err("scoring_func", format!("{s:?}: only sigmoid"))),
@@ -404,29 +453,49 @@ impl MoeConfig {
                     return Err(err("topk_method", format!("{m:?}: only noaux_tc")));
                 }
                 hf.norm_topk_prob = f.bool_or("norm_topk_prob", true)?;
-                hf.n_group = f.usize_or("n_group", 1)?;
-                hf.topk_group = f.usize_or("topk_group", 1)?;
-                hf.routed_scaling_factor = f.f64_or("routed_scaling_factor", 1.0)?;
+                hf.n_group = f.usize_or("n_group", 8)?;
+                hf.topk_group = f.usize_or("topk_group", 4)?;
+                hf.routed_scaling_factor = f.f64_or("routed_scaling_factor", 2.5)?;
+                hf.bias_update_speed = DEEPSEEK_BIAS_UPDATE_SPEED;
                 let d_ff = f.usize_req("moe_intermediate_size")?;
-                hf.shared_ff = f.usize_or("n_shared_experts", 0)? * d_ff;
-                let dense = f.usize_or("first_k_dense_replace", 0)?;
+                hf.shared_ff = f.usize_or("n_shared_experts", 1)? * d_ff;
+                let dense = f.usize_or("first_k_dense_replace", 3)?;
                 if dense != 0 {
                     return Err(err(
                         "first_k_dense_replace",
                         format!("{dense}: dense (non-MoE) layers are not supported; use 0"),
                     ));
                 }
-                // MLA: every DeepseekV3 attention projects through latent ranks; the executor
-                // has only (grouped-query) multi-head attention, so it refuses rather than
-                // train a different attention under DeepSeek's names.
-                for k in ["kv_lora_rank", "q_lora_rank", "qk_rope_head_dim"] {
-                    if f.present(k).is_some() || k == "kv_lora_rank" {
-                        return Err(err(
-                            k,
-                            "DeepSeek-V3's multi-head latent attention (MLA) is not supported",
-                        ));
-                    }
+                if hf.n_kv_heads != n_heads {
+                    return Err(err(
+                        "num_key_value_heads",
+                        format!(
+                            "{}: DeepSeek-V3's latent attention needs num_attention_heads \
+                             ({n_heads})",
+                            hf.n_kv_heads
+                        ),
+                    ));
                 }
+                let bias = f.bool_or("attention_bias", false)?;
+                hf.qkv_bias = bias;
+                hf.o_bias = bias;
+                // `q_lora_rank: null` is a single q_proj; absent is the class default.
+                let q_lora_rank = match map.get("q_lora_rank") {
+                    Some(Value::Null) => None,
+                    _ => Some(f.usize_or("q_lora_rank", 1536)?),
+                };
+                let mla = Mla {
+                    q_lora_rank,
+                    kv_lora_rank: f.usize_or("kv_lora_rank", 512)?,
+                    qk_nope_head_dim: f.usize_or("qk_nope_head_dim", 128)?,
+                    qk_rope_head_dim: f.usize_or("qk_rope_head_dim", 64)?,
+                    v_head_dim: f.usize_or("v_head_dim", 128)?,
+                    rope_interleave: f.bool_or("rope_interleave", true)?,
+                };
+                // The rotary tables span the decoupled rotary dims (`transformers` sets
+                // `head_dim = qk_rope_head_dim`).
+                hf.head_dim = mla.qk_rope_head_dim;
+                hf.mla = Some(mla);
                 (f.usize_req("n_routed_experts")?, d_ff, 0.0)
             }
         };
@@ -510,6 +579,30 @@ impl HfModel {
                 ),
             ));
         }
+        if self.scoring == Scoring::Sigmoid {
+            let per_group = cfg.experts / self.n_group;
+            if per_group < 2 || cfg.top_k > self.topk_group * per_group {
+                return Err(err(
+                    "n_group",
+                    format!(
+                        "{} groups of {per_group} experts: each group needs at least 2 and the \
+                         best topk_group {} groups at least top_k {} experts",
+                        self.n_group, self.topk_group, cfg.top_k
+                    ),
+                ));
+            }
+        }
+        if let Some(m) = &self.mla {
+            let dims = [
+                ("kv_lora_rank", m.kv_lora_rank),
+                ("qk_nope_head_dim", m.qk_nope_head_dim),
+                ("v_head_dim", m.v_head_dim),
+                ("q_lora_rank", m.q_lora_rank.unwrap_or(1)),
+            ];
+            if let Some((k, _)) = dims.iter().find(|(_, v)| *v == 0) {
+                return Err(err(k, "must be at least 1"));
+            }
+        }
         Ok(())
     }
 
@@ -517,19 +610,9 @@ impl HfModel {
     /// norms, routers, shared experts).
     pub(crate) fn dense_params(&self, cfg: &MoeConfig) -> usize {
         let d = cfg.d_model;
-        let (q, kv) = (cfg.n_heads * self.head_dim, self.n_kv_heads * self.head_dim);
         let mut per_layer = 2 * d // input / post-attention norms
-            + d * (q + 2 * kv) + q * d // q, k, v, o
+            + self.attention_params(cfg)
             + d * cfg.experts; // router
-        if self.qkv_bias {
-            per_layer += q + 2 * kv;
-        }
-        if self.o_bias {
-            per_layer += d;
-        }
-        if self.qk_norm {
-            per_layer += 2 * self.head_dim;
-        }
         per_layer += 3 * d * self.shared_ff;
         if self.shared_gate {
             per_layer += d;
@@ -543,6 +626,61 @@ impl HfModel {
             cfg.vocab * d
         };
         cfg.vocab * d + head + cfg.n_layers * per_layer + d
+    }
+
+    /// Weights and biases of one layer's attention (q, k, v, o and their norms; MLA's
+    /// projections and latent norms).
+    pub(crate) fn attention_params(&self, cfg: &MoeConfig) -> usize {
+        let (d, h) = (cfg.d_model, cfg.n_heads);
+        if let Some(m) = &self.mla {
+            let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
+            let q = match m.q_lora_rank {
+                None => d * h * qk,
+                Some(r) => d * r + r + r * h * qk + if self.qkv_bias { r } else { 0 },
+            };
+            let kv_a = m.kv_lora_rank + m.qk_rope_head_dim;
+            let kv = d * kv_a
+                + if self.qkv_bias { kv_a } else { 0 }
+                + m.kv_lora_rank
+                + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim);
+            let o = h * m.v_head_dim * d + if self.o_bias { d } else { 0 };
+            return q + kv + o;
+        }
+        let (q, kv) = (h * self.head_dim, self.n_kv_heads * self.head_dim);
+        let mut n = d * (q + 2 * kv) + q * d;
+        if self.qkv_bias {
+            n += q + 2 * kv;
+        }
+        if self.o_bias {
+            n += d;
+        }
+        if self.qk_norm {
+            n += 2 * self.head_dim;
+        }
+        n
+    }
+
+    /// Weights of one layer's attention products (no norms, no biases).
+    pub(crate) fn attention_matmul_params(&self, cfg: &MoeConfig) -> usize {
+        let (d, h) = (cfg.d_model, cfg.n_heads);
+        match &self.mla {
+            Some(m) => {
+                let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
+                let q = m.q_lora_rank.map_or(d * h * qk, |r| d * r + r * h * qk);
+                q + d * (m.kv_lora_rank + m.qk_rope_head_dim)
+                    + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim)
+                    + h * m.v_head_dim * d
+            }
+            None => {
+                let (q, kv) = (h * self.head_dim, self.n_kv_heads * self.head_dim);
+                d * (q + 2 * kv) + q * d
+            }
+        }
+    }
+
+    /// The routing-bias tensor of `layer` (DeepSeek-V3 `e_score_correction_bias`, `[E]`).
+    pub fn routing_bias_name(&self, layer: usize) -> String {
+        format!("{}.gate.e_score_correction_bias", self.moe_prefix(layer))
     }
 
     /// `model.layers.{layer}.block_sparse_moe` (Mixtral) or `model.layers.{layer}.mlp`.

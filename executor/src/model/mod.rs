@@ -1,5 +1,5 @@
 //! The MoE model of the executor, split so that experts can live on other workers: the
-//! paper's GPT-style family, or a Hugging Face family (Mixtral, Qwen2/Qwen3-MoE) read from its
+//! paper's GPT-style family, or a Hugging Face family (Mixtral, Qwen2/Qwen3-MoE, DeepSeek-V3) read from its
 //! `config.json` (`hf`: [`MoeConfig::from_hf_config_json`], names and layouts of `transformers`).
 //!
 //! * [`DenseModel`] — everything every worker replicates (embeddings, causal self-attention,
@@ -38,13 +38,16 @@ mod train;
 
 pub use config::{ConfigError, Family, HfModel, MoeConfig, Precision};
 pub use data::{ByteTokenizer, Corpus, EMBEDDED_CORPUS};
-pub use dense::{DenseModel, MoeOutput, RoutingStats, apply_rope, moe_layer, rms_norm};
+pub use dense::{
+    DenseModel, MoeOutput, RoutingStats, apply_rope, deinterleave, moe_layer, rms_norm,
+};
 pub use experts::{
     ExpertExec, ExpertState, ExpertStore, ExpertWeights, LocalExperts, sigmoid, silu,
 };
 pub use flops::{active_matmul_params_per_token, model_flops_per_token};
 pub use fsep::{ExpertMode, ShardState, ShardStore, assemble, cut, one_per_rank, shard_range};
 pub use fused::{gelu, set_fused_kernels, swiglu};
+pub use hf::Mla;
 pub use hf::Scoring;
 pub use init::Fnv64;
 pub(crate) use init::rng_for;

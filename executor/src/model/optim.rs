@@ -18,6 +18,9 @@ struct Slot {
     var: Var,
     m: Tensor,
     v: Tensor,
+    /// Held out of the update (a buffer such as DeepSeek-V3's routing bias, which has its own
+    /// rule): its value and moments travel with the state, no gradient ever changes it.
+    frozen: bool,
 }
 
 /// AdamW (decoupled weight decay) over named variables.
@@ -53,7 +56,13 @@ impl AdamW {
             .map(|(name, var)| {
                 let m = var.as_tensor().zeros_like()?;
                 let v = var.as_tensor().zeros_like()?;
-                Ok(Slot { name, var, m, v })
+                Ok(Slot {
+                    name,
+                    var,
+                    m,
+                    v,
+                    frozen: false,
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
@@ -61,6 +70,19 @@ impl AdamW {
             step: 0,
             slots,
         })
+    }
+
+    /// Holds the named parameters out of every later update (an all-reduced gradient of
+    /// zeros would otherwise still move them by the weight decay and the moments). Unknown
+    /// names are an error.
+    pub fn freeze(&mut self, names: &[String]) -> Result<()> {
+        for n in names {
+            let Some(slot) = self.slots.iter_mut().find(|s| &s.name == n) else {
+                candle_core::bail!("AdamW freeze: no parameter {n}");
+            };
+            slot.frozen = true;
+        }
+        Ok(())
     }
 
     pub fn params(&self) -> &ParamsAdamW {
@@ -115,7 +137,9 @@ impl AdamW {
         let scale_m = 1f64 / (1f64 - p.beta1.powi(t));
         let scale_v = 1f64 / (1f64 - p.beta2.powi(t));
         for (slot, g) in self.slots.iter_mut().zip(grads) {
-            let Some(g) = g else { continue };
+            let Some(g) = g.as_ref().filter(|_| !slot.frozen) else {
+                continue;
+            };
             // Same expression tree as candle_nn::AdamW::step.
             let next_m = ((&slot.m * p.beta1)? + (g * (1.0 - p.beta1))?)?;
             let next_v = ((&slot.v * p.beta2)? + (g.sqr()? * (1.0 - p.beta2))?)?;
@@ -322,6 +346,27 @@ mod tests {
             ParamsAdamW::default(),
         );
         assert!(wrong?.import(&st).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn a_frozen_parameter_never_moves() -> Result<()> {
+        let dev = Device::Cpu;
+        let (a, b) = (
+            Var::ones(3, DType::F32, &dev)?,
+            Var::ones(3, DType::F32, &dev)?,
+        );
+        let mut opt = AdamW::new(
+            vec![("a".into(), a.clone()), ("b".into(), b.clone())],
+            ParamsAdamW::default(),
+        )?;
+        opt.freeze(&["b".to_owned()])?;
+        assert!(opt.freeze(&["c".to_owned()]).is_err());
+        let g = Tensor::ones(3, DType::F32, &dev)?;
+        opt.step_with(&[Some(g.clone()), Some(g)])?;
+        assert_eq!(flat(b.as_tensor())?, vec![1.0; 3]);
+        assert!(flat(a.as_tensor())?.iter().all(|&x| x < 1.0));
+        assert_eq!(opt.export()?.params[1].m, vec![0.0; 3]);
         Ok(())
     }
 }

@@ -149,6 +149,7 @@ impl Trainer {
             experts,
             factor,
         )?;
+        self.model.update_routing_bias(&stats.counts)?;
         let layers = stats.lb_loss.len().max(1) as f32;
         let report = StepReport {
             step: self.step,

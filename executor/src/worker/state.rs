@@ -415,6 +415,11 @@ pub fn train_step_input(
         }
     }
     v.extend(&loss_slots);
+    // DeepSeek-V3's routing bias follows the step's global load: each member adds the tokens
+    // its micro-batches routed (exact in f32 up to 2^24 per expert and step), so every member
+    // reads the same counts and applies the same update.
+    let bias_counts = routing_bias_slots(model, &stats);
+    v.extend(&bias_counts);
     v.extend(norm_parts(
         model,
         experts,
@@ -444,9 +449,11 @@ pub fn train_step_input(
             total as usize,
         ),
     };
+    let counts_at = 2 + 2 * world + total as usize;
+    let global_counts = &votes[counts_at..counts_at + bias_counts.len()];
     let factor = grad_scale(
         mean_over,
-        &votes[2 + 2 * world + total as usize..],
+        &votes[counts_at + bias_counts.len()..],
         model.config().grad_clip_norm,
     );
     let snapshot = match experts.shard_store()? {
@@ -465,6 +472,14 @@ pub fn train_step_input(
             experts.step_shards(shard_grads, factor)?;
         } else {
             apply_update(dense_opt, store, &dense, expert_grads, factor)?;
+        }
+        if !bias_counts.is_empty() {
+            let e = model.config().experts;
+            let counts: Vec<Vec<u64>> = global_counts
+                .chunks(e)
+                .map(|c| c.iter().map(|&x| x as u64).collect())
+                .collect();
+            model.update_routing_bias(&counts)?;
         }
     }
     Ok(TrainedStep {
@@ -523,6 +538,23 @@ pub fn eval_step(
     })??;
     let sum: f64 = slots.iter().map(|&x| f64::from(x)).sum();
     Ok((sum / total as f64) as f32)
+}
+
+/// This member's routed tokens per `(layer, expert)`, layer-major, when the model balances
+/// with a routing bias (DeepSeek-V3); empty otherwise. A member without data this step (only
+/// phantom rounds) contributes zeros.
+fn routing_bias_slots(model: &DenseModel, stats: &RoutingStats) -> Vec<f32> {
+    if model.routing_bias_names().is_empty() {
+        return Vec::new();
+    }
+    let (layers, e) = (model.config().n_layers, model.config().experts);
+    let mut slots = vec![0f32; layers * e];
+    for (l, c) in stats.counts.iter().enumerate().take(layers) {
+        for (x, &n) in slots[l * e..(l + 1) * e].iter_mut().zip(c) {
+            *x = n as f32;
+        }
+    }
+    slots
 }
 
 /// Adds a micro-batch's routing statistics to the step's: counts and choices append/add,
