@@ -1,4 +1,4 @@
-//! Issue 32 acceptance: a tiny Mixtral-style and a tiny Qwen-MoE-style `config.json` (written
+//! Issue 32 acceptance: tiny Mixtral-, Qwen-MoE- and DeepSeek-V3-style `config.json`s (written
 //! here) train under `lzrun local --model-config` with a kill (in-place recovery), a double kill
 //! (checkpoint restore), a join with a re-layout, and resilient FSEP; the loss falls and every
 //! copy of the state stays identical (dense checksums over the Hugging Face variables, expert
@@ -49,6 +49,20 @@ fn qwen3() -> serde_json::Value {
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": true,
         "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0
+    })
+}
+
+/// DeepSeek-V3: latent attention (low-rank queries, interleaved rotary dims), 8 experts in 4
+/// groups (best 2, top-2), sigmoid scores, a shared expert, the routing bias.
+fn deepseek_v3() -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 256, "hidden_size": 32, "moe_intermediate_size": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+        "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "first_k_dense_replace": 0,
+        "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+        "v_head_dim": 8, "max_position_embeddings": 64, "rms_norm_eps": 1e-6
     })
 }
 
@@ -194,6 +208,82 @@ fn qwen3_moe_trains_with_resilient_fsep_and_bf16() {
     assert_eq!((s.recoveries, s.fallbacks), (1, 0), "{}", o.show());
     assert_learns(&s, &o);
     assert_eq!(assert_fsep_consistent(&dir), 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// DeepSeek-V3 with a kill: in-place recovery; every member holds the same dense state, the
+/// routing biases included (each applied the update of the same global counts).
+#[test]
+fn deepseek_v3_recovers_in_place_from_a_kill() {
+    let (dir, cfg) = setup("deepseek-kill", &deepseek_v3());
+    let o = lzrun(&dir, &["--nodes", "4", "--steps", "12", "--kill", "2@5"]);
+    let s = o.summary();
+    assert_eq!(s.steps, 12);
+    assert_eq!((s.recoveries, s.fallbacks), (1, 0), "{}", o.show());
+    assert_learns(&s, &o);
+    assert_eq!(assert_consistent(&dir, &cfg).len(), 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// DeepSeek-V3 with a double kill that loses every copy of some expert: the checkpoint is
+/// restored (routing biases with it), training finishes, the state stays consistent, and the
+/// final checkpoint's biases moved from zero by whole steps of ±0.001.
+#[test]
+fn deepseek_v3_restores_the_checkpoint_after_a_double_kill() {
+    let (dir, cfg) = setup("deepseek-double", &deepseek_v3());
+    let ck = dir.join("ckpt");
+    let o = lzrun(
+        &dir,
+        &[
+            "--nodes",
+            "4",
+            "--steps",
+            "12",
+            "--kill",
+            "0@6",
+            "--kill",
+            "1@6",
+            "--ckpt-every",
+            "4",
+            "--ckpt-dir",
+            ck.to_str().unwrap(),
+        ],
+    );
+    let s = o.summary();
+    assert_eq!(s.steps, 12);
+    assert_eq!(s.fallbacks, 1, "{}", o.show());
+    let rec = s
+        .reconfigurations
+        .iter()
+        .find(|r| r.kind == "checkpoint")
+        .unwrap();
+    assert_eq!(rec.resume_step, 4, "{rec:?}");
+    assert_learns(&s, &o);
+    assert_eq!(assert_consistent(&dir, &cfg).len(), 2);
+    let ex = dir.join("export");
+    let out = Command::new(LZRUN)
+        .args([
+            "export",
+            ck.to_str().unwrap(),
+            "--out",
+            ex.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let w = lazarus_executor::interop::WeightsDir::open(&ex).unwrap();
+    for l in 0..cfg.n_layers {
+        let name = format!("model.layers.{l}.mlp.gate.e_score_correction_bias");
+        let b = w.read_f32(&name, &[cfg.experts]).unwrap();
+        assert!(b.iter().any(|&x| x != 0.0), "{name}: {b:?}");
+        for x in b {
+            let steps = x / 0.001;
+            assert!(
+                (steps - steps.round()).abs() < 1e-3 && steps.abs() <= 12.0,
+                "{name}: {x} is not a sum of at most 12 updates of 0.001"
+            );
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -72,9 +72,25 @@ fn qwen3_moe() -> Value {
     })
 }
 
+/// DeepSeek-V3: latent attention with low-rank queries, 8 experts in 4 groups, one shared
+/// expert, every layer MoE.
+fn deepseek_v3() -> Value {
+    json!({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+        "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1,
+        "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 0, "q_lora_rank": 16, "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+        "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": false
+    })
+}
+
 /// The Hugging Face tensor names and shapes of these tiny configs, written out from the
 /// `transformers` modelling files (`modeling_mixtral.py`, `modeling_qwen2_moe.py`,
-/// `modeling_qwen3_moe.py`): `nn.Linear(in, out)` has `weight [out, in]`.
+/// `modeling_qwen3_moe.py`, `modeling_deepseek_v3.py`): `nn.Linear(in, out)` has
+/// `weight [out, in]`.
 fn hf_names(cfg: &Value) -> BTreeMap<String, Vec<usize>> {
     let arch = cfg["architectures"][0].as_str().unwrap();
     let n = |k: &str| cfg[k].as_u64().unwrap() as usize;
@@ -98,6 +114,47 @@ fn hf_names(cfg: &Value) -> BTreeMap<String, Vec<usize>> {
         let p = format!("model.layers.{l}");
         m.insert(format!("{p}.input_layernorm.weight"), vec![d]);
         m.insert(format!("{p}.post_attention_layernorm.weight"), vec![d]);
+        if arch == "DeepseekV3ForCausalLM" {
+            let (qr, kvr, nope, rope, vd) = (
+                n("q_lora_rank"),
+                n("kv_lora_rank"),
+                n("qk_nope_head_dim"),
+                n("qk_rope_head_dim"),
+                n("v_head_dim"),
+            );
+            let a = format!("{p}.self_attn");
+            m.insert(format!("{a}.q_a_proj.weight"), vec![qr, d]);
+            m.insert(format!("{a}.q_a_layernorm.weight"), vec![qr]);
+            m.insert(
+                format!("{a}.q_b_proj.weight"),
+                vec![heads * (nope + rope), qr],
+            );
+            m.insert(
+                format!("{a}.kv_a_proj_with_mqa.weight"),
+                vec![kvr + rope, d],
+            );
+            m.insert(format!("{a}.kv_a_layernorm.weight"), vec![kvr]);
+            m.insert(
+                format!("{a}.kv_b_proj.weight"),
+                vec![heads * (nope + vd), kvr],
+            );
+            m.insert(format!("{a}.o_proj.weight"), vec![d, heads * vd]);
+            let (e, ff) = (n("n_routed_experts"), n("moe_intermediate_size"));
+            m.insert(format!("{p}.mlp.gate.weight"), vec![e, d]);
+            m.insert(format!("{p}.mlp.gate.e_score_correction_bias"), vec![e]);
+            for j in 0..e {
+                let q = format!("{p}.mlp.experts.{j}");
+                m.insert(format!("{q}.gate_proj.weight"), vec![ff, d]);
+                m.insert(format!("{q}.up_proj.weight"), vec![ff, d]);
+                m.insert(format!("{q}.down_proj.weight"), vec![d, ff]);
+            }
+            let sff = n("n_shared_experts") * ff;
+            let q = format!("{p}.mlp.shared_experts");
+            m.insert(format!("{q}.gate_proj.weight"), vec![sff, d]);
+            m.insert(format!("{q}.up_proj.weight"), vec![sff, d]);
+            m.insert(format!("{q}.down_proj.weight"), vec![d, sff]);
+            continue;
+        }
         m.insert(format!("{p}.self_attn.q_proj.weight"), vec![heads * hd, d]);
         m.insert(format!("{p}.self_attn.k_proj.weight"), vec![kv * hd, d]);
         m.insert(format!("{p}.self_attn.v_proj.weight"), vec![kv * hd, d]);
@@ -168,7 +225,10 @@ fn write_fresh(cfg: &MoeConfig, dir: &Path, shard_bytes: u64) -> interop::Writte
 #[test]
 fn an_export_has_the_hugging_face_names_and_shapes_of_each_family() {
     let dir = scratch("names");
-    for (i, hf) in [mixtral(), qwen2_moe(), qwen3_moe()].iter().enumerate() {
+    for (i, hf) in [mixtral(), qwen2_moe(), qwen3_moe(), deepseek_v3()]
+        .iter()
+        .enumerate()
+    {
         let cfg = config_of(hf);
         let out = dir.join(format!("m{i}"));
         write_fresh(&cfg, &out, u64::MAX);
@@ -323,6 +383,11 @@ fn train_from(init: &Path, ckpt: &Path, steps: &str, extra: &[&str]) -> Outcome 
 /// init → train → export → `--init-from`: the logits of the export are those of the
 /// checkpoint, bit for bit; the initial state went through `--init-from` bit for bit.
 fn round_trip(name: &str, hf: Value, extra: &[&str]) {
+    round_trip_then(name, hf, extra, |_| {});
+}
+
+/// [`round_trip`], then `check` on the trained export's directory.
+fn round_trip_then(name: &str, hf: Value, extra: &[&str], check: impl FnOnce(&Path)) {
     let dir = scratch(name);
     let cfg = config_of(&hf);
     let init = dir.join("init");
@@ -381,6 +446,7 @@ fn round_trip(name: &str, hf: Value, extra: &[&str]) {
         &dir.join("ft0.npy"),
     );
     assert!(l_ft0 == l_ck);
+    check(&e);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -397,6 +463,28 @@ fn qwen2_moe_round_trips_bit_for_bit_from_an_fsep_checkpoint() {
 #[test]
 fn qwen3_moe_round_trips_bit_for_bit_after_training() {
     round_trip("qwen3", qwen3_moe(), &[]);
+}
+
+/// DeepSeek-V3 from FSEP shards; the export carries the routing biases training moved (they
+/// start at zero), so `--init-from` continues with the same choices.
+#[test]
+fn deepseek_v3_round_trips_bit_for_bit_with_its_routing_bias() {
+    round_trip_then(
+        "deepseek",
+        deepseek_v3(),
+        &["--expert-mode", "fsep"],
+        |export| {
+            let w = WeightsDir::open(export).unwrap();
+            for l in 0..2 {
+                let name = format!("model.layers.{l}.mlp.gate.e_score_correction_bias");
+                assert_eq!(w.shape(&name), Some(&[8][..]));
+                let v = w.read_f32(&name, &[8]).unwrap();
+                assert!(v.iter().any(|&x| x != 0.0), "{name} never moved: {v:?}");
+                // Three updates of ±0.001 (or none): within 0.003 of zero.
+                assert!(v.iter().all(|x| x.abs() <= 0.0031), "{name}: {v:?}");
+            }
+        },
+    );
 }
 
 /// `lzrun logits --init-from DIR`: exit 2 and one stderr line containing every `needles`.
