@@ -735,62 +735,16 @@ fn model_flops_of_a_mixtral_by_hand() {
     assert_eq!(model_flops_per_token(&c), 222_720.0);
 }
 
-/// `transformers` 5 saves the rotary base inside `rope_parameters` (`{"rope_type": "default",
-/// "rope_theta": …}`), not at the top level: it must be read from there, a rotary type we do not
-/// implement refused, two different bases refused, and a config with no base at all takes the
-/// family's own default (Mixtral's is 1e6, not 10,000).
+/// Model FLOPs of the tiny DeepSeek-V3 by hand. Attention (MLA): q `32·16 + 16·4·12 = 1280`,
+/// kv_a `32·20 = 640`, kv_b `16·4·16 = 1024`, o `4·8·32 = 1024`: 3968; router `32·8 = 256`;
+/// two SwiGLU experts `2·3·32·16 = 3072`; shared expert `3·32·16 = 1536`: 8832 per layer,
+/// 17664 for two; LM head 8192; 25856 active weights, 6 · 25856 = 155136. Scores: `QKᵀ`
+/// `4·12` wide and `AV` `4·8`, mean 40: `12·2·40·32 = 30720`. 185856 FLOPs per token.
 #[test]
-fn the_rotary_base_is_read_from_rope_parameters_and_defaults_per_family() {
-    let strip = |json: &str| {
-        let mut v: serde_json::Value = serde_json::from_str(json).unwrap();
-        v.as_object_mut().unwrap().remove("rope_theta");
-        v.to_string()
-    };
-    let theta = |json: &str| {
-        MoeConfig::from_hf_config_json(json)
-            .unwrap()
-            .hf
-            .unwrap()
-            .rope_theta
-    };
-    let nested = with(
-        &strip(&mixtral_json()),
-        "rope_parameters",
-        serde_json::json!({"rope_type": "default", "rope_theta": 1e6}),
-    );
-    assert_eq!(theta(&nested), 1e6);
-    assert_eq!(theta(&strip(&mixtral_json())), 1e6);
-    assert_eq!(theta(&strip(&qwen2_json())), 10000.0);
-    assert_eq!(theta(&strip(&qwen3_json())), 10000.0);
-    // Both places, the same value: fine; different values: refused.
-    let both = with(
-        &mixtral_json(),
-        "rope_parameters",
-        serde_json::json!({"rope_type": "default", "rope_theta": 10000.0}),
-    );
-    assert_eq!(theta(&both), 10000.0);
-    refused(
-        &with(
-            &mixtral_json(),
-            "rope_parameters",
-            serde_json::json!({"rope_type": "default", "rope_theta": 5e5}),
-        ),
-        "rope_parameters",
-    );
-    refused(
-        &with(
-            &strip(&mixtral_json()),
-            "rope_parameters",
-            serde_json::json!({"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}),
-        ),
-        "rope_parameters",
-    );
-    refused(
-        &with(
-            &strip(&mixtral_json()),
-            "rope_parameters",
-            serde_json::json!(7),
-        ),
-        "rope_parameters",
-    );
+fn model_flops_of_a_deepseek_v3_by_hand() {
+    use lazarus_executor::model::{active_matmul_params_per_token, model_flops_per_token};
+    let c = MoeConfig::from_hf_config_json(&deepseek_json()).unwrap();
+    assert_eq!(c.seq_len, 32);
+    assert_eq!(active_matmul_params_per_token(&c), 25_856);
+    assert_eq!(model_flops_per_token(&c), 185_856.0);
 }

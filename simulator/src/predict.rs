@@ -132,6 +132,36 @@ pub struct RunHf {
     pub tie_word_embeddings: bool,
     /// Intermediate size of the shared expert MLP (0: none).
     pub shared_ff: u64,
+    /// DeepSeek-V3's multi-head latent attention (absent: grouped-query attention).
+    #[serde(default)]
+    pub mla: Option<RunMla>,
+}
+
+/// The fields of `lazarus_executor::model::Mla` the profile needs.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct RunMla {
+    pub q_lora_rank: Option<u64>,
+    pub kv_lora_rank: u64,
+    pub qk_nope_head_dim: u64,
+    pub qk_rope_head_dim: u64,
+    pub v_head_dim: u64,
+}
+
+impl RunMla {
+    /// Weights of one layer's attention products and the mean width of its two score
+    /// products (`QKᵀ` is `heads·(nope + rope)` wide, `AV` `heads·v`), as
+    /// `lazarus_executor::model::model_flops_per_token` counts them.
+    fn attention(&self, d: u64, heads: u64) -> (u64, u64) {
+        let qk = self.qk_nope_head_dim + self.qk_rope_head_dim;
+        let q = self
+            .q_lora_rank
+            .map_or(d * heads * qk, |r| d * r + r * heads * qk);
+        let params = q
+            + d * (self.kv_lora_rank + self.qk_rope_head_dim)
+            + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+            + heads * self.v_head_dim * d;
+        (params, heads * (qk + self.v_head_dim) / 2)
+    }
 }
 
 /// A fault of `lzrun`'s schedule (`lazarus_executor::faults::Fault`).
@@ -495,15 +525,19 @@ impl RunDir {
             None => String::new(),
         };
         // A Hugging Face family: SwiGLU experts (3 matrices), grouped-query attention
-        // (`d·(q + 2·kv) + q·d` weights, score width `heads·head_dim`), the shared expert as
-        // `shared_ff / d_ff` always-active experts, the LM head untied unless tied.
+        // (`d·(q + 2·kv) + q·d` weights, score width `heads·head_dim`) or DeepSeek's latent
+        // attention ([`RunMla::attention`]), the shared expert as `shared_ff / d_ff`
+        // always-active experts, the LM head untied unless tied.
         let arch = match &m.hf {
             Some(h) => {
                 let (q, kv) = (m.n_heads * h.head_dim, h.n_kv_heads * h.head_dim);
+                let (params, width) = match &h.mla {
+                    Some(mla) => mla.attention(m.d_model, m.n_heads),
+                    None => (m.d_model * (q + 2 * kv) + q * m.d_model, q),
+                };
                 format!(
-                    "ffn_matrices = 3\nattention_params_per_layer = {}\n\
-                     attention_score_width = {q}\nshared_experts = {}\ntied_embeddings = {}\n",
-                    m.d_model * (q + 2 * kv) + q * m.d_model,
+                    "ffn_matrices = 3\nattention_params_per_layer = {params}\n\
+                     attention_score_width = {width}\nshared_experts = {}\ntied_embeddings = {}\n",
                     h.shared_ff.div_ceil(m.d_ff.max(1)),
                     h.tie_word_embeddings
                 )
@@ -1022,6 +1056,7 @@ mod tests {
             head_dim: 8,
             tie_word_embeddings: false,
             shared_ff: 2 * ff,
+            mla: None,
         });
         let p = run.model_profile().unwrap();
         assert_eq!(p.ffn_matrices, 3);
@@ -1030,6 +1065,21 @@ mod tests {
         assert!(!p.tied_embeddings);
         let (q, kv) = (heads * 8, 8);
         assert_eq!(p.attention_params_per_layer(), d * (q + 2 * kv) + q * d);
+        // DeepSeek's latent attention, by hand: q 32·d + 32·heads·(8 + 4), kv_a d·(16 + 4),
+        // kv_b 16·heads·(8 + 8), o heads·8·d; scores heads·(12 + 8)/2 wide.
+        run.config.model.hf.as_mut().unwrap().mla = Some(RunMla {
+            q_lora_rank: Some(32),
+            kv_lora_rank: 16,
+            qk_nope_head_dim: 8,
+            qk_rope_head_dim: 4,
+            v_head_dim: 8,
+        });
+        let p = run.model_profile().unwrap();
+        assert_eq!(
+            p.attention_params_per_layer(),
+            32 * d + 32 * heads * 12 + d * 20 + 16 * heads * 16 + heads * 8 * d
+        );
+        assert_eq!(p.attention_score_width, Some(heads * 10));
     }
 
     /// B = 16 in micro-batches of 4: 4 ranks train one round of 4 sequences, 3 ranks two
