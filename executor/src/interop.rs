@@ -17,9 +17,10 @@
 //!
 //! # Names and layouts
 //!
-//! A Hugging Face family (`MixtralForCausalLM`, `Qwen2MoeForCausalLM`, `Qwen3MoeForCausalLM`;
-//! `DeepseekV3ForCausalLM` configs are refused by the model, see `model::hf`): the dense
-//! variables already carry their Hugging Face names and layouts, and are written as they are.
+//! A Hugging Face family (`MixtralForCausalLM`, `Qwen2MoeForCausalLM`, `Qwen3MoeForCausalLM`,
+//! `DeepseekV3ForCausalLM`): the dense variables (DeepSeek's routing bias
+//! `e_score_correction_bias` among them) already carry their Hugging Face names and layouts,
+//! and are written as they are.
 //! A routed expert's `w1 [d, 2·ff]` is split and transposed into the gate (`w1` for Mixtral,
 //! `gate_proj` otherwise, `[ff, d]`) and up (`w3` / `up_proj`, `[ff, d]`) projections, its
 //! `w2 [ff, d]` transposed into the down projection (`w2` / `down_proj`, `[d, ff]`), named by
@@ -38,7 +39,7 @@
 //! F32 tensors as they are; BF16 and F16 tensors widened to f32 (exactly: both are subsets of
 //! f32); any other dtype is refused. Every tensor the model has must be present with its exact
 //! shape, and every tensor present must be one the model has (an extra tensor means a model
-//! this executor would not compute, e.g. DeepSeek's latent-attention projections). A NaN or an
+//! this executor would not compute, e.g. the MLP of a dense layer). A NaN or an
 //! infinity is refused (a checkpoint never holds one). Each refusal is one
 //! [`InteropError`] naming the tensor, field or file.
 

@@ -1,4 +1,4 @@
-//! Issue 32: Hugging Face model families (Mixtral, Qwen2-MoE, Qwen3-MoE) from a `config.json`.
+//! Issue 32: Hugging Face model families (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) from a `config.json`.
 //! Config parsing and refusals, `transformers` names and shapes, finite-difference checks of
 //! every new op's gradient, and training that lowers the loss.
 
@@ -710,14 +710,16 @@ fn deepseek_routing_bias_evens_the_load() -> Result<()> {
 
 #[test]
 fn bf16_products_train_an_hf_family() -> Result<()> {
-    let c = MoeConfig::from_hf_config_json(&mixtral_json()).unwrap();
-    let c = MoeConfig {
-        precision: Precision::Bf16,
-        ..c
-    };
-    let mut t = Trainer::new(&c)?;
-    let r = t.step()?;
-    assert!(r.loss.is_finite());
+    for json in [mixtral_json(), deepseek_json()] {
+        let c = MoeConfig::from_hf_config_json(&json).unwrap();
+        let c = MoeConfig {
+            precision: Precision::Bf16,
+            ..c
+        };
+        let mut t = Trainer::new(&c)?;
+        let r = t.step()?;
+        assert!(r.loss.is_finite(), "{:?}", c.family());
+    }
     let _ = DType::BF16;
     Ok(())
 }

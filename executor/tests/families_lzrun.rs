@@ -211,15 +211,40 @@ fn qwen3_moe_trains_with_resilient_fsep_and_bf16() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// DeepSeek-V3 with a kill: in-place recovery; every member holds the same dense state, the
-/// routing biases included (each applied the update of the same global counts).
+/// DeepSeek-V3 with a join, Lazarus re-layouts from skewed routing and a kill: in-place
+/// recovery; every member holds the same dense state, the routing biases included (each
+/// applied the update of the same global counts, the newcomer received them with the state).
 #[test]
-fn deepseek_v3_recovers_in_place_from_a_kill() {
+fn deepseek_v3_joins_relayouts_and_recovers_in_place_from_a_kill() {
     let (dir, cfg) = setup("deepseek-kill", &deepseek_v3());
-    let o = lzrun(&dir, &["--nodes", "4", "--steps", "12", "--kill", "2@5"]);
+    let o = lzrun(
+        &dir,
+        &[
+            "--nodes",
+            "3",
+            "--steps",
+            "14",
+            "--join",
+            "@3",
+            "--rebalance-every",
+            "4",
+            "--router-skew",
+            "4",
+            "--migration",
+            "blocking",
+            "--kill",
+            "1@9",
+        ],
+    );
     let s = o.summary();
-    assert_eq!(s.steps, 12);
-    assert_eq!((s.recoveries, s.fallbacks), (1, 0), "{}", o.show());
+    assert_eq!(s.steps, 14);
+    assert_eq!(
+        (s.joins, s.recoveries, s.fallbacks),
+        (1, 1, 0),
+        "{}",
+        o.show()
+    );
+    assert!(s.rebalances >= 1, "{}", o.show());
     assert_learns(&s, &o);
     assert_eq!(assert_consistent(&dir, &cfg).len(), 3);
     let _ = std::fs::remove_dir_all(&dir);

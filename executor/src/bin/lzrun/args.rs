@@ -267,13 +267,15 @@ pub struct ModelArgs {
     pub precision: Option<Precision>,
     // ---- issue 32, model families (the `families` helper's block) ----
     /// A Hugging Face `config.json` to train instead of the GPT-style model:
-    /// MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM (RMSNorm, rotary
-    /// positions, grouped-query attention, SwiGLU experts, their routers and shared experts).
+    /// MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM (RMSNorm, rotary
+    /// positions, grouped-query attention, SwiGLU experts, their routers and shared experts) or
+    /// DeepseekV3ForCausalLM (multi-head latent attention, sigmoid node-limited routing, shared
+    /// experts, the auxiliary-loss-free routing bias).
     /// The shape and architecture come from the file; the training knobs (seq_len, batch, lr,
     /// adam_beta2, grad_clip_norm, seed, precision) from --config (default tiny's), the
     /// balancing-loss weight from its router_aux_loss_coef. What is not implemented is refused
     /// with one line naming the field (exit 2): rope_scaling, sliding windows, dense (non-MoE)
-    /// layers, DeepseekV3ForCausalLM's multi-head latent attention.
+    /// layers (DeepSeek's first_k_dense_replace must be 0).
     #[arg(long, value_name = "config.json")]
     pub model_config: Option<PathBuf>,
 }

@@ -128,9 +128,9 @@ enum Cmd {
     /// Reads CKPT_DIR (a checkpoint root: its newest valid checkpoint, as --resume reads it; or
     /// one `step-*` directory) and writes the family's own config.json (as it was read, with
     /// torch_dtype "float32") and its weights in the family's tensor names and layouts
-    /// (Mixtral, Qwen2-MoE, Qwen3-MoE): model.safetensors, or above --shard-size-mb the shards
-    /// model-00001-of-0000N.safetensors … and model.safetensors.index.json, as `transformers`
-    /// writes them. Every expert is read from the checkpoint's part (an FSEP job gathers its
+    /// (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3): model.safetensors, or above
+    /// --shard-size-mb the shards model-00001-of-0000N.safetensors … and
+    /// model.safetensors.index.json, as `transformers` writes them. Every expert is read from the checkpoint's part (an FSEP job gathers its
     /// shards before writing it). The export loads with
     /// `AutoModelForCausalLM.from_pretrained(DIR)` and with `lzrun local --init-from DIR`.
     /// The paper's GPT family has no `transformers` class: it is exported in a lazarus naming
