@@ -185,6 +185,65 @@ fn deepseek_config_reads_its_fields_and_the_class_defaults() {
     assert_eq!((dm.q_lora_rank, dm.rope_interleave), (Some(1536), true));
 }
 
+/// [`deepseek_json`] with 3 blocks of which the first is dense (`first_k_dense_replace` 1,
+/// `intermediate_size` 64): 2 MoE layers, in blocks 1 and 2.
+fn deepseek_dense_json() -> String {
+    let j = with(&deepseek_json(), "num_hidden_layers", serde_json::json!(3));
+    with(&j, "first_k_dense_replace", serde_json::json!(1))
+}
+
+/// Dense (non-MoE) blocks as `transformers` builds them: DeepSeek's first
+/// `first_k_dense_replace`, Qwen's `mlp_only_layers` and every block `i` with
+/// `(i + 1) % decoder_sparse_step != 0`. `n_layers` counts the MoE blocks; MoE layer `l`'s
+/// tensors carry its block's index.
+#[test]
+fn dense_layers_are_read_and_moe_layers_keep_their_block_names() {
+    let c = MoeConfig::from_hf_config_json(&deepseek_dense_json()).unwrap();
+    let hf = c.hf.as_ref().unwrap();
+    assert_eq!((c.n_layers, hf.n_blocks(&c)), (2, 3));
+    assert_eq!((hf.dense_layers.clone(), hf.dense_ff), (vec![0], 64));
+    assert_eq!(hf.router_name(0), "model.layers.1.mlp.gate.weight");
+    assert_eq!(
+        hf.expert_tensor_names(1, 7)[2],
+        "model.layers.2.mlp.experts.7.down_proj.weight"
+    );
+    assert_eq!(
+        hf.shared_prefix(0).unwrap(),
+        "model.layers.1.mlp.shared_experts"
+    );
+    let q = with(&qwen2_json(), "num_hidden_layers", serde_json::json!(5));
+    let q = with(&q, "decoder_sparse_step", serde_json::json!(2));
+    let q = with(&q, "mlp_only_layers", serde_json::json!([3]));
+    let c = MoeConfig::from_hf_config_json(&q).unwrap();
+    let hf = c.hf.as_ref().unwrap();
+    // Blocks 1 and 3 pass the step test; 3 is MLP-only: blocks 0, 2, 3, 4 are dense.
+    assert_eq!((c.n_layers, hf.dense_layers.clone()), (1, vec![0, 2, 3, 4]));
+    assert_eq!(hf.block_of(0), 1);
+    assert_eq!(hf.router_name(0), "model.layers.1.mlp.gate.weight");
+
+    let c = MoeConfig::from_hf_config_json(&deepseek_dense_json()).unwrap();
+    let m = DenseModel::new(&c, &Device::Cpu).unwrap();
+    let shape = |n: &str| m.var(n).unwrap_or_else(|| panic!("no {n}")).dims().to_vec();
+    assert_eq!(shape("model.layers.0.mlp.gate_proj.weight"), [64, 32]);
+    assert_eq!(shape("model.layers.0.mlp.up_proj.weight"), [64, 32]);
+    assert_eq!(shape("model.layers.0.mlp.down_proj.weight"), [32, 64]);
+    assert!(m.var("model.layers.0.mlp.gate.weight").is_none());
+    assert_eq!(
+        shape("model.layers.2.mlp.gate.e_score_correction_bias"),
+        [8]
+    );
+    assert_eq!(shape("model.layers.0.self_attn.kv_b_proj.weight"), [64, 16]);
+    let total: usize = m.named_vars().iter().map(|(_, v)| v.elem_count()).sum();
+    assert_eq!(total, c.dense_params());
+    assert_eq!(
+        m.routing_bias_names(),
+        [
+            "model.layers.1.mlp.gate.e_score_correction_bias",
+            "model.layers.2.mlp.gate.e_score_correction_bias"
+        ]
+    );
+}
+
 #[test]
 fn unsupported_configs_are_refused_naming_the_field() {
     let m = mixtral_json();
@@ -237,13 +296,22 @@ fn unsupported_configs_are_refused_naming_the_field() {
     let mut v: serde_json::Value = serde_json::from_str(&m).unwrap();
     v.as_object_mut().unwrap().remove("num_local_experts");
     refused(&v.to_string(), "num_local_experts");
+    // Dense layers are built, but not a model of dense layers only, nor a bad index.
     refused(
-        &with(&qwen2_json(), "decoder_sparse_step", serde_json::json!(2)),
-        "decoder_sparse_step",
+        &with(&qwen2_json(), "mlp_only_layers", serde_json::json!([0, 1])),
+        "num_hidden_layers",
     );
     refused(
-        &with(&qwen2_json(), "mlp_only_layers", serde_json::json!([0])),
+        &with(&qwen2_json(), "mlp_only_layers", serde_json::json!([2])),
         "mlp_only_layers",
+    );
+    refused(
+        &with(&qwen2_json(), "mlp_only_layers", serde_json::json!("0")),
+        "mlp_only_layers",
+    );
+    refused(
+        &with(&qwen2_json(), "decoder_sparse_step", serde_json::json!(0)),
+        "decoder_sparse_step",
     );
     refused(
         &with(&qwen2_json(), "use_sliding_window", serde_json::json!(true)),
@@ -255,8 +323,8 @@ fn unsupported_configs_are_refused_naming_the_field() {
         v.as_object_mut().unwrap().remove(k);
         v.to_string()
     };
-    // `transformers`' default is 3 dense layers, which this executor does not build.
-    refused(&strip("first_k_dense_replace"), "first_k_dense_replace");
+    // `transformers`' default is 3 dense layers: of a 2-layer model, every layer.
+    refused(&strip("first_k_dense_replace"), "num_hidden_layers");
     refused(
         &with(&ds, "num_key_value_heads", serde_json::json!(2)),
         "num_key_value_heads",
@@ -541,6 +609,8 @@ fn whole_model_gradients_match_finite_differences() -> Result<()> {
         qwen3_json(),
         deepseek_json(),
         deepseek_full_q_json(),
+        deepseek_dense_json(),
+        with(&qwen3_json(), "mlp_only_layers", serde_json::json!([0])),
     ] {
         let c = MoeConfig::from_hf_config_json(&json).unwrap();
         let c = MoeConfig {
@@ -603,7 +673,13 @@ fn whole_model_gradients_match_finite_differences() -> Result<()> {
 
 #[test]
 fn hf_families_train_and_the_loss_falls() -> Result<()> {
-    for json in [mixtral_json(), qwen2_json(), qwen3_json(), deepseek_json()] {
+    for json in [
+        mixtral_json(),
+        qwen2_json(),
+        qwen3_json(),
+        deepseek_json(),
+        deepseek_dense_json(),
+    ] {
         let c = MoeConfig::from_hf_config_json(&json).unwrap();
         let c = MoeConfig {
             precision: Precision::F32,
@@ -749,4 +825,9 @@ fn model_flops_of_a_deepseek_v3_by_hand() {
     assert_eq!(c.seq_len, 32);
     assert_eq!(active_matmul_params_per_token(&c), 25_856);
     assert_eq!(model_flops_per_token(&c), 185_856.0);
+    // A dense first block: its attention 3968 and MLP `3·32·64 = 6144` add 10112 weights
+    // (35968 in all, 6· = 215808), and it attends: scores `12·3·40·32 = 46080`.
+    let c = MoeConfig::from_hf_config_json(&deepseek_dense_json()).unwrap();
+    assert_eq!(active_matmul_params_per_token(&c), 35_968);
+    assert_eq!(model_flops_per_token(&c), 261_888.0);
 }

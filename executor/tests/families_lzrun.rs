@@ -53,14 +53,16 @@ fn qwen3() -> serde_json::Value {
 }
 
 /// DeepSeek-V3: latent attention (low-rank queries, interleaved rotary dims), 8 experts in 4
-/// groups (best 2, top-2), sigmoid scores, a shared expert, the routing bias.
+/// groups (best 2, top-2), sigmoid scores, a shared expert, the routing bias; a dense first
+/// block (an MLP of 48) before 2 MoE blocks.
 fn deepseek_v3() -> serde_json::Value {
     serde_json::json!({
         "architectures": ["DeepseekV3ForCausalLM"],
         "vocab_size": 256, "hidden_size": 32, "moe_intermediate_size": 16,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 4,
         "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
-        "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "first_k_dense_replace": 0,
+        "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
         "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
         "v_head_dim": 8, "max_position_embeddings": 64, "rms_norm_eps": 1e-6
     })
@@ -298,7 +300,7 @@ fn deepseek_v3_restores_the_checkpoint_after_a_double_kill() {
     assert!(out.status.success(), "{out:?}");
     let w = lazarus_executor::interop::WeightsDir::open(&ex).unwrap();
     for l in 0..cfg.n_layers {
-        let name = format!("model.layers.{l}.mlp.gate.e_score_correction_bias");
+        let name = cfg.hf.as_ref().unwrap().routing_bias_name(l);
         let b = w.read_f32(&name, &[cfg.experts]).unwrap();
         assert!(b.iter().any(|&x| x != 0.0), "{name}: {b:?}");
         for x in b {

@@ -73,15 +73,15 @@ fn qwen3_moe() -> Value {
 }
 
 /// DeepSeek-V3: latent attention with low-rank queries, 8 experts in 4 groups, one shared
-/// expert, every layer MoE.
+/// expert; the first of 3 blocks dense (an MLP of 64), as the released model's first 3.
 fn deepseek_v3() -> Value {
     json!({
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
         "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
-        "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "moe_intermediate_size": 16, "num_hidden_layers": 3, "num_attention_heads": 4,
         "num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1,
         "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
-        "first_k_dense_replace": 0, "q_lora_rank": 16, "kv_lora_rank": 16,
+        "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16,
         "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
         "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": false
     })
@@ -139,6 +139,13 @@ fn hf_names(cfg: &Value) -> BTreeMap<String, Vec<usize>> {
                 vec![heads * (nope + vd), kvr],
             );
             m.insert(format!("{a}.o_proj.weight"), vec![d, heads * vd]);
+            if l < n("first_k_dense_replace") {
+                let ff = n("intermediate_size");
+                m.insert(format!("{p}.mlp.gate_proj.weight"), vec![ff, d]);
+                m.insert(format!("{p}.mlp.up_proj.weight"), vec![ff, d]);
+                m.insert(format!("{p}.mlp.down_proj.weight"), vec![d, ff]);
+                continue;
+            }
             let (e, ff) = (n("n_routed_experts"), n("moe_intermediate_size"));
             m.insert(format!("{p}.mlp.gate.weight"), vec![e, d]);
             m.insert(format!("{p}.mlp.gate.e_score_correction_bias"), vec![e]);
@@ -465,8 +472,8 @@ fn qwen3_moe_round_trips_bit_for_bit_after_training() {
     round_trip("qwen3", qwen3_moe(), &[]);
 }
 
-/// DeepSeek-V3 from FSEP shards; the export carries the routing biases training moved (they
-/// start at zero), so `--init-from` continues with the same choices.
+/// DeepSeek-V3 (a dense first block) from FSEP shards; the export carries the routing biases
+/// training moved (they start at zero), so `--init-from` continues with the same choices.
 #[test]
 fn deepseek_v3_round_trips_bit_for_bit_with_its_routing_bias() {
     round_trip_then(
@@ -475,7 +482,11 @@ fn deepseek_v3_round_trips_bit_for_bit_with_its_routing_bias() {
         &["--expert-mode", "fsep"],
         |export| {
             let w = WeightsDir::open(export).unwrap();
-            for l in 0..2 {
+            assert!(
+                w.shape("model.layers.0.mlp.gate.e_score_correction_bias")
+                    .is_none()
+            );
+            for l in 1..3 {
                 let name = format!("model.layers.{l}.mlp.gate.e_score_correction_bias");
                 assert_eq!(w.shape(&name), Some(&[8][..]));
                 let v = w.read_f32(&name, &[8]).unwrap();

@@ -88,12 +88,14 @@ FAMILIES = {
         qkv_bias=True,
     ),
     # Multi-head latent attention with low-rank queries and interleaved rotary dims, sigmoid
-    # scores, 4 groups of 2 experts (best 2 groups, top-2), one shared expert. The routing
-    # bias starts at zero and is moved by training, so the trained export checks it too.
+    # scores, 4 groups of 2 experts (best 2 groups, top-2), one shared expert; of 3 blocks the
+    # first is a dense MLP of 128, as the released model's first 3. The routing bias starts at
+    # zero and is moved by training, so the trained export checks it too.
     "deepseek_v3": dict(
         COMMON,
         architectures=["DeepseekV3ForCausalLM"],
         model_type="deepseek_v3",
+        num_hidden_layers=3,
         num_key_value_heads=4,
         intermediate_size=128,
         moe_intermediate_size=48,
@@ -104,7 +106,7 @@ FAMILIES = {
         topk_group=2,
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
-        first_k_dense_replace=0,
+        first_k_dense_replace=1,
         q_lora_rank=32,
         kv_lora_rank=32,
         qk_nope_head_dim=16,
@@ -127,8 +129,10 @@ FAMILIES = {
         norm_topk_prob=True,
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
+        # 3 blocks, the middle one a dense MLP of 128 (its MoE layers are blocks 0 and 2).
+        num_hidden_layers=3,
         decoder_sparse_step=1,
-        mlp_only_layers=[],
+        mlp_only_layers=[1],
         use_sliding_window=False,
         attention_bias=False,
     ),

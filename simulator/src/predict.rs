@@ -135,6 +135,12 @@ pub struct RunHf {
     /// DeepSeek-V3's multi-head latent attention (absent: grouped-query attention).
     #[serde(default)]
     pub mla: Option<RunMla>,
+    /// Blocks with a dense MLP instead of an MoE layer (`model.n_layers` counts the MoE ones).
+    #[serde(default)]
+    pub dense_layers: Vec<usize>,
+    /// Their MLP's intermediate size.
+    #[serde(default)]
+    pub dense_ff: u64,
 }
 
 /// The fields of `lazarus_executor::model::Mla` the profile needs.
@@ -544,8 +550,16 @@ impl RunDir {
             }
             None => "ffn_matrices = 2\nshared_experts = 0\ntied_embeddings = true\n".to_owned(),
         };
+        // Dense blocks (a SwiGLU MLP of `dense_ff`) come before the MoE ones in the count.
+        let (blocks, arch) = match &m.hf {
+            Some(h) if !h.dense_layers.is_empty() => (
+                m.n_layers + h.dense_layers.len(),
+                format!("{arch}dense_ffn_hidden = {}\n", h.dense_ff),
+            ),
+            _ => (m.n_layers, arch),
+        };
         let text = format!(
-            "name = \"lzrun\"\nlayers = {l}\nmoe_layers = {l}\nd_model = {d}\nffn_hidden = {ff}\n\
+            "name = \"lzrun\"\nlayers = {blocks}\nmoe_layers = {l}\nd_model = {d}\nffn_hidden = {ff}\n\
              {arch}experts = {e}\ntop_k = {k}\nvocab = {v}\n\
              seq_len = {s}\nbatch_per_gpu = {b}\n\
              bytes_per_param_weights = 4\nbytes_per_param_state = 12\n\
@@ -1057,6 +1071,8 @@ mod tests {
             tie_word_embeddings: false,
             shared_ff: 2 * ff,
             mla: None,
+            dense_layers: Vec::new(),
+            dense_ff: 0,
         });
         let p = run.model_profile().unwrap();
         assert_eq!(p.ffn_matrices, 3);
@@ -1080,6 +1096,17 @@ mod tests {
             32 * d + 32 * heads * 12 + d * 20 + 16 * heads * 16 + heads * 8 * d
         );
         assert_eq!(p.attention_score_width, Some(heads * 10));
+        // A dense first block with an MLP of 64: one more block, not one more MoE layer.
+        let hf = run.config.model.hf.as_mut().unwrap();
+        hf.dense_layers = vec![0];
+        hf.dense_ff = 64;
+        let p = run.model_profile().unwrap();
+        let moe = run.config.model.n_layers;
+        assert_eq!((p.layers, p.moe_layers), (moe + 1, moe));
+        assert_eq!(
+            p.params_per_dense_layer(),
+            p.attention_params_per_layer() + 3 * d * 64
+        );
     }
 
     /// B = 16 in micro-batches of 4: 4 ranks train one round of 4 sequences, 3 ranks two

@@ -131,6 +131,20 @@ struct HfBlock {
     in_norm: Tensor,
     attn: HfAttention,
     post_norm: Tensor,
+    mlp: HfMlp,
+}
+
+/// A block's feed-forward.
+#[derive(Debug, Clone)]
+enum HfMlp {
+    Moe(HfMoe),
+    /// A dense SwiGLU MLP `(gate [ff, d], up [ff, d], down [d, ff])`.
+    Dense(Tensor, Tensor, Tensor),
+}
+
+/// An MoE feed-forward's dense parts (the routed experts live in the expert store).
+#[derive(Debug, Clone)]
+struct HfMoe {
     /// `[E, d]`.
     router: Tensor,
     /// DeepSeek-V3 `e_score_correction_bias [E]`: biases the choice only, never the gates.
@@ -216,9 +230,11 @@ fn build_hf(cfg: &MoeConfig, hf: &HfModel, b: &mut Builder<'_>) -> Result<(Tenso
     let (d, std) = (cfg.d_model, hf.initializer_range);
     let (q, kv) = (cfg.n_heads * hf.head_dim, hf.n_kv_heads * hf.head_dim);
     let embed = b.normal("model.embed_tokens.weight".into(), (cfg.vocab, d), std)?;
-    let mut blocks = Vec::with_capacity(cfg.n_layers);
-    for l in 0..cfg.n_layers {
-        let p = format!("model.layers.{l}");
+    let n_blocks = hf.n_blocks(cfg);
+    let mut blocks = Vec::with_capacity(n_blocks);
+    let mut moe_layer = 0;
+    for block in 0..n_blocks {
+        let p = format!("model.layers.{block}");
         let a = format!("{p}.self_attn");
         let in_norm = b.fill(format!("{p}.input_layernorm.weight"), d, 1.0)?;
         let attn = match &hf.mla {
@@ -286,40 +302,55 @@ fn build_hf(cfg: &MoeConfig, hf: &HfModel, b: &mut Builder<'_>) -> Result<(Tenso
             }
         };
         let post_norm = b.fill(format!("{p}.post_attention_layernorm.weight"), d, 1.0)?;
-        let router = b.normal(hf.router_name(l), (cfg.experts, d), std)?;
-        let router_bias = if hf.bias_update_speed > 0.0 || hf.family == Family::DeepseekV3 {
-            Some(b.fill(hf.routing_bias_name(l), cfg.experts, 0.0)?)
+        let mlp = if hf.dense_layers.contains(&block) {
+            let f = hf.dense_ff;
+            let m = format!("{p}.mlp");
+            HfMlp::Dense(
+                b.linear(&format!("{m}.gate_proj"), f, d, std, false)?.0,
+                b.linear(&format!("{m}.up_proj"), f, d, std, false)?.0,
+                b.linear(&format!("{m}.down_proj"), d, f, std, false)?.0,
+            )
         } else {
-            None
-        };
-        let shared = match hf.shared_prefix(l) {
-            Some(sp) => {
-                let f = hf.shared_ff;
-                Some((
-                    b.linear(&format!("{sp}.gate_proj"), f, d, std, false)?.0,
-                    b.linear(&format!("{sp}.up_proj"), f, d, std, false)?.0,
-                    b.linear(&format!("{sp}.down_proj"), d, f, std, false)?.0,
-                ))
-            }
-            None => None,
-        };
-        let shared_gate = if hf.shared_gate {
-            Some(b.normal(
-                format!("{}.shared_expert_gate.weight", hf.moe_prefix(l)),
-                (1, d),
-                std,
-            )?)
-        } else {
-            None
+            let l = moe_layer;
+            moe_layer += 1;
+            let router = b.normal(hf.router_name(l), (cfg.experts, d), std)?;
+            let router_bias = if hf.has_routing_bias() {
+                Some(b.fill(hf.routing_bias_name(l), cfg.experts, 0.0)?)
+            } else {
+                None
+            };
+            let shared = match hf.shared_prefix(l) {
+                Some(sp) => {
+                    let f = hf.shared_ff;
+                    Some((
+                        b.linear(&format!("{sp}.gate_proj"), f, d, std, false)?.0,
+                        b.linear(&format!("{sp}.up_proj"), f, d, std, false)?.0,
+                        b.linear(&format!("{sp}.down_proj"), d, f, std, false)?.0,
+                    ))
+                }
+                None => None,
+            };
+            let shared_gate = if hf.shared_gate {
+                Some(b.normal(
+                    format!("{}.shared_expert_gate.weight", hf.moe_prefix(l)),
+                    (1, d),
+                    std,
+                )?)
+            } else {
+                None
+            };
+            HfMlp::Moe(HfMoe {
+                router,
+                router_bias,
+                shared,
+                shared_gate,
+            })
         };
         blocks.push(HfBlock {
             in_norm,
             attn,
             post_norm,
-            router,
-            router_bias,
-            shared,
-            shared_gate,
+            mlp,
         });
     }
     let norm = b.fill("model.norm.weight".into(), d, 1.0)?;
@@ -549,9 +580,8 @@ impl DenseModel {
     /// (`…mlp.gate.e_score_correction_bias`), moved by [`Self::update_routing_bias`] instead.
     /// Empty for every other family.
     pub fn routing_bias_names(&self) -> Vec<String> {
-        match (&self.hf, &self.cfg.hf) {
-            (Some(parts), Some(arch)) => (0..parts.blocks.len())
-                .filter(|&l| parts.blocks[l].router_bias.is_some())
+        match &self.cfg.hf {
+            Some(arch) if arch.has_routing_bias() => (0..self.cfg.n_layers)
                 .map(|l| arch.routing_bias_name(l))
                 .collect(),
             _ => Vec::new(),
@@ -568,7 +598,11 @@ impl DenseModel {
             return Ok(());
         };
         let speed = arch.bias_update_speed as f32;
-        for (l, blk) in parts.blocks.iter().enumerate() {
+        let moe = parts.blocks.iter().filter_map(|b| match &b.mlp {
+            HfMlp::Moe(m) => Some(m),
+            HfMlp::Dense(..) => None,
+        });
+        for (l, blk) in moe.enumerate() {
             let Some(bias) = &blk.router_bias else {
                 continue;
             };
@@ -789,15 +823,30 @@ impl DenseModel {
             ce_loss: 0.0,
         };
         let mut lbs = Vec::with_capacity(self.cfg.n_layers);
-        for (l, blk) in hf.blocks.iter().enumerate() {
+        for blk in &hf.blocks {
             let h = rms_norm(&x, &blk.in_norm, eps)?;
             x = (x + self.hf_attention(&hf.arch, blk, &h, (b, s), &mask, (&cos, &sin))?)?;
             let h = rms_norm(&x, &blk.post_norm, eps)?;
-            let (y, lb) = self.hf_moe(l, &hf.arch, blk, &h, experts, stats)?;
+            let y = match &blk.mlp {
+                // The MoE layers are numbered among themselves (experts, routing, planner).
+                HfMlp::Moe(m) => {
+                    let (y, lb) = self.hf_moe(lbs.len(), &hf.arch, m, &h, experts, stats)?;
+                    lbs.push(lb);
+                    y
+                }
+                HfMlp::Dense(g, u, d) => self.swiglu_mlp(&h, (g, u, d))?,
+            };
             x = (x + y)?;
-            lbs.push(lb);
         }
         Ok((rms_norm(&x, &hf.norm, eps)?, lbs))
+    }
+
+    /// `down(silu(gate(h)) · up(h))` with `nn.Linear` weights (a dense block's MLP, a shared
+    /// expert).
+    fn swiglu_mlp(&self, h: &Tensor, (g, u, d): (&Tensor, &Tensor, &Tensor)) -> Result<Tensor> {
+        let mm = |a: &Tensor, b: &Tensor| self.compute.matmul(a, b);
+        let a = (silu(&mm(h, &g.t()?)?)? * mm(h, &u.t()?)?)?;
+        mm(&a, &d.t()?)
     }
 
     /// `x·Wᵀ (+ bias)` in the model's precision.
@@ -952,7 +1001,7 @@ impl DenseModel {
         &self,
         layer: usize,
         arch: &HfModel,
-        blk: &HfBlock,
+        blk: &HfMoe,
         h: &Tensor,
         experts: &mut dyn ExpertExec,
         stats: &mut RoutingStats,
@@ -1011,9 +1060,7 @@ impl DenseModel {
         stats.choices.push(m.choice);
         let mut out = m.out;
         if let Some((g, u, d)) = &blk.shared {
-            let mm = |a: &Tensor, b: &Tensor| self.compute.matmul(a, b);
-            let a = (silu(&mm(h, &g.t()?)?)? * mm(h, &u.t()?)?)?;
-            let mut y = mm(&a, &d.t()?)?;
+            let mut y = self.swiglu_mlp(h, (g, u, d))?;
             if let Some(sg) = &blk.shared_gate {
                 y = y.broadcast_mul(&sigmoid(&h.matmul(&sg.t()?)?)?)?;
             }

@@ -35,7 +35,11 @@ pub fn active_matmul_params_per_token(cfg: &MoeConfig) -> u64 {
             + d * cfg.experts as u64
             + cfg.top_k as u64 * cfg.expert_params() as u64
             + shared;
-        return cfg.n_layers as u64 * per_layer + cfg.vocab as u64 * d;
+        // Dense blocks: their attention and a SwiGLU MLP of `dense_ff`.
+        let dense_block = hf.attention_matmul_params(cfg) as u64 + 3 * d * hf.dense_ff as u64;
+        return cfg.n_layers as u64 * per_layer
+            + hf.dense_layers.len() as u64 * dense_block
+            + cfg.vocab as u64 * d;
     }
     let d = cfg.d_model as u64;
     let per_layer = 4 * d * d + d * cfg.experts as u64 + cfg.top_k as u64 * 2 * d * cfg.d_ff as u64;
@@ -47,7 +51,9 @@ pub fn active_matmul_params_per_token(cfg: &MoeConfig) -> u64 {
 /// d_model · seq_len`. Multiply by tokens per second for the model FLOP/s of a run.
 pub fn model_flops_per_token(cfg: &MoeConfig) -> f64 {
     // The score products' width is heads · head_dim (d_model for the GPT family); MLA's
-    // `QKᵀ` is `heads·(nope + rope)` wide and its `AV` `heads·v`, so their mean.
+    // `QKᵀ` is `heads·(nope + rope)` wide and its `AV` `heads·v`, so their mean. Every
+    // block attends, dense ones too.
+    let blocks = cfg.hf.as_ref().map_or(cfg.n_layers, |h| h.n_blocks(cfg));
     let width = cfg
         .hf
         .as_ref()
@@ -59,7 +65,7 @@ pub fn model_flops_per_token(cfg: &MoeConfig) -> f64 {
             }
         });
     6.0 * active_matmul_params_per_token(cfg) as f64
-        + 12.0 * cfg.n_layers as f64 * width * cfg.seq_len as f64
+        + 12.0 * blocks as f64 * width * cfg.seq_len as f64
 }
 
 #[cfg(test)]

@@ -10,10 +10,7 @@
 //!   `default` (its `rope_theta` is read like the top-level one), a sliding window that would
 //!   change the attention (`sliding_window` below `max_position_embeddings` for Mixtral, `use_sliding_window` for
 //!   Qwen), router jitter noise, attention dropout, an activation other than `silu`;
-//! * dense (non-MoE) layers: Qwen's `decoder_sparse_step` other than 1 or a non-empty
-//!   `mlp_only_layers`, DeepSeek's `first_k_dense_replace` above 0 (its `transformers` default
-//!   is 3, so a DeepSeek config must say 0) — every layer must be an MoE layer, so
-//!   `model.layers.{i}.mlp.{gate,up,down}_proj` of a dense layer never occurs;
+//! * a model whose every layer is dense (no MoE layer to train);
 //! * DeepSeek-V3 with `num_key_value_heads` other than `num_attention_heads` (its latent
 //!   attention expands keys and values to every query head), or groups of fewer than two
 //!   experts (the group score is the sum of the group's best two).
@@ -27,6 +24,13 @@
 //! balancing: the per-expert `e_score_correction_bias` only biases the choice and is updated
 //! after every step by `±bias_update_speed` toward the mean load of the step's global batch
 //! (§2.1.2; γ = 0.001 as in the report's pre-training).
+//!
+//! Dense (non-MoE) blocks are built as `transformers` builds them — Qwen's `mlp_only_layers`
+//! and the blocks `decoder_sparse_step` skips, DeepSeek's first `first_k_dense_replace` — each
+//! with a SwiGLU MLP of `intermediate_size` (`model.layers.{i}.mlp.{gate,up,down}_proj`).
+//! `MoeConfig::n_layers` counts the MoE blocks only: experts, routing statistics and the
+//! planner number MoE layers among themselves, and [`HfModel::block_of`] gives a MoE layer's
+//! block, whose index its tensor names carry.
 //!
 //! Naming (the interface agreed with the export side): dense variables carry their Hugging
 //! Face tensor names and layouts ([`HfModel::router_name`] etc.); a routed expert keeps the
@@ -143,6 +147,16 @@ pub struct HfModel {
     /// moves by this much toward the step's mean load (0: no bias, the other families).
     #[serde(default)]
     pub bias_update_speed: f64,
+    /// Transformer blocks whose feed-forward is a dense SwiGLU MLP of `dense_ff`, not an MoE
+    /// layer (DeepSeek's first `first_k_dense_replace`, Qwen's `mlp_only_layers` and the
+    /// blocks `decoder_sparse_step` skips), ascending. The model has `n_layers` MoE blocks
+    /// plus these; every MoE-layer index elsewhere (experts, routing, the planner) counts MoE
+    /// blocks only, [`HfModel::block_of`] maps it to its block.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dense_layers: Vec<usize>,
+    /// Intermediate size of the dense blocks' MLP (`intermediate_size`; 0 without any).
+    #[serde(default)]
+    pub dense_ff: usize,
     /// The parsed `config.json`, kept so an export can write it back.
     pub config_json: Value,
 }
@@ -378,6 +392,8 @@ impl MoeConfig {
             routed_scaling_factor: 1.0,
             mla: None,
             bias_update_speed: 0.0,
+            dense_layers: Vec::new(),
+            dense_ff: 0,
             config_json: value.clone(),
         };
         let (experts, d_ff, aux_default) = match family {
@@ -409,21 +425,38 @@ impl MoeConfig {
                         "sliding-window attention is not supported",
                     ));
                 }
+                // `Qwen2MoeDecoderLayer`: block i is MoE unless it is in `mlp_only_layers` or
+                // `(i + 1) % decoder_sparse_step != 0`.
                 let step = f.usize_or("decoder_sparse_step", 1)?;
-                if step != 1 {
-                    return Err(err(
-                        "decoder_sparse_step",
-                        format!("{step}: dense (non-MoE) layers are not supported; use 1"),
-                    ));
+                if step == 0 {
+                    return Err(err("decoder_sparse_step", "must be at least 1"));
                 }
-                if let Some(v) = f.present("mlp_only_layers")
-                    && v.as_array().is_none_or(|a| !a.is_empty())
-                {
+                let mlp_only: Vec<usize> = match f.present("mlp_only_layers") {
+                    None => Vec::new(),
+                    Some(v) => v
+                        .as_array()
+                        .and_then(|a| {
+                            a.iter()
+                                .map(|x| x.as_u64().and_then(|x| usize::try_from(x).ok()))
+                                .collect::<Option<Vec<_>>>()
+                        })
+                        .ok_or_else(|| {
+                            err(
+                                "mlp_only_layers",
+                                format!("must be a list of layer indices, got {v}"),
+                            )
+                        })?,
+                };
+                let blocks = f.usize_req("num_hidden_layers")?;
+                if let Some(&i) = mlp_only.iter().find(|&&i| i >= blocks) {
                     return Err(err(
                         "mlp_only_layers",
-                        format!("{v}: dense (non-MoE) layers are not supported; use []"),
+                        format!("layer {i} is not below num_hidden_layers {blocks}"),
                     ));
                 }
+                hf.dense_layers = (0..blocks)
+                    .filter(|i| mlp_only.contains(i) || (i + 1) % step != 0)
+                    .collect();
                 hf.norm_topk_prob = f.bool_or("norm_topk_prob", false)?;
                 if family == Family::Qwen2Moe {
                     hf.qkv_bias = f.bool_or("qkv_bias", true)?;
@@ -459,13 +492,9 @@ impl MoeConfig {
                 hf.bias_update_speed = DEEPSEEK_BIAS_UPDATE_SPEED;
                 let d_ff = f.usize_req("moe_intermediate_size")?;
                 hf.shared_ff = f.usize_or("n_shared_experts", 1)? * d_ff;
+                // `DeepseekV3DecoderLayer`: blocks below first_k_dense_replace are dense.
                 let dense = f.usize_or("first_k_dense_replace", 3)?;
-                if dense != 0 {
-                    return Err(err(
-                        "first_k_dense_replace",
-                        format!("{dense}: dense (non-MoE) layers are not supported; use 0"),
-                    ));
-                }
+                hf.dense_layers = (0..dense.min(f.usize_req("num_hidden_layers")?)).collect();
                 if hf.n_kv_heads != n_heads {
                     return Err(err(
                         "num_key_value_heads",
@@ -500,10 +529,21 @@ impl MoeConfig {
             }
         };
         let top_k = f.usize_req("num_experts_per_tok")?;
+        let blocks = f.usize_req("num_hidden_layers")?;
+        if !hf.dense_layers.is_empty() {
+            hf.dense_ff = f.usize_req("intermediate_size")?;
+        }
+        let moe_blocks = blocks - hf.dense_layers.len();
+        if blocks > 0 && moe_blocks == 0 {
+            return Err(err(
+                "num_hidden_layers",
+                format!("all {blocks} layers are dense (non-MoE): there is no MoE layer to train"),
+            ));
+        }
         let mut cfg = MoeConfig {
             vocab: f.usize_req("vocab_size")?,
             d_model: d,
-            n_layers: f.usize_req("num_hidden_layers")?,
+            n_layers: moe_blocks,
             n_heads,
             d_ff,
             experts,
@@ -579,6 +619,20 @@ impl HfModel {
                 ),
             ));
         }
+        let blocks = self.n_blocks(cfg);
+        if !self.dense_layers.windows(2).all(|w| w[0] < w[1])
+            || self.dense_layers.iter().any(|&i| i >= blocks)
+            || (!self.dense_layers.is_empty() && self.dense_ff == 0)
+        {
+            return Err(err(
+                "num_hidden_layers",
+                format!(
+                    "dense layers {:?} of {blocks} must be distinct, ascending and below it, \
+                     with an intermediate_size",
+                    self.dense_layers
+                ),
+            ));
+        }
         if self.scoring == Scoring::Sigmoid {
             let per_group = cfg.experts / self.n_group;
             if per_group < 2 || cfg.top_k > self.topk_group * per_group {
@@ -620,12 +674,29 @@ impl HfModel {
         if self.family == Family::DeepseekV3 {
             per_layer += cfg.experts; // e_score_correction_bias
         }
+        let dense_block = 2 * d + self.attention_params(cfg) + 3 * d * self.dense_ff;
         let head = if self.tie_word_embeddings {
             0
         } else {
             cfg.vocab * d
         };
-        cfg.vocab * d + head + cfg.n_layers * per_layer + d
+        cfg.vocab * d + head + cfg.n_layers * per_layer + self.dense_layers.len() * dense_block + d
+    }
+
+    /// Transformer blocks: the `n_layers` MoE blocks and the dense ones.
+    pub fn n_blocks(&self, cfg: &MoeConfig) -> usize {
+        cfg.n_layers + self.dense_layers.len()
+    }
+
+    /// The block of MoE layer `moe_layer` (the `moe_layer`-th block that is not dense).
+    pub fn block_of(&self, moe_layer: usize) -> usize {
+        let mut block = moe_layer;
+        for &d in &self.dense_layers {
+            if d <= block {
+                block += 1;
+            }
+        }
+        block
     }
 
     /// Weights and biases of one layer's attention (q, k, v, o and their norms; MLA's
@@ -683,11 +754,13 @@ impl HfModel {
         format!("{}.gate.e_score_correction_bias", self.moe_prefix(layer))
     }
 
-    /// `model.layers.{layer}.block_sparse_moe` (Mixtral) or `model.layers.{layer}.mlp`.
+    /// `model.layers.{block}.block_sparse_moe` (Mixtral) or `model.layers.{block}.mlp` of MoE
+    /// layer `layer` (its block: [`Self::block_of`]).
     pub fn moe_prefix(&self, layer: usize) -> String {
+        let block = self.block_of(layer);
         match self.family {
-            Family::Mixtral => format!("model.layers.{layer}.block_sparse_moe"),
-            _ => format!("model.layers.{layer}.mlp"),
+            Family::Mixtral => format!("model.layers.{block}.block_sparse_moe"),
+            _ => format!("model.layers.{block}.mlp"),
         }
     }
 
@@ -715,11 +788,18 @@ impl HfModel {
         }
     }
 
-    /// Prefix of the shared expert MLP (`{gate,up,down}_proj.weight` below it), if any.
+    /// Prefix of MoE layer `layer`'s shared expert MLP (`{gate,up,down}_proj.weight` below
+    /// it), if any.
     pub fn shared_prefix(&self, layer: usize) -> Option<String> {
+        let p = self.moe_prefix(layer);
         (self.shared_ff > 0).then(|| match self.family {
-            Family::DeepseekV3 => format!("model.layers.{layer}.mlp.shared_experts"),
-            _ => format!("model.layers.{layer}.mlp.shared_expert"),
+            Family::DeepseekV3 => format!("{p}.shared_experts"),
+            _ => format!("{p}.shared_expert"),
         })
+    }
+
+    /// Whether the routers carry DeepSeek-V3's `e_score_correction_bias`.
+    pub fn has_routing_bias(&self) -> bool {
+        self.family == Family::DeepseekV3 || self.bias_update_speed > 0.0
     }
 }

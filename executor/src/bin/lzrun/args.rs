@@ -274,8 +274,9 @@ pub struct ModelArgs {
     /// The shape and architecture come from the file; the training knobs (seq_len, batch, lr,
     /// adam_beta2, grad_clip_norm, seed, precision) from --config (default tiny's), the
     /// balancing-loss weight from its router_aux_loss_coef. What is not implemented is refused
-    /// with one line naming the field (exit 2): rope_scaling, sliding windows, dense (non-MoE)
-    /// layers (DeepSeek's first_k_dense_replace must be 0).
+    /// with one line naming the field (exit 2): rope_scaling, sliding windows, a model of dense
+    /// layers only. Dense (non-MoE) blocks among MoE ones are built (first_k_dense_replace,
+    /// mlp_only_layers, decoder_sparse_step).
     #[arg(long, value_name = "config.json")]
     pub model_config: Option<PathBuf>,
 }
