@@ -2425,6 +2425,13 @@ fn a_checkpoint_a_lost_member_never_wrote_is_written_again_after_the_recovery() 
     let r2 = reconfig(&a).expect("in-place replan");
     assert_eq!((r2.kind, r2.resume_step), (ReconfigKind::InPlace, 2));
     assert!(r2.checkpoint_at_resume, "{r2:?}");
+    assert!(
+        logs(&a)
+            .iter()
+            .any(|l| l
+                == "the checkpoint after step 1 is not committed: the members write it at resume"),
+        "{a:?}"
+    );
     j.at(20).migrated_all(&r2);
     let mut a = Vec::new();
     for &node in r2.members() {
@@ -2484,4 +2491,30 @@ fn a_checkpoint_a_lost_member_wrote_its_parts_of_still_commits() {
         }));
     }
     assert_eq!(commits(&a), 1, "{a:?}");
+}
+
+/// When the survivors trained past the uncommitted checkpoint (every one of them reported the
+/// next step), its state is gone: nothing is written at resume, and the log says so.
+#[test]
+fn a_checkpoint_the_survivors_trained_past_is_logged_and_left_to_the_next_due_one() {
+    let mut cfg = config(4, 50);
+    cfg.checkpoint_every_steps = 2;
+    let (mut j, r) = started(cfg, &[0, 1, 2, 3], 3);
+    j.at(10).ev(Event::Lost {
+        node: r.members()[0],
+        reason: "killed".into(),
+    });
+    let mut a = Vec::new();
+    for &node in &r.members()[1..] {
+        a.extend(j.idle(node, IdleReason::Failed("peer gone".into()), 3));
+    }
+    let r2 = reconfig(&a).expect("in-place replan");
+    assert_eq!(r2.resume_step, 3);
+    assert!(!r2.checkpoint_at_resume, "{r2:?}");
+    assert!(
+        logs(&a).iter().any(|l| l.starts_with(
+            "the checkpoint after step 1 was not committed, and the members trained past it"
+        )),
+        "{a:?}"
+    );
 }
