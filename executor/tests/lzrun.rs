@@ -1395,6 +1395,54 @@ fn a_stopped_agent_is_fenced_and_the_survivors_reconfigure() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A trace's remove of a node the controller already fenced (its agent stopped: no heartbeat)
+/// and the launcher killed is a logged no-op, as a `--kill` of a gone node is: it used to end
+/// `lzrun local` with "trace kills n1, which is not running".
+#[test]
+fn a_trace_remove_of_a_fenced_node_is_a_no_op() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("trace-remove-fenced");
+    let d = dir.to_str().unwrap();
+    let trace = dir.join("trace.csv");
+    // With one trace second per step, n1's remove fires after step 20, long after the fence
+    // (no step is counted while n1's reports are stuck behind its stopped agent).
+    std::fs::write(
+        &trace,
+        "0,add,n0\n0,add,n1\n0,add,n2\n0,add,n3\n20000,remove,n1\n",
+    )
+    .unwrap();
+    let mut live = Live::start(&[
+        "local",
+        "--fault-trace",
+        trace.to_str().unwrap(),
+        "--time-scale",
+        "1",
+        "--steps",
+        "30",
+        "--heartbeat-timeout-ms",
+        "1000",
+        "--ckpt-every",
+        "0",
+        "--out",
+        d,
+    ]);
+    live.wait_for(" step        2/");
+    let (agent, _) = live.node("n1");
+    signal(agent, libc::SIGSTOP);
+    let o = live.finish();
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    assert!(o.stdout.contains("node n1 fenced"), "{}", o.show());
+    assert!(
+        o.stdout
+            .contains("lzrun local: node n1 is gone already; no kill after step 20"),
+        "{}",
+        o.show()
+    );
+    assert!(o.stdout.contains(" step       29/"), "{}", o.show());
+    assert_eq!(assert_consistent(&dir, &MoeConfig::tiny()).len(), 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A rebalance replans from the routing history: with the load-balancing loss off, the router
 /// skews and the first rebalance moves expert states (the plan really changes), through the
 /// same pause-and-migrate path as a join (`--migration blocking`; the async path is tested in
