@@ -169,6 +169,7 @@ fn reconfigure(
             shard_holders: Vec::new(),
             shard_transfers: Vec::new(),
             data_cursor: None,
+            checkpoint_at_resume: false,
         };
         n.tx.send(Command::Reconfigure(cmd)).unwrap();
     }

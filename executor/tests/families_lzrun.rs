@@ -178,6 +178,15 @@ fn qwen2_moe_joins_relayouts_and_recovers() {
     assert_eq!(s.steps, 14);
     assert_eq!((s.joins, s.recoveries), (1, 1), "{}", o.show());
     assert!(s.rebalances >= 1, "{}", o.show());
+    // The kill came after step 9, when the checkpoint after step 9 was due: it used to fail
+    // ("expected part dense.bin is not in the manifest"); the recovery writes it again.
+    let failed = |l: &&str| l.contains("checkpoint") && l.contains("failed");
+    assert_eq!(o.stderr.lines().find(failed), None, "{}", o.show());
+    assert!(
+        o.stderr.contains("checkpoint after step 9 committed"),
+        "{}",
+        o.show()
+    );
     assert_learns(&s, &o);
     assert_eq!(assert_consistent(&dir, &cfg).len(), 3);
     let _ = std::fs::remove_dir_all(&dir);

@@ -90,11 +90,15 @@
 //!   [`Action::WaitForNodes`] and waits for joins (a later plan restores or replans) — for at
 //!   most [`JobConfig::wait_for_nodes_ms`], then the job fails saying what it waited for.
 //! * **Checkpoints.** Members write their parts every `checkpoint_every_steps` steps
-//!   ([`JobConfig::checkpoint_due`]); once every member wrote the parts of a step the driver is
-//!   told to [`Action::CommitCheckpoint`]. A checkpoint that fails (a member could not write its
-//!   parts, or the commit failed: [`Event::CheckpointFailed`]) is logged and never a node
-//!   failure; training goes on and the next due checkpoint is a fresh try. Only
-//!   `max_checkpoint_failures` failed checkpoints in a row (when set) end the job.
+//!   ([`JobConfig::checkpoint_due`]); once every member the epoch began with wrote the parts of
+//!   a step the driver is told to [`Action::CommitCheckpoint`]. A member lost before it wrote
+//!   its parts (the dense state's writer, say) leaves that checkpoint uncommitted: the
+//!   survivors' parts are not the whole state. The recovery resumes at that step (unless the
+//!   survivors trained past it, which is logged) and its members write the checkpoint again
+//!   before they train on ([`Reconfiguration::checkpoint_at_resume`]). A checkpoint that fails
+//!   (a member could not write its parts, or the commit failed: [`Event::CheckpointFailed`]) is
+//!   logged and never a node failure; training goes on and the next due checkpoint is a fresh
+//!   try. Only `max_checkpoint_failures` failed checkpoints in a row (when set) end the job.
 //! * **Non-finite steps.** A step whose loss or gradient was not finite on some member was
 //!   trained by nobody: the members agreed (in the step's last collective) to skip its update,
 //!   and report it with [`StepReport::nonfinite`]. It is counted (its data is consumed), and
@@ -670,6 +674,11 @@ pub struct Reconfiguration {
     /// A global batch: the data cursor at `resume_step` (rewound with a checkpoint restore).
     #[serde(default)]
     pub data_cursor: Option<u64>,
+    /// The members write the checkpoint of `resume_step` before they train on: it is due and
+    /// not committed (a fresh start's, the last step's, or one whose parts a lost member never
+    /// wrote; see "Checkpoints" in the [module docs](JobMachine)).
+    #[serde(default)]
+    pub checkpoint_at_resume: bool,
 }
 
 impl Reconfiguration {
@@ -2332,8 +2341,14 @@ impl JobMachine {
         }
         let parts = self.checkpoint_parts.entry(step).or_default();
         parts.insert(node);
-        // Parts come from members only: the full test once there are enough of them.
-        if parts.len() >= self.members.len() && self.members.iter().all(|m| parts.contains(m)) {
+        // Every member the epoch began with writes parts (rank 0 the dense state, each expert
+        // its lowest-ranked holder), lost ones too: the survivors' parts alone lack the lost
+        // member's, and a commit of them could only fail. A lost member that wrote its parts
+        // before it went still counts; one that did not leaves the checkpoint to the next
+        // epoch, which writes it at resume (`checkpoint_at_resume`). Parts come from members
+        // only: the full test once there are enough of them.
+        let writers = self.plan.as_ref().map_or(&self.members, |p| &p.node_map);
+        if parts.len() >= writers.len() && writers.iter().all(|m| parts.contains(m)) {
             self.checkpoint_parts.remove(&step);
             self.commit_asked = Some(step);
             out.push(Action::CommitCheckpoint {
@@ -2343,6 +2358,52 @@ impl JobMachine {
                 data_cursor: self.data_cursor(step),
             });
         }
+    }
+
+    /// Whether the members of a reconfiguration resuming at `resume_step` write its checkpoint
+    /// first: it is due and not committed (a fresh start's, the last step's, or one the epoch
+    /// before left uncommitted because a member was lost before it wrote its parts). Says so
+    /// for such a recovery, and says when the newest due checkpoint was neither committed nor
+    /// reported failed and cannot be written any more (the members trained past it): the next
+    /// due one is the next try, as after a failed one.
+    fn checkpoint_at_resume(
+        &self,
+        kind: ReconfigKind,
+        resume_step: u64,
+        out: &mut Vec<Action>,
+    ) -> bool {
+        let every = self.cfg.checkpoint_every_steps;
+        if every == 0 {
+            return false;
+        }
+        let newest_due = if self.cfg.checkpoint_due(resume_step) {
+            resume_step
+        } else {
+            resume_step - resume_step % every
+        };
+        if self.last_committed.is_some_and(|c| c >= newest_due) {
+            return false;
+        }
+        let label = checkpoint_label(newest_due);
+        if newest_due == resume_step {
+            if kind != ReconfigKind::Start {
+                out.push(Action::Log(format!(
+                    "the {label} is not committed: the members write it at resume"
+                )));
+            }
+            return true;
+        }
+        let failed = self
+            .failed_checkpoints
+            .iter()
+            .any(|&(_, s)| s == newest_due);
+        if self.started && !failed {
+            out.push(Action::Log(format!(
+                "the {label} was not committed, and the members trained past it: the next due \
+                 checkpoint is the next try"
+            )));
+        }
+        false
     }
 
     fn checkpoint_failed(&mut self, step: u64, error: &str, out: &mut Vec<Action>) {
@@ -3055,6 +3116,7 @@ impl JobMachine {
         else {
             return self.fail("no shard placement fits the members".into(), out);
         };
+        let checkpoint_at_resume = self.checkpoint_at_resume(kind, resume_step, out);
         self.epoch += 1;
         self.plan_version = plan.version;
         self.members = plan.node_map.clone();
@@ -3113,6 +3175,7 @@ impl JobMachine {
             shard_holders,
             shard_transfers,
             data_cursor: self.data_cursor(resume_step),
+            checkpoint_at_resume,
         };
         self.plan = Some(plan);
         self.enter(Phase::Reconfiguring, now_ms);

@@ -2384,3 +2384,137 @@ fn a_global_batch_cursor_follows_the_steps_and_rewinds_with_a_restore() {
     assert!(why.contains("micro-batches 1..3"), "{why}");
     assert!(why.contains("the plan gives it 2..4"), "{why}");
 }
+
+fn commits(actions: &[Action]) -> usize {
+    actions
+        .iter()
+        .filter(|a| matches!(a, Action::CommitCheckpoint { .. }))
+        .count()
+}
+
+/// Found in an `lzrun local` run (Qwen2-MoE, a join, a kill after step 9): the member that
+/// writes the dense part (rank 0) was killed after the step, before it wrote its parts of the
+/// checkpoint due there. The survivors' parts alone made the machine ask for a commit, which
+/// could only fail ("expected part dense.bin is not in the manifest"), and the recovery resumed
+/// at that step without writing it again. The parts of a checkpoint come from the members the
+/// epoch began with; one lost before writing its parts leaves the checkpoint to the next epoch,
+/// whose members write it before they train on.
+#[test]
+fn a_checkpoint_a_lost_member_never_wrote_is_written_again_after_the_recovery() {
+    let mut cfg = config(4, 50);
+    cfg.checkpoint_every_steps = 2;
+    let (mut j, r) = started(cfg, &[0, 1, 2, 3], 2);
+    let writer = r.members()[0];
+    j.at(10).ev(Event::Lost {
+        node: writer,
+        reason: "killed".into(),
+    });
+    let survivors: Vec<NodeId> = r.members()[1..].to_vec();
+    let mut a = Vec::new();
+    for &node in &survivors {
+        a.extend(j.ev(Event::CheckpointWritten {
+            node,
+            epoch: r.epoch,
+            step: 2,
+        }));
+    }
+    assert_eq!(commits(&a), 0, "{a:?}");
+    for &node in &survivors {
+        a.extend(j.idle(node, IdleReason::Failed("peer gone".into()), 2));
+    }
+    let r2 = reconfig(&a).expect("in-place replan");
+    assert_eq!((r2.kind, r2.resume_step), (ReconfigKind::InPlace, 2));
+    assert!(r2.checkpoint_at_resume, "{r2:?}");
+    assert!(
+        logs(&a)
+            .iter()
+            .any(|l| l
+                == "the checkpoint after step 1 is not committed: the members write it at resume"),
+        "{a:?}"
+    );
+    j.at(20).migrated_all(&r2);
+    let mut a = Vec::new();
+    for &node in r2.members() {
+        a.extend(j.ev(Event::CheckpointWritten {
+            node,
+            epoch: r2.epoch,
+            step: 2,
+        }));
+    }
+    assert!(
+        a.contains(&Action::CommitCheckpoint {
+            step: 2,
+            members: 3,
+            plan_version: r2.plan.version,
+            data_cursor: None
+        }),
+        "{a:?}"
+    );
+    j.ev(Event::CheckpointCommitted { step: 2 });
+    // Another recovery at that step writes nothing again: it is committed.
+    j.ev(Event::Lost {
+        node: r2.members()[2],
+        reason: "killed".into(),
+    });
+    let mut a = Vec::new();
+    for &node in &r2.members()[..2] {
+        a.extend(j.idle(node, IdleReason::Failed("peer gone".into()), 2));
+    }
+    let r3 = reconfig(&a).expect("in-place replan");
+    assert_eq!(r3.resume_step, 2);
+    assert!(!r3.checkpoint_at_resume, "{r3:?}");
+}
+
+/// A member lost after it wrote its parts does not hold the checkpoint back: the survivors'
+/// parts complete it.
+#[test]
+fn a_checkpoint_a_lost_member_wrote_its_parts_of_still_commits() {
+    let mut cfg = config(4, 50);
+    cfg.checkpoint_every_steps = 2;
+    let (mut j, r) = started(cfg, &[0, 1, 2], 2);
+    let writer = r.members()[0];
+    j.ev(Event::CheckpointWritten {
+        node: writer,
+        epoch: r.epoch,
+        step: 2,
+    });
+    j.at(10).ev(Event::Lost {
+        node: writer,
+        reason: "killed".into(),
+    });
+    let mut a = Vec::new();
+    for &node in &r.members()[1..] {
+        a.extend(j.ev(Event::CheckpointWritten {
+            node,
+            epoch: r.epoch,
+            step: 2,
+        }));
+    }
+    assert_eq!(commits(&a), 1, "{a:?}");
+}
+
+/// When the survivors trained past the uncommitted checkpoint (every one of them reported the
+/// next step), its state is gone: nothing is written at resume, and the log says so.
+#[test]
+fn a_checkpoint_the_survivors_trained_past_is_logged_and_left_to_the_next_due_one() {
+    let mut cfg = config(4, 50);
+    cfg.checkpoint_every_steps = 2;
+    let (mut j, r) = started(cfg, &[0, 1, 2, 3], 3);
+    j.at(10).ev(Event::Lost {
+        node: r.members()[0],
+        reason: "killed".into(),
+    });
+    let mut a = Vec::new();
+    for &node in &r.members()[1..] {
+        a.extend(j.idle(node, IdleReason::Failed("peer gone".into()), 3));
+    }
+    let r2 = reconfig(&a).expect("in-place replan");
+    assert_eq!(r2.resume_step, 3);
+    assert!(!r2.checkpoint_at_resume, "{r2:?}");
+    assert!(
+        logs(&a).iter().any(|l| l.starts_with(
+            "the checkpoint after step 1 was not committed, and the members trained past it"
+        )),
+        "{a:?}"
+    );
+}

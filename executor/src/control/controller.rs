@@ -1162,6 +1162,7 @@ impl Controller {
                 .iter()
                 .map(|t| (t.shard, t.src_rank, t.dst_rank))
                 .collect(),
+            checkpoint_at_resume: r.checkpoint_at_resume,
         };
         for (rank, &node) in members.iter().enumerate() {
             cmd.rank = rank;

@@ -392,8 +392,13 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
                 // of an expert before the first periodic checkpoint is still recoverable; a
                 // reconfiguration after the last step writes the final checkpoint again (the
                 // job machine asks for one when it was not committed; a duplicate of a
-                // committed one is ignored).
-                if cmd.source == StateSource::Fresh || self.step == self.job.steps {
+                // committed one is ignored); and one the job machine asks for is written: a
+                // due checkpoint the epoch before could not commit (a member lost before it
+                // wrote its parts, the dense state's writer say).
+                if cmd.source == StateSource::Fresh
+                    || self.step == self.job.steps
+                    || cmd.checkpoint_at_resume
+                {
                     self.checkpoint_if_due(&mut dist)?;
                 }
                 let ev = WorkerEvent::Migrated {

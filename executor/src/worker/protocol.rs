@@ -313,6 +313,10 @@ pub struct Reconfigure {
     /// FSEP: `(shard, src rank, dst rank)` shard copies to rebuild first (an in-place repair).
     #[serde(default)]
     pub shard_transfers: Vec<(usize, usize, usize)>,
+    /// Write the checkpoint of `resume_step` before training: it is due and not committed (the
+    /// controller's job machine decides: `Reconfiguration::checkpoint_at_resume`).
+    #[serde(default)]
+    pub checkpoint_at_resume: bool,
 }
 
 /// A controller command (one JSON line on the worker's stdin).

@@ -22,7 +22,7 @@ use lazarus_traces::duration::format_ms;
 use crate::args::{Format, LocalArgs};
 use crate::drive::{Failover, Hooks, drive, runtime, stop_signals};
 use crate::job::job_from_args;
-use crate::nodes::Nodes;
+use crate::nodes::{Named, Nodes};
 use crate::report::Report;
 use crate::runinfo::Injection;
 
@@ -363,10 +363,17 @@ impl Faults {
                         describe_ranks(&ranks, nodes.gpus())
                     ));
                 }
+                // As for `Kill`: fenced and killed by now (a frozen or silent node), or killed
+                // already; nothing to do.
+                Fault::KillName { name } if matches!(nodes.find_name(name), Named::Gone(_)) => {
+                    self.format.say(&format!(
+                        "lzrun local: node {name} is gone already; no kill {when}"
+                    ))
+                }
                 Fault::KillName { name } => {
-                    let i = nodes
-                        .index_of(name)
-                        .ok_or_else(|| anyhow!("trace kills {name}, which is not running"))?;
+                    let Named::Running(i) = nodes.find_name(name) else {
+                        bail!("the trace kills {name}, which no node was started as");
+                    };
                     let ranks = nodes.ranks(i, handle);
                     nodes.kill_group(i)?;
                     handle.fault_injected();

@@ -113,11 +113,14 @@ impl Nodes {
         self.name(i).map_or_else(|| format!("n{i}"), str::to_owned)
     }
 
-    /// The index of the running node called `name`.
-    pub fn index_of(&self, name: &str) -> Option<usize> {
-        self.children
+    /// The node a trace kill of `name` is about ([`Named`]).
+    pub fn find_name(&self, name: &str) -> Named {
+        let children: Vec<(&str, bool)> = self
+            .children
             .iter()
-            .rposition(|(n, c)| n == name && c.is_some())
+            .map(|(n, c)| (n.as_str(), c.is_some()))
+            .collect();
+        named(&children, name)
     }
 
     /// Nodes launched and not killed by this launcher (some may be frozen or starting).
@@ -204,6 +207,32 @@ impl Nodes {
     }
 }
 
+/// What a trace kill of a name finds among the nodes launched so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Named {
+    /// The running node carrying the name (the newest, when the name was added again).
+    Running(usize),
+    /// The name's newest node, no longer running: the controller fenced it and the launcher
+    /// killed it, or an earlier kill did. A kill of it is a no-op.
+    Gone(usize),
+    /// No node ever carried the name (a schedule that does not match the trace's adds).
+    Unknown,
+}
+
+/// [`Nodes::find_name`] over `(name, running)` of every node launched, in launch order.
+fn named(children: &[(&str, bool)], name: &str) -> Named {
+    if let Some(i) = children
+        .iter()
+        .rposition(|&(n, running)| n == name && running)
+    {
+        return Named::Running(i);
+    }
+    children
+        .iter()
+        .rposition(|&(n, _)| n == name)
+        .map_or(Named::Unknown, Named::Gone)
+}
+
 /// The pids of `parent`'s child processes (Linux `/proc`; empty elsewhere).
 fn children_of(parent: i32) -> Vec<i32> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
@@ -234,5 +263,24 @@ impl Drop for Nodes {
                 let _ = self.kill_group(i);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A trace kill of a node the controller already fenced (and the launcher killed) finds it
+    /// gone, not missing: `lzrun local` used to end with "trace kills NAME, which is not
+    /// running".
+    #[test]
+    fn a_trace_kill_finds_the_running_node_a_gone_one_or_none() {
+        let nodes = [("a", false), ("b", true), ("a", true), ("c", false)];
+        assert_eq!(named(&nodes, "a"), Named::Running(2));
+        assert_eq!(named(&nodes, "b"), Named::Running(1));
+        assert_eq!(named(&nodes, "c"), Named::Gone(3));
+        assert_eq!(named(&nodes, "d"), Named::Unknown);
+        // A name added again and gone again: its newest node.
+        assert_eq!(named(&[("a", false), ("a", false)], "a"), Named::Gone(1));
     }
 }
