@@ -484,7 +484,8 @@ fn lazarus_failure_decisions_are_the_machines() {
         hw: &hw,
         model: &model,
     };
-    let mut started = Driver::new(&ctx, Some(100), Some(200), 200, 120_000);
+    // Checkpoints every 50 steps, so the one saved after step 249 is due and committed.
+    let mut started = Driver::new(&ctx, Some(50), Some(200), 200, 120_000);
     let nodes: Vec<u32> = (0..4).collect();
     let Some(Order::Start { layout }) = started.nodes_ready(&ctx, 0, &nodes) else {
         panic!("four nodes start the job");

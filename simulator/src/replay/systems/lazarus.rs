@@ -271,7 +271,10 @@ impl Driver {
                         step: self.newest_checkpoint,
                         data_cursor: None,
                     }),
+                    // Only a committed checkpoint can be restored (a member lost before it
+                    // wrote its parts leaves the step's uncommitted: the machine's rule).
                     Action::CommitCheckpoint { step, .. } => {
+                        self.newest_checkpoint = step;
                         queue.push_back(Event::CheckpointCommitted { step })
                     }
                     Action::Reconfigure(r) => order = Some(self.order(ctx, *r)),
@@ -503,7 +506,6 @@ impl Driver {
 
     /// The engine saved the checkpoint after `step` completed steps.
     pub fn checkpoint_saved(&mut self, ctx: &Ctx, now_ns: u64, step: u64) {
-        self.newest_checkpoint = step;
         let epoch = self.machine.epoch();
         // Last member first, as in `members_idle`.
         for node in self.machine.members().to_vec().into_iter().rev() {
