@@ -46,8 +46,8 @@ pub(super) fn padded_same(
     let (inter_bw, intra_bw) = (hw.rank_inter_bandwidth(), hw.rank_intra_bandwidth());
     let mut terms = Vec::with_capacity(layers);
     let mut capacity = vec![0u64; shape.class_k.len()];
-    for l in 0..layers {
-        let t = routed_tokens(&loads[l], model.assignments_per_gpu()).ok()?;
+    for layer_loads in loads.iter().take(layers) {
+        let t = routed_tokens(layer_loads, model.assignments_per_gpu()).ok()?;
         capacity.fill(0);
         for (k, cap) in shape.class_k.iter().zip(&mut capacity) {
             for (&te, &kg) in t.iter().zip(k) {

@@ -722,7 +722,7 @@ fn padded_layer_equals_the_pairwise_exchange_exactly() {
 
 /// The step cost of the same rows in every layer ([`LayerRows::Same`], the `same` fast path
 /// under padded dispatch) equals the per-layer path on those rows repeated
-/// ([`LayerRows::Each`]) bit for bit: standard EP at several sizes (up to 2,048 groups of 64
+/// ([`LayerRows::Each`]) bit for bit: standard EP at several sizes (up to 256 groups of 64
 /// ranks), and random rows with uneven replica counts, scattered groups and experts without
 /// tokens, under padded, dropless and unpadded dispatch; errors are the per-layer path's.
 #[test]
@@ -771,11 +771,12 @@ fn same_rows_in_every_layer_cost_exactly_what_each_layer_costs() {
             }
         }
     };
-    // Standard EP, DeepSeek-V3 shape, Zipf loads, up to 131,072 ranks.
+    // Standard EP, DeepSeek-V3 shape, Zipf loads, up to 16,384 ranks (131,072 took 30 s in
+    // release; the fast path is per kind of group, so more equal groups add nothing new).
     let model = model("deepseek-v3").unwrap();
     let zipf = ZipfLoads::new(1.2, model.experts, model.moe_layers, 7);
     let loads = zipf.loads(0);
-    for gpus in [64, 512, 8 * 1000, 131_072] {
+    for gpus in [64, 512, 8_000, 16_384] {
         let ep = uniform_ep_layout(&model, gpus).unwrap();
         let rows = sparse_replicas(&ep.replicas_per_rank[..1]).remove(0);
         check(
