@@ -84,7 +84,7 @@ rm -f "$out/replay-1d-16384-alone.txt"
 for s in lazarus ds-ft ds; do
   /usr/bin/time -f "$s %U s user %S s sys %e s wall %M KB" target/release/lzsim replay \
     "$out/failures-llama3-gpu-16384.csv" --model deepseek-v3 --hardware h200-400g --system "$s" \
-    --end 1d --format json > "/tmp/replay-1d-16384-$s.json" 2>> "$out/replay-1d-16384-alone.txt"
+    --end 1d --format json > "$out/replay-1d-16384-$s.json" 2>> "$out/replay-1d-16384-alone.txt"
 done
 cat /proc/loadavg > "$out/replay-54d-16384-baselines.txt"
 /usr/bin/time -v target/release/lzsim replay "$out/failures-llama3-gpu-16384.csv" \
