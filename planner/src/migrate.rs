@@ -359,6 +359,8 @@ fn check_ids(
 #[derive(Clone, Copy)]
 enum PlanView<'a> {
     Nodes(&'a [Vec<Vec<u32>>]),
+    /// As `Nodes`, each plan node's lists by reference (nodes may share them).
+    Refs(&'a [&'a [Vec<u32>]]),
     /// Every placement has `nodes` rows (checked by [`map_layers`]).
     Layers {
         layers: &'a [LayerPlacement],
@@ -370,6 +372,7 @@ impl<'a> PlanView<'a> {
     fn nodes(self) -> usize {
         match self {
             PlanView::Nodes(p) => p.len(),
+            PlanView::Refs(p) => p.len(),
             PlanView::Layers { nodes, .. } => nodes,
         }
     }
@@ -377,6 +380,7 @@ impl<'a> PlanView<'a> {
     fn layer_count(self, q: usize) -> usize {
         match self {
             PlanView::Nodes(p) => p[q].len(),
+            PlanView::Refs(p) => p[q].len(),
             PlanView::Layers { layers, .. } => layers.len(),
         }
     }
@@ -384,6 +388,7 @@ impl<'a> PlanView<'a> {
     fn ids(self, q: usize, l: usize) -> &'a [u32] {
         match self {
             PlanView::Nodes(p) => &p[q][l],
+            PlanView::Refs(p) => &p[q][l],
             PlanView::Layers { layers, .. } => layers[l].grid().row(q),
         }
     }
@@ -667,7 +672,7 @@ impl Instance {
                 Ok(())
             };
             match plan {
-                PlanView::Nodes(_) => node_order(&mut need)?,
+                PlanView::Nodes(_) | PlanView::Refs(_) => node_order(&mut need)?,
                 PlanView::Layers {
                     layers: placements, ..
                 } => {
@@ -1768,12 +1773,33 @@ pub fn map_nodes(
     method: MappingMethod,
     bytes_per_expert: u64,
 ) -> Result<MigrationPlan, MigrateError> {
-    let inst = Instance::new(
-        PlanView::Nodes(plan_nodes),
+    let plan_nodes: Vec<&[Vec<u32>]> = plan_nodes.iter().map(Vec::as_slice).collect();
+    map_nodes_held(
+        &plan_nodes,
         Holders::Nodes(physical),
         experts,
-    )?;
-    migration_plan(&inst, Holders::Nodes(physical), method, bytes_per_expert)
+        method,
+        bytes_per_expert,
+    )
+}
+
+/// [`map_nodes`] of plan nodes and holdings given by reference (`plan_nodes[q]` = plan node
+/// `q`'s `[layer]` lists; [`Holders`]): a caller whose nodes share their lists (standard EP:
+/// one per group position) need not copy them into one vector per node and layer (about a
+/// million lists per side and failure at 16,384 nodes × 58 layers).
+///
+/// # Errors
+/// As [`map_nodes`]; a [`Held::Row`] past the placements is a [`MigrateError::RowOutOfRange`].
+pub fn map_nodes_held(
+    plan_nodes: &[&[Vec<u32>]],
+    physical: Holders<'_>,
+    experts: usize,
+    method: MappingMethod,
+    bytes_per_expert: u64,
+) -> Result<MigrationPlan, MigrateError> {
+    check_rows(physical)?;
+    let inst = Instance::new(PlanView::Refs(plan_nodes), physical, experts)?;
+    migration_plan(&inst, physical, method, bytes_per_expert)
 }
 
 /// [`map_nodes`] with the plan given as its per-layer placements (`layers[l]` over plan nodes

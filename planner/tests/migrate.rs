@@ -887,7 +887,9 @@ proptest! {
             Just(MappingMethod::Identity),
         ],
     ) {
-        use lazarus_planner::migrate::{Held, Holders, lost_experts_held, map_layers, map_layers_held};
+        use lazarus_planner::migrate::{
+            Held, Holders, lost_experts_held, map_layers, map_layers_held, map_nodes_held,
+        };
         let (plan, ids, rows) = held_instance(before, &dead, newcomers, &as_lists, skew);
         let lists: Vec<Vec<Vec<u32>>> = rows
             .iter()
@@ -929,6 +931,16 @@ proptest! {
             prop_assert_eq!(
                 map_layers_held(&after.layers, holders, 24, method, 5),
                 map_layers(&after.layers, &physical, 24, method, 5)
+            );
+            // The node-major plan with spare blank plan nodes, as `ds-ft` maps it.
+            let mut plan_nodes = after.plan_node_contents();
+            let spare = plan_nodes.len() / 3;
+            plan_nodes.truncate(plan_nodes.len() - spare);
+            plan_nodes.extend(std::iter::repeat_n(vec![Vec::new(); 3], spare));
+            let refs: Vec<&[Vec<u32>]> = plan_nodes.iter().map(Vec::as_slice).collect();
+            prop_assert_eq!(
+                map_nodes_held(&refs, holders, 24, method, 5),
+                map_nodes(&plan_nodes, &physical, 24, method, 5)
             );
         }
     }

@@ -72,12 +72,35 @@ cat /proc/loadavg > "$out/replay-54d.txt"
 /usr/bin/time -v target/release/lzsim replay "$out/failures-llama3-gpu-2048.csv" \
   --model deepseek-v3 --hardware h200-400g --system dropless-ft,dropless --format json \
   > "$out/replay-54d-dropless.json" 2>> "$out/replay-54d.txt"
-# 131,072 GPUs: one simulated day of the three systems (the 54 days do not finish in minutes
-# yet: see "131,072 GPUs" in the README), wall clock and peak RSS from GNU time.
+# 131,072 GPUs (issue 34 item 3, see "131,072 GPUs over 54 days, second round" in the README):
+# one simulated day of the three systems together, then each alone (CPU time, peak RSS; the
+# README compares them with the previous binary's, outputs with cmp), the 54 days of the two
+# baselines, and the standard-EP step cost against its per-layer path in one process.
 cat /proc/loadavg > "$out/replay-1d-16384.txt"
 /usr/bin/time -v target/release/lzsim replay "$out/failures-llama3-gpu-16384.csv" \
   --model deepseek-v3 --hardware h200-400g --system lazarus,ds-ft,ds --end 1d --format json \
   > "$out/replay-1d-16384.json" 2>> "$out/replay-1d-16384.txt"
+rm -f "$out/replay-1d-16384-alone.txt"
+for s in lazarus ds-ft ds; do
+  /usr/bin/time -f "$s %U s user %S s sys %e s wall %M KB" target/release/lzsim replay \
+    "$out/failures-llama3-gpu-16384.csv" --model deepseek-v3 --hardware h200-400g --system "$s" \
+    --end 1d --format json > "$out/replay-1d-16384-$s.json" 2>> "$out/replay-1d-16384-alone.txt"
+done
+cat /proc/loadavg > "$out/replay-54d-16384-baselines.txt"
+/usr/bin/time -v target/release/lzsim replay "$out/failures-llama3-gpu-16384.csv" \
+  --model deepseek-v3 --hardware h200-400g --system ds-ft,ds --format json \
+  > "$out/replay-54d-16384-baselines.json" 2>> "$out/replay-54d-16384-baselines.txt"
+cat /proc/loadavg >> "$out/replay-54d-16384-baselines.txt"
+cargo bench -p lazarus-simulator --bench replay -- ep_step_cost 2>&1 | tee "$out/bench-ep-step-cost.txt"
+# The whole goal: 54 days of the three systems at 131,072 GPUs. About 49 min of CPU with this
+# round's binary (lazarus about 43 s per simulated day), so it is opt-in: SCALE_54D_16384=1.
+if [ "${SCALE_54D_16384:-0}" = 1 ]; then
+  cat /proc/loadavg > "$out/replay-54d-16384.txt"
+  /usr/bin/time -v target/release/lzsim replay "$out/failures-llama3-gpu-16384.csv" \
+    --model deepseek-v3 --hardware h200-400g --system lazarus,ds-ft,ds --format json \
+    > "$out/replay-54d-16384.json" 2>> "$out/replay-54d-16384.txt"
+  cat /proc/loadavg >> "$out/replay-54d-16384.txt"
+fi
 # Sweep sharding: 4 shards concatenate to the unsharded CSV (also a test in simulator/tests).
 sweep=(sweep --hazard 0.3,0.9 --seeds 8 --nodes 16 --duration 2h --model gpt-s --system lazarus,ds)
 target/release/lzsim "${sweep[@]}" > "$out/sweep-whole.csv" 2> "$out/sweep-rate.txt"

@@ -120,6 +120,7 @@
 pub mod fsep;
 mod profile;
 mod runs;
+mod same;
 #[cfg(test)]
 mod tests;
 
@@ -299,6 +300,13 @@ pub fn step_cost_sparse(
     // The shapes are checked first (each layer's rows inside its own evaluation below, in
     // parallel), then the EP groups: errors are reported in that order.
     check_layer_counts(model, gpus, input.replicas.len(), input.loads)?;
+    // Standard EP (the same rows in every layer), padded: per kind of EP group, not per rank.
+    if let (LayerRows::Same { rows, layers }, Dispatch::Padded, Some(groups)) =
+        (input.replicas, input.dispatch, input.ep_groups)
+        && let Some(cost) = same::padded_same(hw, model, gpus, rows, layers, input.loads, groups)
+    {
+        return cost;
+    }
     let groups = match (input.dispatch, input.ep_groups) {
         (Dispatch::Padded | Dispatch::Dropless, None) => Err(anyhow::anyhow!(
             "padded and dropless dispatch need the EP groups"
@@ -860,9 +868,25 @@ fn grad_allreduce_s(
     gpus: usize,
     replicas: LayerRows,
 ) -> f64 {
+    let ring = |m: usize, bytes: f64| 2.0 * (m - 1) as f64 / m as f64 * bytes;
+    let expert_bytes = model.expert_grad_bytes() as f64;
+    if let LayerRows::Same { rows, layers } = replicas {
+        // Every rank's dense term, then each layer's additions (`same` sums them per kind).
+        let (mut inter, mut intra) = (0.0f64, 0.0f64);
+        if gpus >= 2 {
+            let v = ring(gpus, model.dense_grad_bytes() as f64);
+            if hw.node_of(gpus - 1) > 0 {
+                inter += v;
+            } else {
+                intra += v;
+            }
+        }
+        return same::grad_allreduce_same(hw, gpus, (inter, intra), rows, layers, |m| {
+            ring(m, expert_bytes)
+        });
+    }
     let mut inter = vec![0.0; gpus];
     let mut intra = vec![0.0; gpus];
-    let ring = |m: usize, bytes: f64| 2.0 * (m - 1) as f64 / m as f64 * bytes;
     if gpus >= 2 {
         let v = ring(gpus, model.dense_grad_bytes() as f64);
         let target = if hw.node_of(gpus - 1) > 0 {
@@ -872,7 +896,6 @@ fn grad_allreduce_s(
         };
         target.iter_mut().for_each(|x| *x += v);
     }
-    let expert_bytes = model.expert_grad_bytes() as f64;
     for row in (0..replicas.len()).flat_map(|l| replicas.layer(l)) {
         let m = row.len();
         if m < 2 {

@@ -719,3 +719,126 @@ fn padded_layer_equals_the_pairwise_exchange_exactly() {
         );
     }
 }
+
+/// The step cost of the same rows in every layer ([`LayerRows::Same`], the `same` fast path
+/// under padded dispatch) equals the per-layer path on those rows repeated
+/// ([`LayerRows::Each`]) bit for bit: standard EP at several sizes (up to 256 groups of 64
+/// ranks), and random rows with uneven replica counts, scattered groups and experts without
+/// tokens, under padded, dropless and unpadded dispatch; errors are the per-layer path's.
+#[test]
+fn same_rows_in_every_layer_cost_exactly_what_each_layer_costs() {
+    use rand::rngs::Xoshiro256PlusPlus;
+    use rand::seq::SliceRandom;
+    use rand::{RngExt, SeedableRng};
+    let hw = hardware("h200-400g").unwrap();
+    let check = |model: &ModelProfile,
+                 gpus: usize,
+                 rows: &[Vec<(u32, u32)>],
+                 groups: &[Vec<usize>],
+                 loads: &[Vec<u64>],
+                 what: &str| {
+        let each: SparseReplicas = vec![rows.to_vec(); model.moe_layers];
+        for dispatch in [Dispatch::Padded, Dispatch::Dropless, Dispatch::Unpadded] {
+            let input = |replicas| SparseStepInput {
+                gpus,
+                replicas,
+                loads,
+                dispatch,
+                ep_groups: Some(groups),
+                equal_nodes: None,
+            };
+            let same = step_cost_sparse(
+                &hw,
+                model,
+                &input(LayerRows::Same {
+                    rows,
+                    layers: model.moe_layers,
+                }),
+            );
+            let slow = step_cost_sparse(&hw, model, &input(LayerRows::Each(&each)));
+            match (same, slow) {
+                (Ok(a), Ok(b)) => {
+                    assert_eq!(a, b, "{what} {dispatch:?}");
+                    assert_eq!(a.total_s.to_bits(), b.total_s.to_bits(), "{what}");
+                    assert_eq!(
+                        a.grad_allreduce_s.to_bits(),
+                        b.grad_allreduce_s.to_bits(),
+                        "{what}"
+                    );
+                }
+                (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string(), "{what}"),
+                (a, b) => panic!("{what} {dispatch:?}: {a:?} against {b:?}"),
+            }
+        }
+    };
+    // Standard EP, DeepSeek-V3 shape, Zipf loads, up to 16,384 ranks (131,072 took 30 s in
+    // release; the fast path is per kind of group, so more equal groups add nothing new).
+    let model = model("deepseek-v3").unwrap();
+    let zipf = ZipfLoads::new(1.2, model.experts, model.moe_layers, 7);
+    let loads = zipf.loads(0);
+    for gpus in [64, 512, 8_000, 16_384] {
+        let ep = uniform_ep_layout(&model, gpus).unwrap();
+        let rows = sparse_replicas(&ep.replicas_per_rank[..1]).remove(0);
+        check(
+            &model,
+            gpus,
+            &rows,
+            &ep.ep_groups,
+            &loads,
+            &format!("EP {gpus}"),
+        );
+    }
+    // Random rows on a small model.
+    let mut small = model.clone();
+    for seed in 0..60u64 {
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+        small.moe_layers = rng.random_range(1..5usize);
+        small.experts = rng.random_range(1..30usize);
+        let group_size = [1, 2, 3, 8, 16][seed as usize % 5];
+        let gpus = group_size * rng.random_range(1..6usize);
+        let mut ranks: Vec<usize> = (0..gpus).collect();
+        if seed % 2 == 1 {
+            ranks.shuffle(&mut rng);
+        }
+        let groups: Vec<Vec<usize>> = ranks.chunks(group_size).map(|g| g.to_vec()).collect();
+        // Mostly a replica in every group; seeds ≡ 5 (mod 6) may leave a group without one.
+        let rows: Vec<Vec<(u32, u32)>> = (0..small.experts)
+            .map(|_| {
+                let mut counts = vec![0u32; gpus];
+                for g in &groups {
+                    if seed % 6 != 5 || rng.random_range(0..4u32) > 0 {
+                        counts[g[rng.random_range(0..g.len())]] += 1;
+                    }
+                }
+                for _ in 0..rng.random_range(0..4usize) {
+                    counts[rng.random_range(0..gpus)] += rng.random_range(1..3u32);
+                }
+                (0..gpus)
+                    .filter(|&r| counts[r] > 0)
+                    .map(|r| (r as u32, counts[r]))
+                    .collect()
+            })
+            .collect();
+        let loads: Vec<Vec<u64>> = (0..small.moe_layers)
+            .map(|_| {
+                (0..small.experts)
+                    .map(|e| {
+                        if e % 7 == 3 {
+                            0
+                        } else {
+                            rng.random_range(1..2_000_000u64)
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        check(
+            &small,
+            gpus,
+            &rows,
+            &groups,
+            &loads,
+            &format!("seed {seed}"),
+        );
+    }
+}

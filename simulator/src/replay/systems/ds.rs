@@ -16,7 +16,7 @@
 
 use super::{Ctx, Decision, Layout, Migration, NodeId, System, ep};
 use crate::cost::Dispatch;
-use lazarus_planner::migrate::{MappingMethod, PhysicalNode, lost_experts, map_nodes};
+use lazarus_planner::migrate::{Held, Holders, MappingMethod, lost_experts_of, map_nodes_held};
 
 pub struct Ds {
     fault_tolerant: bool,
@@ -59,28 +59,38 @@ impl System for Ds {
         if !self.fault_tolerant {
             return Decision::RestartFromCheckpoint;
         }
-        let survivors: Vec<PhysicalNode> = current
+        // The survivors' holdings by reference: nodes at the same group position share one
+        // list per layer, which a `PhysicalNode` each would copy (a million lists per failure
+        // at 16,384 nodes).
+        let (ids, held): (Vec<NodeId>, Vec<Held<'_>>) = current
             .nodes
             .iter()
             .zip(&current.holdings)
             .filter(|(id, _)| !dead.contains(id))
-            .map(|(&id, h)| PhysicalNode {
-                id,
-                holdings: h.as_ref().clone(),
-            })
-            .collect();
+            .map(|(&id, h)| (id, Held::Lists(h.as_slice())))
+            .unzip();
         let model = ctx.model;
-        if !lost_experts(&survivors, model.moe_layers, model.experts).is_empty() {
+        let lists = held.iter().map(|h| match h {
+            Held::Lists(l) => *l,
+            Held::Row(_) => unreachable!("lists only"),
+        });
+        if !lost_experts_of(lists, model.moe_layers, model.experts).is_empty() {
             return Decision::RestartFromCheckpoint;
         }
-        let keep = ep::usable_nodes(ctx.hw, model, survivors.len());
+        let keep = ep::usable_nodes(ctx.hw, model, ids.len());
         if keep == 0 {
             return Decision::RestartFromCheckpoint;
         }
-        let plan_nodes = ep::plan_nodes(ctx.hw, model, keep, survivors.len() - keep);
-        let Ok(m) = map_nodes(
+        let (contents, of) = ep::plan_nodes_shared(ctx.hw, model, keep, ids.len() - keep);
+        let plan_nodes: Vec<&[Vec<u32>]> = of.iter().map(|&i| contents[i].as_slice()).collect();
+        let survivors = Holders::Rows {
+            ids: &ids,
+            held: &held,
+            layers: &[],
+        };
+        let Ok(m) = map_nodes_held(
             &plan_nodes,
-            &survivors,
+            survivors,
             model.experts,
             MappingMethod::Scalable,
             model.bytes_per_expert_state,
