@@ -170,3 +170,27 @@ impl Trainer {
         self.dense_opt.import(state)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The optimizer state a step leaves behind holds no autograd graph (which would keep the
+    /// step's activations and gradients, and every earlier step's, alive: the GPT-S-shaped
+    /// step's memory blow-up).
+    #[test]
+    fn a_step_leaves_no_graph_in_the_optimizer() -> Result<()> {
+        let mut t = Trainer::new(&MoeConfig::tiny())?;
+        for _ in 0..2 {
+            t.step()?;
+        }
+        let opt = t.dense_optimizer();
+        let names: Vec<String> = opt.names().map(str::to_owned).collect();
+        assert!(!names.is_empty());
+        for name in &names {
+            let (m, v) = opt.moments(name).expect("named slot");
+            assert!(!m.track_op() && !v.track_op(), "{name}: a moment holds a graph");
+        }
+        Ok(())
+    }
+}
