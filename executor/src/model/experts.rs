@@ -297,8 +297,9 @@ impl ExpertStore {
     ) -> Result<BTreeMap<(usize, usize), (Tensor, Tensor)>> {
         let mut out = BTreeMap::new();
         for (&key, r) in &self.replicas {
-            let g1 = grads.get(r.w1.as_tensor()).cloned();
-            let g2 = grads.get(r.w2.as_tensor()).cloned();
+            // Detached: candle leaves a variable's gradient attached to the forward graph.
+            let g1 = grads.get(r.w1.as_tensor()).map(Tensor::detach);
+            let g2 = grads.get(r.w2.as_tensor()).map(Tensor::detach);
             if g1.is_none() && g2.is_none() {
                 continue;
             }

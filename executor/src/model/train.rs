@@ -130,13 +130,17 @@ impl Trainer {
             .model
             .loss(&tokens, &mut LocalExperts(&self.experts), &mut stats)?;
         let grads = loss.backward()?;
+        // Detached gradients and no loss or gradient store kept: the forward graph (every
+        // activation of the step) is freed before the optimizer allocates its temporaries.
         let dense: Vec<Option<Tensor>> = self
             .model
             .named_vars()
             .iter()
-            .map(|(_, v)| grads.get(v.as_tensor()).cloned())
+            .map(|(_, v)| grads.get(v.as_tensor()).map(Tensor::detach))
             .collect();
         let experts = self.experts.gradients(&grads)?;
+        let loss = loss.to_scalar::<f32>()?;
+        drop(grads);
         let factor = grad_scale(
             1,
             &grad_norm_parts(&dense, &experts)?,
@@ -152,7 +156,7 @@ impl Trainer {
         let layers = stats.lb_loss.len().max(1) as f32;
         let report = StepReport {
             step: self.step,
-            loss: loss.to_scalar::<f32>()?,
+            loss,
             ce_loss: stats.ce_loss,
             lb_loss: stats.lb_loss.iter().sum::<f32>() / layers,
             counts: stats.counts,
