@@ -120,6 +120,22 @@ impl AdamW {
             // from it would keep that graph, and the previous moment's, alive for ever (the
             // GPT-S-shaped step grew ~2.4 GB per step). Same values, no graph.
             let g = &g.detach();
+            let coefs = super::fused::AdamCoefs {
+                beta1: p.beta1,
+                beta2: p.beta2,
+                scale_m,
+                scale_v,
+                decay: 1f64 - p.lr * p.weight_decay,
+                eps: p.eps,
+                lr: p.lr,
+            };
+            if let Some((m, v)) =
+                super::fused::adamw_step(slot.var.as_tensor(), &slot.m, &slot.v, g, coefs)?
+            {
+                slot.m = m;
+                slot.v = v;
+                continue;
+            }
             // Same expression tree as candle_nn::AdamW::step.
             let next_m = ((&slot.m * p.beta1)? + (g * (1.0 - p.beta1))?)?;
             let next_v = ((&slot.v * p.beta2)? + (g.sqr()? * (1.0 - p.beta2))?)?;
