@@ -274,6 +274,9 @@ pub(crate) struct AdamCoefs {
     pub decay: f64,
     pub eps: f64,
     pub lr: f64,
+    /// The gradient is first multiplied by this, as `scale_grad` does: not at all when it is 1
+    /// (`affine(g, 1, 0)` would turn −0 into +0).
+    pub grad_factor: f64,
 }
 
 /// One AdamW update of a parameter in one pass: writes the new value into `theta`'s storage
@@ -369,6 +372,7 @@ impl candle_core::InplaceOp1 for AdamStep<'_> {
             candle_core::bail!("{}: lengths differ", self.name());
         }
         let k = self.k;
+        let scaled = k.grad_factor != 1.0;
         let (mut nm, mut nv) = (vec![0f32; n], vec![0f32; n]);
         theta
             .par_chunks_mut(CHUNK)
@@ -378,10 +382,14 @@ impl candle_core::InplaceOp1 for AdamStep<'_> {
                 let r = c * CHUNK..c * CHUNK + th.len();
                 let (m, v, g) = (&self.m[r.clone()], &self.v[r.clone()], &self.g[r]);
                 for i in 0..th.len() {
-                    // One candle tensor op per line of `AdamW::step_with`.
-                    let next_m = affine(m[i], k.beta1, 0.0) + affine(g[i], 1.0 - k.beta1, 0.0);
-                    let next_v =
-                        affine(v[i], k.beta2, 0.0) + affine(g[i] * g[i], 1.0 - k.beta2, 0.0);
+                    // One candle tensor op per line of `scale_grad` and `AdamW::step_scaled`.
+                    let g = if scaled {
+                        affine(g[i], k.grad_factor, 0.0)
+                    } else {
+                        g[i]
+                    };
+                    let next_m = affine(m[i], k.beta1, 0.0) + affine(g, 1.0 - k.beta1, 0.0);
+                    let next_v = affine(v[i], k.beta2, 0.0) + affine(g * g, 1.0 - k.beta2, 0.0);
                     let m_hat = affine(next_m, k.scale_m, 0.0);
                     let v_hat = affine(next_v, k.scale_v, 0.0);
                     let decayed = affine(th[i], k.decay, 0.0);
@@ -476,6 +484,8 @@ mod tests {
         for step in 1..=3 {
             let g = Tensor::from_vec(xs[step * n..(step + 1) * n].to_vec(), n, &dev)?;
             let g = (g * 0.01)?;
+            // Step 1 unscaled (keeps −0 gradients), then clipped by a factor.
+            let grad_factor = if step == 1 { 1.0 } else { 0.37 };
             let k = AdamCoefs {
                 beta1,
                 beta2,
@@ -484,10 +494,12 @@ mod tests {
                 decay: 1.0 - lr * wd,
                 eps,
                 lr,
+                grad_factor,
             };
             let (m, v) = adamw_step_unchecked(ours.as_tensor(), &m_o, &v_o, &g, k)?
                 .expect("contiguous f32 CPU tensors take the fused path");
             (m_o, v_o) = (m, v);
+            let g = crate::model::scale_grad(&g, grad_factor)?;
             let next_m = ((&m_t * beta1)? + (&g * (1.0 - beta1))?)?;
             let next_v = ((&v_t * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
             let m_hat = (&next_m * k.scale_m)?;
@@ -509,6 +521,7 @@ mod tests {
             decay: 1.0,
             eps,
             lr,
+            grad_factor: 1.0,
         };
         let z = strided.zeros_like()?;
         assert!(adamw_step_unchecked(&strided, &z, &z, &z, k)?.is_none());

@@ -102,6 +102,13 @@ impl AdamW {
 
     /// One update from explicit gradients in slot order (e.g. after an all-reduce).
     pub fn step_with(&mut self, grads: &[Option<Tensor>]) -> Result<()> {
+        self.step_scaled(grads, 1.0)
+    }
+
+    /// [`Self::step_with`] of the gradients multiplied by `factor`: the same bits as passing
+    /// [`scale_grad`] of each (no multiplication at all when the factor is 1), without the
+    /// scaled copies on the fused path.
+    pub fn step_scaled(&mut self, grads: &[Option<Tensor>], factor: f64) -> Result<()> {
         if grads.len() != self.slots.len() {
             candle_core::bail!(
                 "AdamW: {} gradients for {} parameters",
@@ -128,6 +135,7 @@ impl AdamW {
                 decay: 1f64 - p.lr * p.weight_decay,
                 eps: p.eps,
                 lr: p.lr,
+                grad_factor: factor,
             };
             if let Some((m, v)) =
                 super::fused::adamw_step(slot.var.as_tensor(), &slot.m, &slot.v, g, coefs)?
@@ -136,6 +144,7 @@ impl AdamW {
                 slot.v = v;
                 continue;
             }
+            let g = &scale_grad(g, factor)?;
             // Same expression tree as candle_nn::AdamW::step.
             let next_m = ((&slot.m * p.beta1)? + (g * (1.0 - p.beta1))?)?;
             let next_v = ((&slot.v * p.beta2)? + (g.sqr()? * (1.0 - p.beta2))?)?;

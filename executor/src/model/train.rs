@@ -9,7 +9,7 @@ use super::config::MoeConfig;
 use super::data::Corpus;
 use super::dense::{DenseModel, RoutingStats};
 use super::experts::{ExpertStore, LocalExperts};
-use super::optim::{AdamW, OptimState, grad_scale, scale_grad, sq_norm};
+use super::optim::{AdamW, OptimState, grad_scale, sq_norm};
 use candle_core::{Device, Result, Tensor};
 use std::collections::BTreeMap;
 
@@ -38,13 +38,10 @@ pub fn apply_update(
     experts: BTreeMap<(usize, usize), (Tensor, Tensor)>,
     factor: f64,
 ) -> Result<()> {
-    let dense = dense
-        .iter()
-        .map(|g| g.as_ref().map(|g| scale_grad(g, factor)).transpose())
-        .collect::<Result<Vec<_>>>()?;
-    dense_opt.step_with(&dense)?;
+    // The factor is applied inside the updates (the bits of `scale_grad`, no scaled copies).
+    dense_opt.step_scaled(dense, factor)?;
     for ((l, e), (g1, g2)) in experts {
-        store.step_replica(l, e, &scale_grad(&g1, factor)?, &scale_grad(&g2, factor)?)?;
+        store.step_replica_scaled(l, e, &g1, &g2, factor)?;
     }
     Ok(())
 }
