@@ -16,7 +16,7 @@
 //! `STEP_BENCH_SHAPES=tiny,gpt_s_2l` picks the shapes, default `tiny` only).
 //!
 //! `gpt_s_2l` is opt-in because of its memory: weights, AdamW moments and gradients of its
-//! 119 M parameters are 1.9 GB per trainer, and the process peaks at about 4.3 GB resident
+//! 119 M parameters are 1.9 GB per trainer, and the process peaks at about 5 GB resident
 //! with both trainers (`peak_rss_mb`, the process's `VmHWM` so far, so it covers every shape
 //! run before; `executor/examples/step_memory.rs` splits one trainer's memory by phase). Run
 //! it under a cap, e.g. `prlimit --as=7000000000`. (It used to grow by ~2.4 GB per step and

@@ -1,5 +1,6 @@
 //! Wall time and resident memory of each phase of one training step on the CPU: forward with
-//! the loss, backward, gradients collected (graph freed), optimizer update. The phases are
+//! the loss, backward, gradients collected (graph freed), global gradient norm, optimizer
+//! update. The phases are
 //! [`Trainer::step`]'s, in its order, on one trainer; memory is the process's `VmRSS` (now),
 //! `VmHWM` (peak so far) and `VmSize` (address space, what `prlimit --as` caps) from
 //! `/proc/self/status` (Linux; elsewhere `-`).
@@ -90,14 +91,17 @@ fn main() -> anyhow::Result<()> {
         let loss = loss.to_scalar::<f32>()?;
         drop(grads);
         phase("collect");
-        let factor = grad_scale(
-            1,
-            &grad_norm_parts(&dense, &experts)?,
-            cfg.grad_clip_norm,
-        );
-        apply_update(&mut dense_opt, &mut trainer.experts, &dense, experts, factor)?;
+        let factor = grad_scale(1, &grad_norm_parts(&dense, &experts)?, cfg.grad_clip_norm);
+        phase("norm");
+        apply_update(
+            &mut dense_opt,
+            &mut trainer.experts,
+            &dense,
+            experts,
+            factor,
+        )?;
         drop(dense);
-        phase("norm+update");
+        phase("update");
         println!("{step} loss {loss}");
     }
     Ok(())

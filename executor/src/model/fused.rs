@@ -314,8 +314,8 @@ fn adamw_step_unchecked(
 ) -> Result<Option<(Tensor, Tensor)>> {
     let all = [theta, m, v, g];
     if all
-            .iter()
-            .any(|t| !t.device().is_cpu() || t.dtype() != DType::F32 || !t.is_contiguous())
+        .iter()
+        .any(|t| !t.device().is_cpu() || t.dtype() != DType::F32 || !t.is_contiguous())
         || all.iter().any(|t| t.shape() != theta.shape())
     {
         return Ok(None);
@@ -323,8 +323,11 @@ fn adamw_step_unchecked(
     let (m_s, m_l) = m.storage_and_layout();
     let (v_s, v_l) = v.storage_and_layout();
     let (g_s, g_l) = g.storage_and_layout();
-    let (candle_core::Storage::Cpu(m_c), candle_core::Storage::Cpu(v_c), candle_core::Storage::Cpu(g_c)) =
-        (&*m_s, &*v_s, &*g_s)
+    let (
+        candle_core::Storage::Cpu(m_c),
+        candle_core::Storage::Cpu(v_c),
+        candle_core::Storage::Cpu(g_c),
+    ) = (&*m_s, &*v_s, &*g_s)
     else {
         return Ok(None);
     };
@@ -510,7 +513,11 @@ mod tests {
             (m_t, v_t) = (next_m, next_v);
             assert_eq!(bits(&m_o), bits(&m_t), "m, step {step}");
             assert_eq!(bits(&v_o), bits(&v_t), "v, step {step}");
-            assert_eq!(bits(ours.as_tensor()), bits(theirs.as_tensor()), "step {step}");
+            assert_eq!(
+                bits(ours.as_tensor()),
+                bits(theirs.as_tensor()),
+                "step {step}"
+            );
         }
         let strided = Tensor::from_vec(inputs(6)[..6].to_vec(), (2, 3), &dev)?.t()?;
         let k = AdamCoefs {

@@ -190,7 +190,10 @@ mod tests {
         assert!(!names.is_empty());
         for name in &names {
             let (m, v) = opt.moments(name).expect("named slot");
-            assert!(!m.track_op() && !v.track_op(), "{name}: a moment holds a graph");
+            assert!(
+                !m.track_op() && !v.track_op(),
+                "{name}: a moment holds a graph"
+            );
         }
         Ok(())
     }
