@@ -9,16 +9,18 @@
 //! one with them on. Their losses must agree bit for bit at every step (checked), and the bench
 //! prints one JSON line per shape with both medians and `fused_speedup` = unfused / fused.
 //! `results/executor/train_step_torch.py` is the PyTorch twin of the same step, and
-//! `results/executor/regenerate.sh` runs both, interleaved.
+//! `results/executor/regenerate-step.sh` runs both, interleaved.
 //!
 //! `cargo bench -p lazarus-executor --bench train_step` (RAYON_NUM_THREADS pins the threads;
 //! `STEP_BENCH_STEPS`, default 8, timed steps per trainer after 2 warm-up steps;
 //! `STEP_BENCH_SHAPES=tiny,gpt_s_2l` picks the shapes, default `tiny` only).
 //!
-//! `gpt_s_2l` is opt-in because of its memory: its weights, moments and gradients come to
-//! about 2 GB per trainer, but the two trainers' process was seen at 23 GB of resident memory
-//! (and killed) on a 23 GB machine, and one trainer does not fit an 8 GB address-space limit;
-//! where that memory goes is not yet understood (see `results/executor/README.md`).
+//! `gpt_s_2l` is opt-in because of its memory: weights, AdamW moments and gradients of its
+//! 119 M parameters are 1.9 GB per trainer, and the process peaks at about 5 GB resident
+//! with both trainers (`peak_rss_mb`, the process's `VmHWM` so far, so it covers every shape
+//! run before; `executor/examples/step_memory.rs` splits one trainer's memory by phase). Run
+//! it under a cap, e.g. `prlimit --as=7000000000`. (It used to grow by ~2.4 GB per step and
+//! was killed at 23 GB: the AdamW moments kept every step's autograd graph alive.)
 
 use candle_core::Result;
 use lazarus_executor::model::{MoeConfig, Trainer, set_fused_kernels};
@@ -42,6 +44,13 @@ fn median_of(times: &mut [f64]) -> f64 {
     } else {
         0.5 * (times[n / 2 - 1] + times[n / 2])
     }
+}
+
+/// The process's peak resident memory so far (`VmHWM`, Linux), in MB.
+fn peak_rss_mb() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? / 1024)
 }
 
 fn timed(trainer: &mut Trainer, fused: bool) -> Result<(f64, f32)> {
@@ -108,6 +117,8 @@ fn main() -> Result<()> {
             "first_loss": losses[0],
             "last_loss": losses[losses.len() - 1],
         });
+        let mut line = line;
+        line["peak_rss_mb"] = peak_rss_mb().map_or(serde_json::Value::Null, Into::into);
         println!("{line}");
     }
     Ok(())

@@ -6,7 +6,12 @@
 #
 #   bash results/executor/regenerate-step.sh                 # 2 rounds, 2 threads
 #   ROUNDS=3 THREADS=2 STEPS=8 bash results/executor/regenerate-step.sh
-#   SHAPES=tiny,gpt_s_2l bash results/executor/regenerate-step.sh   # GPT-S shapes: > 8 GB, see the bench
+#   NAME=train_step_1thread THREADS=1 bash ...   # writes train_step_1thread{.md,_raw.jsonl}
+#   TABLE_ONLY=1 bash ...   # only rebuilds the .md from the existing _raw.jsonl
+#   SHAPES=tiny,gpt_s_2l bash results/executor/regenerate-step.sh   # GPT-S shapes: ~5 GB, see the bench
+#
+# Both processes run under an address-space cap (AS_LIMIT bytes, default 7e9) so that a memory
+# blow-up kills the benchmark, not the machine's other work.
 #
 # Needs: cargo, python3 with numpy and torch (pip install torch numpy).
 set -euo pipefail
@@ -17,10 +22,13 @@ ROUNDS="${ROUNDS:-2}"
 STEPS="${STEPS:-8}"
 SHAPES="${SHAPES:-tiny}"
 PYTHON="${PYTHON:-python3}"
+AS_LIMIT="${AS_LIMIT:-7000000000}"
 DIR=results/executor
-RAW="$DIR/train_step_raw.jsonl"
-MD="$DIR/train_step.md"
+NAME="${NAME:-train_step}"
+RAW="$DIR/${NAME}_raw.jsonl"
+MD="$DIR/$NAME.md"
 
+if [ -z "${TABLE_ONLY:-}" ]; then
 BENCH_BIN="$(cargo bench -p lazarus-executor --bench train_step --no-run --message-format=json |
     python3 -c '
 import json, sys
@@ -35,16 +43,17 @@ test -x "$BENCH_BIN"
 for round in $(seq 1 "$ROUNDS"); do
     load="$(cut -d' ' -f1 /proc/loadavg)"
     echo "== round $round: candle, load average $load" >&2
-    STEP_BENCH_SHAPES="$SHAPES" STEP_BENCH_STEPS="$STEPS" RAYON_NUM_THREADS="$THREADS" "$BENCH_BIN" |
+    STEP_BENCH_SHAPES="$SHAPES" STEP_BENCH_STEPS="$STEPS" RAYON_NUM_THREADS="$THREADS" prlimit --as="$AS_LIMIT" "$BENCH_BIN" |
         python3 -c "import json,sys; [print(json.dumps({**json.loads(l), 'round': $round, 'load_before': $load}), flush=True) for l in sys.stdin if l.startswith('{')]" |
         tee -a "$RAW"
     load="$(cut -d' ' -f1 /proc/loadavg)"
     echo "== round $round: torch, load average $load" >&2
     STEP_BENCH_STEPS="$STEPS" OMP_NUM_THREADS="$THREADS" MKL_NUM_THREADS="$THREADS" MOE_THREADS="$THREADS" \
-        "$PYTHON" "$DIR/train_step_torch.py" ${SHAPES//,/ } |
+        prlimit --as="$AS_LIMIT" "$PYTHON" "$DIR/train_step_torch.py" ${SHAPES//,/ } |
         python3 -c "import json,sys; [print(json.dumps({**json.loads(l), 'round': $round, 'load_before': $load}), flush=True) for l in sys.stdin if l.startswith('{')]" |
         tee -a "$RAW"
 done
+fi
 
 python3 - "$RAW" "$MD" "$THREADS" "$STEPS" <<'PY'
 import json, sys
@@ -61,10 +70,11 @@ out = ["# One training step, CPU: candle vs PyTorch\n",
        "`gpt_s_2l` is GPT-S's shapes (vocabulary 50,257, d 768, 12 heads, d_ff 3072, 8 experts, top-1) "
        "with 2 of its 12 layers and 2 × 128 tokens. Ratio > 1: candle faster. The fused column is "
        "measured inside the candle bench: two trainers of one seed, steps alternating, one with "
-       "candle's own ops and one with the fused CPU kernels; their losses agree bit for bit.\n",
+       "candle's own ops and one with the fused CPU kernels (GELU/SwiGLU, AdamW); their losses agree bit for bit. "
+       "Peak RSS is each process's high-water mark over all the shapes it ran (the candle bench holds two trainers).\n",
        "| config | tokens | candle s/step (per round) | torch s/step (per round) | ratio candle/torch (per round) "
-       "| ratio of best runs | fused kernels: speed-up over candle's ops | load average before (candle / torch) |",
-       "|---|---:|---:|---:|---:|---:|---:|---:|"]
+       "| ratio of best runs | fused kernels: speed-up over candle's ops | peak RSS MB candle (2 trainers) / torch | load average before (candle / torch) |",
+       "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 for c in configs:
     cs = [get("candle", c, rd) for rd in rounds]
     ts = [get("torch", c, rd) for rd in rounds]
@@ -74,9 +84,11 @@ for c in configs:
     tmin = min((r["min_s"] for r in ts if r), default=None)
     best = f"{tmin / cmin:.2f}" if cmin and tmin else "-"
     fused = " / ".join(f"{r['fused_speedup']:.2f}" if r else "-" for r in cs)
+    peak = lambda rs: max((r.get("peak_rss_mb") or 0 for r in rs if r), default=0)
+    mem = f"{peak(cs)} / {peak(ts)}"
     load = " / ".join(f"{a['load_before'] if a else '-'} / {b['load_before'] if b else '-'}" for a, b in zip(cs, ts))
     tok = next(r for r in cs + ts if r)["tokens"]
-    out.append(f"| {c} | {tok} | {f(cs)} | {f(ts)} | {ratio} | {best} | {fused} | {load} |")
+    out.append(f"| {c} | {tok} | {f(cs)} | {f(ts)} | {ratio} | {best} | {fused} | {mem} | {load} |")
 out.append("")
 open(md, "w").write("\n".join(out))
 print("\n".join(out))

@@ -19,6 +19,7 @@ steps. Threads: MOE_THREADS (default 2).
 import json
 import math
 import os
+import resource
 import sys
 import time
 
@@ -126,6 +127,9 @@ def main():
             "tokens_per_s": batch * seq / median,
             "first_loss": losses[0],
             "last_loss": losses[-1],
+            # The process's peak resident memory so far (Linux reports KiB), as the candle
+            # bench's peak_rss_mb: it covers every shape run before in this process.
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         }), flush=True)
 
 

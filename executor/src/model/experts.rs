@@ -297,8 +297,9 @@ impl ExpertStore {
     ) -> Result<BTreeMap<(usize, usize), (Tensor, Tensor)>> {
         let mut out = BTreeMap::new();
         for (&key, r) in &self.replicas {
-            let g1 = grads.get(r.w1.as_tensor()).cloned();
-            let g2 = grads.get(r.w2.as_tensor()).cloned();
+            // Detached: candle leaves a variable's gradient attached to the forward graph.
+            let g1 = grads.get(r.w1.as_tensor()).map(Tensor::detach);
+            let g2 = grads.get(r.w2.as_tensor()).map(Tensor::detach);
             if g1.is_none() && g2.is_none() {
                 continue;
             }
@@ -323,10 +324,24 @@ impl ExpertStore {
         g1: &Tensor,
         g2: &Tensor,
     ) -> Result<()> {
+        self.step_replica_scaled(layer, expert, g1, g2, 1.0)
+    }
+
+    /// [`Self::step_replica`] with the gradients multiplied by `factor` first (the same bits
+    /// as passing [`super::scale_grad`] of them, without the scaled copies).
+    pub fn step_replica_scaled(
+        &mut self,
+        layer: usize,
+        expert: usize,
+        g1: &Tensor,
+        g2: &Tensor,
+        factor: f64,
+    ) -> Result<()> {
         let Some(r) = self.replicas.get_mut(&(layer, expert)) else {
             candle_core::bail!("expert ({layer}, {expert}) is not held by this worker");
         };
-        r.opt.step_with(&[Some(g1.clone()), Some(g2.clone())])
+        r.opt
+            .step_scaled(&[Some(g1.clone()), Some(g2.clone())], factor)
     }
 
     /// Copies out weights, moments and step of one replica.

@@ -263,6 +263,150 @@ impl CustomOp2 for SwiGluGrad {
     }
 }
 
+/// The f32 constants of one AdamW update, each rounded from f64 as candle's `affine` rounds
+/// its operands.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AdamCoefs {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub scale_m: f64,
+    pub scale_v: f64,
+    pub decay: f64,
+    pub eps: f64,
+    pub lr: f64,
+    /// The gradient is first multiplied by this, as `scale_grad` does: not at all when it is 1
+    /// (`affine(g, 1, 0)` would turn −0 into +0).
+    pub grad_factor: f64,
+}
+
+/// One AdamW update of a parameter in one pass: writes the new value into `theta`'s storage
+/// (as `Var::set` would) and returns the new moments `(m, v)`; `None` (nothing done) when the
+/// fused kernels are off or a tensor is not a contiguous f32 CPU tensor, and the caller runs
+/// candle's ops instead.
+///
+/// candle's expression tree (`model::optim`, the same as `candle_nn::AdamW`) is one full pass
+/// and one fresh tensor per op — fifteen for each parameter, seven of them alive at once, so
+/// the 154 MB embedding of a GPT-2 vocabulary took ~1.1 GB of temporaries. Here each element
+/// goes through the same f32 operations in the same order (every `affine` as `v·mul + add`,
+/// `+ 0` kept), so the values, moments and training are bit-identical (checked below and by
+/// the train-step bench at every step).
+pub(crate) fn adamw_step(
+    theta: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    k: AdamCoefs,
+) -> Result<Option<(Tensor, Tensor)>> {
+    if !FUSED.load(Ordering::Relaxed) {
+        return Ok(None);
+    }
+    adamw_step_unchecked(theta, m, v, g, k)
+}
+
+/// [`adamw_step`] whatever [`set_fused_kernels`] says (the tests' entry: another test may turn
+/// the kernels off meanwhile).
+fn adamw_step_unchecked(
+    theta: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    k: AdamCoefs,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let all = [theta, m, v, g];
+    if all
+        .iter()
+        .any(|t| !t.device().is_cpu() || t.dtype() != DType::F32 || !t.is_contiguous())
+        || all.iter().any(|t| t.shape() != theta.shape())
+    {
+        return Ok(None);
+    }
+    let (m_s, m_l) = m.storage_and_layout();
+    let (v_s, v_l) = v.storage_and_layout();
+    let (g_s, g_l) = g.storage_and_layout();
+    let (
+        candle_core::Storage::Cpu(m_c),
+        candle_core::Storage::Cpu(v_c),
+        candle_core::Storage::Cpu(g_c),
+    ) = (&*m_s, &*v_s, &*g_s)
+    else {
+        return Ok(None);
+    };
+    let op = AdamStep {
+        m: f32_slice(m_c, m_l, "fused-adamw")?,
+        v: f32_slice(v_c, v_l, "fused-adamw")?,
+        g: f32_slice(g_c, g_l, "fused-adamw")?,
+        k,
+        out: std::cell::RefCell::new(None),
+    };
+    theta.inplace_op1(&op)?;
+    let Some((nm, nv)) = op.out.into_inner() else {
+        candle_core::bail!("fused-adamw: the update did not run");
+    };
+    Ok(Some((
+        Tensor::from_vec(nm, theta.shape(), theta.device())?,
+        Tensor::from_vec(nv, theta.shape(), theta.device())?,
+    )))
+}
+
+/// The in-place update of `theta` ([`adamw_step`]); the new moments land in `out`.
+struct AdamStep<'a> {
+    m: &'a [f32],
+    v: &'a [f32],
+    g: &'a [f32],
+    k: AdamCoefs,
+    out: std::cell::RefCell<Option<(Vec<f32>, Vec<f32>)>>,
+}
+
+impl candle_core::InplaceOp1 for AdamStep<'_> {
+    fn name(&self) -> &'static str {
+        "fused-adamw"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
+        let CpuStorage::F32(data) = storage else {
+            candle_core::bail!("{}: f32 only", self.name());
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("{}: the parameter must be contiguous", self.name());
+        };
+        let theta = &mut data[start..end];
+        let n = theta.len();
+        if [self.m.len(), self.v.len(), self.g.len()] != [n; 3] {
+            candle_core::bail!("{}: lengths differ", self.name());
+        }
+        let k = self.k;
+        let scaled = k.grad_factor != 1.0;
+        let (mut nm, mut nv) = (vec![0f32; n], vec![0f32; n]);
+        theta
+            .par_chunks_mut(CHUNK)
+            .zip(nm.par_chunks_mut(CHUNK).zip(nv.par_chunks_mut(CHUNK)))
+            .enumerate()
+            .for_each(|(c, (th, (nm, nv)))| {
+                let r = c * CHUNK..c * CHUNK + th.len();
+                let (m, v, g) = (&self.m[r.clone()], &self.v[r.clone()], &self.g[r]);
+                for i in 0..th.len() {
+                    // One candle tensor op per line of `scale_grad` and `AdamW::step_scaled`.
+                    let g = if scaled {
+                        affine(g[i], k.grad_factor, 0.0)
+                    } else {
+                        g[i]
+                    };
+                    let next_m = affine(m[i], k.beta1, 0.0) + affine(g, 1.0 - k.beta1, 0.0);
+                    let next_v = affine(v[i], k.beta2, 0.0) + affine(g * g, 1.0 - k.beta2, 0.0);
+                    let m_hat = affine(next_m, k.scale_m, 0.0);
+                    let v_hat = affine(next_v, k.scale_v, 0.0);
+                    let decayed = affine(th[i], k.decay, 0.0);
+                    let adjusted = m_hat / affine(v_hat.sqrt(), 1.0, k.eps);
+                    th[i] = decayed - affine(adjusted, k.lr, 0.0);
+                    nm[i] = next_m;
+                    nv[i] = next_v;
+                }
+            });
+        *self.out.borrow_mut() = Some((nm, nv));
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -320,6 +464,74 @@ mod tests {
                 f32::from_bits(b[i])
             );
         }
+        Ok(())
+    }
+
+    /// The fused AdamW update equals candle's expression tree (`AdamW::step_with`'s unfused
+    /// path) bit for bit over several steps and more than one rayon chunk, signed zeros
+    /// included; a strided tensor is refused (the caller falls back to candle's ops).
+    #[test]
+    fn adamw_matches_candle_ops_bit_for_bit() -> Result<()> {
+        let dev = Device::Cpu;
+        let n = 2 * CHUNK + 77;
+        let mut xs = inputs(n + 3 * n);
+        // Zeros of both signs in the value, the gradient and (through them) the moments.
+        for i in (0..xs.len()).step_by(97) {
+            xs[i] = if i % 2 == 0 { 0.0 } else { -0.0 };
+        }
+        let theta0 = Tensor::from_vec(xs[..n].to_vec(), n, &dev)?;
+        let (ours, theirs) = (Var::from_tensor(&theta0)?, Var::from_tensor(&theta0)?);
+        let (mut m_o, mut v_o) = (ours.zeros_like()?, ours.zeros_like()?);
+        let (mut m_t, mut v_t) = (m_o.clone(), v_o.clone());
+        let (beta1, beta2, lr, wd, eps) = (0.9, 0.999, 3e-3, 0.01, 1e-8);
+        for step in 1..=3 {
+            let g = Tensor::from_vec(xs[step * n..(step + 1) * n].to_vec(), n, &dev)?;
+            let g = (g * 0.01)?;
+            // Step 1 unscaled (keeps −0 gradients), then clipped by a factor.
+            let grad_factor = if step == 1 { 1.0 } else { 0.37 };
+            let k = AdamCoefs {
+                beta1,
+                beta2,
+                scale_m: 1.0 / (1.0 - f64::powi(beta1, step as i32)),
+                scale_v: 1.0 / (1.0 - f64::powi(beta2, step as i32)),
+                decay: 1.0 - lr * wd,
+                eps,
+                lr,
+                grad_factor,
+            };
+            let (m, v) = adamw_step_unchecked(ours.as_tensor(), &m_o, &v_o, &g, k)?
+                .expect("contiguous f32 CPU tensors take the fused path");
+            (m_o, v_o) = (m, v);
+            let g = crate::model::scale_grad(&g, grad_factor)?;
+            let next_m = ((&m_t * beta1)? + (&g * (1.0 - beta1))?)?;
+            let next_v = ((&v_t * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+            let m_hat = (&next_m * k.scale_m)?;
+            let v_hat = (&next_v * k.scale_v)?;
+            let th = (theirs.as_tensor() * k.decay)?;
+            let adjusted = (m_hat / (v_hat.sqrt()? + eps)?)?;
+            theirs.set(&(th - (adjusted * lr)?)?)?;
+            (m_t, v_t) = (next_m, next_v);
+            assert_eq!(bits(&m_o), bits(&m_t), "m, step {step}");
+            assert_eq!(bits(&v_o), bits(&v_t), "v, step {step}");
+            assert_eq!(
+                bits(ours.as_tensor()),
+                bits(theirs.as_tensor()),
+                "step {step}"
+            );
+        }
+        let strided = Tensor::from_vec(inputs(6)[..6].to_vec(), (2, 3), &dev)?.t()?;
+        let k = AdamCoefs {
+            beta1,
+            beta2,
+            scale_m: 1.0,
+            scale_v: 1.0,
+            decay: 1.0,
+            eps,
+            lr,
+            grad_factor: 1.0,
+        };
+        let z = strided.zeros_like()?;
+        assert!(adamw_step_unchecked(&strided, &z, &z, &z, k)?.is_none());
         Ok(())
     }
 

@@ -9,7 +9,7 @@ use super::config::MoeConfig;
 use super::data::Corpus;
 use super::dense::{DenseModel, RoutingStats};
 use super::experts::{ExpertStore, LocalExperts};
-use super::optim::{AdamW, OptimState, grad_scale, scale_grad, sq_norm};
+use super::optim::{AdamW, OptimState, grad_scale, sq_norm};
 use candle_core::{Device, Result, Tensor};
 use std::collections::BTreeMap;
 
@@ -38,13 +38,10 @@ pub fn apply_update(
     experts: BTreeMap<(usize, usize), (Tensor, Tensor)>,
     factor: f64,
 ) -> Result<()> {
-    let dense = dense
-        .iter()
-        .map(|g| g.as_ref().map(|g| scale_grad(g, factor)).transpose())
-        .collect::<Result<Vec<_>>>()?;
-    dense_opt.step_with(&dense)?;
+    // The factor is applied inside the updates (the bits of `scale_grad`, no scaled copies).
+    dense_opt.step_scaled(dense, factor)?;
     for ((l, e), (g1, g2)) in experts {
-        store.step_replica(l, e, &scale_grad(&g1, factor)?, &scale_grad(&g2, factor)?)?;
+        store.step_replica_scaled(l, e, &g1, &g2, factor)?;
     }
     Ok(())
 }
@@ -130,13 +127,17 @@ impl Trainer {
             .model
             .loss(&tokens, &mut LocalExperts(&self.experts), &mut stats)?;
         let grads = loss.backward()?;
+        // Detached gradients and no loss or gradient store kept: the forward graph (every
+        // activation of the step) is freed before the optimizer allocates its temporaries.
         let dense: Vec<Option<Tensor>> = self
             .model
             .named_vars()
             .iter()
-            .map(|(_, v)| grads.get(v.as_tensor()).cloned())
+            .map(|(_, v)| grads.get(v.as_tensor()).map(Tensor::detach))
             .collect();
         let experts = self.experts.gradients(&grads)?;
+        let loss = loss.to_scalar::<f32>()?;
+        drop(grads);
         let factor = grad_scale(
             1,
             &grad_norm_parts(&dense, &experts)?,
@@ -153,7 +154,7 @@ impl Trainer {
         let layers = stats.lb_loss.len().max(1) as f32;
         let report = StepReport {
             step: self.step,
-            loss: loss.to_scalar::<f32>()?,
+            loss,
             ce_loss: stats.ce_loss,
             lb_loss: stats.lb_loss.iter().sum::<f32>() / layers,
             counts: stats.counts,
@@ -169,5 +170,32 @@ impl Trainer {
 
     pub fn import_dense(&mut self, state: &OptimState) -> Result<()> {
         self.dense_opt.import(state)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The optimizer state a step leaves behind holds no autograd graph (which would keep the
+    /// step's activations and gradients, and every earlier step's, alive: the GPT-S-shaped
+    /// step's memory blow-up).
+    #[test]
+    fn a_step_leaves_no_graph_in_the_optimizer() -> Result<()> {
+        let mut t = Trainer::new(&MoeConfig::tiny())?;
+        for _ in 0..2 {
+            t.step()?;
+        }
+        let opt = t.dense_optimizer();
+        let names: Vec<String> = opt.names().map(str::to_owned).collect();
+        assert!(!names.is_empty());
+        for name in &names {
+            let (m, v) = opt.moments(name).expect("named slot");
+            assert!(
+                !m.track_op() && !v.track_op(),
+                "{name}: a moment holds a graph"
+            );
+        }
+        Ok(())
     }
 }

@@ -65,12 +65,13 @@ fn backward_experts(
             None => vec![0f32; n * d],
         };
         scatter(&mut dx_recv, blocks, d, &dx);
+        // Detached: candle leaves a variable's gradient attached to the forward graph.
         let g1 = match grads.get(&w.w1) {
-            Some(t) => t.clone(),
+            Some(t) => t.detach(),
             None => w.w1.zeros_like()?,
         };
         let g2 = match grads.get(&w.w2) {
-            Some(t) => t.clone(),
+            Some(t) => t.detach(),
             None => w.w2.zeros_like()?,
         };
         let acc = match inner.grads.remove(&(layer, e)) {

@@ -363,9 +363,12 @@ pub fn train_step_input(
         let grads = loss.backward()?;
         for (a, (_, v)) in acc.iter_mut().zip(vars) {
             if let Some(g) = grads.get(v.as_tensor()) {
+                // Detached: candle leaves a variable's gradient attached to the forward
+                // graph, which would keep every round's activations alive until the update.
+                let g = g.detach();
                 *a = Some(match a.take() {
                     Some(x) => (x + g)?,
-                    None => g.clone(),
+                    None => g,
                 });
             }
         }
