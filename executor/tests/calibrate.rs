@@ -149,6 +149,10 @@ fn calibrate_refuses_bad_input_with_exit_2() {
             "no-such.toml",
         ),
         (vec!["calibrate"], "required"),
+        (
+            vec!["calibrate", "--model-config", "no-such.json", "--out", out],
+            "no-such.json",
+        ),
     ] {
         let o = lzrun(&args);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}", show(&o));
@@ -213,5 +217,46 @@ fn calibrate_writes_every_number_with_how_it_was_measured() {
     // The temporary measuring runs are gone.
     let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
     assert_eq!(left.len(), 1, "{left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--model-config`: every measuring job trains the Hugging Face model (here the repository's
+/// tiny DeepSeek-V3), and the profile says so in its model line.
+#[test]
+fn calibrate_measures_a_hugging_face_model() {
+    let dir = scratch("hf");
+    let out = dir.join("hw.toml");
+    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/deepseek-v3-tiny.json");
+    let work = dir.join("work");
+    let o = lzrun(&[
+        "calibrate",
+        "--model-config",
+        model,
+        "--nodes",
+        "2",
+        "--steps",
+        "4",
+        "--out",
+        out.to_str().unwrap(),
+        "--work-dir",
+        work.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", show(&o));
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(text.contains("DeepseekV3ForCausalLM"), "{text}");
+    let table: toml::Table = text.parse().unwrap();
+    assert!(table["gpu_flops_effective"].as_float().unwrap() > 0.0);
+    // Every measuring run recorded the DeepSeek model in its run.json.
+    let runs = std::fs::read_dir(&work).unwrap();
+    let mut n = 0;
+    for r in runs {
+        let p = r.unwrap().path().join("run.json");
+        if p.exists() {
+            let run = std::fs::read_to_string(&p).unwrap();
+            assert!(run.contains("DeepseekV3ForCausalLM"), "{}", p.display());
+            n += 1;
+        }
+    }
+    assert!(n >= 4, "{n} measuring runs");
     let _ = std::fs::remove_dir_all(&dir);
 }

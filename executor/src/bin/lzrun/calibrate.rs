@@ -58,6 +58,10 @@ pub struct CalibrateArgs {
     /// file.
     #[arg(long, default_value = "tiny")]
     pub config: String,
+    /// Measure with a Hugging Face model instead (as `lzrun local --model-config`; --config
+    /// gives its training knobs): every measuring job trains it.
+    #[arg(long, value_name = "config.json")]
+    pub model_config: Option<PathBuf>,
     /// Training steps of each step-time run (step 0 is not averaged: it warms up; a checkpoint
     /// every 3 steps measures the checkpoint's cost), at least 4.
     #[arg(long, default_value_t = 10)]
@@ -310,9 +314,13 @@ fn run_local(exe: &Path, dir: &Path, args: &[String]) -> Result<Run> {
     })
 }
 
-/// A config file equal to `cfg` but with `batch` sequences per worker.
+/// A config file equal to `cfg` but with `batch` sequences per worker (for a Hugging Face
+/// model, its training knobs only: the measuring runs read the model from `--model-config`).
 fn config_with_batch(dir: &Path, cfg: &MoeConfig, batch: usize) -> Result<PathBuf> {
-    let mut c = cfg.clone();
+    let mut c = match cfg.hf {
+        Some(_) => MoeConfig::tiny().with_training_of(cfg),
+        None => cfg.clone(),
+    };
     c.batch = batch;
     let mut table = toml::Table::try_from(&c).context("encoding the config")?;
     table.insert("base".into(), toml::Value::String("tiny".into()));
@@ -509,7 +517,10 @@ pub fn calibrate(a: CalibrateArgs) -> Result<()> {
         100_000,
         "steps of each measuring job",
     )?;
-    let cfg = load_config(&a.config, None, None)?;
+    let cfg = crate::config::with_model_config(
+        load_config(&a.config, None, None)?,
+        a.model_config.as_deref(),
+    )?;
     if let Some(parent) = a.out.parent().filter(|p| !p.as_os_str().is_empty()) {
         ensure!(
             parent.is_dir(),
@@ -568,10 +579,19 @@ struct Measured {
     ar_bw: f64,
 }
 
-/// `lzrun local ARGS --config SPEC` in `work/name`.
-fn run_named(exe: &Path, work: &Path, name: &str, args: &[String], spec: &Path) -> Result<Run> {
+/// `lzrun local ARGS --config SPEC [--model-config FILE]` in `work/name`.
+fn run_named(
+    exe: &Path,
+    work: &Path,
+    name: &str,
+    args: &[String],
+    (spec, model): (&Path, Option<&Path>),
+) -> Result<Run> {
     let mut args = args.to_vec();
     args.extend(["--config".to_string(), spec.display().to_string()]);
+    if let Some(m) = model {
+        args.extend(["--model-config".to_string(), m.display().to_string()]);
+    }
     run_local(exe, &work.join(name), &args)
 }
 
@@ -583,6 +603,7 @@ fn strings(args: &[&str]) -> Vec<String> {
 /// bandwidth in this process.
 fn measure_runs(a: &CalibrateArgs, cfg: &MoeConfig, exe: &Path, work: &Path) -> Result<Measured> {
     let spec = config_with_batch(work, cfg, cfg.batch)?;
+    let model = a.model_config.as_deref();
     let steps = a.steps.to_string();
 
     // 1. Step times on 1..=N nodes, no faults, a checkpoint every 3 steps (the steps after
@@ -597,7 +618,7 @@ fn measure_runs(a: &CalibrateArgs, cfg: &MoeConfig, exe: &Path, work: &Path) -> 
             "--ckpt-every",
             "3",
         ]);
-        let run = run_named(exe, work, &format!("nodes{n}"), &args, &spec)?;
+        let run = run_named(exe, work, &format!("nodes{n}"), &args, (&spec, model))?;
         say(&format!(
             "calibrate: {n} node(s): {:.1} ms/step, checkpoint {:.1} ms, start {:.2} s, stop {:.2} s",
             run.mean_step_s() * 1e3,
@@ -616,7 +637,7 @@ fn measure_runs(a: &CalibrateArgs, cfg: &MoeConfig, exe: &Path, work: &Path) -> 
         }
         let path = config_with_batch(work, cfg, b)?;
         let args = strings(&["--nodes", "1", "--steps", &steps, "--ckpt-every", "0"]);
-        let run = run_named(exe, work, &format!("batch{b}"), &args, &path)?;
+        let run = run_named(exe, work, &format!("batch{b}"), &args, (&path, model))?;
         say(&format!(
             "calibrate: 1 node, batch {b}: {:.1} ms/step",
             run.mean_step_s() * 1e3
@@ -646,7 +667,7 @@ fn measure_runs(a: &CalibrateArgs, cfg: &MoeConfig, exe: &Path, work: &Path) -> 
         "--ckpt-every",
         "4",
     ]);
-    let faults = run_named(exe, work, "faults", &args, &spec)?;
+    let faults = run_named(exe, work, "faults", &args, (&spec, model))?;
     let args = strings(&[
         "--nodes",
         "4",
@@ -659,7 +680,7 @@ fn measure_runs(a: &CalibrateArgs, cfg: &MoeConfig, exe: &Path, work: &Path) -> 
         "--ckpt-every",
         "4",
     ]);
-    let restore = run_named(exe, work, "restore", &args, &spec)?;
+    let restore = run_named(exe, work, "restore", &args, (&spec, model))?;
     say(&format!(
         "calibrate: fault runs: {} reconfigurations",
         (faults.reconfigs.len() + restore.reconfigs.len()).saturating_sub(2)

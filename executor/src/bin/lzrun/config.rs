@@ -13,7 +13,13 @@ use crate::args::ModelArgs;
 /// knobs, or `--config` alone.
 pub fn load_model(a: &ModelArgs) -> Result<MoeConfig> {
     let base = load_config(&a.config, a.seed, a.precision)?;
-    let Some(path) = &a.model_config else {
+    with_model_config(base, a.model_config.as_deref())
+}
+
+/// `base`, or the model of the Hugging Face `config.json` at `path` with `base`'s training
+/// knobs.
+pub fn with_model_config(base: MoeConfig, path: Option<&Path>) -> Result<MoeConfig> {
+    let Some(path) = path else {
         return Ok(base);
     };
     let text = std::fs::read_to_string(path)
