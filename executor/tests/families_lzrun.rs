@@ -111,9 +111,15 @@ fn mixtral_recovers_in_place_from_a_kill() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[test]
-fn mixtral_restores_the_checkpoint_after_a_double_kill() {
-    let (dir, cfg) = setup("mixtral-double", &mixtral());
+/// 4 nodes, 12 steps, checkpoints every 4; nodes 0 and 1 killed after step 6 lose every copy
+/// of some expert: the checkpoint after step 3 is restored (resume at 4), the job finishes,
+/// learns, and the two survivors agree. Returns the scratch directory, the model and the
+/// checkpoint root for the family's own checks.
+fn restores_after_a_double_kill(
+    name: &str,
+    json: &serde_json::Value,
+) -> (PathBuf, MoeConfig, PathBuf) {
+    let (dir, cfg) = setup(name, json);
     let ck = dir.join("ckpt");
     let o = lzrun(
         &dir,
@@ -143,6 +149,12 @@ fn mixtral_restores_the_checkpoint_after_a_double_kill() {
     assert_eq!(rec.resume_step, 4, "{rec:?}");
     assert_learns(&s, &o);
     assert_eq!(assert_consistent(&dir, &cfg).len(), 2);
+    (dir, cfg, ck)
+}
+
+#[test]
+fn mixtral_restores_the_checkpoint_after_a_double_kill() {
+    let (dir, _, ck) = restores_after_a_double_kill("mixtral-double", &mixtral());
     // The manifest carries the HF model (and its config.json) for a later resume or export.
     let latest = std::fs::read_to_string(ck.join("latest")).unwrap();
     let manifest = std::fs::read_to_string(ck.join(latest.trim()).join("manifest.json")).unwrap();
@@ -266,36 +278,7 @@ fn deepseek_v3_joins_relayouts_and_recovers_in_place_from_a_kill() {
 /// final checkpoint's biases moved from zero by whole steps of ±0.001.
 #[test]
 fn deepseek_v3_restores_the_checkpoint_after_a_double_kill() {
-    let (dir, cfg) = setup("deepseek-double", &deepseek_v3());
-    let ck = dir.join("ckpt");
-    let o = lzrun(
-        &dir,
-        &[
-            "--nodes",
-            "4",
-            "--steps",
-            "12",
-            "--kill",
-            "0@6",
-            "--kill",
-            "1@6",
-            "--ckpt-every",
-            "4",
-            "--ckpt-dir",
-            ck.to_str().unwrap(),
-        ],
-    );
-    let s = o.summary();
-    assert_eq!(s.steps, 12);
-    assert_eq!(s.fallbacks, 1, "{}", o.show());
-    let rec = s
-        .reconfigurations
-        .iter()
-        .find(|r| r.kind == "checkpoint")
-        .unwrap();
-    assert_eq!(rec.resume_step, 4, "{rec:?}");
-    assert_learns(&s, &o);
-    assert_eq!(assert_consistent(&dir, &cfg).len(), 2);
+    let (dir, cfg, ck) = restores_after_a_double_kill("deepseek-double", &deepseek_v3());
     let ex = dir.join("export");
     let out = Command::new(LZRUN)
         .args([
