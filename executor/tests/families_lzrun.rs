@@ -162,11 +162,11 @@ fn mixtral_restores_the_checkpoint_after_a_double_kill() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Qwen2-MoE (shared expert with its gate, q/k/v biases, 8 fine-grained experts): a join and
-/// Lazarus re-layouts from the routing statistics, then a kill.
-#[test]
-fn qwen2_moe_joins_relayouts_and_recovers() {
-    let (dir, cfg) = setup("qwen2", &qwen2());
+/// 3 nodes, 14 steps: a join at step 3, Lazarus re-layouts every 4 steps from routing skewed
+/// toward the low expert ids (blocking migration), n1 killed after step 9; one join, one
+/// in-place recovery, at least one re-layout, the loss falls and the three members agree.
+fn joins_relayouts_and_recovers(name: &str, json: &serde_json::Value) -> (PathBuf, Outcome) {
+    let (dir, cfg) = setup(name, json);
     let o = lzrun(
         &dir,
         &[
@@ -188,8 +188,23 @@ fn qwen2_moe_joins_relayouts_and_recovers() {
     );
     let s = o.summary();
     assert_eq!(s.steps, 14);
-    assert_eq!((s.joins, s.recoveries), (1, 1), "{}", o.show());
+    assert_eq!(
+        (s.joins, s.recoveries, s.fallbacks),
+        (1, 1, 0),
+        "{}",
+        o.show()
+    );
     assert!(s.rebalances >= 1, "{}", o.show());
+    assert_learns(&s, &o);
+    assert_eq!(assert_consistent(&dir, &cfg).len(), 3);
+    (dir, o)
+}
+
+/// Qwen2-MoE (shared expert with its gate, q/k/v biases, 8 fine-grained experts): a join and
+/// Lazarus re-layouts from the routing statistics, then a kill.
+#[test]
+fn qwen2_moe_joins_relayouts_and_recovers() {
+    let (dir, o) = joins_relayouts_and_recovers("qwen2", &qwen2());
     // The kill came after step 9, when the checkpoint after step 9 was due: it used to fail
     // ("expected part dense.bin is not in the manifest"); the recovery writes it again.
     let failed = |l: &&str| l.contains("checkpoint") && l.contains("failed");
@@ -199,8 +214,6 @@ fn qwen2_moe_joins_relayouts_and_recovers() {
         "{}",
         o.show()
     );
-    assert_learns(&s, &o);
-    assert_eq!(assert_consistent(&dir, &cfg).len(), 3);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -239,37 +252,7 @@ fn qwen3_moe_trains_with_resilient_fsep_and_bf16() {
 /// applied the update of the same global counts, the newcomer received them with the state).
 #[test]
 fn deepseek_v3_joins_relayouts_and_recovers_in_place_from_a_kill() {
-    let (dir, cfg) = setup("deepseek-kill", &deepseek_v3());
-    let o = lzrun(
-        &dir,
-        &[
-            "--nodes",
-            "3",
-            "--steps",
-            "14",
-            "--join",
-            "@3",
-            "--rebalance-every",
-            "4",
-            "--router-skew",
-            "4",
-            "--migration",
-            "blocking",
-            "--kill",
-            "1@9",
-        ],
-    );
-    let s = o.summary();
-    assert_eq!(s.steps, 14);
-    assert_eq!(
-        (s.joins, s.recoveries, s.fallbacks),
-        (1, 1, 0),
-        "{}",
-        o.show()
-    );
-    assert!(s.rebalances >= 1, "{}", o.show());
-    assert_learns(&s, &o);
-    assert_eq!(assert_consistent(&dir, &cfg).len(), 3);
+    let (dir, _) = joins_relayouts_and_recovers("deepseek-kill", &deepseek_v3());
     let _ = std::fs::remove_dir_all(&dir);
 }
 
