@@ -113,7 +113,7 @@ enum HfAttention {
         q: MlaQuery,
         kv_a: Linear,
         kv_norm: Tensor,
-        kv_b: Tensor,
+        kv_b: Linear,
         o: Linear,
     },
 }
@@ -121,8 +121,8 @@ enum HfAttention {
 /// MLA's query projection: one `q_proj`, or `q_a_proj`, RMSNorm, `q_b_proj`.
 #[derive(Debug, Clone)]
 enum MlaQuery {
-    Full(Tensor),
-    LowRank { a: Linear, norm: Tensor, b: Tensor },
+    Full(Linear),
+    LowRank { a: Linear, norm: Tensor, b: Linear },
 }
 
 /// One block of a Hugging Face family.
@@ -266,12 +266,12 @@ fn build_hf(cfg: &MoeConfig, hf: &HfModel, b: &mut Builder<'_>) -> Result<(Tenso
                 let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
                 let query = match m.q_lora_rank {
                     None => {
-                        MlaQuery::Full(b.linear(&format!("{a}.q_proj"), h * qk, d, std, false)?.0)
+                        MlaQuery::Full(b.linear(&format!("{a}.q_proj"), h * qk, d, std, false)?)
                     }
                     Some(r) => MlaQuery::LowRank {
                         a: b.linear(&format!("{a}.q_a_proj"), r, d, std, hf.qkv_bias)?,
                         norm: b.fill(format!("{a}.q_a_layernorm.weight"), r, 1.0)?,
-                        b: b.linear(&format!("{a}.q_b_proj"), h * qk, r, std, false)?.0,
+                        b: b.linear(&format!("{a}.q_b_proj"), h * qk, r, std, false)?,
                     },
                 };
                 let kv_a = b.linear(
@@ -282,15 +282,13 @@ fn build_hf(cfg: &MoeConfig, hf: &HfModel, b: &mut Builder<'_>) -> Result<(Tenso
                     hf.qkv_bias,
                 )?;
                 let kv_norm = b.fill(format!("{a}.kv_a_layernorm.weight"), m.kv_lora_rank, 1.0)?;
-                let kv_b = b
-                    .linear(
-                        &format!("{a}.kv_b_proj"),
-                        h * (m.qk_nope_head_dim + m.v_head_dim),
-                        m.kv_lora_rank,
-                        std,
-                        false,
-                    )?
-                    .0;
+                let kv_b = b.linear(
+                    &format!("{a}.kv_b_proj"),
+                    h * (m.qk_nope_head_dim + m.v_head_dim),
+                    m.kv_lora_rank,
+                    std,
+                    false,
+                )?;
                 let o = b.linear(&format!("{a}.o_proj"), d, h * m.v_head_dim, std, hf.o_bias)?;
                 HfAttention::Mla {
                     q: query,
@@ -580,12 +578,17 @@ impl DenseModel {
     /// (`…mlp.gate.e_score_correction_bias`), moved by [`Self::update_routing_bias`] instead.
     /// Empty for every other family.
     pub fn routing_bias_names(&self) -> Vec<String> {
-        match &self.cfg.hf {
+        match self.cfg.hf.as_deref() {
             Some(arch) if arch.has_routing_bias() => (0..self.cfg.n_layers)
                 .map(|l| arch.routing_bias_name(l))
                 .collect(),
             _ => Vec::new(),
         }
+    }
+
+    /// Whether the routers carry DeepSeek-V3's routing bias ([`Self::update_routing_bias`]).
+    pub fn has_routing_bias(&self) -> bool {
+        self.cfg.hf.as_ref().is_some_and(|h| h.has_routing_bias())
     }
 
     /// Auxiliary-loss-free balancing (DeepSeek-V3 report §2.1.2): after a step whose routing
@@ -944,7 +947,7 @@ impl DenseModel {
     fn mla_attention(
         &self,
         m: &super::hf::Mla,
-        (q, kv_a, kv_norm, kv_b, o): (&MlaQuery, &Linear, &Tensor, &Tensor, &Linear),
+        (q, kv_a, kv_norm, kv_b, o): (&MlaQuery, &Linear, &Tensor, &Linear, &Linear),
         h: &Tensor,
         (b, s): (usize, usize),
         mask: &Tensor,
@@ -959,10 +962,10 @@ impl DenseModel {
             m.kv_lora_rank,
         );
         let q = match q {
-            MlaQuery::Full(w) => self.linear(h, &(w.clone(), None))?,
+            MlaQuery::Full(w) => self.linear(h, w)?,
             MlaQuery::LowRank { a, norm, b: wb } => {
                 let c = rms_norm(&self.linear(h, a)?, norm, MLA_NORM_EPS)?;
-                self.linear(&c, &(wb.clone(), None))?
+                self.linear(&c, wb)?
             }
         };
         let q = q.reshape((b, s, nh, nope + rope))?.transpose(1, 2)?; // [b, nh, s, nope+rope]
@@ -979,7 +982,7 @@ impl DenseModel {
         let q_rot = apply_rope(&q_rot, cos, sin)?;
         let k_rot = apply_rope(&k_rot, cos, sin)?;
         let kv = self
-            .linear(&latent, &(kv_b.clone(), None))?
+            .linear(&latent, kv_b)?
             .reshape((b, s, nh, nope + vd))?
             .transpose(1, 2)?; // [b, nh, s, nope+v]
         let k_pass = kv.narrow(D::Minus1, 0, nope)?;

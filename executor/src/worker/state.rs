@@ -547,7 +547,7 @@ pub fn eval_step(
 /// with a routing bias (DeepSeek-V3); empty otherwise. A member without data this step (only
 /// phantom rounds) contributes zeros.
 fn routing_bias_slots(model: &DenseModel, stats: &RoutingStats) -> Vec<f32> {
-    if model.routing_bias_names().is_empty() {
+    if !model.has_routing_bias() {
         return Vec::new();
     }
     let (layers, e) = (model.config().n_layers, model.config().experts);
