@@ -194,6 +194,23 @@ impl<'a> Holders<'a> {
         }
     }
 
+    /// Whether node `p - 1` reports the same ids as node `p` in layer `l` (false for `p = 0`
+    /// and when either reports nothing there): for two rows of a placement that knows its
+    /// distinct rows, an index comparison ([`LayerPlacement::same_rows`]). Rows must have been
+    /// checked ([`check_rows`]).
+    fn same_ids_as_prev(self, p: usize, l: usize) -> bool {
+        if p == 0 {
+            return false;
+        }
+        if let Holders::Rows { held, layers, .. } = self
+            && let (Held::Row(a), Held::Row(b)) = (held[p - 1], held[p])
+            && let Some(placement) = layers.get(l)
+        {
+            return placement.same_rows(a as usize, b as usize);
+        }
+        matches!((self.ids(p - 1, l), self.ids(p, l)), (Some(a), Some(b)) if a == b)
+    }
+
     /// Every node's holdings as owned [`PhysicalNode`]s, for callers that need them.
     ///
     /// # Errors
@@ -577,14 +594,15 @@ fn set_checked(
 }
 
 /// [`set_checked`] of layer `l`'s `ids` into the node bitsets `bits` of the node at `base`
-/// (words `base + l*words..`, zero before), or a copy of the previous node's words when its ids
-/// `prev` (set already, so valid) are the same list: MRO plans repeat a node's row over runs of
-/// nodes (about 9 in 10 rows at 2,048 nodes), and so do holdings reported from such a plan.
+/// (words `base + l*words..`, zero before), or a copy of the previous node's words when
+/// `same_as_prev` (its ids, set already and so valid, are the same list): MRO plans repeat a
+/// node's row over runs of nodes (about 9 in 10 rows at 2,048 nodes), and so do holdings
+/// reported from such a plan.
 #[allow(clippy::too_many_arguments)]
 fn set_or_copy(
     l: usize,
     ids: &[u32],
-    prev: Option<&[u32]>,
+    same_as_prev: bool,
     experts: usize,
     bits: &mut [u64],
     base: usize,
@@ -592,12 +610,11 @@ fn set_or_copy(
     words: usize,
 ) -> Result<(), MigrateError> {
     let at = base + l * words;
-    match prev {
-        Some(prev) if prev == ids => {
-            bits.copy_within(at - stride..at - stride + words, at);
-            Ok(())
-        }
-        _ => set_checked(l, ids, experts, &mut bits[at..at + words]),
+    if same_as_prev {
+        bits.copy_within(at - stride..at - stride + words, at);
+        Ok(())
+    } else {
+        set_checked(l, ids, experts, &mut bits[at..at + words])
     }
 }
 
@@ -685,11 +702,10 @@ impl Instance {
                         placements.iter().enumerate().try_for_each(|(l, p)| {
                             let grid = p.grid();
                             block.clone().try_for_each(|q| {
-                                let prev = q.checked_sub(1).map(|r| &grid[r]);
                                 set_or_copy(
                                     l,
                                     &grid[q],
-                                    prev,
+                                    q > 0 && p.same_rows(q - 1, q),
                                     experts,
                                     &mut need,
                                     q * stride,
@@ -734,8 +750,8 @@ impl Instance {
                         let Some(ids) = physical.ids(p, l) else {
                             return Ok(());
                         };
-                        let prev = p.checked_sub(1).and_then(|r| physical.ids(r, l));
-                        set_or_copy(l, ids, prev, experts, &mut have, p * stride, stride, words)
+                        let same = physical.same_ids_as_prev(p, l);
+                        set_or_copy(l, ids, same, experts, &mut have, p * stride, stride, words)
                     })
                 })
             });
@@ -1310,18 +1326,26 @@ pub fn lost_experts_held(holders: Holders<'_>, layers: usize, experts: usize) ->
         .into_par_iter()
         .map(|l| {
             let mut row = vec![false; experts];
-            let mut prev: Option<&[u32]> = None;
+            // The previous list set, and its plan row when it was one.
+            let mut prev: Option<(Option<u32>, &[u32])> = None;
+            let placement = placements.get(l);
             for h in held.iter().filter(|h| valid(h)) {
-                let ids = match *h {
-                    Held::Lists(lists) => lists.get(l).map(Vec::as_slice),
-                    Held::Row(r) => placements.get(l).map(|p| p.grid().row(r as usize)),
+                let (plan_row, ids) = match *h {
+                    Held::Lists(lists) => (None, lists.get(l).map(Vec::as_slice)),
+                    Held::Row(r) => (Some(r), placement.map(|p| p.grid().row(r as usize))),
                 };
                 let Some(ids) = ids else { continue };
-                // Setting a list equal to the previous one again changes nothing.
-                if prev == Some(ids) {
+                // Setting a list equal to the previous one again changes nothing. Two rows of
+                // the plan compare by index when the placement knows its distinct rows.
+                let same = match (prev, plan_row, placement) {
+                    (Some((Some(a), _)), Some(b), Some(p)) => p.same_rows(a as usize, b as usize),
+                    (Some((_, before)), _, _) => before == ids,
+                    (None, _, _) => false,
+                };
+                if same {
                     continue;
                 }
-                prev = Some(ids);
+                prev = Some((plan_row, ids));
                 for &e in ids {
                     if let Some(x) = row.get_mut(e as usize) {
                         *x = true;

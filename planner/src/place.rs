@@ -77,13 +77,31 @@ impl FromStr for PlacePolicy {
 /// and freed with every plan). The cells are shared, never changed once built: a clone of a
 /// plan (the job machine keeps the plan it sends, 15 MB at 2,048 nodes) copies no cell.
 /// Serialized as before, `{"experts": E, "grid": [[..], ..]}`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// An MRO placement also knows which of its rows are equal ([`LayerPlacement::same_rows`]):
+/// the planner's passes over a plan (the mapping's bitsets, the lost-expert check, the
+/// simulator's runs of equal nodes) compare each row with its predecessor's, and at 16,384
+/// nodes × 58 layers that was a sixth of a replayed reconfiguration in `memcmp`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(into = "GridRepr", from = "GridRepr")]
 pub struct LayerPlacement {
     experts: usize,
     slots: usize,
     cells: Arc<[u32]>,
+    /// Index of each node's row among the distinct rows, when known: two rows are equal
+    /// exactly when their indices are (an MRO template's numbering, shared by every layer
+    /// placed from it). `None`: [`LayerPlacement::same_rows`] compares cells.
+    row_ids: Option<Arc<[u32]>>,
 }
+
+/// Equal placements have equal cells; whether the row indices are known does not matter.
+impl PartialEq for LayerPlacement {
+    fn eq(&self, other: &Self) -> bool {
+        self.experts == other.experts && self.slots == other.slots && self.cells == other.cells
+    }
+}
+
+impl Eq for LayerPlacement {}
 
 /// The serialized form of a [`LayerPlacement`]: rows of slots.
 #[derive(Serialize, Deserialize)]
@@ -109,6 +127,7 @@ impl From<GridRepr> for LayerPlacement {
             experts: r.experts,
             slots: r.grid.first().map_or(0, Vec::len),
             cells: r.grid.into_iter().flatten().collect::<Vec<u32>>().into(),
+            row_ids: None,
         }
     }
 }
@@ -237,6 +256,7 @@ impl LayerPlacement {
             experts,
             slots: c,
             cells: grid.into_iter().flatten().collect::<Vec<u32>>().into(),
+            row_ids: None,
         })
     }
 
@@ -254,6 +274,21 @@ impl LayerPlacement {
         Grid {
             cells: &self.cells,
             slots: self.slots,
+        }
+    }
+
+    /// Whether nodes `a` and `b` hold the same slot row (the same experts in the same
+    /// order): an index comparison when the placement knows its distinct rows, else the cells.
+    ///
+    /// # Panics
+    /// If `a` or `b` is not a node of the placement.
+    pub fn same_rows(&self, a: usize, b: usize) -> bool {
+        match &self.row_ids {
+            Some(ids) => ids[a] == ids[b],
+            None => {
+                let grid = self.grid();
+                grid.row(a) == grid.row(b)
+            }
         }
     }
 
@@ -300,6 +335,7 @@ impl LayerPlacement {
             experts: self.experts,
             slots: c,
             cells: cells.into(),
+            row_ids: None,
         }
     }
 }
@@ -387,7 +423,8 @@ struct RankTemplate {
     /// Replica counts in rank order (ascending).
     sorted: Vec<usize>,
     rows: Vec<Vec<u32>>,
-    row_of_node: Vec<u32>,
+    /// Shared with every placement renamed from the template ([`LayerPlacement::same_rows`]).
+    row_of_node: Arc<[u32]>,
 }
 
 impl RankTemplate {
@@ -423,7 +460,7 @@ impl RankTemplate {
             slots_per_node: c,
             sorted,
             rows,
-            row_of_node,
+            row_of_node: row_of_node.into(),
         })
     }
 
@@ -452,7 +489,7 @@ impl RankTemplate {
         // Written in place: collecting into a vector first would copy every cell once more.
         let mut cells = Arc::<[u32]>::new_uninit_slice(self.row_of_node.len() * c);
         let out = Arc::get_mut(&mut cells).expect("not shared yet");
-        for (dst, &r) in out.chunks_exact_mut(c.max(1)).zip(&self.row_of_node) {
+        for (dst, &r) in out.chunks_exact_mut(c.max(1)).zip(self.row_of_node.iter()) {
             let row = &renamed[r as usize];
             assert_eq!(row.len(), dst.len(), "every MRO row has the node's slots");
             for (cell, &e) in dst.iter_mut().zip(row) {
@@ -465,6 +502,9 @@ impl RankTemplate {
             // SAFETY: `row_of_node.len()` chunks of `c` cells cover the slice and each chunk
             // was written (every row of `renamed` has `c` cells; `c = 0` leaves it empty).
             cells: unsafe { cells.assume_init() },
+            // Distinct rank rows stay distinct: renaming is a bijection of the experts and
+            // sorting a row keeps its multiset.
+            row_ids: Some(self.row_of_node.clone()),
         }
     }
 }
@@ -820,7 +860,16 @@ mod tests {
                 let mut r = counts.clone();
                 r.shuffle(&mut Xoshiro256PlusPlus::seed_from_u64(seed));
                 let want = place(PlacePolicy::Mro, &r, nodes, c).unwrap();
-                prop_assert_eq!(placer.place(&r, nodes, c).unwrap(), want);
+                let got = placer.place(&r, nodes, c).unwrap();
+                prop_assert_eq!(&got, &want);
+                // Its row indices say exactly which rows are equal (`want`'s compare cells).
+                for a in 0..nodes {
+                    for b in 0..nodes {
+                        let equal = got.grid().row(a) == got.grid().row(b);
+                        prop_assert_eq!(got.same_rows(a, b), equal, "rows {} and {}", a, b);
+                        prop_assert_eq!(want.same_rows(a, b), equal);
+                    }
+                }
             }
         }
     }

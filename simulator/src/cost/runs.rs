@@ -16,6 +16,7 @@ use super::{
     SparseReplicas, SparseStepInput, StepCost, routed_tokens, step_cost_sparse,
 };
 use anyhow::{Result, bail};
+use lazarus_planner::LayerPlacement;
 use rayon::prelude::*;
 
 /// One MoE layer's replicas, `gpus_per_node` ranks per node, nodes in runs of equal rows.
@@ -43,13 +44,33 @@ impl LayerRuns {
         gpu_of: &[u32],
         experts: usize,
     ) -> LayerRuns {
+        Self::from_rows(grid, |_, before, slots| before == slots, gpu_of, experts)
+    }
+
+    /// [`LayerRuns::from_grid`] of a placement's rows: equal to it, with consecutive rows
+    /// compared by index when the placement knows its distinct rows
+    /// ([`LayerPlacement::same_rows`]) rather than cell by cell.
+    pub fn from_placement(placement: &LayerPlacement, gpu_of: &[u32], experts: usize) -> LayerRuns {
+        let same = |node: usize, _: &[u32], _: &[u32]| placement.same_rows(node - 1, node);
+        Self::from_rows(placement.grid().iter(), same, gpu_of, experts)
+    }
+
+    /// `same(node, before, slots)`: whether node `node`'s `slots` equal `before`, the row of
+    /// node `node - 1`.
+    fn from_rows<'a>(
+        grid: impl ExactSizeIterator<Item = &'a [u32]>,
+        same: impl Fn(usize, &[u32], &[u32]) -> bool,
+        gpu_of: &[u32],
+        experts: usize,
+    ) -> LayerRuns {
         // `(expert, gpu, count)` of each run, in run order, back to back.
         let mut merged: Vec<(u32, u32, u32)> = Vec::new();
         let mut bounds: Vec<u32> = vec![0];
         let mut runs: Vec<(u32, u32)> = Vec::new();
+        // The row of the current run (equal to the previous node's).
         let mut prev: Option<&[u32]> = None;
         for (node, slots) in grid.enumerate() {
-            if prev == Some(slots) {
+            if prev.is_some_and(|before| same(node, before, slots)) {
                 if let Some(run) = runs.last_mut() {
                     run.1 = node as u32 + 1;
                 }
@@ -550,6 +571,49 @@ mod tests {
             grid[e / slots][e % slots] = e as u32;
         }
         grid
+    }
+
+    /// The runs of an MRO plan's placements (which compare rows by index) are the runs of
+    /// their cells, for every layer of seeded plans of skewed loads.
+    #[test]
+    fn runs_of_a_placement_are_the_runs_of_its_grid() {
+        let mut next = rng(0x5851_F42D_4C95_7F2D);
+        let mut planned = 0;
+        for case in 0..40 {
+            let (g, experts, layers) = (1 + next(4), 2 + next(30), 1 + next(4));
+            let slots = g * (1 + next(4));
+            let nodes = experts.div_ceil(slots) + next(40);
+            let cluster = lazarus_planner::ClusterSpec::new(nodes, slots).with_gpus_per_node(g);
+            let spec = lazarus_planner::ModelSpec {
+                experts,
+                layers,
+                f: 1 + next(2),
+            };
+            let loads: Vec<Vec<u64>> = (0..layers)
+                .map(|_| (0..experts).map(|_| 1 + next(1000) as u64).collect())
+                .collect();
+            let Ok(plan) = lazarus_planner::plan_model(
+                &cluster,
+                &spec,
+                &loads,
+                lazarus_planner::AllocPolicy::Lazarus,
+                lazarus_planner::PlacePolicy::Mro,
+                lazarus_planner::Alignment::Aligned,
+            ) else {
+                continue;
+            };
+            planned += 1;
+            let gpu_of: Vec<u32> = (0..slots).map(|s| cluster.gpu_of_slot(s) as u32).collect();
+            for layer in &plan.layers {
+                let want = LayerRuns::from_grid(layer.grid().iter(), &gpu_of, experts);
+                let got = LayerRuns::from_placement(layer, &gpu_of, experts);
+                assert_eq!(got, want, "case {case}");
+            }
+        }
+        assert!(
+            planned >= 30,
+            "only {planned} of 40 seeded plans were feasible"
+        );
     }
 
     /// Runs expand to the slot-by-slot rows (300 seeded grids), and are maximal: a run starts

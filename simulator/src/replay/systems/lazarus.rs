@@ -112,7 +112,7 @@ fn layer_runs_of(plan: &ModelPlan) -> Vec<LayerRuns> {
         .collect();
     plan.layers
         .par_iter()
-        .map(|layer| LayerRuns::from_grid(layer.grid().iter(), &gpu_of, plan.model.experts))
+        .map(|layer| LayerRuns::from_placement(layer, &gpu_of, plan.model.experts))
         .collect()
 }
 
