@@ -6,7 +6,7 @@
 //!
 //! Two trainers of the same seed run side by side in one process, steps alternating: one with
 //! the fused CPU kernels off (candle's own ops, `set_fused_kernels(false)`), the baseline, and
-//! one with them on. Their losses must agree bit for bit at every step (checked), and the bench
+//! one with them on (GELU/SwiGLU, AdamW, cross-entropy). Their losses must agree bit for bit at every step (checked), and the bench
 //! prints one JSON line per shape with both medians and `fused_speedup` = unfused / fused.
 //! `results/executor/train_step_torch.py` is the PyTorch twin of the same step, and
 //! `results/executor/regenerate-step.sh` runs both, interleaved.
@@ -21,6 +21,10 @@
 //! run before; `executor/examples/step_memory.rs` splits one trainer's memory by phase). Run
 //! it under a cap, e.g. `prlimit --as=7000000000`. (It used to grow by ~2.4 GB per step and
 //! was killed at 23 GB: the AdamW moments kept every step's autograd graph alive.)
+//!
+//! Like `lzrun`, the bench first sets glibc's allocator to keep large freed blocks
+//! ([`lazarus_executor::malloc::tune`]); `LAZARUS_MALLOC_TUNING=0` runs it with glibc's
+//! defaults, and the JSON line's `malloc` says which.
 
 use candle_core::Result;
 use lazarus_executor::model::{MoeConfig, Trainer, set_fused_kernels};
@@ -61,6 +65,7 @@ fn timed(trainer: &mut Trainer, fused: bool) -> Result<(f64, f32)> {
 }
 
 fn main() -> Result<()> {
+    let malloc = lazarus_executor::malloc::tune();
     let steps: usize = std::env::var("STEP_BENCH_STEPS")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -119,6 +124,7 @@ fn main() -> Result<()> {
         });
         let mut line = line;
         line["peak_rss_mb"] = peak_rss_mb().map_or(serde_json::Value::Null, Into::into);
+        line["malloc"] = malloc.as_str().into();
         println!("{line}");
     }
     Ok(())

@@ -9,7 +9,8 @@
 //! (default `gpt_s_2l`, 3 steps). `gpt_s_2l` is the train-step bench's GPT-S shape (vocabulary
 //! 50,257, d 768, 2 layers, 8 experts, top-1, 2 × 128 tokens): weights, AdamW moments and
 //! gradients of its 119 M parameters are 1.9 GB, so run it under a cap, e.g.
-//! `prlimit --as=4000000000 …`.
+//! `prlimit --as=4000000000 …`. The allocator is set as in `lzrun`
+//! ([`lazarus_executor::malloc::tune`]; `LAZARUS_MALLOC_TUNING=0` for glibc's defaults).
 
 use lazarus_executor::model::{
     LocalExperts, MoeConfig, RoutingStats, Trainer, apply_update, grad_norm_parts, grad_scale,
@@ -38,6 +39,7 @@ fn memory() -> String {
 }
 
 fn main() -> anyhow::Result<()> {
+    let malloc = lazarus_executor::malloc::tune();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let cfg = match args.first().map_or("gpt_s_2l", String::as_str) {
         "tiny" => MoeConfig::tiny(),
@@ -60,7 +62,7 @@ fn main() -> anyhow::Result<()> {
             std::process::exit(2);
         }
     };
-    println!("start                      {}", memory());
+    println!("start (malloc {:<11})  {}", malloc.as_str(), memory());
     let mut trainer = Trainer::new(&cfg)?;
     // The trainer's own optimizer is private; a fresh one over the same variables takes the
     // same updates.

@@ -14,6 +14,7 @@ pub mod dataset;
 pub mod device;
 pub mod faults;
 pub mod interop;
+pub mod malloc;
 pub mod metrics;
 pub mod model;
 pub mod runtime;

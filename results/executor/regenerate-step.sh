@@ -70,7 +70,9 @@ out = ["# One training step, CPU: candle vs PyTorch\n",
        "`gpt_s_2l` is GPT-S's shapes (vocabulary 50,257, d 768, 12 heads, d_ff 3072, 8 experts, top-1) "
        "with 2 of its 12 layers and 2 × 128 tokens. Ratio > 1: candle faster. The fused column is "
        "measured inside the candle bench: two trainers of one seed, steps alternating, one with "
-       "candle's own ops and one with the fused CPU kernels (GELU/SwiGLU, AdamW); their losses agree bit for bit. "
+       "candle's own ops and one with the fused CPU kernels (GELU/SwiGLU, AdamW, cross-entropy); their losses agree bit for bit. "
+       "Both trainers run with `lzrun`'s allocator setting (`executor::malloc`: glibc's mmap threshold raised) "
+       "unless `LAZARUS_MALLOC_TUNING=0` (each candle row's `malloc` in the raw file says which). "
        "Peak RSS is each process's high-water mark over all the shapes it ran (the candle bench holds two trainers).\n",
        "| config | tokens | candle s/step (per round) | torch s/step (per round) | ratio candle/torch (per round) "
        "| ratio of best runs | fused kernels: speed-up over candle's ops | peak RSS MB candle (2 trainers) / torch | load average before (candle / torch) |",

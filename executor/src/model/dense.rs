@@ -670,7 +670,7 @@ impl DenseModel {
         let tgt = tokens.narrow(1, 1, t - 1)?.flatten_all()?;
         let (h, lb) = self.hidden(&inp, experts, stats)?;
         let logits = self.compute.matmul(&h, &self.head().t()?)?;
-        let ce = candle_nn::loss::cross_entropy(&logits, &tgt)?;
+        let ce = super::fused::cross_entropy(&logits, &tgt)?;
         debug_assert_eq!(logits.dims2()?, (b * (t - 1), self.cfg.vocab));
         stats.ce_loss = ce.to_scalar::<f32>()?;
         if self.cfg.lb_loss_coef == 0.0 {

@@ -407,6 +407,139 @@ impl candle_core::InplaceOp1 for AdamStep<'_> {
     }
 }
 
+/// The mean cross-entropy of `logits [n, v]` against `targets [n]` (u32 class ids), as
+/// `candle_nn::loss::cross_entropy` computes it, with one fused pass forward and one backward
+/// on f32 CPU logits; elsewhere (and with the fused kernels off) candle's own function.
+///
+/// candle's function is a chain of logits-sized tensors: the shifted logits, their `exp`, the
+/// log-softmax, and in the backward about ten more (zeroed accumulators, sums, products), each
+/// a full pass and a fresh allocation — at a GPT-2 vocabulary 51 MB apiece for 256 tokens. Here
+/// the forward keeps nothing but the targets and the backward writes one tensor, the logits'
+/// gradient. Every value goes through the f32 operations of candle's graph in the same order
+/// (the row sums through candle's own vectorised `vec_reduce_sum`, the `0 + …` of its
+/// gradient accumulators kept), so loss and gradient are bit-identical to candle's (tests
+/// below; the train-step bench compares the losses of both paths at every step).
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    if !FUSED.load(Ordering::Relaxed) || !logits.device().is_cpu() || logits.dtype() != DType::F32 {
+        return candle_nn::loss::cross_entropy(logits, targets);
+    }
+    cross_entropy_unchecked(logits, targets)
+}
+
+/// [`cross_entropy`] whatever [`set_fused_kernels`] says (for the tests).
+fn cross_entropy_unchecked(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let (n, v) = logits.dims2()?;
+    let targets: Vec<u32> = targets.to_vec1()?;
+    if targets.len() != n {
+        candle_core::bail!("cross_entropy: {} targets for {n} rows", targets.len());
+    }
+    if let Some(t) = targets.iter().find(|&&t| t as usize >= v) {
+        candle_core::bail!("cross_entropy: target {t} outside the {v} classes");
+    }
+    logits.contiguous()?.apply_op1(CrossEntropy { targets })
+}
+
+/// candle's f32 sum of a row (`ReduceOp::Sum` over the last dimension), vectorised in its
+/// own order, which the fused op must reproduce.
+fn row_sum(xs: &[f32]) -> f32 {
+    use candle_core::cpu::kernels::VecOps;
+    let mut sum = 0f32;
+    // SAFETY: `xs` holds `xs.len()` elements and `sum` is one valid f32.
+    unsafe { <f32 as VecOps>::vec_reduce_sum(xs.as_ptr(), &mut sum, xs.len()) };
+    sum
+}
+
+/// One row's `max` (candle's `max_keepdim`) and `exp(x − max)` into `e`.
+fn shifted_exp(row: &[f32], e: &mut [f32]) -> f32 {
+    let max = row.iter().copied().fold(row[0], f32::max);
+    for (e, &x) in e.iter_mut().zip(row) {
+        *e = (x - max).exp();
+    }
+    max
+}
+
+/// The fused cross-entropy (`cross_entropy`); holds the targets for the backward.
+struct CrossEntropy {
+    targets: Vec<u32>,
+}
+
+impl CrossEntropy {
+    /// candle's `affine(−1/n, 0)` after the sum over the batch.
+    fn mean_factor(&self) -> f64 {
+        -1f64 / self.targets.len() as f64
+    }
+}
+
+impl CustomOp1 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "fused-cross-entropy"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(storage, layout, self.name())?;
+        let (n, v) = layout.shape().dims2()?;
+        if n == 0 || v == 0 || n != self.targets.len() {
+            candle_core::bail!("{}: logits {:?}", self.name(), layout.shape());
+        }
+        // Per row, `log_softmax(x)[target]` as candle's graph: `diff = x − max`,
+        // `ls = ln(sum(exp(diff)))`, `diff[t] − ls`.
+        let picked: Vec<f32> = x
+            .par_chunks(v)
+            .zip(self.targets.par_iter())
+            .map_init(
+                || vec![0f32; v],
+                |e, (row, &t)| {
+                    let max = shifted_exp(row, e);
+                    (row[t as usize] - max) - row_sum(e).ln()
+                },
+            )
+            .collect();
+        let loss = affine(row_sum(&picked), self.mean_factor(), 0.0);
+        Ok((CpuStorage::F32(vec![loss]), Shape::from(())))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let g_out = grad_res.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        let x = arg.contiguous()?;
+        let (n, v) = x.dims2()?;
+        let (storage, layout) = x.storage_and_layout();
+        let candle_core::Storage::Cpu(cpu) = &*storage else {
+            candle_core::bail!("{}: CPU logits only", self.name());
+        };
+        let x = f32_slice(cpu, layout, self.name())?;
+        // The nodes of candle's graph, each as its backward leaves it (`0 + …` included):
+        // affine → sum_all → gather: `c` at each target; the log's input gets
+        // `r / sum` with `r = 0 + (0 − c)` (the row sum of `0 − G`, one non-zero term).
+        let c = 0.0 + affine(g_out, self.mean_factor(), 0.0);
+        let r = 0.0 + (0.0 - c);
+        let mut grad = vec![0f32; n * v];
+        grad.par_chunks_mut(v)
+            .zip(x.par_chunks(v))
+            .zip(self.targets.par_iter())
+            .for_each_init(
+                || vec![0f32; v],
+                |neg, ((gx, row), &t)| {
+                    let max = shifted_exp(row, gx);
+                    let q = 0.0 + r / row_sum(gx);
+                    // d(diff) = G + q·exp(diff), G = c at the target, +0 elsewhere; the
+                    // max's broadcast gets `0 − d(diff)`, summed over the row.
+                    for (j, (g, o)) in gx.iter_mut().zip(neg.iter_mut()).enumerate() {
+                        let big_g = if j == t as usize { c } else { 0.0 };
+                        *g = big_g + q * *g;
+                        *o = 0.0 - *g;
+                    }
+                    let g_max = 0.0 + row_sum(neg);
+                    // `0 + d(diff)`, then the max's share where x equals the row max.
+                    for (g, &x) in gx.iter_mut().zip(row) {
+                        let mask = if x == max { 1f32 } else { 0f32 };
+                        *g = (0.0 + *g) + mask * g_max;
+                    }
+                },
+            );
+        Ok(Some(Tensor::from_vec(grad, (n, v), arg.device())?))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -436,6 +569,54 @@ mod tests {
             .iter()
             .map(|x| x.to_bits())
             .collect()
+    }
+
+    /// Loss and logits' gradient equal `candle_nn::loss::cross_entropy`'s bit for bit: rows
+    /// with ties at the maximum, zeros of both signs, saturated `exp`, a target at the
+    /// maximum, widths around candle's 32-wide vector sum, and an upstream gradient ≠ 1.
+    #[test]
+    fn cross_entropy_matches_candle_bit_for_bit() -> Result<()> {
+        let dev = Device::Cpu;
+        for (n, v) in [(1, 1), (3, 7), (5, 37), (4, 64), (6, 1000), (3, 4099)] {
+            let mut x = inputs(n * v);
+            x.truncate(n * v);
+            x.rotate_left(n % 5);
+            for r in 0..n {
+                // A tie at the row's maximum in every other row, a very negative logit in all.
+                if v > 2 && r % 2 == 0 {
+                    let (a, b) = (r * v + 1, r * v + v - 1);
+                    x[a] = 50.0;
+                    x[b] = 50.0;
+                }
+                x[r * v] = -90.0;
+            }
+            let targets: Vec<u32> = (0..n).map(|r| ((r * 7 + 1) % v) as u32).collect();
+            let tgt = Tensor::new(targets.as_slice(), &dev)?;
+            let run = |fused: bool| -> Result<(Tensor, Tensor)> {
+                let var = Var::from_vec(x.clone(), (n, v), &dev)?;
+                let ce = if fused {
+                    cross_entropy_unchecked(var.as_tensor(), &tgt)?
+                } else {
+                    candle_nn::loss::cross_entropy(var.as_tensor(), &tgt)?
+                };
+                let grads = ce.affine(3.0, 0.5)?.backward()?;
+                Ok((ce, grads.get(var.as_tensor()).unwrap().clone()))
+            };
+            let (ce_ref, g_ref) = run(false)?;
+            let (ce, g) = run(true)?;
+            assert_eq!(bits(&ce), bits(&ce_ref), "loss, n {n} v {v}");
+            assert_eq!(bits(&g), bits(&g_ref), "gradient, n {n} v {v}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn cross_entropy_rejects_bad_targets() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::zeros((2, 3), DType::F32, &dev)?;
+        assert!(cross_entropy_unchecked(&x, &Tensor::new(&[0u32, 3], &dev)?).is_err());
+        assert!(cross_entropy_unchecked(&x, &Tensor::new(&[0u32], &dev)?).is_err());
+        Ok(())
     }
 
     /// Forward and backward equal candle's `gelu` bit for bit, over more than one rayon chunk

@@ -242,6 +242,9 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
     }
+    // Large freed tensors stay in the heap for the next step instead of coming back as fresh
+    // zero pages (`LAZARUS_MALLOC_TUNING=0` turns it off; measured in results/executor/).
+    lazarus_executor::malloc::tune();
     let parsed = Cli::command()
         .try_get_matches()
         .and_then(|m| Ok((Cli::from_arg_matches(&m)?, m)));
