@@ -594,7 +594,7 @@ impl State<'_> {
                     if in_node[i] {
                         add_node_change(
                             new_total,
-                            &self.ev.contrib[t.e][lo..hi],
+                            &self.ev.expert_contributions(t.e)[lo..hi],
                             &self.ev.traffic[t.e][lo..hi],
                             &self.ev.replicas[t.e][lo..hi],
                             lo,
@@ -960,7 +960,7 @@ impl State<'_> {
         let rows = [0, 1].map(|i| {
             let e = touches[i].e;
             (
-                &self.ev.contrib[e][..],
+                self.ev.expert_contributions(e),
                 &self.ev.traffic[e][..],
                 &self.ev.replicas[e][..],
             )
