@@ -278,6 +278,15 @@ impl Evaluator {
         self.row(e)
     }
 
+    /// Expert `e`'s contributions per device as they would be with `replicas` (one count per
+    /// device) in place of its own: the row a full refresh would store after that change.
+    pub fn row_for(&self, e: usize, replicas: &[u32]) -> Vec<[f64; 3]> {
+        let count = replicas.iter().map(|&x| x as u64).sum();
+        let mut row = vec![[0.0; 3]; self.topo.devices];
+        ExpertPass::default().run_with(self, e, replicas, count, |d, c| row[d] = c);
+        row
+    }
+
     /// Tokens computed on each device.
     pub fn device_load(&self) -> Vec<f64> {
         self.total.iter().map(|t| t[0]).collect()
@@ -446,16 +455,28 @@ struct ExpertPass {
 
 impl ExpertPass {
     /// Returns whether the expert's tokens cross devices (`S_e > 0`, the evaluator's `flows`).
-    fn run(&mut self, ev: &Evaluator, e: usize, mut emit: impl FnMut(usize, [f64; 3])) -> bool {
+    fn run(&mut self, ev: &Evaluator, e: usize, emit: impl FnMut(usize, [f64; 3])) -> bool {
+        self.run_with(ev, e, &ev.replicas[e], ev.count[e], emit)
+    }
+
+    /// [`ExpertPass::run`] with `replicas` (summing to `count`) in place of the expert's.
+    fn run_with(
+        &mut self,
+        ev: &Evaluator,
+        e: usize,
+        replicas: &[u32],
+        count: u64,
+        mut emit: impl FnMut(usize, [f64; 3]),
+    ) -> bool {
         let (nodes, dpn) = (ev.topo.nodes(), ev.topo.devices_per_node);
-        let r = ev.count[e] as f64;
+        let r = count as f64;
         let t = ev.tokens[e];
         let b = ev.link.bytes_per_token;
         let (bi, bo) = (
             ev.link.intra_node_bytes_per_s,
             ev.link.inter_node_bytes_per_s,
         );
-        let (traffic, replicas) = (&ev.traffic[e], &ev.replicas[e]);
+        let traffic = &ev.traffic[e];
         self.node.clear();
         self.node.resize(4 * nodes, 0.0);
         let (over_node, rest) = self.node.split_at_mut(nodes);
