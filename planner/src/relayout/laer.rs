@@ -1717,11 +1717,14 @@ enum Resume {
     RankAll,
 }
 
+/// A decision's traffic, long-window traffic and current layout.
+type Inputs<'a> = (&'a [Vec<u64>], Option<&'a [Vec<u64>]>, &'a LayerPlacement);
+
 /// [`laer`], and the rounds that went on past a rejected action.
 fn laer_with(
     topo: Topology,
     link: LinkModel,
-    (traffic, long_traffic, current): (&[Vec<u64>], Option<&[Vec<u64>]>, &LayerPlacement),
+    (traffic, long_traffic, current): Inputs<'_>,
     params: &LaerParams,
     resume: Resume,
 ) -> Result<(LaerOutcome, usize), PlanError> {
