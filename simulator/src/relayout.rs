@@ -241,16 +241,15 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[i]
 }
 
-/// Replays every sample through `policy`, starting from the static layout.
-pub fn run_policy(s: &Setup, cfg: &Settings, policy: &RelayoutPolicy) -> Result<PolicyResult> {
-    let layers = s.samples[0].len();
+/// The static layout every policy starts from: equal replica counts, round-robin over
+/// *nodes*, then each node's slots split over its devices, so every expert starts on as many
+/// distinct nodes as it has replicas (up to the node count).
+fn start_layout(s: &Setup) -> Result<LayerPlacement> {
     let slots = s.topo.devices * s.topo.slots_per_device;
     let mut r = vec![slots / s.experts; s.experts];
     for x in r.iter_mut().take(slots % s.experts) {
         *x += 1;
     }
-    // Round-robin over *nodes*, then each node's slots split over its devices, so every
-    // expert starts on as many distinct nodes as it has replicas (up to the node count).
     let per_node = s.topo.devices_per_node * s.topo.slots_per_device;
     let nodes = place(PlacePolicy::Spread, &r, s.topo.nodes(), per_node)?;
     let devices: Vec<Vec<u32>> = nodes
@@ -258,8 +257,45 @@ pub fn run_policy(s: &Setup, cfg: &Settings, policy: &RelayoutPolicy) -> Result<
         .iter()
         .flat_map(|row| row.chunks(s.topo.slots_per_device).map(<[u32]>::to_vec))
         .collect();
-    let start = LayerPlacement::from_grid(devices, s.experts, Some(&r))?;
-    let mut layout: Vec<LayerPlacement> = vec![start; layers];
+    Ok(LayerPlacement::from_grid(devices, s.experts, Some(&r))?)
+}
+
+/// One planner call of the replay: what [`run_policy`] hands [`relayout_moves`].
+pub struct DecisionInput {
+    pub topo: Topology,
+    pub link: LinkModel,
+    /// `[device][expert]` over the short and the long window.
+    pub traffic: Vec<Vec<u64>>,
+    pub long: Vec<Vec<u64>>,
+    pub current: LayerPlacement,
+}
+
+/// Every layer's planner call at sample `sample` (clamped to the last), from the static
+/// layout — the replay's own layout there depends on its earlier decisions — with the
+/// replay's topology, link model and windows: one call of `lzsim relayout` for benchmarks.
+pub fn decision_inputs(s: &Setup, cfg: &Settings, sample: usize) -> Result<Vec<DecisionInput>> {
+    let i = sample.min(s.samples.len() - 1);
+    let start = start_layout(s)?;
+    let window = |l: usize, w: usize| -> Vec<&Vec<u64>> {
+        ((i + 1).saturating_sub(w.max(1))..=i)
+            .map(|j| &s.samples[j][l])
+            .collect()
+    };
+    Ok((0..s.samples[i].len())
+        .map(|l| DecisionInput {
+            topo: s.topo,
+            link: s.link,
+            traffic: traffic(s.topo.devices, &window(l, cfg.window_samples)),
+            long: traffic(s.topo.devices, &window(l, cfg.long_window_samples)),
+            current: start.clone(),
+        })
+        .collect())
+}
+
+/// Replays every sample through `policy`, starting from the static layout.
+pub fn run_policy(s: &Setup, cfg: &Settings, policy: &RelayoutPolicy) -> Result<PolicyResult> {
+    let layers = s.samples[0].len();
+    let mut layout: Vec<LayerPlacement> = vec![start_layout(s)?; layers];
     let schedule = cfg.schedule;
     let blocking = cfg.blocking_migration;
     let (mut ratios, mut rows) = (Vec::new(), Vec::new());

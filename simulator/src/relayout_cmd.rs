@@ -185,6 +185,21 @@ fn check_sizes(
     Ok(())
 }
 
+/// The replay's settings from the arguments.
+pub fn settings(a: &RelayoutArgs) -> Settings {
+    Settings {
+        schedule: Schedule {
+            warmup_steps: a.warmup,
+            period_steps: a.period,
+            imbalance_threshold: a.threshold,
+        },
+        window_samples: a.window,
+        long_window_samples: a.long_window.unwrap_or(DEFAULT_LONG_WINDOW),
+        f: a.f,
+        blocking_migration: a.migration == "blocking",
+    }
+}
+
 pub fn run(a: &RelayoutArgs) -> Result<()> {
     if !(a.threshold.is_finite() && a.threshold >= 1.0) {
         bail!("--threshold must be >= 1 (max/mean load)");
@@ -209,17 +224,7 @@ pub fn run(a: &RelayoutArgs) -> Result<()> {
     if let Some(dir) = &a.out {
         prepare_dir(dir, a.overwrite)?;
     }
-    let settings = Settings {
-        schedule: Schedule {
-            warmup_steps: a.warmup,
-            period_steps: a.period,
-            imbalance_threshold: a.threshold,
-        },
-        window_samples: a.window,
-        long_window_samples: a.long_window.unwrap_or(DEFAULT_LONG_WINDOW),
-        f: a.f,
-        blocking_migration: a.migration == "blocking",
-    };
+    let settings = settings(a);
     let results = relayout::run_policies(&s, &settings, &policies)?;
     if let Some(dir) = &a.out {
         for (sum, rows) in &results {

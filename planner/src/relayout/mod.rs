@@ -40,6 +40,7 @@ use crate::error::PlanError;
 use crate::migrate::{MappingMethod, PhysicalNode, map_nodes};
 use crate::place::LayerPlacement;
 use serde::{Deserialize, Serialize};
+use std::sync::OnceLock;
 
 /// Devices, nodes and slots.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -120,8 +121,11 @@ pub struct Evaluator {
     node_count: Vec<Vec<u32>>,
     /// `flows[e]`: did tokens of `e` cross devices at its last refresh (`S_e > 0`)?
     flows: Vec<bool>,
-    /// Per expert, per device: (load, egress seconds, ingress seconds).
-    contrib: Vec<Vec<[f64; 3]>>,
+    /// Per expert, per device: (load, egress seconds, ingress seconds), filled on first use
+    /// (`Evaluator::row`): a row is a pure function of its expert's traffic and replicas, and
+    /// a decision reads or changes a few dozen of the 256 experts' rows, so building all of
+    /// them (6 MiB at 1,024 devices, twice per LAER call with the long window) is not needed.
+    contrib: Vec<OnceLock<Vec<[f64; 3]>>>,
     /// Per device totals of the same.
     total: Vec<[f64; 3]>,
     /// Reused per-node sums.
@@ -161,14 +165,52 @@ impl Evaluator {
         traffic: &[Vec<u64>],
         layout: &LayerPlacement,
     ) -> Result<Self, PlanError> {
+        let mut ev = Self::unbuilt(topo, link, traffic, layout)?;
+        // The totals as `refresh(e, None)` for every expert in turn leaves them (its
+        // `total − 0` on a fresh evaluator is exact and left out), without storing the rows.
+        let mut total = std::mem::take(&mut ev.total);
+        let mut pass = ExpertPass::default();
+        for e in 0..ev.tokens.len() {
+            ev.flows[e] = pass.add_to_totals(&ev, e, &mut total);
+        }
+        ev.total = total;
+        Ok(ev)
+    }
+
+    /// [`Evaluator::new`] the way it was built before the rows became lazy: `refresh(e, None)`
+    /// for every expert, every row stored (the oracle of the proptests).
+    #[cfg(test)]
+    fn new_by_refresh(
+        topo: Topology,
+        link: LinkModel,
+        traffic: &[Vec<u64>],
+        layout: &LayerPlacement,
+    ) -> Result<Self, PlanError> {
+        let mut ev = Self::unbuilt(topo, link, traffic, layout)?;
+        for e in 0..ev.tokens.len() {
+            ev.contrib[e] = OnceLock::from(vec![[0.0; 3]; topo.devices]);
+            ev.refresh(e, None);
+        }
+        Ok(ev)
+    }
+
+    /// Everything but the totals and the flows (zero), no row built.
+    fn unbuilt(
+        topo: Topology,
+        link: LinkModel,
+        traffic: &[Vec<u64>],
+        layout: &LayerPlacement,
+    ) -> Result<Self, PlanError> {
         let experts = check_inputs(topo, traffic, layout)?;
-        // Transposed row by row (the same values as a column-wise read, cache-friendly).
-        let mut by_expert: Vec<Vec<f64>> = (0..experts)
-            .map(|_| Vec::with_capacity(topo.devices))
-            .collect();
-        for row in traffic {
-            for (col, &x) in by_expert.iter_mut().zip(row) {
-                col.push(x as f64);
+        // Transposed in blocks of 8 experts (one cache line of each device's row at a time):
+        // pushing every device's row into 256 columns cost half of the construction.
+        const BLOCK: usize = 8;
+        let mut by_expert: Vec<Vec<f64>> = (0..experts).map(|_| vec![0.0; topo.devices]).collect();
+        for (cols, e0) in by_expert.chunks_mut(BLOCK).zip((0..experts).step_by(BLOCK)) {
+            for (d, row) in traffic.iter().enumerate() {
+                for (col, &x) in cols.iter_mut().zip(&row[e0..]) {
+                    col[d] = x as f64;
+                }
             }
         }
         let tokens = by_expert.iter().map(|row| row.iter().sum()).collect();
@@ -181,8 +223,7 @@ impl Evaluator {
             node_count: Vec::new(),
             flows: vec![false; experts],
             replicas: layout.replica_matrix(),
-            // One zeroed allocation per expert (no copies of a first row).
-            contrib: (0..experts).map(|_| vec![[0.0; 3]; topo.devices]).collect(),
+            contrib: (0..experts).map(|_| OnceLock::new()).collect(),
             total: vec![[0.0; 3]; topo.devices],
             scratch: Vec::new(),
         };
@@ -200,10 +241,17 @@ impl Evaluator {
                     .collect()
             })
             .collect();
-        for e in 0..experts {
-            ev.refresh(e, None);
-        }
         Ok(ev)
+    }
+
+    /// Expert `e`'s row, built on first use from its current traffic and replicas (what a
+    /// full refresh would store; see `contrib`).
+    fn row(&self, e: usize) -> &[[f64; 3]] {
+        self.contrib[e].get_or_init(|| {
+            let mut row = vec![[0.0; 3]; self.topo.devices];
+            ExpertPass::default().run(self, e, |d, c| row[d] = c);
+            row
+        })
     }
 
     pub fn topology(&self) -> Topology {
@@ -227,7 +275,16 @@ impl Evaluator {
 
     /// Expert `e`'s part of [`Evaluator::device_totals`], per device.
     pub fn expert_contributions(&self, e: usize) -> &[[f64; 3]] {
-        &self.contrib[e]
+        self.row(e)
+    }
+
+    /// Expert `e`'s contributions per device as they would be with `replicas` (one count per
+    /// device) in place of its own: the row a full refresh would store after that change.
+    pub fn row_for(&self, e: usize, replicas: &[u32]) -> Vec<[f64; 3]> {
+        let count = replicas.iter().map(|&x| x as u64).sum();
+        let mut row = vec![[0.0; 3]; self.topo.devices];
+        ExpertPass::default().run_with(self, e, replicas, count, |d, c| row[d] = c);
+        row
     }
 
     /// Tokens computed on each device.
@@ -255,7 +312,9 @@ impl Evaluator {
             self.link.intra_node_bytes_per_s,
             self.link.inter_node_bytes_per_s,
         );
-        let contrib = &mut self.contrib[e];
+        let contrib = self.contrib[e]
+            .get_mut()
+            .expect("a row is built before its expert changes");
         let traffic = &self.traffic[e];
         let replicas = &self.replicas[e];
         let node_count = &self.node_count[e];
@@ -357,6 +416,8 @@ impl Evaluator {
 
     /// Changes the replica count of `expert` on `device` by `delta` and re-evaluates.
     pub fn adjust(&mut self, expert: usize, device: usize, delta: i32) {
+        // The row as it is before the change: `refresh` takes it out of the totals.
+        self.row(expert);
         let r = &mut self.replicas[expert][device];
         let before = *r;
         *r = (*r as i64 + delta as i64).max(0) as u32;
@@ -378,6 +439,173 @@ impl Evaluator {
             max_comm = max_comm.max(t[1].max(t[2]));
         }
         4.0 * max_comm + 3.0 * max_load * self.link.compute_s_per_token
+    }
+}
+
+/// One expert's contributions as `Evaluator::refresh(e, None)` computes them, the same
+/// expressions in the same order, handed to `emit` device by device in device order (buffers
+/// kept between experts).
+#[derive(Default)]
+struct ExpertPass {
+    /// Per node: overflow, residual, egress and ingress link seconds per byte.
+    node: Vec<f64>,
+    /// Per device: `[cap, over, resid]`.
+    row: Vec<[f64; 3]>,
+}
+
+impl ExpertPass {
+    /// Returns whether the expert's tokens cross devices (`S_e > 0`, the evaluator's `flows`).
+    fn run(&mut self, ev: &Evaluator, e: usize, emit: impl FnMut(usize, [f64; 3])) -> bool {
+        self.run_with(ev, e, &ev.replicas[e], ev.count[e], emit)
+    }
+
+    /// [`ExpertPass::run`] with `replicas` (summing to `count`) in place of the expert's.
+    fn run_with(
+        &mut self,
+        ev: &Evaluator,
+        e: usize,
+        replicas: &[u32],
+        count: u64,
+        mut emit: impl FnMut(usize, [f64; 3]),
+    ) -> bool {
+        let (nodes, dpn) = (ev.topo.nodes(), ev.topo.devices_per_node);
+        let r = count as f64;
+        let t = ev.tokens[e];
+        let b = ev.link.bytes_per_token;
+        let (bi, bo) = (
+            ev.link.intra_node_bytes_per_s,
+            ev.link.inter_node_bytes_per_s,
+        );
+        let traffic = &ev.traffic[e];
+        self.node.clear();
+        self.node.resize(4 * nodes, 0.0);
+        let (over_node, rest) = self.node.split_at_mut(nodes);
+        let (resid_node, rest) = rest.split_at_mut(nodes);
+        let (w_eg, w_ing) = rest.split_at_mut(nodes);
+        self.row.clear();
+        let mut s = 0.0;
+        for n in 0..nodes {
+            for d in n * dpn..(n + 1) * dpn {
+                let cap = if r > 0.0 && replicas[d] > 0 {
+                    t * replicas[d] as f64 / r
+                } else {
+                    0.0
+                };
+                let own = traffic[d];
+                let keep = own.min(cap);
+                let (over, resid) = (own - keep, cap - keep);
+                over_node[n] += over;
+                resid_node[n] += resid;
+                s += resid;
+                self.row.push([cap, over, resid]);
+            }
+        }
+        let flows = s > 0.0 && r > 0.0 && t > 0.0;
+        if flows {
+            for n in 0..nodes {
+                let x = resid_node[n] / s;
+                w_eg[n] = x / bi + (1.0 - x) / bo;
+                let y = over_node[n] / s;
+                w_ing[n] = y / bi + (1.0 - y) / bo;
+            }
+        }
+        let live = r > 0.0 && t > 0.0;
+        for (d, &[cap, over, resid]) in self.row.iter().enumerate() {
+            let n = d / dpn;
+            let (mut eg, mut ing) = (0.0, 0.0);
+            if flows {
+                eg = over * b * w_eg[n];
+                ing = resid * b * w_ing[n];
+            }
+            let cap = if live { cap } else { 0.0 };
+            emit(d, [cap, eg, ing]);
+        }
+        flows
+    }
+
+    /// [`ExpertPass::run`] added to `total` (device by device, `[load, egress, ingress]`),
+    /// without the work for devices holding no replica where it changes nothing: there `cap =
+    /// 0`, so `over = own` and `resid = +0.0`, and the sums and totals, which start at `+0.0`
+    /// and are only added to, are never `−0.0`, so adding a zero of either sign leaves them
+    /// as they are. Such a device adds its `own` to its node's overflow and, when tokens flow,
+    /// its egress `own·b·w` and its ingress `0·b·w` only where that is not zero (a NaN with a
+    /// zero or infinite bandwidth). The other devices compute as `run` does. Returns `flows`.
+    fn add_to_totals(&mut self, ev: &Evaluator, e: usize, total: &mut [[f64; 3]]) -> bool {
+        let (nodes, dpn) = (ev.topo.nodes(), ev.topo.devices_per_node);
+        let r = ev.count[e] as f64;
+        let t = ev.tokens[e];
+        let b = ev.link.bytes_per_token;
+        let (bi, bo) = (
+            ev.link.intra_node_bytes_per_s,
+            ev.link.inter_node_bytes_per_s,
+        );
+        let (traffic, replicas) = (&ev.traffic[e], &ev.replicas[e]);
+        self.node.clear();
+        self.node.resize(4 * nodes, 0.0);
+        let (over_node, rest) = self.node.split_at_mut(nodes);
+        let (resid_node, rest) = rest.split_at_mut(nodes);
+        let (w_eg, w_ing) = rest.split_at_mut(nodes);
+        self.row.resize(ev.topo.devices, [0.0; 3]);
+        let mut s = 0.0;
+        for n in 0..nodes {
+            let (mut o, mut rs) = (0.0f64, 0.0f64);
+            for d in n * dpn..(n + 1) * dpn {
+                let own = traffic[d];
+                if replicas[d] == 0 {
+                    o += own;
+                    continue;
+                }
+                let cap = if r > 0.0 {
+                    t * replicas[d] as f64 / r
+                } else {
+                    0.0
+                };
+                let keep = own.min(cap);
+                let (over, resid) = (own - keep, cap - keep);
+                o += over;
+                rs += resid;
+                s += resid;
+                self.row[d] = [cap, over, resid];
+            }
+            over_node[n] = o;
+            resid_node[n] = rs;
+        }
+        let flows = s > 0.0 && r > 0.0 && t > 0.0;
+        if flows {
+            for n in 0..nodes {
+                let x = resid_node[n] / s;
+                w_eg[n] = x / bi + (1.0 - x) / bo;
+                let y = over_node[n] / s;
+                w_ing[n] = y / bi + (1.0 - y) / bo;
+            }
+        }
+        let live = r > 0.0 && t > 0.0;
+        for n in 0..nodes {
+            let ing_none = 0.0 * b * w_ing[n];
+            for d in n * dpn..(n + 1) * dpn {
+                let tot = &mut total[d];
+                if replicas[d] == 0 {
+                    if flows {
+                        tot[1] += traffic[d] * b * w_eg[n];
+                        if ing_none != 0.0 {
+                            tot[2] += ing_none;
+                        }
+                    }
+                    continue;
+                }
+                let [cap, over, resid] = self.row[d];
+                let (mut eg, mut ing) = (0.0, 0.0);
+                if flows {
+                    eg = over * b * w_eg[n];
+                    ing = resid * b * w_ing[n];
+                }
+                let cap = if live { cap } else { 0.0 };
+                tot[0] += cap;
+                tot[1] += eg;
+                tot[2] += ing;
+            }
+        }
+        flows
     }
 }
 
@@ -744,8 +972,9 @@ mod tests {
                 compute_s_per_token: 1e-10,
                 bytes_per_expert: 1 << 20,
             };
+            // The lazy rows against rows all built by full refreshes.
             let mut sparse = Evaluator::new(topo, link, &traffic, &layout).unwrap();
-            let mut full = sparse.clone();
+            let mut full = Evaluator::new_by_refresh(topo, link, &traffic, &layout).unwrap();
             for _ in 0..200 {
                 let e = next(experts as u64) as usize;
                 let d = next(topo.devices as u64) as usize;
@@ -758,11 +987,65 @@ mod tests {
                 let bits = |ev: &Evaluator| -> (Vec<u64>, Vec<u64>) {
                     (
                         ev.total.iter().flatten().map(|x| x.to_bits()).collect(),
-                        ev.contrib.iter().flatten().flatten().map(|x| x.to_bits()).collect(),
+                        (0..ev.contrib.len()).flat_map(|e| ev.row(e)).flatten().map(|x| x.to_bits()).collect(),
                     )
                 };
                 prop_assert_eq!(bits(&sparse), bits(&full));
                 prop_assert_eq!(sparse.step_time_s().to_bits(), sparse.score().step_time_s.to_bits());
+            }
+        }
+
+        /// The evaluator built without its rows has the totals and flows of one built by a
+        /// full refresh of every expert, bit for bit, and builds each row as that one stored
+        /// it (in any order, also after some experts changed), zero bandwidths included.
+        #[test]
+        fn lazy_rows_equal_rows_built_by_refresh(
+            nodes in 1usize..=6,
+            dpn in 1usize..=4,
+            slots in 1usize..=3,
+            experts in 1usize..=24,
+            seed in any::<u64>(),
+        ) {
+            let mut z = seed | 1;
+            let mut next = move |m: u64| {
+                z ^= z << 13;
+                z ^= z >> 7;
+                z ^= z << 17;
+                z % m
+            };
+            let link = LinkModel {
+                bytes_per_token: 14336.0,
+                intra_node_bytes_per_s: if next(5) == 0 { 0.0 } else { 360e9 },
+                inter_node_bytes_per_s: if next(7) == 0 { 0.0 } else { 40e9 },
+                compute_s_per_token: 1e-10,
+                bytes_per_expert: 1 << 20,
+            };
+            let topo = Topology { devices: nodes * dpn, devices_per_node: dpn, slots_per_device: slots };
+            let cells: Vec<u32> = (0..topo.devices * slots).map(|_| next(experts as u64) as u32).collect();
+            let grid: Vec<Vec<u32>> = cells.chunks(slots).map(<[u32]>::to_vec).collect();
+            let layout = LayerPlacement::from_grid(grid, experts, None).unwrap();
+            let traffic: Vec<Vec<u64>> = (0..topo.devices)
+                .map(|d| (0..experts).map(|e| match e % 4 {
+                    0 => 0,
+                    1 => if d == 0 { next(1000) } else { 0 },
+                    _ => next(5000),
+                }).collect())
+                .collect();
+            let mut lazy = Evaluator::new(topo, link, &traffic, &layout).unwrap();
+            let mut full = Evaluator::new_by_refresh(topo, link, &traffic, &layout).unwrap();
+            let totals = |ev: &Evaluator| -> Vec<u64> { ev.total.iter().flatten().map(|x| x.to_bits()).collect() };
+            prop_assert_eq!(totals(&lazy), totals(&full));
+            prop_assert_eq!(&lazy.flows, &full.flows);
+            for _ in 0..8 {
+                // The same change on both (a row built lazily first, or not yet built).
+                let e = next(experts as u64) as usize;
+                let d = next(topo.devices as u64) as usize;
+                lazy.adjust(e, d, 1);
+                full.adjust(e, d, 1);
+                let e = next(experts as u64) as usize;
+                let bits = |r: &[[f64; 3]]| -> Vec<u64> { r.iter().flatten().map(|x| x.to_bits()).collect() };
+                prop_assert_eq!(bits(lazy.row(e)), bits(full.row(e)));
+                prop_assert_eq!(totals(&lazy), totals(&full));
             }
         }
 
