@@ -1987,20 +1987,13 @@ fn migration_plan(
         let k = k as usize;
         // Non-empty: lost keys were returned above.
         let h = holders.set(k);
-        // Only the words where the key has holders matter (an expert's holders are a few
-        // runs of nodes): every pass below is over them, with the same result.
-        let lo = h.iter().position(|&w| w != 0).unwrap_or(0);
-        let hi = h.iter().rposition(|&w| w != 0).map_or(lo, |w| w + 1);
-        let h = &h[lo..hi];
         let mut dsts = by_key[need_start[k] as usize..need_start[k + 1] as usize].iter();
-        let mut level = levels.lowest_meeting(h, lo);
-        // Zero outside the key's words, as left by the previous key.
-        let eligible = &mut eligible[lo..hi];
+        let mut level = levels.lowest_meeting(h);
         eligible.fill(0);
-        levels.add_eligible(level, h, lo, eligible);
+        levels.add_eligible(level, h, &mut eligible);
         moved.clear();
         'serve: loop {
-            for (w, &word) in (lo..).zip(eligible.iter()) {
+            for (w, &word) in eligible.iter().enumerate() {
                 let mut word = word;
                 while word != 0 {
                     let c = w * 64 + word.trailing_zeros() as usize;
@@ -2018,7 +2011,7 @@ fn migration_plan(
                 }
             }
             level += 1;
-            levels.add_eligible(level, h, lo, eligible);
+            levels.add_eligible(level, h, &mut eligible);
         }
         // Loads change only after the key: its levels were taken at its start.
         for &(c, from) in &moved {
@@ -2170,20 +2163,19 @@ impl LoadLevels {
         LoadLevels { words, at }
     }
 
-    /// The lowest load of any node in the non-empty set `h`, the words `from..` of a node
-    /// set that is empty elsewhere.
-    fn lowest_meeting(&self, h: &[u64], from: usize) -> u64 {
+    /// The lowest load of any node in the non-empty set `h`.
+    fn lowest_meeting(&self, h: &[u64]) -> u64 {
         self.at
             .iter()
-            .find(|(_, (set, _))| set[from..].iter().zip(h).any(|(&a, &b)| a & b != 0))
+            .find(|(_, (set, _))| set.iter().zip(h).any(|(&a, &b)| a & b != 0))
             .map(|(&v, _)| v)
             .expect("every node has a load, and the set is not empty")
     }
 
-    /// Adds the members of `h` at load `v` to `eligible`, both the words `from..` of node sets.
-    fn add_eligible(&self, v: u64, h: &[u64], from: usize, eligible: &mut [u64]) {
+    /// Adds the members of `h` at load `v` to `eligible`.
+    fn add_eligible(&self, v: u64, h: &[u64], eligible: &mut [u64]) {
         if let Some((set, _)) = self.at.get(&v) {
-            for ((e, &a), &b) in eligible.iter_mut().zip(&set[from..]).zip(h) {
+            for ((e, &a), &b) in eligible.iter_mut().zip(set).zip(h) {
                 *e |= a & b;
             }
         }
