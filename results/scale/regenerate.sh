@@ -92,8 +92,8 @@ cat /proc/loadavg > "$out/replay-54d-16384-baselines.txt"
   > "$out/replay-54d-16384-baselines.json" 2>> "$out/replay-54d-16384-baselines.txt"
 cat /proc/loadavg >> "$out/replay-54d-16384-baselines.txt"
 cargo bench -p lazarus-simulator --bench replay -- ep_step_cost 2>&1 | tee "$out/bench-ep-step-cost.txt"
-# The whole goal: 54 days of the three systems at 131,072 GPUs. About 49 min of CPU with this
-# round's binary (lazarus about 43 s per simulated day), so it is opt-in: SCALE_54D_16384=1.
+# The whole goal: 54 days of the three systems at 131,072 GPUs. About 50 min of CPU (measured:
+# 2,994 s, 1.16 GB; lazarus about 40 s per simulated day), so it is opt-in: SCALE_54D_16384=1.
 if [ "${SCALE_54D_16384:-0}" = 1 ]; then
   cat /proc/loadavg > "$out/replay-54d-16384.txt"
   /usr/bin/time -v target/release/lzsim replay "$out/failures-llama3-gpu-16384.csv" \
