@@ -1898,13 +1898,7 @@ mod tests {
             cap_experts in prop::sample::select(vec![4u64, u64::MAX / 1_000_000_000]),
             seed in any::<u64>(),
         ) {
-            let mut z = seed | 1;
-            let mut next = move |m: u64| {
-                z ^= z << 13;
-                z ^= z >> 7;
-                z ^= z << 17;
-                z % m
-            };
+            let mut next = crate::relayout::tests::xorshift(seed);
             let topo = Topology { devices: nodes * dpn, devices_per_node: dpn, slots_per_device: slots };
             let total = topo.devices * slots;
             let experts = ((total as f64 * experts_frac) as usize).clamp(1, total);

@@ -932,6 +932,17 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// The tests' seeded xorshift generator: `next(m)` draws from `0..m`.
+    pub(super) fn xorshift(seed: u64) -> impl FnMut(u64) -> u64 {
+        let mut z = seed | 1;
+        move |m| {
+            z ^= z << 13;
+            z ^= z >> 7;
+            z ^= z << 17;
+            z % m
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(256))]
 
@@ -946,13 +957,7 @@ mod tests {
             experts_frac in 0.1f64..=1.0,
             seed in any::<u64>(),
         ) {
-            let mut z = seed | 1;
-            let mut next = move |m: u64| {
-                z ^= z << 13;
-                z ^= z >> 7;
-                z ^= z << 17;
-                z % m
-            };
+            let mut next = xorshift(seed);
             let topo = Topology { devices: nodes * dpn, devices_per_node: dpn, slots_per_device: slots };
             let total = topo.devices * slots;
             let experts = ((total as f64 * experts_frac) as usize).clamp(1, total);
@@ -1006,13 +1011,7 @@ mod tests {
             experts in 1usize..=24,
             seed in any::<u64>(),
         ) {
-            let mut z = seed | 1;
-            let mut next = move |m: u64| {
-                z ^= z << 13;
-                z ^= z >> 7;
-                z ^= z << 17;
-                z % m
-            };
+            let mut next = xorshift(seed);
             let link = LinkModel {
                 bytes_per_token: 14336.0,
                 intra_node_bytes_per_s: if next(5) == 0 { 0.0 } else { 360e9 },
@@ -1060,13 +1059,7 @@ mod tests {
             experts in 1usize..=24,
             seed in any::<u64>(),
         ) {
-            let mut z = seed | 1;
-            let mut next = move |m: u64| {
-                z ^= z << 13;
-                z ^= z >> 7;
-                z ^= z << 17;
-                z % m
-            };
+            let mut next = xorshift(seed);
             // Now and then a zero bandwidth: infinite link times, whose products with zero
             // tokens are NaN in the evaluator and must be in the scorer too.
             let link = LinkModel {
