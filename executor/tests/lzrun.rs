@@ -889,6 +889,9 @@ fn help_explains_every_flag() {
     }
     let o = lzrun(&["agent", "--help"]);
     assert!(o.stdout.contains("--reconnect-grace-ms"), "{}", o.stdout);
+    // The allocator setting every lzrun process makes, and how to turn it off.
+    let o = lzrun(&["--help"]);
+    assert!(o.stdout.contains("LAZARUS_MALLOC_TUNING=0"), "{}", o.stdout);
 }
 
 /// Processes whose `/proc/PID/<file>` (`cmdline`, `environ`: NUL-separated) satisfies

@@ -40,7 +40,16 @@ use crate::args::{AgentArgs, ControllerArgs, LocalArgs, WorkerArgs};
 /// them and they migrate expert states and resume in place; only when some expert lost every
 /// replica do they restore the last checkpoint. Start with `lzrun local`.
 #[derive(Debug, Parser)]
-#[command(name = "lzrun", version, arg_required_else_help = true)]
+#[command(
+    name = "lzrun",
+    version,
+    arg_required_else_help = true,
+    after_help = "Environment: LAZARUS_MALLOC_TUNING=0 keeps glibc's allocator defaults. By \
+                  default lzrun raises glibc's mmap and trim thresholds so that a training \
+                  step reuses the memory of the large tensors it freed instead of mapping fresh \
+                  zero pages (fewer page faults, a higher resident set between steps; any \
+                  MALLOC_*_ or GLIBC_TUNABLES setting of your own is left as it is)."
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
