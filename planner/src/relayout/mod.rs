@@ -542,43 +542,18 @@ impl ExpertPass {
         let (traffic, replicas) = (&ev.traffic[e], &ev.replicas[e]);
         self.node.clear();
         self.node.resize(4 * nodes, 0.0);
-        let (over_node, rest) = self.node.split_at_mut(nodes);
-        let (resid_node, rest) = rest.split_at_mut(nodes);
-        let (w_eg, w_ing) = rest.split_at_mut(nodes);
         self.row.resize(ev.topo.devices, [0.0; 3]);
-        let mut s = 0.0;
-        for n in 0..nodes {
-            let (mut o, mut rs) = (0.0f64, 0.0f64);
-            for d in n * dpn..(n + 1) * dpn {
-                let own = traffic[d];
-                if replicas[d] == 0 {
-                    o += own;
-                    continue;
-                }
-                let cap = if r > 0.0 {
-                    t * replicas[d] as f64 / r
-                } else {
-                    0.0
-                };
-                let keep = own.min(cap);
-                let (over, resid) = (own - keep, cap - keep);
-                o += over;
-                rs += resid;
-                s += resid;
-                self.row[d] = [cap, over, resid];
-            }
-            over_node[n] = o;
-            resid_node[n] = rs;
-        }
-        let flows = s > 0.0 && r > 0.0 && t > 0.0;
-        if flows {
-            for n in 0..nodes {
-                let x = resid_node[n] / s;
-                w_eg[n] = x / bi + (1.0 - x) / bo;
-                let y = over_node[n] / s;
-                w_ing[n] = y / bi + (1.0 - y) / bo;
-            }
-        }
+        let flows = first_pass(
+            traffic,
+            replicas,
+            (r, t),
+            (nodes, dpn),
+            (bi, bo),
+            &mut self.node,
+            &mut self.row,
+        );
+        let (_, rest) = self.node.split_at(2 * nodes);
+        let (w_eg, w_ing) = rest.split_at(nodes);
         let live = r > 0.0 && t > 0.0;
         for n in 0..nodes {
             let ing_none = 0.0 * b * w_ing[n];
@@ -767,42 +742,17 @@ impl Scorer {
             let t: f64 = own_row.iter().sum();
             self.node.clear();
             self.node.resize(4 * nodes, 0.0);
-            let (over_node, rest) = self.node.split_at_mut(nodes);
-            let (resid_node, rest) = rest.split_at_mut(nodes);
-            let (w_eg, w_ing) = rest.split_at_mut(nodes);
-            // First pass. A device without a replica has `cap = 0`, so `keep = 0`, `over =
-            // own` and `resid = +0.0`, whose additions leave the sums as they are (they start at
-            // `+0.0` and only add non-negative values): only its `over` is added.
-            let mut s = 0.0;
-            for n in 0..nodes {
-                let (mut o, mut rs) = (0.0f64, 0.0f64);
-                for d in n * dpn..(n + 1) * dpn {
-                    let own = own_row[d];
-                    let rep = self.rep[d];
-                    if rep == 0 {
-                        o += own;
-                        continue;
-                    }
-                    let cap = if r > 0.0 { t * rep as f64 / r } else { 0.0 };
-                    let keep = own.min(cap);
-                    let (over, resid) = (own - keep, cap - keep);
-                    o += over;
-                    rs += resid;
-                    s += resid;
-                    self.row[d] = [cap, over, resid];
-                }
-                over_node[n] = o;
-                resid_node[n] = rs;
-            }
-            let flows = s > 0.0 && r > 0.0 && t > 0.0;
-            if flows {
-                for n in 0..nodes {
-                    let x = resid_node[n] / s;
-                    w_eg[n] = x / bi + (1.0 - x) / bo;
-                    let y = over_node[n] / s;
-                    w_ing[n] = y / bi + (1.0 - y) / bo;
-                }
-            }
+            let flows = first_pass(
+                own_row,
+                &self.rep,
+                (r, t),
+                (nodes, dpn),
+                (bi, bo),
+                &mut self.node,
+                &mut self.row,
+            );
+            let (_, rest) = self.node.split_at(2 * nodes);
+            let (w_eg, w_ing) = rest.split_at(nodes);
             // A device without a replica adds `cap = 0` and `ingress = 0·b·w`, which is `+0.0`
             // (no change) unless `b·w` is not finite (a zero bandwidth): then it is added.
             let zero_ing = flows && !(b.is_finite() && w_ing.iter().all(|w| w.is_finite()));
@@ -925,6 +875,59 @@ pub fn node_view(topo: Topology, layout: &LayerPlacement) -> LayerPlacement {
         .map(<[u32]>::to_vec)
         .collect();
     LayerPlacement::from_grid(grid, layout.experts(), None).expect("a regrouped valid layout")
+}
+
+/// The first pass of an expert's contribution, shared by [`ExpertPass::add_to_totals`] and the
+/// evaluator's build without rows: each device's `[cap, over, resid]` into `row` (devices with
+/// a replica only), and into `node` (`4 × nodes`, zero) each node's overflow, residual
+/// capacity, egress and ingress weights. `own[d]`: the expert's tokens on device `d`;
+/// `replicas[d]`: its replicas there; `(r, t)`: its replicas and tokens in all. A device
+/// without a replica has `cap = 0`, so `keep = 0`, `over = own` and `resid = +0.0`, whose
+/// additions leave the sums as they are (they start at `+0.0` and only add non-negative
+/// values): only its `over` is added. Returns whether tokens flow between devices.
+fn first_pass(
+    own: &[f64],
+    replicas: &[u32],
+    (r, t): (f64, f64),
+    (nodes, dpn): (usize, usize),
+    (bi, bo): (f64, f64),
+    node: &mut [f64],
+    row: &mut [[f64; 3]],
+) -> bool {
+    let (over_node, rest) = node.split_at_mut(nodes);
+    let (resid_node, rest) = rest.split_at_mut(nodes);
+    let (w_eg, w_ing) = rest.split_at_mut(nodes);
+    let mut s = 0.0;
+    for n in 0..nodes {
+        let (mut o, mut rs) = (0.0f64, 0.0f64);
+        for d in n * dpn..(n + 1) * dpn {
+            let own = own[d];
+            let rep = replicas[d];
+            if rep == 0 {
+                o += own;
+                continue;
+            }
+            let cap = if r > 0.0 { t * rep as f64 / r } else { 0.0 };
+            let keep = own.min(cap);
+            let (over, resid) = (own - keep, cap - keep);
+            o += over;
+            rs += resid;
+            s += resid;
+            row[d] = [cap, over, resid];
+        }
+        over_node[n] = o;
+        resid_node[n] = rs;
+    }
+    let flows = s > 0.0 && r > 0.0 && t > 0.0;
+    if flows {
+        for n in 0..nodes {
+            let x = resid_node[n] / s;
+            w_eg[n] = x / bi + (1.0 - x) / bo;
+            let y = over_node[n] / s;
+            w_ing[n] = y / bi + (1.0 - y) / bo;
+        }
+    }
+    flows
 }
 
 #[cfg(test)]
