@@ -237,6 +237,78 @@ pub struct JobConfig {
     /// membership).
     #[serde(default)]
     pub global_batch: Option<GlobalBatch>,
+    /// Replicated experts: how an in-place recovery (a failure or a join) lays out the
+    /// experts — the paper's full replan, or a repair of the layout in force with the replan
+    /// deferred to the next rebalance ([`RecoveryPolicy`]).
+    #[serde(default)]
+    pub recovery: RecoveryPolicy,
+    /// [`RecoveryPolicy::Repair`]: see [`crate::repair::RepairOptions::load_slack`].
+    #[serde(default = "default_repair_load_slack")]
+    pub repair_load_slack: f64,
+    /// [`RecoveryPolicy::Repair`]: the background re-optimisation is brought forward to the
+    /// next step when the repaired layout's probability of surviving `f` more failures is
+    /// below the full replan's by more than this (absolute).
+    #[serde(default = "default_reoptimise_margin")]
+    pub reoptimise_margin: f64,
+}
+
+/// How an in-place recovery of replicated experts re-lays the model (issue 42).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RecoveryPolicy {
+    /// The paper's rule (§4.3): Eq. 1 on the routing window's loads and MRO over the
+    /// survivors and newcomers, mapped onto them to move the fewest states. Every failure and
+    /// join re-lays the whole model: about 131,000 expert states per node loss at 16,384
+    /// nodes.
+    #[default]
+    Replan,
+    /// Repair first ([`crate::repair`]): the survivors keep their rows; only the replicas a
+    /// floor (`min(f, N)` distinct nodes) or the load bound needs are copied now, newcomers'
+    /// slots take hot experts; the full replan follows as the next rebalance (through the
+    /// asynchronous migration where configured), brought forward when the repaired layout's
+    /// recovery probability falls short of the replan's by more than
+    /// [`JobConfig::reoptimise_margin`]. A failure of the repair (no donor slot can keep a
+    /// floor; holdings that are not full rows) falls back to the replan, logged.
+    Repair,
+}
+
+impl RecoveryPolicy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Replan => "replan",
+            Self::Repair => "repair",
+        }
+    }
+}
+
+impl std::str::FromStr for RecoveryPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "replan" => Ok(Self::Replan),
+            "repair" => Ok(Self::Repair),
+            _ => Err(format!(
+                "unknown recovery policy {s:?} (expected replan or repair)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for RecoveryPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+fn default_repair_load_slack() -> f64 {
+    crate::repair::DEFAULT_LOAD_SLACK
+}
+
+/// An absolute shortfall of 1 % in the probability of surviving the next `f` failures.
+pub const DEFAULT_REOPTIMISE_MARGIN: f64 = 0.01;
+
+fn default_reoptimise_margin() -> f64 {
+    DEFAULT_REOPTIMISE_MARGIN
 }
 
 /// How a rebalance of replicated experts moves the replicas the new layout adds.
@@ -286,6 +358,9 @@ impl JobConfig {
             relayout: relayout::Relayout::Lazarus,
             replica_migration: ReplicaMigration::Blocking,
             global_batch: None,
+            recovery: RecoveryPolicy::Replan,
+            repair_load_slack: default_repair_load_slack(),
+            reoptimise_margin: default_reoptimise_margin(),
         }
     }
 
@@ -321,6 +396,18 @@ impl JobConfig {
         }
         if let Some(b) = &self.global_batch {
             b.validate()?;
+        }
+        if !(self.repair_load_slack.is_finite() && self.repair_load_slack >= 0.0) {
+            return Err(JobConfigError::Range(
+                "repair_load_slack",
+                "a finite number ≥ 0",
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.reoptimise_margin) {
+            return Err(JobConfigError::Range(
+                "reoptimise_margin",
+                "between 0 and 1",
+            ));
         }
         Ok(())
     }
@@ -358,6 +445,8 @@ pub enum JobConfigError {
     Plan(#[from] PlanError),
     #[error("{0} must be at least 1")]
     Zero(&'static str),
+    #[error("{0} must be {1}")]
+    Range(&'static str, &'static str),
     #[error(transparent)]
     Deadline(#[from] DeadlineError),
     #[error(transparent)]
@@ -1050,6 +1139,10 @@ pub struct JobMachine {
     /// names (`n3`), never by the ids the driver numbers them with as they register.
     #[serde(default)]
     names: BTreeMap<NodeId, String>,
+    /// A repaired layout's recovery probability fell short of the replan's: the next counted
+    /// step is a rebalance point ([`RecoveryPolicy::Repair`]).
+    #[serde(default)]
+    reoptimise_due: bool,
 }
 
 impl JobMachine {
@@ -1097,6 +1190,7 @@ impl JobMachine {
             data_origin: (0, 0),
             outcome: None,
             names: BTreeMap::new(),
+            reoptimise_due: false,
         })
     }
 
@@ -1303,6 +1397,9 @@ impl JobMachine {
     /// The next step at which the machine plans a rebalance (for drivers that advance many
     /// steps at once).
     pub fn next_rebalance_step(&self) -> Option<u64> {
+        if self.reoptimise_due && self.next_step + 1 < self.cfg.total_steps {
+            return Some(self.next_step);
+        }
         let every = self.cfg.rebalance_every_steps;
         if every == 0 {
             return None;
@@ -2021,8 +2118,10 @@ impl JobMachine {
             out.push(Action::Reconfigured(r));
         }
         let every = self.cfg.rebalance_every_steps;
-        let crossed = every > 0 && (first..=last).any(|s| (s + 1).is_multiple_of(every));
+        let crossed = every > 0 && (first..=last).any(|s| (s + 1).is_multiple_of(every))
+            || self.reoptimise_due;
         if crossed && self.next_step + 1 < self.cfg.total_steps && self.phase == Phase::Training {
+            self.reoptimise_due = false;
             let laer = match self.cfg.relayout {
                 relayout::Relayout::Laer(laer) => Some(laer),
                 relayout::Relayout::Lazarus => None,
@@ -2881,6 +2980,7 @@ impl JobMachine {
             bytes_per_expert: self.cfg.bytes_per_expert,
         };
         let groups = self.host_groups(candidates, out);
+        let mut reoptimise = false;
         let made = if groups.is_none() && !self.relayout.has_pending() {
             // Lazarus's replan reads the holdings where they are.
             let held = self.reported_held(candidates);
@@ -2889,18 +2989,27 @@ impl JobMachine {
                 held: &held,
                 layers: self.planned_layers(),
             };
-            replan_held(
-                holders,
-                self.cfg.slots_per_node,
-                &self.cfg.model,
-                &self.history.loads(),
-                &options,
-                self.plan_version,
-            )
-            .map_err(|e| e.to_string())
+            let loads = self.history.loads();
+            match self.repair(holders, &loads, out) {
+                Some((repaired, due)) => {
+                    reoptimise = due;
+                    Ok(repaired)
+                }
+                None => replan_held(
+                    holders,
+                    self.cfg.slots_per_node,
+                    &self.cfg.model,
+                    &loads,
+                    &options,
+                    self.plan_version,
+                )
+                .map_err(|e| e.to_string()),
+            }
         } else {
             self.replan_from_lists(candidates, groups.as_deref(), &options)
         };
+        // A full replan is the re-optimisation; a repair may bring the next one forward.
+        self.reoptimise_due = reoptimise;
         match made {
             Ok((plan, migration)) => self.issue_in_place(
                 candidates,
@@ -2913,6 +3022,76 @@ impl JobMachine {
             ),
             Err(e) => self.replan_failed(&e, now_ms, out),
         }
+    }
+
+    /// [`RecoveryPolicy::Repair`] of a failure or join (never a rebalance, which is the
+    /// re-optimisation itself): the repaired plan and migration, and whether the
+    /// re-optimisation is due at once (the repaired layout's recovery probability falls short
+    /// of the replan's by more than the margin). `None`: the replan decides (another policy,
+    /// sharded experts, no plan, or a repair that cannot be made, logged).
+    fn repair(
+        &self,
+        holders: Holders<'_>,
+        loads: &[Vec<u64>],
+        out: &mut Vec<Action>,
+    ) -> Option<((ModelPlan, MigrationPlan), bool)> {
+        let kind = self.cause.map(|c| c.kind);
+        if self.cfg.recovery != RecoveryPolicy::Repair
+            || self.cfg.sharded_experts
+            || matches!(kind, Some(ReconfigKind::Rebalance) | None)
+        {
+            return None;
+        }
+        let previous = self.plan.as_ref()?;
+        let options = crate::repair::RepairOptions {
+            load_slack: self.cfg.repair_load_slack,
+            bytes_per_expert: self.cfg.bytes_per_expert,
+        };
+        let r = match crate::repair::repair_held(
+            holders,
+            previous,
+            &self.cfg.model,
+            loads,
+            &options,
+            self.plan_version + 1,
+        ) {
+            Ok(r) => r,
+            Err(e) => {
+                out.push(Action::Log(format!(
+                    "repair not possible ({e}): full replan"
+                )));
+                return None;
+            }
+        };
+        let s = r.stats;
+        let failed = self.cfg.model.f;
+        let shortfall =
+            crate::repair::recovery_against_replan(&r.plan, s.min_distinct, loads, failed);
+        let reoptimise = match shortfall {
+            Ok(Some((repaired, replan))) => repaired + self.cfg.reoptimise_margin < replan,
+            Ok(None) => false,
+            // Too many failure sets to list: re-optimise rather than guess.
+            Err(_) => true,
+        };
+        out.push(Action::Log(format!(
+            "repair: {} replicas copied ({} to restore the floor of {} nodes, {} for load, {} \
+             into newcomers), {} lost replicas left to the re-optimisation{}",
+            s.copies(),
+            s.floor_copies,
+            self.cfg.model.f.min(holders.len()),
+            s.load_copies,
+            s.join_copies,
+            s.deferred,
+            match (reoptimise, shortfall) {
+                (true, Ok(Some((a, b)))) => format!(
+                    "; recovery from {failed} more failures {a:.4} against the replan's \
+                     {b:.4}: re-optimising at the next step"
+                ),
+                (true, _) => "; re-optimising at the next step".to_owned(),
+                (false, _) => String::new(),
+            }
+        )));
+        Some(((r.plan, r.migration), reoptimise))
     }
 
     /// The replan of [`Self::replan_in_place`] from the holdings as lists: a pending LAER
@@ -3034,6 +3213,7 @@ impl JobMachine {
         now_ms: u64,
         out: &mut Vec<Action>,
     ) {
+        self.reoptimise_due = false;
         let mut ids: Vec<NodeId> = self.candidate_ids();
         if kind == ReconfigKind::Start {
             // Ranks follow node names (n2 before n10), not registration order: reproducible.

@@ -35,3 +35,4 @@ pub use model::{
 };
 pub use place::mro_structure;
 pub mod relayout;
+pub mod repair;

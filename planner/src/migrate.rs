@@ -172,7 +172,7 @@ impl<'a> Holders<'a> {
     }
 
     /// Layers node `p` reports: 0 for a blank node.
-    fn layer_count(self, p: usize) -> usize {
+    pub(crate) fn layer_count(self, p: usize) -> usize {
         match self {
             Holders::Nodes(n) => n[p].holdings.len(),
             Holders::Rows { held, layers, .. } => match held[p] {
@@ -184,7 +184,7 @@ impl<'a> Holders<'a> {
 
     /// Node `p`'s ids in layer `l` (`None` past its layers). Rows must have been checked
     /// ([`check_rows`]).
-    fn ids(self, p: usize, l: usize) -> Option<&'a [u32]> {
+    pub(crate) fn ids(self, p: usize, l: usize) -> Option<&'a [u32]> {
         match self {
             Holders::Nodes(n) => n[p].holdings.get(l).map(Vec::as_slice),
             Holders::Rows { held, layers, .. } => match held[p] {
@@ -502,7 +502,7 @@ fn check_physical_layers(
 }
 
 /// The rows of a [`Holders::Rows`] exist in every placement, and its slices agree in length.
-fn check_rows(physical: Holders<'_>) -> Result<(), MigrateError> {
+pub(crate) fn check_rows(physical: Holders<'_>) -> Result<(), MigrateError> {
     let Holders::Rows { ids, held, layers } = physical else {
         return Ok(());
     };

@@ -141,7 +141,7 @@ use sim::{Failure, Mode, Stats, run_seed};
 
 /// Seeds per mode of the default run.
 const DEFAULT_SEEDS: u64 = 300;
-/// Seeds per mode of the long run (`--ignored`): 100,000 over the 8 modes.
+/// Seeds per mode of the long run (`--ignored`): 112,500 over the 9 modes.
 const LONG_SEEDS: u64 = 12_500;
 
 fn final_state_on() -> bool {
@@ -248,6 +248,11 @@ fn check_mix(run: &ModeRun) {
             want.push(("slow members", t.slow_members > 0));
             want.push(("a member logged slow, not gone", t.slow_logged > 0));
             want.push(("a silent worker fenced", t.fenced_silent > 0));
+        }
+        Mode::Repair => {
+            want.push(("a repair in place", t.repairs > 0));
+            want.push(("a repair that copied replicas", t.repair_copies > 0));
+            want.push(("a rebalance (the re-optimisation)", t.rebalances > 0));
         }
         Mode::Nonfinite => {
             want.push(("non-finite steps counted", t.nonfinite_counted > 0));

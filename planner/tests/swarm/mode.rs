@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use lazarus_planner::ModelSpec;
 use lazarus_planner::deadline::StepDeadline;
 use lazarus_planner::job::relayout::{LaerRelayout, Relayout};
-use lazarus_planner::job::{JobConfig, ReplicaMigration};
+use lazarus_planner::job::{JobConfig, RecoveryPolicy, ReplicaMigration};
 use rand::RngExt;
 use rand::rngs::Xoshiro256PlusPlus;
 
@@ -32,10 +32,14 @@ pub enum Mode {
     /// Steps with a non-finite loss (skipped on every member), some runs long enough to end
     /// the job.
     Nonfinite,
+    /// Replicated experts recovered repair-first (`RecoveryPolicy::Repair`, issue 42): a
+    /// failure or join keeps the survivors' rows, the rebalance re-optimises (blocking or
+    /// asynchronous); invariants of every repair checked.
+    Repair,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 8] = [
+    pub const ALL: [Mode; 9] = [
         Mode::Base,
         Mode::Failover,
         Mode::Sharded,
@@ -44,6 +48,7 @@ impl Mode {
         Mode::Hosts,
         Mode::Deadline,
         Mode::Nonfinite,
+        Mode::Repair,
     ];
 
     pub fn name(self) -> &'static str {
@@ -56,6 +61,7 @@ impl Mode {
             Mode::Hosts => "hosts",
             Mode::Deadline => "deadline",
             Mode::Nonfinite => "nonfinite",
+            Mode::Repair => "repair",
         }
     }
 
@@ -134,6 +140,14 @@ pub fn setup(mode: Mode, rng: &mut Xoshiro256PlusPlus) -> Setup {
             cfg.initial_nodes = cfg.initial_nodes.div_ceil(gpus) * gpus;
             if rng.random_bool(0.3) {
                 // Host-aware placement keeps the rebalance blocking.
+                cfg.replica_migration = ReplicaMigration::Async;
+            }
+        }
+        Mode::Repair => {
+            cfg.recovery = RecoveryPolicy::Repair;
+            cfg.repair_load_slack = [0.0, 0.5, 1.0][rng.random_range(0..3)];
+            cfg.rebalance_every_steps = [0, 8, 16][rng.random_range(0..3)];
+            if rng.random_bool(0.4) {
                 cfg.replica_migration = ReplicaMigration::Async;
             }
         }

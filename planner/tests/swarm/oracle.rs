@@ -199,6 +199,12 @@ impl Sim {
         if !r.shard_transfers.is_empty() {
             self.stats.shard_repairs += 1;
         }
+        if std::mem::take(&mut self.repair_said)
+            && let Some(p) = self.repair_problem(r)
+        {
+            self.fail(format!("epoch {}: repair: {p}", r.epoch));
+            return false;
+        }
         let problem = match &r.source {
             StateSource::Fresh if r.resume_step != 0 => {
                 Some(format!("a fresh start resumes at {}", r.resume_step))
@@ -233,6 +239,44 @@ impl Sim {
         }
         self.lineage_resume = r.resume_step;
         true
+    }
+
+    /// A repaired plan (issue 42): an in-place plan over the members, every expert of every
+    /// layer on at least `min(f, N)` distinct members, and every transfer going into a member
+    /// whose new row holds the expert more often than the member holds it now.
+    fn repair_problem(&mut self, r: &Reconfiguration) -> Option<String> {
+        if !matches!(r.source, StateSource::Peers { .. }) {
+            return Some(format!("a {:?} reconfiguration", r.source));
+        }
+        self.stats.repairs += 1;
+        self.stats.repair_copies += r.transfers.len() as u64;
+        let n = r.members().len();
+        let floor = self.cfg.model.f.min(n);
+        for (l, layer) in r.plan.layers.iter().enumerate() {
+            let sets = layer.node_sets();
+            if let Some(e) = sets.iter().position(|s| s.len() < floor) {
+                return Some(format!(
+                    "layer {l} expert {e} on {} distinct members, floor {floor}",
+                    sets[e].len()
+                ));
+            }
+        }
+        let rows = r.plan.plan_node_contents();
+        for t in &r.transfers {
+            let dst = r.members()[t.dst_rank];
+            let count = |row: &[u32]| row.iter().filter(|&&e| e as usize == t.expert).count();
+            let now = count(&rows[t.dst_rank][t.layer]);
+            // What the member holds now (a newcomer whose join was cut short holds nothing).
+            let held = &self.nodes[&dst].rows;
+            let had = held.get(t.layer).map_or(0, |row| count(row));
+            if now <= had || t.src_rank == t.dst_rank {
+                return Some(format!(
+                    "transfer of layer {} expert {} to {dst}, which held {had} and now {now}",
+                    t.layer, t.expert
+                ));
+            }
+        }
+        None
     }
 
     /// An in-place plan may only keep and send replicas, shards and a dense state that exist

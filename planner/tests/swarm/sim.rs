@@ -200,6 +200,9 @@ pub struct Stats {
     pub joins: u64,
     pub rebalances: u64,
     pub shard_repairs: u64,
+    /// Repair-first recoveries (`RecoveryPolicy::Repair`) and the replicas they copied.
+    pub repairs: u64,
+    pub repair_copies: u64,
     pub switches_sent: u64,
     pub switches_done: u64,
     pub async_copies: u64,
@@ -239,6 +242,8 @@ impl Stats {
             joins,
             rebalances,
             shard_repairs,
+            repairs,
+            repair_copies,
             switches_sent,
             switches_done,
             async_copies,
@@ -333,6 +338,8 @@ struct Sim {
     delivered: u64,
     finished: Option<Result<(), String>>,
     no_checkpoint_said: bool,
+    /// The machine logged a repair: the next reconfiguration is its plan.
+    repair_said: bool,
     final_state: bool,
     final_state_failed: bool,
     trace: VecDeque<(u64, TraceItem)>,
@@ -392,6 +399,7 @@ impl Sim {
             delivered: 0,
             finished: None,
             no_checkpoint_said: false,
+            repair_said: false,
             final_state,
             final_state_failed: false,
             trace: VecDeque::new(),
@@ -682,6 +690,9 @@ impl Sim {
             Action::WaitForNodes { .. } => self.stats.waited_for_nodes += 1,
             Action::Record(r) => self.check_record(&r),
             Action::Log(line) => {
+                if line.starts_with("repair: ") {
+                    self.repair_said = true;
+                }
                 if line.contains("is slow, not gone") {
                     self.stats.slow_logged += 1;
                 }
