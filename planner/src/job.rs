@@ -250,6 +250,13 @@ pub struct JobConfig {
     /// below the full replan's by more than this (absolute).
     #[serde(default = "default_reoptimise_margin")]
     pub reoptimise_margin: f64,
+    /// [`RecoveryPolicy::Repair`]: the re-optimisation is also brought forward when the
+    /// repaired layout's busiest replica carries more than this many times what the full
+    /// replan's would on the routing window's loads
+    /// ([`crate::repair::load_ratio_against_replan`]): a layout made stale by drift, or the
+    /// first plan made before any routing was seen, is not kept until the next rebalance.
+    #[serde(default = "default_reoptimise_load_ratio")]
+    pub reoptimise_load_ratio: f64,
 }
 
 /// How an in-place recovery of replicated experts re-lays the model (issue 42).
@@ -311,6 +318,13 @@ fn default_reoptimise_margin() -> f64 {
     DEFAULT_REOPTIMISE_MARGIN
 }
 
+/// 10 % slower than the replan's busiest replica.
+pub const DEFAULT_REOPTIMISE_LOAD_RATIO: f64 = 1.1;
+
+fn default_reoptimise_load_ratio() -> f64 {
+    DEFAULT_REOPTIMISE_LOAD_RATIO
+}
+
 /// How a rebalance of replicated experts moves the replicas the new layout adds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -361,6 +375,7 @@ impl JobConfig {
             recovery: RecoveryPolicy::Replan,
             repair_load_slack: default_repair_load_slack(),
             reoptimise_margin: default_reoptimise_margin(),
+            reoptimise_load_ratio: default_reoptimise_load_ratio(),
         }
     }
 
@@ -1197,6 +1212,13 @@ impl JobMachine {
     pub fn config(&self) -> &JobConfig {
         &self.cfg
     }
+
+    /// Sets the recovery policy of a machine not yet started (a driver that builds its
+    /// configuration in steps).
+    pub fn set_recovery(&mut self, recovery: RecoveryPolicy) {
+        debug_assert!(!self.started, "the policy is set before the job starts");
+        self.cfg.recovery = recovery;
+    }
     pub fn phase(&self) -> Phase {
         self.phase
     }
@@ -1397,8 +1419,9 @@ impl JobMachine {
     /// The next step at which the machine plans a rebalance (for drivers that advance many
     /// steps at once).
     pub fn next_rebalance_step(&self) -> Option<u64> {
-        if self.reoptimise_due && self.next_step + 1 < self.cfg.total_steps {
-            return Some(self.next_step);
+        // Due: once the next step is counted.
+        if self.reoptimise_due && self.next_step + 2 < self.cfg.total_steps {
+            return Some(self.next_step + 1);
         }
         let every = self.cfg.rebalance_every_steps;
         if every == 0 {
@@ -3067,30 +3090,33 @@ impl JobMachine {
         let failed = self.cfg.model.f;
         let shortfall =
             crate::repair::recovery_against_replan(&r.plan, s.min_distinct, loads, failed);
-        let reoptimise = match shortfall {
-            Ok(Some((repaired, replan))) => repaired + self.cfg.reoptimise_margin < replan,
-            Ok(None) => false,
+        let load_ratio = crate::repair::load_ratio_against_replan(&r.plan, loads).unwrap_or(1.0);
+        let why = match shortfall {
+            Ok(Some((a, b))) if a + self.cfg.reoptimise_margin < b => Some(format!(
+                "recovery from {failed} more failures {a:.4} against the replan's {b:.4}"
+            )),
             // Too many failure sets to list: re-optimise rather than guess.
-            Err(_) => true,
+            Err(_) => Some(format!("recovery from {failed} more failures not computed")),
+            _ if load_ratio > self.cfg.reoptimise_load_ratio => {
+                Some(format!("its busiest replica {load_ratio:.2}x the replan's"))
+            }
+            _ => None,
         };
         out.push(Action::Log(format!(
             "repair: {} replicas copied ({} to restore the floor of {} nodes, {} for load, {} \
-             into newcomers), {} lost replicas left to the re-optimisation{}",
+             into newcomers), {} lost replicas left to the re-optimisation; {}",
             s.copies(),
             s.floor_copies,
             self.cfg.model.f.min(holders.len()),
             s.load_copies,
             s.join_copies,
             s.deferred,
-            match (reoptimise, shortfall) {
-                (true, Ok(Some((a, b)))) => format!(
-                    "; recovery from {failed} more failures {a:.4} against the replan's \
-                     {b:.4}: re-optimising at the next step"
-                ),
-                (true, _) => "; re-optimising at the next step".to_owned(),
-                (false, _) => String::new(),
+            match &why {
+                Some(w) => format!("{w}: re-optimising at the next step"),
+                None => "re-optimising at the next rebalance".to_owned(),
             }
         )));
+        let reoptimise = why.is_some();
         Some(((r.plan, r.migration), reoptimise))
     }
 

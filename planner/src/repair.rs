@@ -503,3 +503,42 @@ pub fn recovery_against_replan(
     }
     Ok(Some((repaired, replan)))
 }
+
+/// How much busier the busiest replica of `plan` is than the full replan's would be on the
+/// same loads: the largest over layers of `max_e t_e / r_e` of the plan against the same of
+/// Eq. 1's allocation over the plan's slots (1: as balanced as the replan; all-zero loads
+/// count every expert equally). The step's busiest rank follows its busiest replicas, so this
+/// is the slowdown a deferred re-optimisation costs until it lands.
+///
+/// # Errors
+/// A planning error of the allocation.
+pub fn load_ratio_against_replan(
+    plan: &ModelPlan,
+    loads: &[Vec<u64>],
+) -> Result<f64, crate::PlanError> {
+    let total = plan.cluster.total_slots();
+    let experts = plan.model.experts;
+    let mut ratio = 1.0f64;
+    for (l, a) in plan.allocations.iter().enumerate() {
+        let zeros;
+        let t = match loads.get(l) {
+            Some(t) if t.len() == experts && t.iter().any(|&x| x > 0) => t.as_slice(),
+            _ => {
+                zeros = vec![1; experts];
+                &zeros
+            }
+        };
+        let busiest = |r: &[usize]| {
+            (0..experts)
+                .filter(|&e| r[e] > 0)
+                .map(|e| t[e] as f64 / r[e] as f64)
+                .fold(0.0f64, f64::max)
+        };
+        let replan = crate::allocate(plan.alloc, t, total, plan.model.f)?;
+        let best = busiest(&replan.replicas);
+        if best > 0.0 {
+            ratio = ratio.max(busiest(&a.replicas) / best);
+        }
+    }
+    Ok(ratio)
+}

@@ -267,6 +267,9 @@ pub struct RunRules {
     /// say; read when they are absent).
     #[serde(default)]
     pub global_batch: Option<GlobalBatch>,
+    /// `lzrun --recovery` (absent in runs of versions before issue 42: the replan).
+    #[serde(default)]
+    pub recovery: crate::replay::RecoveryPolicy,
 }
 
 impl RunConfig {
@@ -882,6 +885,7 @@ pub fn predict(run: &RunDir, hw: &HardwareProfile) -> anyhow::Result<Prediction>
         step_events: run.step_events()?,
         end_after_steps: Some(c.steps),
         pause_lag_steps: 1,
+        recovery: c.rules.recovery,
     };
     let result = replay::run(&cfg, c.system(), &trace, &workload, true, None)?;
     let s = &result.summary;

@@ -116,6 +116,7 @@ impl ReconfigSimArgs {
             f: self.f,
             ckpt_every: "none".into(),
             rebalance_every: self.rebalance_every,
+            recovery: "replan".into(),
             scale_out_wait: "2m".into(),
             boot: None,
             sample_every: None,

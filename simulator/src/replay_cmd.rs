@@ -97,6 +97,12 @@ pub struct SimArgs {
     /// Lazarus rebalance period in steps (0: never).
     #[arg(long, default_value_t = 200)]
     pub rebalance_every: u64,
+    /// How `lazarus` recovers in place from a failure or a join: `repair` (keep the layout
+    /// on the survivors, copy only the replicas under the floor min(f, N) or over the load
+    /// bound, newcomers take hot experts; the full replan follows at the next rebalance) or
+    /// `replan` (the paper's §4.3: Eq. 1 + MRO over the new membership at every event).
+    #[arg(long, default_value = "repair", value_parser = ["repair", "replan"])]
+    pub recovery: String,
     /// Lazy scale-out: wait this long after a node joins.
     #[arg(long, default_value = "2m")]
     pub scale_out_wait: String,
@@ -220,6 +226,7 @@ impl Setup {
             step_events: Vec::new(),
             end_after_steps: None,
             pause_lag_steps: 0,
+            recovery: sim.recovery.parse().map_err(anyhow::Error::msg)?,
         };
         Ok(Self {
             systems,

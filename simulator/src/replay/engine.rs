@@ -225,6 +225,9 @@ enum Control {
 struct StepInfo {
     step_ns: u64,
     samples_per_step: u64,
+    /// The part of the step its network is busy (all-to-all and gradient all-reduce), in
+    /// parts per million.
+    network_ppm: u32,
 }
 
 pub struct Engine<'a> {
@@ -259,7 +262,8 @@ pub struct Engine<'a> {
     t: TimeBreakdown,
     summary: Summary,
     step_cache: Option<&'a StepCache>,
-    local_cache: BTreeMap<u64, (u64, u64)>,
+    /// `(step_ns, samples, network share in ppm)` per layout and load epoch.
+    local_cache: BTreeMap<u64, (u64, u64, u32)>,
     /// Times each step was counted (only for a recorded workload, see [`Workload::history`]).
     counted: BTreeMap<u64, usize>,
     live_integral: f64,
@@ -299,6 +303,7 @@ impl<'a> Engine<'a> {
                     cfg.rebalance_every_steps,
                     cfg.load_window_steps,
                     (cfg.scale_out_wait_s * 1e3).round() as u64,
+                    cfg.recovery,
                 ))),
                 SystemKind::Laer | SystemKind::LazarusFsep => {
                     Control::Machine(Box::new(Driver::sharded(
@@ -704,6 +709,24 @@ impl<'a> Engine<'a> {
                     self.migration_pause_s(&migration) + self.cfg.hardware.replan_s.unwrap_or(0.0);
                 if membership_changed {
                     pause += self.cfg.hardware.communicator_rebuild_s;
+                }
+                if kind == ReconfigKind::Rebalance
+                    && self.cfg.recovery == super::RecoveryPolicy::Repair
+                {
+                    // The background re-optimisation of repair-first recovery (issue 42): the
+                    // copies stream while training goes on (`lzrun`'s asynchronous migration,
+                    // planned off the critical path). Model: they run at the full rate for
+                    // the migration time T, and training loses the part of T in which it
+                    // needed the network itself (its all-to-all and all-reduce share u of a
+                    // step): u·T, charged as rebalance time; the new layout is used from then
+                    // on (T − u·T early: contention beyond that share is not modelled). The
+                    // members keep their ranks (the switch renumbers the replan onto them), so
+                    // no communicator is rebuilt.
+                    let u = self
+                        .layout
+                        .clone()
+                        .map_or(1.0, |l| self.step_info(&l).network_ppm as f64 / 1e6);
+                    pause = self.migration_pause_s(&migration) * u;
                 }
                 let nodes = layout.nodes.len();
                 let (m_replicas, m_bytes) = (migration.replicas, migration.bytes);
@@ -1240,7 +1263,7 @@ impl<'a> Engine<'a> {
             self.step_cache
                 .and_then(|c| c.lock().ok().and_then(|m| m.get(&key).copied()))
         });
-        let (step_ns, samples_per_step) = match cached {
+        let (step_ns, samples_per_step, network_ppm) = match cached {
             Some(v) => v,
             None => {
                 let loads = self.workload.loads(self.steps);
@@ -1252,7 +1275,16 @@ impl<'a> Engine<'a> {
                     &loads,
                 )
                 .expect("the step cost of a valid layout");
-                let v = (ns(c.total_s).max(1), c.samples);
+                let network = if c.total_s > 0.0 {
+                    ((c.all_to_all_s + c.grad_allreduce_s) / c.total_s).clamp(0.0, 1.0)
+                } else {
+                    1.0
+                };
+                let v = (
+                    ns(c.total_s).max(1),
+                    c.samples,
+                    (network * 1e6).round() as u32,
+                );
                 if let Some(shared) = self.step_cache
                     && let Ok(mut m) = shared.lock()
                 {
@@ -1261,10 +1293,12 @@ impl<'a> Engine<'a> {
                 v
             }
         };
-        self.local_cache.insert(key, (step_ns, samples_per_step));
+        self.local_cache
+            .insert(key, (step_ns, samples_per_step, network_ppm));
         StepInfo {
             step_ns,
             samples_per_step,
+            network_ppm,
         }
     }
 
@@ -1437,6 +1471,7 @@ mod tests {
             step_events: events,
             end_after_steps: Some(30),
             pause_lag_steps: 0,
+            recovery: Default::default(),
         }
     }
 
@@ -1557,6 +1592,7 @@ mod tests {
             step_events: Vec::new(),
             end_after_steps: None,
             pause_lag_steps: 0,
+            recovery: Default::default(),
         };
         let trace = parse("0,add,a\n0,add,b\n", TraceFormat::BambooCsv).expect("trace");
         let engine = Engine::new(&cfg, SystemKind::Ds, &trace, &workload, false, None);

@@ -10,6 +10,7 @@ pub mod systems;
 
 use crate::cost::{HardwareProfile, ModelProfile};
 use crate::workload::Workload;
+pub use lazarus_planner::job::RecoveryPolicy;
 use lazarus_traces::Trace;
 use serde::Serialize;
 use systems::SystemKind;
@@ -47,6 +48,14 @@ pub struct ReplayConfig {
     /// predict`, 0 (the paper's model) otherwise.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub pause_lag_steps: u64,
+    /// `lazarus`: how an in-place recovery re-lays the experts (issue 42). Written only when
+    /// it is not the paper's replan, so a replan run's config.json is what it was before.
+    #[serde(default, skip_serializing_if = "is_replan")]
+    pub recovery: RecoveryPolicy,
+}
+
+fn is_replan(r: &RecoveryPolicy) -> bool {
+    *r == RecoveryPolicy::Replan
 }
 
 fn is_zero(x: &u64) -> bool {
@@ -193,7 +202,7 @@ pub struct RunResult {
 
 /// Step costs shared across runs on the same profiles and workload (a sweep): keyed by the
 /// layout's content and the load epoch.
-pub type StepCache = std::sync::Mutex<std::collections::HashMap<u64, (u64, u64)>>;
+pub type StepCache = std::sync::Mutex<std::collections::HashMap<u64, (u64, u64, u32)>>;
 
 /// Why a replay stopped before its end.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

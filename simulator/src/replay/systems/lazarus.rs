@@ -39,7 +39,7 @@ use crate::cost::{Dispatch, LayerRuns};
 use lazarus_planner::fsep::ShardPlacement;
 use lazarus_planner::job::{
     Action, Event, Holdings, IdleReason, JobConfig, JobMachine, RankShardTransfer, ReconfigKind,
-    Reconfiguration, StateSource,
+    Reconfiguration, RecoveryPolicy, StateSource,
 };
 use lazarus_planner::migrate::MappingMethod;
 use lazarus_planner::{Aggregation, Alignment, AllocPolicy, ModelPlan, PlacePolicy, plan_model};
@@ -170,15 +170,18 @@ impl Driver {
         rebalance_every_steps: Option<u64>,
         load_window_steps: u64,
         scale_out_wait_ms: u64,
+        recovery: RecoveryPolicy,
     ) -> Self {
-        Self::with_experts(
+        let mut d = Self::with_experts(
             ctx,
             checkpoint_every_steps,
             rebalance_every_steps,
             load_window_steps,
             scale_out_wait_ms,
             None,
-        )
+        );
+        d.machine.set_recovery(recovery);
+        d
     }
 
     /// `laer` (`copies` = 1) and `lazarus-fsep`: the same machine with
@@ -549,7 +552,7 @@ impl System for Lazarus {
         ready: &[NodeId],
         loads: &[Vec<u64>],
     ) -> Decision {
-        let d = Driver::new(ctx, None, None, 1, 0);
+        let d = Driver::new(ctx, None, None, 1, 0, RecoveryPolicy::Replan);
         one_shot_failure(d, ctx, current, dead, ready, loads)
     }
 
