@@ -471,7 +471,7 @@ fn relayout_on_the_smartmoe_trace() {
 /// expert without a replica restores the checkpoint, any other one replans in place.
 #[test]
 fn lazarus_failure_decisions_are_the_machines() {
-    use lazarus_planner::job::ReconfigKind;
+    use lazarus_planner::job::{ReconfigKind, RecoveryPolicy};
     use lazarus_planner::migrate::{PhysicalNode, lost_experts};
     use lazarus_simulator::cost;
     use lazarus_simulator::replay::systems::Ctx;
@@ -485,7 +485,14 @@ fn lazarus_failure_decisions_are_the_machines() {
         model: &model,
     };
     // Checkpoints every 50 steps, so the one saved after step 249 is due and committed.
-    let mut started = Driver::new(&ctx, Some(50), Some(200), 200, 120_000);
+    let mut started = Driver::new(
+        &ctx,
+        Some(50),
+        Some(200),
+        200,
+        120_000,
+        RecoveryPolicy::Replan,
+    );
     let nodes: Vec<u32> = (0..4).collect();
     let Some(Order::Start { layout }) = started.nodes_ready(&ctx, 0, &nodes) else {
         panic!("four nodes start the job");

@@ -28,6 +28,15 @@ pub enum MigrationArg {
     Blocking,
 }
 
+/// `--recovery`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RecoveryArg {
+    /// Keep the layout on the survivors; copy only what fell under the floor or the load bound.
+    Repair,
+    /// The paper's rule: Eq. 1 + MRO over the new membership at every failure and join.
+    Replan,
+}
+
 /// `--format`. How lines are written ([`Format::say`]) belongs to `report`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Format {
@@ -391,6 +400,17 @@ pub struct JobArgs {
     /// host-aware placement (--gpus-per-node above 1), whose rebalance is blocking.
     #[arg(long, value_enum, default_value_t = MigrationArg::Async)]
     pub migration: MigrationArg,
+    /// With --expert-mode replicated: how a failure or a join re-lays the experts. repair:
+    /// the survivors keep their replicas; only a replica whose expert fell below
+    /// min(--fault-tolerance, nodes) distinct nodes (or whose load would more than double the
+    /// busiest replica's) is copied, a newcomer's slots take the hottest experts; the full
+    /// replan follows as the next rebalance (--rebalance-every, --migration), brought forward
+    /// when the repaired layout's busiest replica is over 1.1x the replan's or it survives f
+    /// more failures less often. replan: the paper's rule, the whole model re-planned at every
+    /// event. Each reconfiguration's transfers and bytes are in reconfigurations.jsonl, the
+    /// repair's under its kind (in-place, join), the re-optimisation's under rebalance.
+    #[arg(long, value_enum, default_value_t = RecoveryArg::Repair)]
+    pub recovery: RecoveryArg,
     /// --relayout laer: no re-layout before this many steps.
     #[arg(long, value_name = "STEPS", default_value_t = 2)]
     pub relayout_warmup: u64,

@@ -17,10 +17,10 @@ use lazarus_planner::ModelSpec;
 use lazarus_planner::data::GlobalBatch;
 use lazarus_planner::deadline::StepDeadline;
 use lazarus_planner::job::JobConfig;
-use lazarus_planner::job::ReplicaMigration;
 use lazarus_planner::job::relayout::{LaerRelayout, Relayout};
+use lazarus_planner::job::{RecoveryPolicy, ReplicaMigration};
 
-use crate::args::{JobArgs, MigrationArg, RelayoutArg};
+use crate::args::{JobArgs, MigrationArg, RecoveryArg, RelayoutArg};
 use crate::config::{load_config, load_model};
 use crate::drive::Interrupted;
 
@@ -343,6 +343,10 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
     rules.replica_migration = match a.migration {
         MigrationArg::Async => ReplicaMigration::Async,
         MigrationArg::Blocking => ReplicaMigration::Blocking,
+    };
+    rules.recovery = match a.recovery {
+        RecoveryArg::Repair => RecoveryPolicy::Repair,
+        RecoveryArg::Replan => RecoveryPolicy::Replan,
     };
     ensure!(
         a.relayout_threshold.is_finite() && a.relayout_threshold >= 1.0,
