@@ -45,7 +45,7 @@ pub struct FaultCounts {
     pub start_ms: u64,
     /// Last millisecond replayed (inclusive).
     pub end_ms: u64,
-    /// Nodes of the replayed cluster at its start.
+    /// Nodes of the cluster (`--cluster-nodes`, else the log's).
     pub cluster_nodes: usize,
     /// Distinct nodes of the whole log.
     pub log_nodes: usize,
@@ -61,11 +61,12 @@ pub struct FaultCounts {
 }
 
 impl FaultCounts {
-    /// The counts for a replay of `trace` (the log's trace after `--window`, rebased to its
-    /// start `window_start_ms`) up to `run_ms` of replayed time; `window_end_ms` is the
-    /// window's exclusive end (`u64::MAX` without `--window`).
+    /// The counts for a replay of `trace` (the log's trace on `cluster_nodes` nodes after
+    /// `--window`, rebased to its start `window_start_ms`) up to `run_ms` of replayed time;
+    /// `window_end_ms` is the window's exclusive end (`u64::MAX` without `--window`).
     pub fn new(
         log: &FaultLog,
+        cluster_nodes: usize,
         trace: &Trace,
         window_start_ms: u64,
         window_end_ms: u64,
@@ -80,7 +81,7 @@ impl FaultCounts {
         Self {
             start_ms,
             end_ms: end_excl.saturating_sub(1),
-            cluster_nodes: trace.live_at(0),
+            cluster_nodes,
             log_nodes: log.nodes().len(),
             faults: faults.len(),
             faulty_nodes: nodes.len(),

@@ -36,7 +36,7 @@ pub struct ReplayArgs {
     /// 5-minute-MTBF scenario of the paper (30 minutes).
     pub trace: Option<PathBuf>,
     /// A fault log's cluster size (the file names only the nodes that failed): the other
-    /// nodes never fail and are live throughout. Default: the log's nodes only.
+    /// nodes never fail and are live throughout, 1..=1048576. Default: the log's nodes only.
     #[arg(long, value_parser = limits::count(MAX_NODES))]
     pub cluster_nodes: Option<usize>,
     /// Replay only [A, B) of the trace, rebased to 0 (nodes alive at A are added at 0): `0m..80m`.
@@ -322,7 +322,8 @@ pub fn resolve(args: &ReplayArgs) -> Result<Resolved> {
         }
     }
     let fault_counts = fault_log.map(|log| {
-        crate::fault_log::FaultCounts::new(&log, &trace, window_ms.0, window_ms.1, run_ms)
+        let cluster = args.cluster_nodes.unwrap_or(log.nodes().len());
+        crate::fault_log::FaultCounts::new(&log, cluster, &trace, window_ms.0, window_ms.1, run_ms)
     });
     check_trainable(&setup, trace.max_live())?;
     let configs = setup
