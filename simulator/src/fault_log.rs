@@ -58,6 +58,9 @@ pub struct FaultCounts {
     pub removals: usize,
     /// Faults starting in the window, per `Class`.
     pub by_class: BTreeMap<String, usize>,
+    /// The same per `Level`, then `Class` (a class such as "Other Failures" appears under
+    /// several levels).
+    pub by_level: BTreeMap<String, BTreeMap<String, usize>>,
 }
 
 impl FaultCounts {
@@ -75,6 +78,15 @@ impl FaultCounts {
         let start_ms = window_start_ms;
         let end_excl = window_end_ms.min(start_ms.saturating_add(run_ms).saturating_add(1));
         let faults: Vec<_> = log.faults_starting_in(start_ms, end_excl).collect();
+        let mut by_level: BTreeMap<String, BTreeMap<String, usize>> = BTreeMap::new();
+        for f in &faults {
+            let t = &f.fault_type;
+            *by_level
+                .entry(t.level.clone())
+                .or_default()
+                .entry(t.class.clone())
+                .or_default() += 1;
+        }
         let mut nodes: Vec<&str> = faults.iter().map(|f| f.node.as_str()).collect();
         nodes.sort_unstable();
         nodes.dedup();
@@ -91,6 +103,7 @@ impl FaultCounts {
                 .filter(|e| e.op == NodeOp::Remove && e.time_ms <= run_ms)
                 .count(),
             by_class: log.class_counts(start_ms, end_excl),
+            by_level,
         }
     }
 

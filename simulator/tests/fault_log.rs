@@ -202,6 +202,7 @@ fn infinitehbd_replay_counts_match_the_raw_log() {
     let raw: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let (mut faults, mut removals) = (0u64, 0u64);
     let mut by_class: BTreeMap<String, u64> = BTreeMap::new();
+    let mut by_level: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
     let mut open: BTreeMap<&str, u32> = BTreeMap::new();
     for ev in &raw {
         let depth = open.entry(ev["node_id"].as_str().unwrap()).or_default();
@@ -209,6 +210,11 @@ fn infinitehbd_replay_counts_match_the_raw_log() {
             "fault_start" => {
                 faults += 1;
                 *by_class
+                    .entry(ev["fault_type"]["Class"].as_str().unwrap().to_owned())
+                    .or_default() += 1;
+                *by_level
+                    .entry(ev["fault_type"]["Level"].as_str().unwrap().to_owned())
+                    .or_default()
                     .entry(ev["fault_type"]["Class"].as_str().unwrap().to_owned())
                     .or_default() += 1;
                 removals += u64::from(*depth == 0);
@@ -251,6 +257,13 @@ fn infinitehbd_replay_counts_match_the_raw_log() {
     assert_eq!(
         serde_json::from_value::<BTreeMap<String, u64>>(counts["by_class"].clone()).unwrap(),
         by_class
+    );
+    assert_eq!(
+        serde_json::from_value::<BTreeMap<String, BTreeMap<String, u64>>>(
+            counts["by_level"].clone()
+        )
+        .unwrap(),
+        by_level
     );
     let list: Value = serde_json::from_slice(&out.stdout).unwrap();
     for summary in list.as_array().unwrap() {
