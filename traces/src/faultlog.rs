@@ -118,9 +118,9 @@ fn entry_err(index: usize, node: Option<&str>, msg: impl Into<String>) -> TraceE
     }
 }
 
-/// Days as written in messages: the shortest form that reads back the same.
-fn days(ms_or_days: f64) -> String {
-    format!("{ms_or_days}")
+/// A number of days as written in messages: the shortest form that reads back the same.
+fn days(d: f64) -> String {
+    format!("{d}")
 }
 
 impl FaultLog {
@@ -152,8 +152,9 @@ impl FaultLog {
         let mut known: HashSet<String> = HashSet::new();
         // Per node: indices into `log.faults` of its open faults, oldest first.
         let mut open: HashMap<String, Vec<usize>> = HashMap::new();
-        // Per node: indices into `outages` of its events (an `Option` so that one can be
-        // cancelled: a fault continuing an outage, or one of zero length).
+        // The outages' events, and per node the indices of its own (an `Option` so that a
+        // repair can be cancelled by a fault that starts before it took effect: the outage
+        // goes on).
         let mut outages: Vec<Option<TraceEvent>> = Vec::new();
         let mut node_events: HashMap<String, Vec<usize>> = HashMap::new();
         let mut previous: Option<(usize, f64)> = None;
