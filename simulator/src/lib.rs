@@ -18,6 +18,7 @@
 pub mod cost;
 pub mod duration;
 pub mod failures_cmd;
+pub mod fault_log;
 pub mod fsep_recovery;
 pub mod limits;
 pub mod loads;

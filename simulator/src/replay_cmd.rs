@@ -30,9 +30,15 @@ pub const DEFAULT_END: &str = "30m";
 pub struct ReplayArgs {
     /// Node trace, format detected from the content: Bamboo CSV (time_ms,add|remove,node),
     /// node-count CSV (time_ms,live_nodes; nodes n0, n1, …, the newest removed first),
-    /// Parcae/SpotServe JSON lines or SkyPilot JSON. Default: the embedded 10-node,
+    /// Parcae/SpotServe JSON lines, SkyPilot JSON, or a fault log (InfiniteHBD JSON: a node
+    /// is down from a fault_start until all its open faults have ended, times in days; see
+    /// --cluster-nodes; faults per class are reported). Default: the embedded 10-node,
     /// 5-minute-MTBF scenario of the paper (30 minutes).
     pub trace: Option<PathBuf>,
+    /// A fault log's cluster size (the file names only the nodes that failed): the other
+    /// nodes never fail and are live throughout, 1..=1048576. Default: the log's nodes only.
+    #[arg(long, value_parser = limits::count(MAX_NODES))]
+    pub cluster_nodes: Option<usize>,
     /// Replay only [A, B) of the trace, rebased to 0 (nodes alive at A are added at 0): `0m..80m`.
     #[arg(long)]
     pub window: Option<String>,
@@ -135,6 +141,8 @@ pub struct Resolved {
     pub systems: Vec<SystemKind>,
     pub configs: BTreeMap<SystemKind, ReplayConfig>,
     pub workload: Workload,
+    /// A fault log's faults in the replayed window (`None` for the other formats).
+    pub fault_counts: Option<crate::fault_log::FaultCounts>,
 }
 
 fn checkpoint_intervals(text: &str) -> Result<Option<BTreeMap<SystemKind, Option<u64>>>> {
@@ -256,8 +264,16 @@ pub const MAX_SAMPLES: u64 = 1_000_000;
 
 pub fn resolve(args: &ReplayArgs) -> Result<Resolved> {
     let setup = Setup::new(&args.sim)?;
+    let mut fault_log = None;
     let (mut trace, trace_name, default_end) = match &args.trace {
-        Some(p) => (lazarus_traces::load(p)?, p.display().to_string(), None),
+        Some(p) => {
+            let (trace, log) = crate::fault_log::load(p, args.cluster_nodes)?;
+            fault_log = log;
+            (trace, p.display().to_string(), None)
+        }
+        None if args.cluster_nodes.is_some() => {
+            bail!("--cluster-nodes sizes a fault log's cluster: give the fault log")
+        }
         None => (
             lazarus_traces::parse(DEFAULT_TRACE, lazarus_traces::TraceFormat::BambooCsv)
                 .context("embedded default trace")?,
@@ -269,10 +285,12 @@ pub fn resolve(args: &ReplayArgs) -> Result<Resolved> {
         Some(e) => Some(parse_period_ms("--end", e)?),
         None => default_end,
     };
+    let mut window_ms = (0, u64::MAX);
     if let Some(w) = &args.window {
         let (a, b) = parse_range_ms("--window", w)?;
         trace = trace.window(a, b);
         end_ms = end_ms.or(Some(b - a));
+        window_ms = (a, b);
     }
     if let Some(n) = args.max_nodes {
         trace = trace.fit(n, args.map);
@@ -310,6 +328,10 @@ pub fn resolve(args: &ReplayArgs) -> Result<Resolved> {
             );
         }
     }
+    let fault_counts = fault_log.map(|log| {
+        let cluster = args.cluster_nodes.unwrap_or(log.nodes().len());
+        crate::fault_log::FaultCounts::new(&log, cluster, &trace, window_ms.0, window_ms.1, run_ms)
+    });
     check_trainable(&setup, trace.max_live())?;
     let configs = setup
         .systems
@@ -322,6 +344,7 @@ pub fn resolve(args: &ReplayArgs) -> Result<Resolved> {
         systems: setup.systems.clone(),
         configs,
         workload: setup.workload,
+        fault_counts,
     })
 }
 
@@ -408,6 +431,7 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
                 None => json!({"zipf": args.sim.zipf, "drift_every_steps": args.sim.drift_every}),
             },
             "systems": r.configs,
+            "fault_log": r.fault_counts,
         });
         let mut bytes = serde_json::to_vec_pretty(&config)?;
         bytes.push(b'\n');
@@ -424,8 +448,15 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
     if args.format == "json" {
         let list: Vec<_> = results.iter().map(|x| &x.summary).collect();
         crate::stdout::println(&serde_json::to_string_pretty(&list)?)?;
+        // stdout stays one JSON document; the fault counts are in config.json with --out.
+        if let Some(c) = &r.fault_counts {
+            eprint!("{}", c.text());
+        }
     } else {
         crate::stdout::print(&table(&results))?;
+        if let Some(c) = &r.fault_counts {
+            crate::stdout::print(&c.text())?;
+        }
     }
     Ok(())
 }

@@ -106,6 +106,31 @@ pub enum TraceError {
         /// The rejected name.
         node: String,
     },
+    /// An entry of a fault log ([`FaultLog`](crate::faultlog::FaultLog), InfiniteHBD JSON) that
+    /// cannot be replayed: an unknown `event_type`, a `fault_end` without an open
+    /// `fault_start` or earlier than it, a time going backwards, a time that is not a finite
+    /// non-negative number of days, a missing or mistyped field. Displays as
+    /// `entry 12 (node 6f24…): unknown event_type "fault_stop" …`.
+    #[error("entry {index} (node {node}): {msg}")]
+    FaultLogEntry {
+        /// 0-based index of the entry in the JSON array (`jq '.[12]'`).
+        index: usize,
+        /// Its `node_id`, or `?` when it has none.
+        node: String,
+        /// What is wrong with it.
+        msg: String,
+    },
+    /// A fault log asked onto a cluster smaller than the number of distinct nodes it names
+    /// ([`FaultLog::trace_on`](crate::faultlog::FaultLog::trace_on)).
+    #[error(
+        "a cluster of {cluster} nodes is smaller than the {nodes} distinct nodes of the fault log"
+    )]
+    ClusterTooSmall {
+        /// The requested cluster size.
+        cluster: usize,
+        /// The distinct nodes of the log.
+        nodes: usize,
+    },
     /// The input holds no `add`/`remove` event at all.
     #[error("the trace has no add/remove events")]
     Empty,

@@ -15,7 +15,10 @@
 //!   format: the AWS P3 and g4dn spot traces), F2 JSON lines `[time_ms, op, {"nodes": [...]}]`
 //!   (Parcae and SpotServe replays), F3 node-count CSV `time_ms,live_nodes` (the P3 trace as
 //!   some replayers ship it) and F5 SkyPilot count series (the F-numbers are our format
-//!   names); [`detect_format`] tells them apart. The two count series name their nodes by one
+//!   names), and F6, the fault log of a production cluster (StepFun's InfiniteHBD JSON:
+//!   `fault_start`/`fault_end` per node with a fault class, times in days; [`faultlog`]),
+//!   replayed as removes at each outage's start and adds at its repair; [`detect_format`]
+//!   tells them apart, and [`load_file`] keeps a fault log's classes. The two count series name their nodes by one
 //!   rule (fresh names for adds, newest node removed first), documented on [`TraceFormat`].
 //! * Semantics: events are sorted by time; at equal times adds come before removes (the
 //!   Bamboo and Oobleck simulators' `(time, kind)` queue order); a batch of events at one
@@ -36,6 +39,7 @@
 
 pub mod duration;
 pub mod error;
+pub mod faultlog;
 pub mod fit;
 pub mod hardware;
 pub mod parse;
@@ -46,6 +50,7 @@ pub mod trace;
 pub mod zipf;
 
 pub use error::{ParseEnumError, TraceError};
+pub use faultlog::FaultLog;
 pub use fit::FitMode;
-pub use parse::{MAX_SYNTH_EVENTS, TraceFormat, detect_format, load, parse};
+pub use parse::{MAX_SYNTH_EVENTS, TraceFile, TraceFormat, detect_format, load, load_file, parse};
 pub use trace::{NodeOp, Trace, TraceEvent};

@@ -1,4 +1,4 @@
-//! Reading traces: [`parse`], [`detect_format`], [`load`] and the four formats.
+//! Reading traces: [`parse`], [`detect_format`], [`load`] / [`load_file`] and the five formats.
 //!
 //! Parsing never panics, whatever the input (checked by proptest and a cargo-fuzz target),
 //! and never allocates more than a bounded multiple of the input size, except for the two
@@ -11,6 +11,7 @@ use std::str::FromStr;
 use serde_json::Value;
 
 use crate::error::{ParseEnumError, TraceError};
+use crate::faultlog::FaultLog;
 use crate::trace::{NodeOp, Trace, TraceEvent};
 
 /// Upper bound on the number of events a count series (node-count CSV or SkyPilot) may expand
@@ -19,7 +20,7 @@ use crate::trace::{NodeOp, Trace, TraceEvent};
 /// `0,1000000000000`) from exhausting memory.
 pub const MAX_SYNTH_EVENTS: u64 = 1_000_000;
 
-/// The accepted file formats (F1, F2, F3, F5: see the crate documentation).
+/// The accepted file formats (F1, F2, F3, F5, F6: see the crate documentation).
 ///
 /// # Node names of the count series (F3, F5)
 ///
@@ -116,24 +117,33 @@ pub enum TraceFormat {
     /// keys are ignored. Schema errors are [`TraceError::Format`]; JSON syntax errors are
     /// [`TraceError::Parse`] with serde_json's line.
     SkyPilot,
+    /// F6, a fault log (StepFun's InfiniteHBD JSON): one array of
+    /// `{"node_id", "event_time" (days), "event_type": "fault_start" | "fault_end",
+    /// "fault_type": {"Level", "Class", "Desc"}}` entries. [`parse`] gives the trace of the
+    /// log's own nodes (each live at 0, down from its first open fault to the end of its last);
+    /// [`load_file`] keeps the [`FaultLog`] with the fault classes and the cluster size to
+    /// come ([`FaultLog::trace_on`]). Rules and errors: [`crate::faultlog`].
+    FaultLog,
 }
 
 impl TraceFormat {
     /// All formats.
-    pub const ALL: [TraceFormat; 4] = [
+    pub const ALL: [TraceFormat; 5] = [
         TraceFormat::BambooCsv,
         TraceFormat::JsonLines,
         TraceFormat::NodeCountCsv,
         TraceFormat::SkyPilot,
+        TraceFormat::FaultLog,
     ];
 
-    /// Short name: `csv`, `jsonl`, `counts`, `skypilot`.
+    /// Short name: `csv`, `jsonl`, `counts`, `skypilot`, `fault-log`.
     pub fn as_str(self) -> &'static str {
         match self {
             TraceFormat::BambooCsv => "csv",
             TraceFormat::JsonLines => "jsonl",
             TraceFormat::NodeCountCsv => "counts",
             TraceFormat::SkyPilot => "skypilot",
+            TraceFormat::FaultLog => "fault-log",
         }
     }
 }
@@ -147,25 +157,27 @@ impl fmt::Display for TraceFormat {
 impl FromStr for TraceFormat {
     type Err = ParseEnumError;
 
-    /// `csv` / `bamboo`, `jsonl` / `json-lines`, `counts` / `node-counts`, `skypilot` (ASCII
-    /// case-insensitive).
+    /// `csv` / `bamboo`, `jsonl` / `json-lines`, `counts` / `node-counts`, `skypilot`,
+    /// `fault-log` / `infinitehbd` (ASCII case-insensitive).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.to_ascii_lowercase().as_str() {
             "csv" | "bamboo" | "bamboo-csv" => Ok(TraceFormat::BambooCsv),
             "jsonl" | "json-lines" | "jsonlines" => Ok(TraceFormat::JsonLines),
             "counts" | "node-counts" | "node-count-csv" => Ok(TraceFormat::NodeCountCsv),
             "skypilot" => Ok(TraceFormat::SkyPilot),
+            "fault-log" | "faultlog" | "infinitehbd" | "hbd" => Ok(TraceFormat::FaultLog),
             _ => Err(ParseEnumError::new(
                 "trace format",
                 s,
-                "'csv', 'jsonl', 'counts' or 'skypilot'",
+                "'csv', 'jsonl', 'counts', 'skypilot' or 'fault-log'",
             )),
         }
     }
 }
 
 /// Guesses the format from the content: the first non-whitespace character (after an optional
-/// UTF-8 BOM) `{` means SkyPilot, `[` JSON lines; otherwise the first non-blank line decides
+/// UTF-8 BOM) `{` means SkyPilot; `[` followed (after whitespace) by `{` or `]` is a fault log
+/// (a JSON array of objects), any other `[` JSON lines; otherwise the first non-blank line decides
 /// between the two CSV formats: a node-count CSV when it has exactly two comma-separated
 /// fields and either its first field does not start like a number (a header such as
 /// `time_ms,live_nodes`) or its second does (a row such as `0,18`), else Bamboo CSV.
@@ -182,12 +194,17 @@ impl FromStr for TraceFormat {
 /// assert_eq!(detect_format("\n0, 18\n"), TraceFormat::NodeCountCsv);
 /// assert_eq!(detect_format("0,add,n1\n"), TraceFormat::BambooCsv);
 /// assert_eq!(detect_format("0,add\n"), TraceFormat::BambooCsv);
+/// assert_eq!(detect_format("[\n  {\"node_id\": \"a\""), TraceFormat::FaultLog);
+/// assert_eq!(detect_format("[0, \"add\", {\"nodes\": [\"a\"]}]"), TraceFormat::JsonLines);
 /// ```
 pub fn detect_format(text: &str) -> TraceFormat {
     let text = strip_bom(text);
     match text.trim_start().chars().next() {
         Some('{') => TraceFormat::SkyPilot,
-        Some('[') => TraceFormat::JsonLines,
+        Some('[') => match text.trim_start()[1..].trim_start().chars().next() {
+            Some('{' | ']') => TraceFormat::FaultLog,
+            _ => TraceFormat::JsonLines,
+        },
         _ => match numbered_lines(text).next() {
             Some((_, first)) if looks_like_counts_row(first) => TraceFormat::NodeCountCsv,
             _ => TraceFormat::BambooCsv,
@@ -222,6 +239,7 @@ pub fn parse(text: &str, format: TraceFormat) -> Result<Trace, TraceError> {
         TraceFormat::JsonLines => parse_json_lines(text),
         TraceFormat::NodeCountCsv => parse_counts_csv(text),
         TraceFormat::SkyPilot => parse_skypilot(text),
+        TraceFormat::FaultLog => Ok(FaultLog::parse(text)?.trace()),
     }
 }
 
@@ -229,12 +247,37 @@ pub fn parse(text: &str, format: TraceFormat) -> Result<Trace, TraceError> {
 /// Every error names the file: [`TraceError::Io`] when it cannot be read (or is not UTF-8),
 /// [`TraceError::InFile`] wrapping the parse error otherwise; either displays as the path and
 /// carries the cause as its [`source`](std::error::Error::source).
+///
+/// A fault log (F6) becomes the trace of its own nodes ([`FaultLog::trace`]); [`load_file`]
+/// keeps the log itself.
 pub fn load(path: &Path) -> Result<Trace, TraceError> {
+    Ok(match load_file(path)? {
+        TraceFile::Trace(t) => t,
+        TraceFile::FaultLog(log) => log.trace(),
+    })
+}
+
+/// What [`load_file`] read: a node trace, or a fault log, which keeps its fault classes and
+/// becomes a trace once the cluster size is known ([`FaultLog::trace_on`]).
+#[derive(Debug, Clone)]
+pub enum TraceFile {
+    /// Formats F1–F5.
+    Trace(Trace),
+    /// F6, a fault log.
+    FaultLog(FaultLog),
+}
+
+/// [`load`], keeping a fault log as a [`FaultLog`]. The same errors as [`load`].
+pub fn load_file(path: &Path) -> Result<TraceFile, TraceError> {
     let text = std::fs::read_to_string(path).map_err(|source| TraceError::Io {
         path: path.to_path_buf(),
         source,
     })?;
-    parse(&text, detect_format(&text)).map_err(|e| TraceError::InFile {
+    let parsed = match detect_format(&text) {
+        TraceFormat::FaultLog => FaultLog::parse(strip_bom(&text)).map(TraceFile::FaultLog),
+        format => parse(&text, format).map(TraceFile::Trace),
+    };
+    parsed.map_err(|e| TraceError::InFile {
         path: path.to_path_buf(),
         source: Box::new(e),
     })
@@ -574,6 +617,9 @@ mod tests {
         );
         assert_eq!(detect_format(" {\"data\": []}"), TraceFormat::SkyPilot);
         assert_eq!(detect_format("{}"), TraceFormat::SkyPilot);
+        assert_eq!(detect_format("\u{feff} [ ]"), TraceFormat::FaultLog);
+        assert_eq!(detect_format("[\r\n\t{}]"), TraceFormat::FaultLog);
+        assert_eq!(detect_format("["), TraceFormat::JsonLines);
         for counts in [
             "0,3\n",
             "\u{feff}\r\n time_ms , live_nodes \r\n0,3\r\n",

@@ -281,3 +281,62 @@ proptest! {
         }
     }
 }
+
+/// A fault-log-like JSON array: entries on a small pool of nodes and classes, with times that
+/// mostly go forward, some event types unknown and some fields missing.
+fn fault_log_text() -> impl Strategy<Value = String> {
+    let entry = (0usize..4, 0u32..3, 0u8..10, 0usize..2, 0u8..20);
+    prop::collection::vec(entry, 0..40).prop_map(|entries| {
+        let mut t = 0.0f64;
+        let items: Vec<String> = entries
+            .into_iter()
+            .map(|(node, step, kind, class, with_type)| {
+                t += f64::from(step) * 0.25;
+                let event = match kind {
+                    0..=4 => "fault_start",
+                    5..=8 => "fault_end",
+                    _ if with_type == 1 => "fault_stop",
+                    _ => "fault_end",
+                };
+                let time = if with_type == 2 { -t } else { t };
+                let fault_type = if with_type > 0 {
+                    format!(
+                        r#", "fault_type": {{"Level": "L", "Class": "C{class}", "Desc": "D"}}"#
+                    )
+                } else {
+                    String::new()
+                };
+                format!(
+                    r#"{{"node_id": "n{node}", "event_time": {time}, "event_type": "{event}"{fault_type}}}"#
+                )
+            })
+            .collect();
+        format!("[{}]", items.join(",\n"))
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// Fault logs never panic; an accepted one gives a valid trace whose removals are at most
+    /// the starts that find their node without an open fault, on a cluster of its nodes.
+    #[test]
+    fn fault_logs_never_panic(text in fault_log_text()) {
+        prop_assert_eq!(detect_format(&text), TraceFormat::FaultLog);
+        match lazarus_traces::FaultLog::parse(&text) {
+            Ok(log) => {
+                let t = log.trace();
+                check_trace(&t);
+                // Every node of the log is added at 0 (its faults may take it down at once).
+                let at_zero = t.events().iter().take_while(|e| e.op == NodeOp::Add && e.time_ms == 0);
+                prop_assert_eq!(at_zero.count(), log.nodes().len());
+                prop_assert!(t.removals() <= log.faults().len());
+                let wide = log.trace_on(log.nodes().len() + 3).unwrap();
+                check_trace(&wide);
+                prop_assert_eq!(wide.removals(), t.removals());
+                prop_assert_eq!(wide.min_live(), t.min_live() + 3);
+            }
+            Err(e) => check_sane_error(&e),
+        }
+    }
+}

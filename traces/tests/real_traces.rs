@@ -586,3 +586,58 @@ fn smartmoe_gate_trace() {
     assert_eq!(g, GateTrace::load(&path, 12, 16).unwrap());
     assert!(GateTrace::load(&path, 25, 8).is_err());
 }
+
+/// StepFun's InfiniteHBD fault log (F6): detected from its content, read as 584 faults on 231
+/// nodes, and the outages of the trace counted again here from the raw JSON (a node is down
+/// from the start that finds it with no open fault to the end that closes its last one).
+#[test]
+fn infinitehbd_fault_log() {
+    const REL: &str = "infinitehbd/fault_trace.json";
+    if !present(&[REL]) {
+        return;
+    }
+    let path = shared(REL);
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert_eq!(detect_format(&text), TraceFormat::FaultLog);
+    let raw: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
+    let (mut starts, mut removals, mut adds) = (0usize, 0usize, 0usize);
+    let mut open: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut classes: BTreeMap<String, usize> = BTreeMap::new();
+    let mut max_down = 0;
+    for e in &raw {
+        let node = e["node_id"].as_str().unwrap();
+        let depth = open.entry(node).or_default();
+        if e["event_type"] == "fault_start" {
+            starts += 1;
+            *classes
+                .entry(e["fault_type"]["Class"].as_str().unwrap().to_owned())
+                .or_default() += 1;
+            removals += usize::from(*depth == 0);
+            *depth += 1;
+        } else {
+            *depth -= 1;
+            adds += usize::from(*depth == 0);
+        }
+        max_down = max_down.max(open.values().filter(|&&d| d > 0).count());
+    }
+    let lazarus_traces::TraceFile::FaultLog(log) = lazarus_traces::load_file(&path).unwrap() else {
+        panic!("not read as a fault log")
+    };
+    assert_eq!(
+        (starts, log.faults().len(), log.nodes().len()),
+        (584, 584, 231)
+    );
+    assert!(log.faults().iter().all(|f| f.end_ms.is_some()));
+    assert_eq!(log.class_counts(0, u64::MAX), classes);
+    assert_eq!(classes["GPU"], 158);
+    let t = log.trace_on(400).unwrap();
+    assert_eq!(t.removals(), removals);
+    assert_eq!(t.adds(), 400 + adds);
+    assert_eq!(removals, adds, "every outage ends");
+    assert_eq!(t.max_live(), 400);
+    assert_eq!(400 - t.min_live(), max_down);
+    assert_eq!(max_down, 35);
+    // The last repair, at day 348.9798.
+    assert_eq!(t.duration_ms(), (348.9798f64 * 86_400_000.0).round() as u64);
+    assert_eq!(load(&path).unwrap(), log.trace());
+}

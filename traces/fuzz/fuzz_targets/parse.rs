@@ -1,4 +1,4 @@
-//! Feeds arbitrary bytes (as lossy UTF-8) to all four trace parsers. Parsing must never
+//! Feeds arbitrary bytes (as lossy UTF-8) to all five trace parsers. Parsing must never
 //! panic; whatever parses must survive a CSV round trip and the slicing/fitting operations.
 //!
 //! Run from `traces/`: `cargo +nightly fuzz run parse`.
