@@ -33,6 +33,29 @@ fn newly_held(new: &[u32], old: &[u32]) -> usize {
     n.iter().filter(|e| !old.contains(e)).count()
 }
 
+/// Eq. 1 + MRO with `mapping`, states of 10 bytes.
+fn replan_options(mapping: MappingMethod) -> ReplanOptions {
+    ReplanOptions {
+        alloc: AllocPolicy::Lazarus,
+        place: PlacePolicy::Mro,
+        mapping,
+        bytes_per_expert: 10,
+    }
+}
+
+/// Eq. 1 + MRO on `nodes × slots`, aligned.
+fn first_plan(nodes: usize, slots: usize, model: &ModelSpec, loads: &[Vec<u64>]) -> ModelPlan {
+    plan_model(
+        &ClusterSpec::new(nodes, slots),
+        model,
+        loads,
+        AllocPolicy::Lazarus,
+        PlacePolicy::Mro,
+        Alignment::Aligned,
+    )
+    .unwrap()
+}
+
 #[derive(Debug, Clone)]
 enum Step {
     /// Lose the nodes at these positions (mod the current count; at least one node stays).
@@ -70,15 +93,7 @@ proptest! {
         let loads: Vec<Vec<u64>> = (0..layers)
             .map(|l| (0..experts).map(|e| skew[(e + l) % skew.len()]).collect())
             .collect();
-        let mut plan: ModelPlan = plan_model(
-            &ClusterSpec::new(nodes, slots),
-            &model,
-            &loads,
-            AllocPolicy::Lazarus,
-            PlacePolicy::Mro,
-            Alignment::Aligned,
-        )
-        .unwrap();
+        let mut plan = first_plan(nodes, slots, &model, &loads);
         let mut next_id = nodes as u32;
         let options = RepairOptions { load_slack: slack, bytes_per_expert: 10 };
         for ev in events {
@@ -125,20 +140,8 @@ proptest! {
                 // Only when the floors cannot fit the slots at all... or no donor row exists
                 // for the distinct-node rule: then the machine replans.
                 Err(RepairError::NoDonor { .. }) => {
-                    let (p, _) = replan(
-                        &physical,
-                        slots,
-                        &model,
-                        &loads,
-                        &ReplanOptions {
-                            alloc: AllocPolicy::Lazarus,
-                            place: PlacePolicy::Mro,
-                            mapping: MappingMethod::Optimal,
-                            bytes_per_expert: 10,
-                        },
-                        plan.version,
-                    )
-                    .unwrap();
+                    let opts = replan_options(MappingMethod::Optimal);
+                    let (p, _) = replan(&physical, slots, &model, &loads, &opts, plan.version).unwrap();
                     plan = p;
                     continue;
                 }
@@ -214,12 +217,7 @@ proptest! {
             prop_assert_eq!(survivor_changes as u64, s.evicted);
             // The re-optimisation converges to the replan's layout: the full replan from the
             // repaired holdings and from the unrepaired survivors place the same plan.
-            let opts = ReplanOptions {
-                alloc: AllocPolicy::Lazarus,
-                place: PlacePolicy::Mro,
-                mapping: MappingMethod::Optimal,
-                bytes_per_expert: 10,
-            };
+            let opts = replan_options(MappingMethod::Optimal);
             let from_repaired = replan(&repaired.plan.physical_nodes(), slots, &model, &loads, &opts, 0).unwrap().0;
             let from_survivors = replan(&physical, slots, &model, &loads, &opts, 0).unwrap().0;
             prop_assert_eq!(&from_repaired.layers, &from_survivors.layers);
@@ -246,15 +244,7 @@ fn repair_moves_a_small_fraction_of_the_replan() {
                 .collect()
         })
         .collect();
-    let plan = plan_model(
-        &ClusterSpec::new(nodes, slots),
-        &model,
-        &loads,
-        AllocPolicy::Lazarus,
-        PlacePolicy::Mro,
-        Alignment::Aligned,
-    )
-    .unwrap();
+    let plan = first_plan(nodes, slots, &model, &loads);
     let mut physical = plan.physical_nodes();
     let gone = physical.remove(0);
     // Loads drift a little, as the routing window does between failures.
@@ -276,20 +266,8 @@ fn repair_moves_a_small_fraction_of_the_replan() {
         1,
     )
     .unwrap();
-    let (_, replanned) = replan(
-        &physical,
-        slots,
-        &model,
-        &drifted,
-        &ReplanOptions {
-            alloc: AllocPolicy::Lazarus,
-            place: PlacePolicy::Mro,
-            mapping: MappingMethod::Scalable,
-            bytes_per_expert: 1,
-        },
-        0,
-    )
-    .unwrap();
+    let opts = replan_options(MappingMethod::Scalable);
+    let (_, replanned) = replan(&physical, slots, &model, &drifted, &opts, 0).unwrap();
     let lost: usize = gone.holdings.iter().map(Vec::len).sum();
     let moved = repaired.migration.transfers.len();
     assert!(moved <= lost, "{moved} > {lost}");

@@ -30,9 +30,10 @@ out=results/fsep/sim.md
     echo '```'
     echo "\$ lzsim replay p3-trace.csv --window 0m..80m --max-nodes 10 --map track --model gpt-l \\"
     echo "    --hardware $hw --loads-trace global_expert_counts.csv \\"
-    echo "    --system lazarus,laer,lazarus-fsep,ds-ft,ds --ckpt-every ds=50,ds-ft=250,lazarus=250"
+    echo "    --system lazarus,laer,lazarus-fsep,ds-ft,ds --ckpt-every ds=50,ds-ft=250,lazarus=250 \\"
+    echo "    --recovery replan"
     "$LZSIM" replay "$p3" --window 0m..80m --max-nodes 10 --map track --model gpt-l \
-      --hardware "$hw" --loads-trace "$loads" \
+      --hardware "$hw" --loads-trace "$loads" --recovery replan \
       --system lazarus,laer,lazarus-fsep,ds-ft,ds --ckpt-every ds=50,ds-ft=250,lazarus=250
     echo '```'
   done

@@ -38,7 +38,7 @@ for n in $sizes; do
   $lzsim failures --nodes "$n" --preset llama3-gpu --duration 1d --seed 1 \
     --out "$out/failures-$n.csv" 2> "$out/failures-$n.txt"
   for s in lazarus dropless-ft dropless ds-ft ds; do
-    timed "$out/replay-$n-$s.time" $lzsim replay "$out/failures-$n.csv" --model deepseek-v3 \
+    timed "$out/replay-$n-$s.time" $lzsim replay --recovery replan "$out/failures-$n.csv" --model deepseek-v3 \
       --hardware h200-400g --system "$s" --end 1d --format json > "$out/replay-$n-$s.json"
   done
   rm "$out/failures-$n.csv"

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Every replay here runs the paper's recovery rule (--recovery replan), as the committed outputs
+# did; results/repair/ compares it with repair-first recovery (issue 42).
 # Regenerates the figures of results/scale/README.md (criterion benches + CLI timings).
 # Run from the repository root:  bash results/scale/regenerate.sh
 set -euo pipefail
@@ -46,30 +48,30 @@ done > "$out/recovery-gpu-vs-node.csv"
 # `perf record --call-graph dwarf` with `--system S --end 1d`.
 # One day of the 54-day trace, five systems; then the 54-day replay (minutes of CPU: see the
 # README). Wall clock and peak RSS from GNU time; note the load average.
-/usr/bin/time -v target/release/lzsim replay "$out/failures-llama3-gpu-2048.csv" \
+/usr/bin/time -v target/release/lzsim replay --recovery replan "$out/failures-llama3-gpu-2048.csv" \
   --model deepseek-v3 --hardware h200-400g --system lazarus,dropless-ft,dropless,ds-ft,ds \
   --end 1d --format json > "$out/replay-1d.json" 2> "$out/replay-1d.txt"
 # Each system alone for the same day: CPU time and peak RSS (the README compares them with the
 # previous binary run the same way, outputs compared with cmp).
 for s in lazarus ds-ft ds; do
-  /usr/bin/time -f "$s %U s user %S s sys %e s wall %M KB" target/release/lzsim replay \
+  /usr/bin/time -f "$s %U s user %S s sys %e s wall %M KB" target/release/lzsim replay --recovery replan \
     "$out/failures-llama3-gpu-2048.csv" --model deepseek-v3 --hardware h200-400g --system "$s" \
     --end 1d --format json > "$out/replay-1d-$s.json" 2>> "$out/replay-1d-alone.txt"
 done
 # Failure-free throughput (6 h, no checkpoints; lazarus rebalances after 10 steps).
 target/release/lzsim failures --nodes 2048 --gpu-hazard 0 --duration 1m > "$out/nofail-2048.csv" 2>/dev/null
 for z in 1.2 0.6; do
-  target/release/lzsim replay "$out/nofail-2048.csv" --model deepseek-v3 --hardware h200-400g \
+  target/release/lzsim replay --recovery replan "$out/nofail-2048.csv" --model deepseek-v3 --hardware h200-400g \
     --system dropless,ds --end 6h --zipf "$z" --ckpt-every none --format json > "$out/nofail-z$z.json"
-  target/release/lzsim replay "$out/nofail-2048.csv" --model deepseek-v3 --hardware h200-400g \
+  target/release/lzsim replay --recovery replan "$out/nofail-2048.csv" --model deepseek-v3 --hardware h200-400g \
     --system lazarus --end 6h --zipf "$z" --ckpt-every none --rebalance-every 10 --format json \
     > "$out/nofail-lazarus-z$z.json"
 done
 cat /proc/loadavg > "$out/replay-54d.txt"
-/usr/bin/time -v target/release/lzsim replay "$out/failures-llama3-gpu-2048.csv" \
+/usr/bin/time -v target/release/lzsim replay --recovery replan "$out/failures-llama3-gpu-2048.csv" \
   --model deepseek-v3 --hardware h200-400g --system lazarus,ds-ft,ds --format json \
   > "$out/replay-54d.json" 2>> "$out/replay-54d.txt"
-/usr/bin/time -v target/release/lzsim replay "$out/failures-llama3-gpu-2048.csv" \
+/usr/bin/time -v target/release/lzsim replay --recovery replan "$out/failures-llama3-gpu-2048.csv" \
   --model deepseek-v3 --hardware h200-400g --system dropless-ft,dropless --format json \
   > "$out/replay-54d-dropless.json" 2>> "$out/replay-54d.txt"
 # 131,072 GPUs (issue 34 item 3, see "131,072 GPUs over 54 days, second round" in the README):
@@ -77,17 +79,17 @@ cat /proc/loadavg > "$out/replay-54d.txt"
 # README compares them with the previous binary's, outputs with cmp), the 54 days of the two
 # baselines, and the standard-EP step cost against its per-layer path in one process.
 cat /proc/loadavg > "$out/replay-1d-16384.txt"
-/usr/bin/time -v target/release/lzsim replay "$out/failures-llama3-gpu-16384.csv" \
+/usr/bin/time -v target/release/lzsim replay --recovery replan "$out/failures-llama3-gpu-16384.csv" \
   --model deepseek-v3 --hardware h200-400g --system lazarus,ds-ft,ds --end 1d --format json \
   > "$out/replay-1d-16384.json" 2>> "$out/replay-1d-16384.txt"
 rm -f "$out/replay-1d-16384-alone.txt"
 for s in lazarus ds-ft ds; do
-  /usr/bin/time -f "$s %U s user %S s sys %e s wall %M KB" target/release/lzsim replay \
+  /usr/bin/time -f "$s %U s user %S s sys %e s wall %M KB" target/release/lzsim replay --recovery replan \
     "$out/failures-llama3-gpu-16384.csv" --model deepseek-v3 --hardware h200-400g --system "$s" \
     --end 1d --format json > "$out/replay-1d-16384-$s.json" 2>> "$out/replay-1d-16384-alone.txt"
 done
 cat /proc/loadavg > "$out/replay-54d-16384-baselines.txt"
-/usr/bin/time -v target/release/lzsim replay "$out/failures-llama3-gpu-16384.csv" \
+/usr/bin/time -v target/release/lzsim replay --recovery replan "$out/failures-llama3-gpu-16384.csv" \
   --model deepseek-v3 --hardware h200-400g --system ds-ft,ds --format json \
   > "$out/replay-54d-16384-baselines.json" 2>> "$out/replay-54d-16384-baselines.txt"
 cat /proc/loadavg >> "$out/replay-54d-16384-baselines.txt"
@@ -96,13 +98,13 @@ cargo bench -p lazarus-simulator --bench replay -- ep_step_cost 2>&1 | tee "$out
 # 2,994 s, 1.16 GB; lazarus about 40 s per simulated day), so it is opt-in: SCALE_54D_16384=1.
 if [ "${SCALE_54D_16384:-0}" = 1 ]; then
   cat /proc/loadavg > "$out/replay-54d-16384.txt"
-  /usr/bin/time -v target/release/lzsim replay "$out/failures-llama3-gpu-16384.csv" \
+  /usr/bin/time -v target/release/lzsim replay --recovery replan "$out/failures-llama3-gpu-16384.csv" \
     --model deepseek-v3 --hardware h200-400g --system lazarus,ds-ft,ds --format json \
     > "$out/replay-54d-16384.json" 2>> "$out/replay-54d-16384.txt"
   cat /proc/loadavg >> "$out/replay-54d-16384.txt"
 fi
 # Sweep sharding: 4 shards concatenate to the unsharded CSV (also a test in simulator/tests).
-sweep=(sweep --hazard 0.3,0.9 --seeds 8 --nodes 16 --duration 2h --model gpt-s --system lazarus,ds)
+sweep=(sweep --recovery replan --hazard 0.3,0.9 --seeds 8 --nodes 16 --duration 2h --model gpt-s --system lazarus,ds)
 target/release/lzsim "${sweep[@]}" > "$out/sweep-whole.csv" 2> "$out/sweep-rate.txt"
 for i in 1 2 3 4; do
   target/release/lzsim "${sweep[@]}" --shard "$i/4" 2>> "$out/sweep-rate.txt"

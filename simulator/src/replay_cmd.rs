@@ -417,7 +417,7 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
         .map(|&sys| replay::run(&r.configs[&sys], sys, &r.trace, &r.workload, record, None))
         .collect::<Result<_, _>>()?;
     if let Some(dir) = &args.out {
-        let config = json!({
+        let mut config = json!({
             "command": std::env::args().collect::<Vec<_>>(),
             "git_commit": output::git_commit(),
             "seed": args.sim.seed,
@@ -431,8 +431,11 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
                 None => json!({"zipf": args.sim.zipf, "drift_every_steps": args.sim.drift_every}),
             },
             "systems": r.configs,
-            "fault_log": r.fault_counts,
         });
+        // Only for a fault log: the config.json of any other trace is what it was before.
+        if let Some(counts) = &r.fault_counts {
+            config["fault_log"] = serde_json::to_value(counts)?;
+        }
         let mut bytes = serde_json::to_vec_pretty(&config)?;
         bytes.push(b'\n');
         output::write_atomic(&dir.join("config.json"), &bytes)?;
