@@ -1285,15 +1285,28 @@ impl Live {
     }
 
     /// Waits for the end; returns the outcome with every stdout line.
-    fn finish(mut self) -> Outcome {
-        let deadline = Instant::now() + LIMIT;
+    fn finish(self) -> Outcome {
+        self.finish_within(LIMIT)
+    }
+
+    /// As [`Live::finish`], failing the test if the run takes longer than `limit`; it is then
+    /// stopped with SIGTERM (as a scheduler would), so that it takes its nodes with it.
+    fn finish_within(mut self, limit: Duration) -> Outcome {
+        let deadline = Instant::now() + limit;
         let status = loop {
             if let Some(s) = self.child.try_wait().unwrap() {
                 break s;
             }
             if Instant::now() > deadline {
-                let _ = self.child.kill();
-                panic!("lzrun did not finish: {:?}", self.stdout);
+                signal(self.child.id() as i32, libc::SIGTERM);
+                let _ = self.child.wait();
+                while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(1)) {
+                    self.stdout.push(l);
+                }
+                panic!(
+                    "lzrun did not finish within {limit:?}; the last lines: {:?}",
+                    &self.stdout[self.stdout.len().saturating_sub(8)..]
+                );
             }
             thread::sleep(Duration::from_millis(20));
         };
@@ -1377,6 +1390,32 @@ fn a_stopped_worker_is_fenced_and_the_job_finishes_without_it() {
     assert!(o.stdout.contains(" step       59/"), "{}", o.show());
     assert_eq!(assert_consistent(&dir, &MoeConfig::tiny()).len(), 3);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 43, item 6: a worker that dies on its own (SIGKILL of n1's worker alone, not of its
+/// node's process group) takes its agent with it, and `lzrun local` still counted that agent
+/// as coming: the job waited for it up to the 600 s of `--wait-for-nodes-ms`. The exited node
+/// is no longer counted: with no node left to come the job ends at once, saying why.
+#[test]
+fn a_worker_that_dies_on_its_own_is_not_waited_for() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut live = Live::start_cmd(
+        Command::new(LZRUN)
+            .env("LZRUN_TEST_STEP_DELAY", "0:200")
+            .args(["local", "--nodes", "2", "--steps", "60"])
+            .args(["--fault-tolerance", "1", "--ckpt-every", "0"]),
+    );
+    live.wait_for(" step        2/");
+    let (_, worker) = live.node("n1");
+    signal(worker, libc::SIGKILL);
+    let o = live.finish_within(Duration::from_secs(60));
+    assert_eq!(o.code, Some(2), "{}", o.show());
+    assert!(
+        o.stdout.contains("node n1 exited on its own"),
+        "{}",
+        o.show()
+    );
+    assert!(o.stderr.contains("starts no more"), "{}", o.show());
 }
 
 /// Bug 3: a node declared gone (its agent stopped: no heartbeat) was not fenced: no

@@ -301,8 +301,14 @@ impl Hooks for Faults {
         let unfired: Vec<usize> = (0..events.len())
             .filter(|i| events[*i].fault.is_join() && !self.fired.contains(i))
             .collect();
-        // Registered or started, ready or not (a frozen one is fenced, and the job asks again).
+        // Registered or started, ready or not (a frozen one is fenced, and the job asks again);
+        // not one that exited already (its worker died: it will never register again).
         // `live` and `needed` count workers, G per node.
+        for (name, status) in self.nodes.reap_exited() {
+            self.format.say(&format!(
+                "lzrun local: node {name} exited on its own ({status}); it is not waited for"
+            ));
+        }
         let gpus = self.nodes.gpus();
         let coming = live.max(self.nodes.running() * gpus);
         let Some(&first) = unfired.first() else {
