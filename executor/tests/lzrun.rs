@@ -661,6 +661,42 @@ fn bad_input_exits_2_with_a_clear_error() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Issue 43, item 6: every refused run left a `lzrun-ckpt-<pid>` directory in the temporary
+/// directory, holding only its `lzrun.lock` (the checkpoint directory was made and locked
+/// before the later checks refused the run). A refused run leaves nothing behind.
+#[test]
+fn a_refused_run_leaves_nothing_in_the_temporary_directory() {
+    let dir = scratch("refused-tmp");
+    let tmp = dir.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let missing = dir.join("no-such-data");
+    let refused: [&[&str]; 3] = [
+        &["local", "--data", missing.to_str().unwrap()],
+        &["local", "--global-batch", "3", "--micro-batch", "2"],
+        &[
+            "local",
+            "--eval-data",
+            missing.to_str().unwrap(),
+            "--eval-every",
+            "2",
+        ],
+    ];
+    for args in refused {
+        let o = run(Command::new(LZRUN).env("TMPDIR", &tmp).args(args));
+        assert_eq!(o.code, Some(2), "{args:?}: {}", o.show());
+        let left: Vec<_> = std::fs::read_dir(&tmp)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(
+            left.is_empty(),
+            "{args:?} left {left:?} behind: {}",
+            o.show()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Issue 33 item 6.1: `lzrun local --slots 18446744073709551615` (or `--fault-tolerance`)
 /// panicked in the planner inside the controller and `lzrun local` never exited; other flags
 /// sized vectors or were added to clocks. Every numeric flag of every subcommand now has a

@@ -57,7 +57,7 @@ pub fn local(a: LocalArgs) -> Result<()> {
     // Keeps stray agents of other local runs out; not a secret against local users.
     let token = format!("{:016x}", rand::random::<u64>());
     // The job machine's nodes are workers: G per host.
-    let job = job_from_args(&a.job, schedule.initial_nodes * gpus, &token, true)?;
+    let mut job = job_from_args(&a.job, schedule.initial_nodes * gpus, &token, true)?;
     if let Some(dir) = &a.job.out {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
