@@ -1565,6 +1565,74 @@ fn a_rebalance_under_skewed_routing_changes_the_plan() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Issue 43, item 6: sizes no machine can hold, in a `config.json` (`hidden_size` 2^62,
+/// 2^40 experts, 10^12 layers) or a TOML config, panicked with "capacity overflow" (exit 101)
+/// or aborted on the allocation (134), in `lzrun local` or in its workers. Each is one line
+/// naming the field and exit 2, for every command that reads a config; so is a model whose
+/// sizes each pass but whose training state no worker of this machine can hold.
+#[test]
+fn sizes_no_machine_can_hold_are_refused_naming_the_field() {
+    let dir = scratch("huge-config");
+    let base: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/configs/mixtral-tiny.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    let cases: [(&str, u64); 5] = [
+        ("hidden_size", 1 << 62),
+        ("num_local_experts", 1 << 40),
+        ("num_hidden_layers", 1_000_000_000_000),
+        ("intermediate_size", 1 << 62),
+        // Each size passes; the embedding alone is 2^47 parameters.
+        ("vocab_size", 1 << 31),
+    ];
+    for (field, value) in cases {
+        let mut cfg = base.clone();
+        cfg[field] = value.into();
+        if field == "vocab_size" {
+            cfg["hidden_size"] = (1u64 << 16).into();
+        }
+        let path = dir.join(format!("{field}.json"));
+        std::fs::write(&path, cfg.to_string()).unwrap();
+        let p = path.to_str().unwrap();
+        for cmd in [
+            &["local", "--steps", "2"][..],
+            &[
+                "worker",
+                "--rank",
+                "0",
+                "--world",
+                "1",
+                "--peers",
+                "127.0.0.1:1",
+            ][..],
+        ] {
+            let args = [cmd, &["--model-config", p]].concat();
+            let o = lzrun(&args);
+            let want = if field == "vocab_size" {
+                "memory"
+            } else {
+                field
+            };
+            assert_error(&o, want);
+            assert_eq!(o.stderr.lines().count(), 1, "{args:?}: {}", o.show());
+        }
+    }
+    for (key, value) in [
+        ("d_model", "4611686018427387904"),
+        ("n_layers", "1000000000000"),
+    ] {
+        let toml = dir.join(format!("{key}.toml"));
+        std::fs::write(&toml, format!("base = \"tiny\"\n{key} = {value}\n")).unwrap();
+        let o = lzrun(&["local", "--config", toml.to_str().unwrap(), "--steps", "2"]);
+        assert_error(&o, key);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The training state of the checkpoint `latest` names (or the newest valid one) is finite.
 fn assert_latest_checkpoint_is_finite(root: &Path, cfg: &MoeConfig) -> u64 {
     use lazarus_executor::checkpoint;

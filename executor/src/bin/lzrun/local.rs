@@ -58,6 +58,10 @@ pub fn local(a: LocalArgs) -> Result<()> {
     let token = format!("{:016x}", rand::random::<u64>());
     // The job machine's nodes are workers: G per host.
     let mut job = job_from_args(&a.job, schedule.initial_nodes * gpus, &token, true)?;
+    // Every worker runs on this machine: one that cannot hold the model is refused here, not
+    // by an allocation abort in each of them.
+    let held = job.params.rules.slots_per_node * job.params.config.n_layers;
+    crate::config::check_fits_memory(&job.params.config, held, &choice)?;
     if let Some(dir) = &a.job.out {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
