@@ -1454,6 +1454,51 @@ fn a_worker_that_dies_on_its_own_is_not_waited_for() {
     assert!(o.stderr.contains("starts no more"), "{}", o.show());
 }
 
+/// Issue 43, item 6: the dataset's `.bin` truncated while the job trains (`truncate -s 1000`)
+/// killed every worker with SIGBUS (a read of the mapping past the file's new end), and no line
+/// named the file. The workers check their mapped files before reading a batch: a file that
+/// changed under the job is named, and the job ends with exit 2.
+#[test]
+fn a_data_file_truncated_while_training_is_named_and_the_job_ends_with_exit_2() {
+    use lazarus_executor::dataset::{TokenDtype, write_flat};
+    use lazarus_executor::model::{ByteTokenizer, EMBEDDED_CORPUS};
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("truncated-data");
+    let bin = dir.join("train.bin");
+    write_flat(
+        &bin,
+        TokenDtype::U16,
+        &ByteTokenizer::encode(EMBEDDED_CORPUS),
+    )
+    .unwrap();
+    let mut live = Live::start_cmd(
+        Command::new(LZRUN)
+            .env("LZRUN_TEST_STEP_DELAY", "0:200")
+            .args([
+                "local",
+                "--nodes",
+                "2",
+                "--steps",
+                "60",
+                "--ckpt-every",
+                "0",
+            ])
+            .args(["--data", bin.to_str().unwrap(), "--data-dtype", "u16"]),
+    );
+    live.wait_for(" step        2/");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&bin)
+        .unwrap()
+        .set_len(1000)
+        .unwrap();
+    let o = live.finish_within(Duration::from_secs(60));
+    assert_eq!(o.code, Some(2), "{}", o.show());
+    assert!(o.stderr.contains(bin.to_str().unwrap()), "{}", o.show());
+    assert!(o.stderr.contains("changed"), "{}", o.show());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Bug 3: a node declared gone (its agent stopped: no heartbeat) was not fenced: no
 /// reconfiguration, its worker kept training with the others. Now the survivors abort,
 /// reconfigure without it, and the job finishes on them.
