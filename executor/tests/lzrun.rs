@@ -1499,6 +1499,56 @@ fn a_data_file_truncated_while_training_is_named_and_the_job_ends_with_exit_2() 
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Issue 43, item 6: a node that cannot open `--data` (missing on its host: here moved away
+/// before the node joins) failed its first step each time it was tried, and the controller
+/// replanned with it again at once, for ever (~15,000 epochs and 7 MB of log a minute). A
+/// member that fails the same step again and again, among the same members, is fenced: the
+/// job goes on without it.
+#[test]
+fn a_node_that_fails_the_same_step_again_and_again_is_fenced_and_the_job_goes_on() {
+    use lazarus_executor::dataset::{TokenDtype, write_flat};
+    use lazarus_executor::model::{ByteTokenizer, EMBEDDED_CORPUS};
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("missing-data");
+    let bin = dir.join("train.bin");
+    write_flat(
+        &bin,
+        TokenDtype::U16,
+        &ByteTokenizer::encode(EMBEDDED_CORPUS),
+    )
+    .unwrap();
+    let mut live = Live::start_cmd(
+        Command::new(LZRUN)
+            .env("LZRUN_TEST_STEP_DELAY", "0:200")
+            .args([
+                "local",
+                "--nodes",
+                "2",
+                "--steps",
+                "30",
+                "--ckpt-every",
+                "0",
+            ])
+            .args(["--data", bin.to_str().unwrap(), "--data-dtype", "u16"])
+            .args(["--join", "@6"]),
+    );
+    live.wait_for(" step        2/");
+    // The running workers keep their open file; the joining node finds none.
+    std::fs::rename(&bin, dir.join("elsewhere.bin")).unwrap();
+    let o = live.finish_within(Duration::from_secs(120));
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    assert!(o.stdout.contains("node n2 fenced"), "{}", o.show());
+    assert!(o.stdout.contains("times in a row"), "{}", o.show());
+    assert!(o.stdout.contains(" step       29/"), "{}", o.show());
+    let tries = o
+        .stdout
+        .lines()
+        .filter(|l| l.contains("node n2: step") && l.contains("failed"))
+        .count();
+    assert!(tries <= 5, "{tries} tries: {}", o.show());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Bug 3: a node declared gone (its agent stopped: no heartbeat) was not fenced: no
 /// reconfiguration, its worker kept training with the others. Now the survivors abort,
 /// reconfigure without it, and the job finishes on them.

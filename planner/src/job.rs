@@ -947,6 +947,18 @@ struct Cause {
     nodes_before: usize,
 }
 
+/// Tries of one step a member may fail in a row, each time first among the same members,
+/// before it is fenced ([`JobMachine::count_repeated_failure`]).
+pub const MAX_REPEATED_FAILURES: u32 = 3;
+
+/// A member's failed tries of one step in a row, among one set of members.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct RepeatedFailure {
+    step: u64,
+    members: Vec<NodeId>,
+    tries: u32,
+}
+
 /// A recovery in progress ([`JobMachine::recover`]).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Recovery {
@@ -1050,6 +1062,9 @@ pub struct JobMachine {
     /// names (`n3`), never by the ids the driver numbers them with as they register.
     #[serde(default)]
     names: BTreeMap<NodeId, String>,
+    /// Per node, the step it failed first in the last tries ([`Self::count_repeated_failure`]).
+    #[serde(default)]
+    repeated_failures: BTreeMap<NodeId, RepeatedFailure>,
 }
 
 impl JobMachine {
@@ -1097,6 +1112,7 @@ impl JobMachine {
             data_origin: (0, 0),
             outcome: None,
             names: BTreeMap::new(),
+            repeated_failures: BTreeMap::new(),
         })
     }
 
@@ -1546,6 +1562,32 @@ impl JobMachine {
         if !self.ready_newcomer() {
             self.join_waiting_since = None;
         }
+    }
+
+    /// Counts a try of `step` that `node` failed first among the members in force, and
+    /// returns its tries of that step in a row among these members. A node that fails every
+    /// try alike (its data is missing on its host, its device is broken) was replanned with
+    /// at once, for ever: ~15,000 epochs a minute, each logged. A change of members (a node
+    /// lost meanwhile, whose loss the survivors failed first) starts the count again.
+    fn count_repeated_failure(&mut self, node: NodeId, step: u64) -> u32 {
+        let members = self.members.clone();
+        let r = self
+            .repeated_failures
+            .entry(node)
+            .or_insert_with(|| RepeatedFailure {
+                step,
+                members: members.clone(),
+                tries: 0,
+            });
+        if r.step != step || r.members != members {
+            *r = RepeatedFailure {
+                step,
+                members,
+                tries: 0,
+            };
+        }
+        r.tries += 1;
+        r.tries
     }
 
     /// Fences a node that stopped answering.
@@ -2302,7 +2344,22 @@ impl JobMachine {
                 out.push(Action::Log(format!(
                     "node {name}: step {step} failed: {error}"
                 )));
+                // The failure that interrupts the epoch is this member's own; the others'
+                // follow from the abort.
+                let first = matches!(self.phase, Phase::Training | Phase::Reconfiguring);
+                let tries = if first {
+                    self.count_repeated_failure(node, step)
+                } else {
+                    0
+                };
                 self.interrupt(now_ms, out);
+                if tries >= MAX_REPEATED_FAILURES {
+                    let why = format!(
+                        "failed step {step} {tries} times in a row among the same members, \
+                         each time first (a retry does not mend it): {error}"
+                    );
+                    self.fence(node, why, now_ms, out);
+                }
             }
             // Finished; or paused by a pause this epoch did not ask for (a late command of an
             // earlier epoch): either way wait for every member and decide then.
