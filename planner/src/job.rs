@@ -2581,15 +2581,16 @@ impl JobMachine {
             // part that is missing now will not come.
 
             self.final_checkpoint_failures += 1;
-            let newest = self
-                .last_committed
-                .map_or("none".to_owned(), checkpoint_label);
+            let newest = self.last_committed.map_or_else(
+                || "no checkpoint was committed".to_owned(),
+                |s| format!("the newest committed is the {}", checkpoint_label(s)),
+            );
             let last = total.saturating_sub(1);
             if self.final_checkpoint_failures >= FINAL_CHECKPOINT_TRIES {
                 return self.fail(
                     format!(
                         "the checkpoint after the last step ({last}) failed {} times, so the \
-                         final state is not saved (the newest committed: the {newest})",
+                         final state is not saved ({newest})",
                         self.final_checkpoint_failures
                     ),
                     out,

@@ -1960,6 +1960,8 @@ fn a_failed_last_step_checkpoint_is_tried_again_then_fails_the_job() {
                 err.contains("checkpoint after the last step (5) failed 3 times"),
                 "{err}"
             );
+            // Issue 43, item 6: it said "(the newest committed: the none)".
+            assert!(err.ends_with("(no checkpoint was committed)"), "{err}");
         }
     }
 }
