@@ -1728,6 +1728,56 @@ fn sizes_no_machine_can_hold_are_refused_naming_the_field() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Issue 43, item 6: `lzrun export CKPT --out CKPT` (or a directory under it) was accepted: the
+/// model's `config.json` and weights went in among the checkpoints, a directory the job prunes
+/// and tidies. Refused with one line, exit 2, and nothing written.
+#[test]
+fn an_export_into_the_checkpoint_directory_is_refused() {
+    let dir = scratch("export-into-ckpt");
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let o = lzrun(&[
+        "local",
+        "--steps",
+        "2",
+        "--ckpt-every",
+        "1",
+        "--ckpt-dir",
+        c,
+    ]);
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    let sorted = |d: &Path| {
+        let mut e = entries_starting(d, "");
+        e.sort();
+        e
+    };
+    let before = sorted(&ckpt);
+    let step_dir = ckpt.join("step-00000002");
+    for out in [
+        ckpt.clone(),
+        ckpt.join("hf"),
+        step_dir.clone(),
+        ckpt.join("./x/../y"),
+    ] {
+        let o = lzrun(&["export", c, "--out", out.to_str().unwrap()]);
+        assert_error(&o, "inside the checkpoint directory");
+        let o = lzrun(&[
+            "export",
+            step_dir.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert_error(&o, "inside the checkpoint directory");
+    }
+    assert_eq!(sorted(&ckpt), before);
+    // Beside it, however written, is fine.
+    let beside = ckpt.join("../hf");
+    let o = lzrun(&["export", c, "--out", beside.to_str().unwrap()]);
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    assert!(dir.join("hf/config.json").is_file());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The training state of the checkpoint `latest` names (or the newest valid one) is finite.
 fn assert_latest_checkpoint_is_finite(root: &Path, cfg: &MoeConfig) -> u64 {
     use lazarus_executor::checkpoint;
