@@ -2604,6 +2604,13 @@ impl JobMachine {
             self.note_cause(ReconfigKind::InPlace, now_ms);
             return self.plan_next(now_ms, out);
         }
+        // A reconfiguration that resumed at the last step (the final checkpoint written again,
+        // the final state recovered) has no step after it to report it with: reported now,
+        // its resume time running to the stop.
+        if let Some((mut r, t)) = self.resuming.take() {
+            r.resume_ms = now_ms.saturating_sub(t) as f64;
+            out.push(Action::Reconfigured(r));
+        }
         self.enter(Phase::Stopping, now_ms);
         for &id in self.nodes.keys() {
             out.push(Action::Stop { node: id });

@@ -2601,3 +2601,49 @@ fn failing_first_among_other_members_or_at_another_step_starts_the_count_again()
         }
     }
 }
+
+/// Issue 43, item 6: a recovery during the final checkpoint (the members wrote it again after
+/// an in-place reconfiguration resuming at the last step) was never reported: its record waits
+/// for the first step after it, and none comes. It is reported when the job stops.
+#[test]
+fn a_recovery_during_the_final_checkpoint_is_reported() {
+    let (mut j, _) = started(single_copy_config(6, 4), &[0, 1, 2], 6);
+    let members = j.m.members().to_vec();
+    let epoch = j.m.epoch();
+    for &m in &members {
+        j.ev(Event::CheckpointWritten {
+            node: m,
+            epoch,
+            step: 6,
+        });
+    }
+    j.ev(Event::CheckpointFailed {
+        step: 6,
+        error: "No space left on device".into(),
+    });
+    let mut a = Vec::new();
+    for &m in &members {
+        a.extend(j.idle(m, IdleReason::Finished, 6));
+    }
+    let r = reconfig(&a).expect("the members write it again");
+    let mut a = j.migrated_all(&r);
+    let epoch = j.m.epoch();
+    for &m in r.members() {
+        a.extend(j.ev(Event::CheckpointWritten {
+            node: m,
+            epoch,
+            step: 6,
+        }));
+        a.extend(j.idle(m, IdleReason::Finished, 6));
+    }
+    a.extend(j.ev(Event::CheckpointCommitted { step: 6 }));
+    assert!(a.iter().any(|a| matches!(a, Action::Stop { .. })), "{a:?}");
+    let reported: Vec<_> = a
+        .iter()
+        .filter_map(|a| match a {
+            Action::Reconfigured(rec) => Some((rec.kind, rec.resume_step)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reported, vec![(ReconfigKind::InPlace, 6)], "{a:?}");
+}
