@@ -951,6 +951,12 @@ struct Cause {
 /// before it is fenced ([`JobMachine::count_repeated_failure`]).
 pub const MAX_REPEATED_FAILURES: u32 = 3;
 
+/// How long the name of a node fenced for repeated failures is refused at first (doubled at
+/// each such fencing of the name, up to [`MAX_REPEATED_FAILURE_BACKOFF_MS`]).
+pub const REPEATED_FAILURE_BACKOFF_MS: u64 = 10_000;
+/// The longest back-off of [`REPEATED_FAILURE_BACKOFF_MS`].
+pub const MAX_REPEATED_FAILURE_BACKOFF_MS: u64 = 600_000;
+
 /// A member's failed tries of one step in a row, among one set of members.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct RepeatedFailure {
@@ -1065,6 +1071,9 @@ pub struct JobMachine {
     /// Per node, the step it failed first in the last tries ([`Self::count_repeated_failure`]).
     #[serde(default)]
     repeated_failures: BTreeMap<NodeId, RepeatedFailure>,
+    /// Names fenced for repeated failures: refused until when, and how often fenced so.
+    #[serde(default)]
+    backed_off: BTreeMap<String, (u64, u32)>,
 }
 
 impl JobMachine {
@@ -1113,6 +1122,7 @@ impl JobMachine {
             outcome: None,
             names: BTreeMap::new(),
             repeated_failures: BTreeMap::new(),
+            backed_off: BTreeMap::new(),
         })
     }
 
@@ -1413,6 +1423,17 @@ impl JobMachine {
             out.push(Action::Stop { node });
             return;
         }
+        if let Some(&(until_ms, _)) = self.backed_off.get(&name).filter(|b| now_ms < b.0) {
+            out.push(Action::Fence {
+                node,
+                reason: format!(
+                    "it failed its step try after try when last a member: refused for another \
+                     {:.1} s (back-off)",
+                    until_ms.saturating_sub(now_ms) as f64 / 1e3
+                ),
+            });
+            return;
+        }
         self.nodes.insert(
             node,
             Node {
@@ -1588,6 +1609,19 @@ impl JobMachine {
         }
         r.tries += 1;
         r.tries
+    }
+
+    /// Refuses `name` for a back-off from `now_ms`, doubled at each such fencing of the
+    /// name; its length. A fenced agent exits, but a supervisor may start it again, and each
+    /// return would cost the job a join and `MAX_REPEATED_FAILURES` more tries.
+    fn back_off(&mut self, name: String, now_ms: u64) -> u64 {
+        let b = self.backed_off.entry(name).or_insert((0, 0));
+        b.1 = b.1.saturating_add(1);
+        let ms = REPEATED_FAILURE_BACKOFF_MS
+            .saturating_mul(1 << (b.1 - 1).min(16))
+            .min(MAX_REPEATED_FAILURE_BACKOFF_MS);
+        b.0 = now_ms.saturating_add(ms);
+        ms
     }
 
     /// Fences a node that stopped answering.
@@ -2354,9 +2388,13 @@ impl JobMachine {
                 };
                 self.interrupt(now_ms, out);
                 if tries >= MAX_REPEATED_FAILURES {
+                    let name = self.nodes[&node].name.clone();
+                    let backoff_ms = self.back_off(name, now_ms);
                     let why = format!(
                         "failed step {step} {tries} times in a row among the same members, \
-                         each time first (a retry does not mend it): {error}"
+                         each time first (a retry does not mend it; its name is refused for \
+                         {:.0} s): {error}",
+                        backoff_ms as f64 / 1e3
                     );
                     self.fence(node, why, now_ms, out);
                 }

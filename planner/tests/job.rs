@@ -2527,12 +2527,22 @@ fn a_checkpoint_the_survivors_trained_past_is_logged_and_left_to_the_next_due_on
 /// failed only because it did are not counted.
 #[test]
 fn a_member_that_fails_the_same_step_first_again_and_again_is_fenced() {
-    use lazarus_planner::job::MAX_REPEATED_FAILURES;
     let mut cfg = config(4, 20);
     cfg.initial_nodes = 3;
     let (mut j, _) = started(cfg, &[0, 1, 2], 5);
+    fail_first_until_fenced(&mut j);
+    let a = j.step_all(5);
+    assert_eq!(records(&a), vec![5]);
+}
+
+/// Node 2 of members 0, 1, 2 fails step 5 first on every try, the others after it, until it
+/// is fenced (after `MAX_REPEATED_FAILURES` tries, not before); 0 and 1 go on.
+fn fail_first_until_fenced(j: &mut Job) {
+    use lazarus_planner::job::MAX_REPEATED_FAILURES;
     let fenced = |a: &[Action]| {
-        a.iter().any(|a| matches!(a, Action::Fence { node: 2, reason } if reason.contains("failed step 5 3 times")))
+        a.iter().any(|a| {
+            matches!(a, Action::Fence { node: 2, reason } if reason.contains("failed step 5 3 times"))
+        })
     };
     for attempt in 1..=MAX_REPEATED_FAILURES {
         let a = j.idle(2, IdleReason::Failed("no such file".into()), 5);
@@ -2552,8 +2562,43 @@ fn a_member_that_fails_the_same_step_first_again_and_again_is_fenced() {
         assert_eq!(r.members(), want, "try {attempt}");
         j.migrated_all(&r);
     }
-    let a = j.step_all(5);
-    assert_eq!(records(&a), vec![5]);
+}
+
+/// A node fenced for failing a step try after try whose agent comes back (restarted by a
+/// supervisor, under the same name) is refused for a back-off, doubled at each such fencing,
+/// so that a crash-looping node costs the job a few tries per back-off, not a flood.
+#[test]
+fn a_node_fenced_for_repeated_failures_is_refused_for_a_back_off_when_it_comes_back() {
+    use lazarus_planner::job::REPEATED_FAILURE_BACKOFF_MS;
+    let mut cfg = config(4, 20);
+    cfg.initial_nodes = 3;
+    let (mut j, _) = started(cfg, &[0, 1, 2], 5);
+    j.at(1_000);
+    fail_first_until_fenced(&mut j);
+    let back = |j: &mut Job, node: NodeId| {
+        j.ev(Event::Joined {
+            node,
+            name: "n2".into(),
+            host: None,
+        })
+    };
+    let refused = |a: &[Action], node: NodeId| {
+        !a.contains(&Action::StartWorker { node })
+            && a.iter().any(|a| matches!(a, Action::Fence { node: n, reason } if *n == node && reason.contains("back-off")))
+    };
+    let a = back(&mut j, 7);
+    assert!(refused(&a, 7), "{a:?}");
+    let a = back(j.at(1_000 + REPEATED_FAILURE_BACKOFF_MS - 1), 8);
+    assert!(refused(&a, 8), "{a:?}");
+    let a = back(j.at(1_000 + REPEATED_FAILURE_BACKOFF_MS), 9);
+    assert!(a.contains(&Action::StartWorker { node: 9 }), "{a:?}");
+    // Another node's name is never refused.
+    let a = j.ev(Event::Joined {
+        node: 10,
+        name: "n10".into(),
+        host: None,
+    });
+    assert!(a.contains(&Action::StartWorker { node: 10 }), "{a:?}");
 }
 
 /// The count of [`a_member_that_fails_the_same_step_first_again_and_again_is_fenced`] starts
