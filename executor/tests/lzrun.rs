@@ -661,6 +661,42 @@ fn bad_input_exits_2_with_a_clear_error() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Issue 43, item 6: every refused run left a `lzrun-ckpt-<pid>` directory in the temporary
+/// directory, holding only its `lzrun.lock` (the checkpoint directory was made and locked
+/// before the later checks refused the run). A refused run leaves nothing behind.
+#[test]
+fn a_refused_run_leaves_nothing_in_the_temporary_directory() {
+    let dir = scratch("refused-tmp");
+    let tmp = dir.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let missing = dir.join("no-such-data");
+    let refused: [&[&str]; 3] = [
+        &["local", "--data", missing.to_str().unwrap()],
+        &["local", "--global-batch", "3", "--micro-batch", "2"],
+        &[
+            "local",
+            "--eval-data",
+            missing.to_str().unwrap(),
+            "--eval-every",
+            "2",
+        ],
+    ];
+    for args in refused {
+        let o = run(Command::new(LZRUN).env("TMPDIR", &tmp).args(args));
+        assert_eq!(o.code, Some(2), "{args:?}: {}", o.show());
+        let left: Vec<_> = std::fs::read_dir(&tmp)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(
+            left.is_empty(),
+            "{args:?} left {left:?} behind: {}",
+            o.show()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Issue 33 item 6.1: `lzrun local --slots 18446744073709551615` (or `--fault-tolerance`)
 /// panicked in the planner inside the controller and `lzrun local` never exited; other flags
 /// sized vectors or were added to clocks. Every numeric flag of every subcommand now has a
@@ -1285,15 +1321,28 @@ impl Live {
     }
 
     /// Waits for the end; returns the outcome with every stdout line.
-    fn finish(mut self) -> Outcome {
-        let deadline = Instant::now() + LIMIT;
+    fn finish(self) -> Outcome {
+        self.finish_within(LIMIT)
+    }
+
+    /// As [`Live::finish`], failing the test if the run takes longer than `limit`; it is then
+    /// stopped with SIGTERM (as a scheduler would), so that it takes its nodes with it.
+    fn finish_within(mut self, limit: Duration) -> Outcome {
+        let deadline = Instant::now() + limit;
         let status = loop {
             if let Some(s) = self.child.try_wait().unwrap() {
                 break s;
             }
             if Instant::now() > deadline {
-                let _ = self.child.kill();
-                panic!("lzrun did not finish: {:?}", self.stdout);
+                signal(self.child.id() as i32, libc::SIGTERM);
+                let _ = self.child.wait();
+                while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(1)) {
+                    self.stdout.push(l);
+                }
+                panic!(
+                    "lzrun did not finish within {limit:?}; the last lines: {:?}",
+                    &self.stdout[self.stdout.len().saturating_sub(8)..]
+                );
             }
             thread::sleep(Duration::from_millis(20));
         };
@@ -1376,6 +1425,127 @@ fn a_stopped_worker_is_fenced_and_the_job_finishes_without_it() {
     assert!(o.stdout.contains("node n2 fenced"), "{}", o.show());
     assert!(o.stdout.contains(" step       59/"), "{}", o.show());
     assert_eq!(assert_consistent(&dir, &MoeConfig::tiny()).len(), 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 43, item 6: a worker that dies on its own (SIGKILL of n1's worker alone, not of its
+/// node's process group) takes its agent with it, and `lzrun local` still counted that agent
+/// as coming: the job waited for it up to the 600 s of `--wait-for-nodes-ms`. The exited node
+/// is no longer counted: with no node left to come the job ends at once, saying why.
+#[test]
+fn a_worker_that_dies_on_its_own_is_not_waited_for() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut live = Live::start_cmd(
+        Command::new(LZRUN)
+            .env("LZRUN_TEST_STEP_DELAY", "0:200")
+            .args(["local", "--nodes", "2", "--steps", "60"])
+            .args(["--fault-tolerance", "1", "--ckpt-every", "0"]),
+    );
+    live.wait_for(" step        2/");
+    let (_, worker) = live.node("n1");
+    signal(worker, libc::SIGKILL);
+    let o = live.finish_within(Duration::from_secs(60));
+    assert_eq!(o.code, Some(2), "{}", o.show());
+    assert!(
+        o.stdout.contains("node n1 exited on its own"),
+        "{}",
+        o.show()
+    );
+    assert!(o.stderr.contains("starts no more"), "{}", o.show());
+}
+
+/// Issue 43, item 6: the dataset's `.bin` truncated while the job trains (`truncate -s 1000`)
+/// killed every worker with SIGBUS (a read of the mapping past the file's new end), and no line
+/// named the file. The workers check their mapped files before reading a batch: a file that
+/// changed under the job is named, and the job ends with exit 2.
+#[test]
+fn a_data_file_truncated_while_training_is_named_and_the_job_ends_with_exit_2() {
+    use lazarus_executor::dataset::{TokenDtype, write_flat};
+    use lazarus_executor::model::{ByteTokenizer, EMBEDDED_CORPUS};
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("truncated-data");
+    let bin = dir.join("train.bin");
+    write_flat(
+        &bin,
+        TokenDtype::U16,
+        &ByteTokenizer::encode(EMBEDDED_CORPUS),
+    )
+    .unwrap();
+    let mut live = Live::start_cmd(
+        Command::new(LZRUN)
+            .env("LZRUN_TEST_STEP_DELAY", "0:200")
+            .args([
+                "local",
+                "--nodes",
+                "2",
+                "--steps",
+                "60",
+                "--ckpt-every",
+                "0",
+            ])
+            .args(["--data", bin.to_str().unwrap(), "--data-dtype", "u16"]),
+    );
+    live.wait_for(" step        2/");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&bin)
+        .unwrap()
+        .set_len(1000)
+        .unwrap();
+    let o = live.finish_within(Duration::from_secs(60));
+    assert_eq!(o.code, Some(2), "{}", o.show());
+    assert!(o.stderr.contains(bin.to_str().unwrap()), "{}", o.show());
+    assert!(o.stderr.contains("changed"), "{}", o.show());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 43, item 6: a node that cannot open `--data` (missing on its host: here moved away
+/// before the node joins) failed its first step each time it was tried, and the controller
+/// replanned with it again at once, for ever (~15,000 epochs and 7 MB of log a minute). A
+/// member that fails the same step again and again, among the same members, is fenced: the
+/// job goes on without it.
+#[test]
+fn a_node_that_fails_the_same_step_again_and_again_is_fenced_and_the_job_goes_on() {
+    use lazarus_executor::dataset::{TokenDtype, write_flat};
+    use lazarus_executor::model::{ByteTokenizer, EMBEDDED_CORPUS};
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("missing-data");
+    let bin = dir.join("train.bin");
+    write_flat(
+        &bin,
+        TokenDtype::U16,
+        &ByteTokenizer::encode(EMBEDDED_CORPUS),
+    )
+    .unwrap();
+    let mut live = Live::start_cmd(
+        Command::new(LZRUN)
+            .env("LZRUN_TEST_STEP_DELAY", "0:200")
+            .args([
+                "local",
+                "--nodes",
+                "2",
+                "--steps",
+                "30",
+                "--ckpt-every",
+                "0",
+            ])
+            .args(["--data", bin.to_str().unwrap(), "--data-dtype", "u16"])
+            .args(["--join", "@6"]),
+    );
+    live.wait_for(" step        2/");
+    // The running workers keep their open file; the joining node finds none.
+    std::fs::rename(&bin, dir.join("elsewhere.bin")).unwrap();
+    let o = live.finish_within(Duration::from_secs(120));
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    assert!(o.stdout.contains("node n2 fenced"), "{}", o.show());
+    assert!(o.stdout.contains("times in a row"), "{}", o.show());
+    assert!(o.stdout.contains(" step       29/"), "{}", o.show());
+    let tries = o
+        .stdout
+        .lines()
+        .filter(|l| l.contains("node n2: step") && l.contains("failed"))
+        .count();
+    assert!(tries <= 5, "{tries} tries: {}", o.show());
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -1487,6 +1657,124 @@ fn a_rebalance_under_skewed_routing_changes_the_plan() {
     let versions: Vec<u64> = s.reconfigurations.iter().map(|r| r.plan_version).collect();
     assert!(versions.windows(2).all(|w| w[0] < w[1]), "{versions:?}");
     assert_consistent(&dir, &MoeConfig::tiny());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 43, item 6: sizes no machine can hold, in a `config.json` (`hidden_size` 2^62,
+/// 2^40 experts, 10^12 layers) or a TOML config, panicked with "capacity overflow" (exit 101)
+/// or aborted on the allocation (134), in `lzrun local` or in its workers. Each is one line
+/// naming the field and exit 2, for every command that reads a config; so is a model whose
+/// sizes each pass but whose training state no worker of this machine can hold.
+#[test]
+fn sizes_no_machine_can_hold_are_refused_naming_the_field() {
+    let dir = scratch("huge-config");
+    let base: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/configs/mixtral-tiny.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    let cases: [(&str, u64); 5] = [
+        ("hidden_size", 1 << 62),
+        ("num_local_experts", 1 << 40),
+        ("num_hidden_layers", 1_000_000_000_000),
+        ("intermediate_size", 1 << 62),
+        // Each size passes; the embedding alone is 2^47 parameters.
+        ("vocab_size", 1 << 31),
+    ];
+    for (field, value) in cases {
+        let mut cfg = base.clone();
+        cfg[field] = value.into();
+        if field == "vocab_size" {
+            cfg["hidden_size"] = (1u64 << 16).into();
+        }
+        let path = dir.join(format!("{field}.json"));
+        std::fs::write(&path, cfg.to_string()).unwrap();
+        let p = path.to_str().unwrap();
+        for cmd in [
+            &["local", "--steps", "2"][..],
+            &[
+                "worker",
+                "--rank",
+                "0",
+                "--world",
+                "1",
+                "--peers",
+                "127.0.0.1:1",
+            ][..],
+        ] {
+            let args = [cmd, &["--model-config", p]].concat();
+            let o = lzrun(&args);
+            let want = if field == "vocab_size" {
+                "memory"
+            } else {
+                field
+            };
+            assert_error(&o, want);
+            assert_eq!(o.stderr.lines().count(), 1, "{args:?}: {}", o.show());
+        }
+    }
+    for (key, value) in [
+        ("d_model", "4611686018427387904"),
+        ("n_layers", "1000000000000"),
+    ] {
+        let toml = dir.join(format!("{key}.toml"));
+        std::fs::write(&toml, format!("base = \"tiny\"\n{key} = {value}\n")).unwrap();
+        let o = lzrun(&["local", "--config", toml.to_str().unwrap(), "--steps", "2"]);
+        assert_error(&o, key);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 43, item 6: `lzrun export CKPT --out CKPT` (or a directory under it) was accepted: the
+/// model's `config.json` and weights went in among the checkpoints, a directory the job prunes
+/// and tidies. Refused with one line, exit 2, and nothing written.
+#[test]
+fn an_export_into_the_checkpoint_directory_is_refused() {
+    let dir = scratch("export-into-ckpt");
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let o = lzrun(&[
+        "local",
+        "--steps",
+        "2",
+        "--ckpt-every",
+        "1",
+        "--ckpt-dir",
+        c,
+    ]);
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    let sorted = |d: &Path| {
+        let mut e = entries_starting(d, "");
+        e.sort();
+        e
+    };
+    let before = sorted(&ckpt);
+    let step_dir = ckpt.join("step-00000002");
+    for out in [
+        ckpt.clone(),
+        ckpt.join("hf"),
+        step_dir.clone(),
+        ckpt.join("./x/../y"),
+    ] {
+        let o = lzrun(&["export", c, "--out", out.to_str().unwrap()]);
+        assert_error(&o, "inside the checkpoint directory");
+        let o = lzrun(&[
+            "export",
+            step_dir.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert_error(&o, "inside the checkpoint directory");
+    }
+    assert_eq!(sorted(&ckpt), before);
+    // Beside it, however written, is fine.
+    let beside = ckpt.join("../hf");
+    let o = lzrun(&["export", c, "--out", beside.to_str().unwrap()]);
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    assert!(dir.join("hf/config.json").is_file());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -1051,6 +1051,24 @@ struct Cause {
     nodes_before: usize,
 }
 
+/// Tries of one step a member may fail in a row, each time first among the same members,
+/// before it is fenced ([`JobMachine::count_repeated_failure`]).
+pub const MAX_REPEATED_FAILURES: u32 = 3;
+
+/// How long the name of a node fenced for repeated failures is refused at first (doubled at
+/// each such fencing of the name, up to [`MAX_REPEATED_FAILURE_BACKOFF_MS`]).
+pub const REPEATED_FAILURE_BACKOFF_MS: u64 = 10_000;
+/// The longest back-off of [`REPEATED_FAILURE_BACKOFF_MS`].
+pub const MAX_REPEATED_FAILURE_BACKOFF_MS: u64 = 600_000;
+
+/// A member's failed tries of one step in a row, among one set of members.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct RepeatedFailure {
+    step: u64,
+    members: Vec<NodeId>,
+    tries: u32,
+}
+
 /// A recovery in progress ([`JobMachine::recover`]).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Recovery {
@@ -1158,6 +1176,12 @@ pub struct JobMachine {
     /// step is a rebalance point ([`RecoveryPolicy::Repair`]).
     #[serde(default)]
     reoptimise_due: bool,
+    /// Per node, the step it failed first in the last tries ([`Self::count_repeated_failure`]).
+    #[serde(default)]
+    repeated_failures: BTreeMap<NodeId, RepeatedFailure>,
+    /// Names fenced for repeated failures: refused until when, and how often fenced so.
+    #[serde(default)]
+    backed_off: BTreeMap<String, (u64, u32)>,
 }
 
 impl JobMachine {
@@ -1206,6 +1230,8 @@ impl JobMachine {
             outcome: None,
             names: BTreeMap::new(),
             reoptimise_due: false,
+            repeated_failures: BTreeMap::new(),
+            backed_off: BTreeMap::new(),
         })
     }
 
@@ -1517,6 +1543,17 @@ impl JobMachine {
             out.push(Action::Stop { node });
             return;
         }
+        if let Some(&(until_ms, _)) = self.backed_off.get(&name).filter(|b| now_ms < b.0) {
+            out.push(Action::Fence {
+                node,
+                reason: format!(
+                    "it failed its step try after try when last a member: refused for another \
+                     {:.1} s (back-off)",
+                    until_ms.saturating_sub(now_ms) as f64 / 1e3
+                ),
+            });
+            return;
+        }
         self.nodes.insert(
             node,
             Node {
@@ -1666,6 +1703,45 @@ impl JobMachine {
         if !self.ready_newcomer() {
             self.join_waiting_since = None;
         }
+    }
+
+    /// Counts a try of `step` that `node` failed first among the members in force, and
+    /// returns its tries of that step in a row among these members. A node that fails every
+    /// try alike (its data is missing on its host, its device is broken) was replanned with
+    /// at once, for ever: ~15,000 epochs a minute, each logged. A change of members (a node
+    /// lost meanwhile, whose loss the survivors failed first) starts the count again.
+    fn count_repeated_failure(&mut self, node: NodeId, step: u64) -> u32 {
+        let members = self.members.clone();
+        let r = self
+            .repeated_failures
+            .entry(node)
+            .or_insert_with(|| RepeatedFailure {
+                step,
+                members: members.clone(),
+                tries: 0,
+            });
+        if r.step != step || r.members != members {
+            *r = RepeatedFailure {
+                step,
+                members,
+                tries: 0,
+            };
+        }
+        r.tries += 1;
+        r.tries
+    }
+
+    /// Refuses `name` for a back-off from `now_ms`, doubled at each such fencing of the
+    /// name; its length. A fenced agent exits, but a supervisor may start it again, and each
+    /// return would cost the job a join and `MAX_REPEATED_FAILURES` more tries.
+    fn back_off(&mut self, name: String, now_ms: u64) -> u64 {
+        let b = self.backed_off.entry(name).or_insert((0, 0));
+        b.1 = b.1.saturating_add(1);
+        let ms = REPEATED_FAILURE_BACKOFF_MS
+            .saturating_mul(1 << (b.1 - 1).min(16))
+            .min(MAX_REPEATED_FAILURE_BACKOFF_MS);
+        b.0 = now_ms.saturating_add(ms);
+        ms
     }
 
     /// Fences a node that stopped answering.
@@ -2424,7 +2500,26 @@ impl JobMachine {
                 out.push(Action::Log(format!(
                     "node {name}: step {step} failed: {error}"
                 )));
+                // The failure that interrupts the epoch is this member's own; the others'
+                // follow from the abort.
+                let first = matches!(self.phase, Phase::Training | Phase::Reconfiguring);
+                let tries = if first {
+                    self.count_repeated_failure(node, step)
+                } else {
+                    0
+                };
                 self.interrupt(now_ms, out);
+                if tries >= MAX_REPEATED_FAILURES {
+                    let name = self.nodes[&node].name.clone();
+                    let backoff_ms = self.back_off(name, now_ms);
+                    let why = format!(
+                        "failed step {step} {tries} times in a row among the same members, \
+                         each time first (a retry does not mend it; its name is refused for \
+                         {:.0} s): {error}",
+                        backoff_ms as f64 / 1e3
+                    );
+                    self.fence(node, why, now_ms, out);
+                }
             }
             // Finished; or paused by a pause this epoch did not ask for (a late command of an
             // earlier epoch): either way wait for every member and decide then.
@@ -2646,15 +2741,16 @@ impl JobMachine {
             // part that is missing now will not come.
 
             self.final_checkpoint_failures += 1;
-            let newest = self
-                .last_committed
-                .map_or("none".to_owned(), checkpoint_label);
+            let newest = self.last_committed.map_or_else(
+                || "no checkpoint was committed".to_owned(),
+                |s| format!("the newest committed is the {}", checkpoint_label(s)),
+            );
             let last = total.saturating_sub(1);
             if self.final_checkpoint_failures >= FINAL_CHECKPOINT_TRIES {
                 return self.fail(
                     format!(
                         "the checkpoint after the last step ({last}) failed {} times, so the \
-                         final state is not saved (the newest committed: the {newest})",
+                         final state is not saved ({newest})",
                         self.final_checkpoint_failures
                     ),
                     out,
@@ -2667,6 +2763,13 @@ impl JobMachine {
             )));
             self.note_cause(ReconfigKind::InPlace, now_ms);
             return self.plan_next(now_ms, out);
+        }
+        // A reconfiguration that resumed at the last step (the final checkpoint written again,
+        // the final state recovered) has no step after it to report it with: reported now,
+        // its resume time running to the stop.
+        if let Some((mut r, t)) = self.resuming.take() {
+            r.resume_ms = now_ms.saturating_sub(t) as f64;
+            out.push(Action::Reconfigured(r));
         }
         self.enter(Phase::Stopping, now_ms);
         for &id in self.nodes.keys() {

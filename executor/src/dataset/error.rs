@@ -14,6 +14,14 @@ pub enum DatasetError {
         tokens: u64,
         needed: u64,
     },
+    /// A mapped file changed while the job ran (truncated, rewritten): a storage fault, not
+    /// something a retry of the step can mend.
+    #[error(
+        "{}: the file changed while the job was using it ({was} bytes when opened, {now} now); \
+         training data must not change under a running job",
+        .path.display()
+    )]
+    Changed { path: PathBuf, was: u64, now: u64 },
     #[error("the data blend: {0}")]
     Order(#[from] lazarus_planner::data::DataPlanError),
     #[error("{}: {source}", .path.display())]

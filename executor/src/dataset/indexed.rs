@@ -42,7 +42,7 @@ fn i32_at(bytes: &[u8], offset: u64) -> Option<i32> {
 /// document lookups read it in place.
 pub struct IndexedDataset {
     idx_path: PathBuf,
-    idx: Bytes,
+    pub(crate) idx: Bytes,
     pub(crate) bin: TokenStream,
     sequences: u64,
     doc_entries: u64,

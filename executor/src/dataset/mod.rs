@@ -51,7 +51,11 @@
 //!
 //! Mapping a file is `unsafe` in Rust terms: if another process truncates or rewrites it while
 //! it is mapped, reads may fault or see changing bytes. Training data is written once, before the
-//! run; do not modify the files of a running job.
+//! run; do not modify the files of a running job. Each read of a training sequence first checks
+//! that the mapped files still have the size and modification time they had when opened
+//! ([`TokenDataset::check_unchanged`]): a worker finding one changed ends, naming the file, where
+//! the read past a truncated file's end used to kill it with SIGBUS and no word (a truncation
+//! between the check and the read still can).
 //!
 //! # How the trainer will use it (not wired yet)
 //!
@@ -191,16 +195,52 @@ impl FromStr for TokenDtype {
 
 /// The bytes of a file: mapped, or (tests, fuzzing, empty files) owned.
 pub(crate) enum Bytes {
-    Mapped(memmap2::Mmap),
+    /// The map, the open file under it, and the file's size and modification time when mapped
+    /// ([`Bytes::check_unchanged`]).
+    Mapped {
+        map: memmap2::Mmap,
+        file: File,
+        len: u64,
+        modified: Option<std::time::SystemTime>,
+    },
     Owned(Vec<u8>),
 }
 
 impl Bytes {
     pub(crate) fn as_slice(&self) -> &[u8] {
         match self {
-            Bytes::Mapped(m) => m,
+            Bytes::Mapped { map, .. } => map,
             Bytes::Owned(v) => v,
         }
+    }
+
+    /// Fails with [`DatasetError::Changed`] when the mapped file (`path`, for the message) is
+    /// no longer the size or modification time it had when mapped. A read of the map past a
+    /// truncated file's end is a SIGBUS that kills the process without a word, and rewritten
+    /// bytes would silently train on other data: callers check before they read (one `fstat`
+    /// of the open file, which is the mapped one even if the path was replaced since).
+    pub(crate) fn check_unchanged(&self, path: &Path) -> Result<()> {
+        let Bytes::Mapped {
+            file,
+            len,
+            modified,
+            ..
+        } = self
+        else {
+            return Ok(());
+        };
+        let meta = file.metadata().map_err(|source| DatasetError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        if meta.len() != *len || meta.modified().ok() != *modified {
+            return Err(DatasetError::Changed {
+                path: path.to_path_buf(),
+                was: *len,
+                now: meta.len(),
+            });
+        }
+        Ok(())
     }
 
     /// Maps `path` read-only (an empty file becomes an empty buffer: zero-length maps fail on
@@ -211,7 +251,8 @@ impl Bytes {
             source,
         };
         let file = File::open(path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
+        let meta = file.metadata().map_err(io)?;
+        let len = meta.len();
         if len == 0 {
             return Ok(Bytes::Owned(Vec::new()));
         }
@@ -219,7 +260,12 @@ impl Bytes {
         // remaining hazard — another process modifying the file while it is mapped — is
         // documented in the module docs: datasets are written before a run, not during it.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-        Ok(Bytes::Mapped(map))
+        Ok(Bytes::Mapped {
+            map,
+            file,
+            len,
+            modified: meta.modified().ok(),
+        })
     }
 }
 
@@ -358,6 +404,16 @@ impl TokenDataset {
             TokenDataset::Flat(f) => &f.stream,
             TokenDataset::Indexed(d) => &d.bin,
         }
+    }
+
+    /// Fails with [`DatasetError::Changed`] when a file of the dataset changed since it was
+    /// opened (see [`Bytes::check_unchanged`]).
+    pub fn check_unchanged(&self) -> Result<()> {
+        if let TokenDataset::Indexed(d) = self {
+            d.idx.check_unchanged(d.idx_path())?;
+        }
+        let s = self.stream();
+        s.bytes.check_unchanged(&s.path)
     }
 
     /// The token file (the flat file, or `PREFIX.bin`).

@@ -141,6 +141,7 @@ impl TrainData {
                 c.tokens()[s..s + self.seq_len + 1].to_vec()
             }
             Source::Dataset(d) => {
+                d.check_unchanged()?;
                 let t = d.window(start, self.seq_len)?;
                 if let Some(i) = t.iter().position(|&x| x >= self.vocab) {
                     return Err(DatasetError::TokenOutOfVocab {

@@ -31,6 +31,53 @@ pub enum ConfigError {
     /// executor does not implement (it refuses rather than train another model).
     #[error("config.json: {field}: {why}")]
     Hf { field: String, why: String },
+    /// A size beyond what the executor takes ([`SizeLimits`]): the model's arithmetic and its
+    /// allocations would overflow long before a machine could hold it.
+    #[error("{name} {value} is more than {max}, the most lzrun takes ({what})")]
+    TooLarge {
+        name: &'static str,
+        value: usize,
+        max: usize,
+        what: &'static str,
+    },
+}
+
+/// The largest sizes a model may have, each well beyond the models in use (DeepSeek-V3: 7,168
+/// wide, 61 layers, 256 experts, 128 heads). Within them every parameter count of
+/// [`MoeConfig`] (degree-3 products of these sizes, times the layers) fits in a `u64` with room
+/// to spare: an adversarial `config.json` (`hidden_size` 2^62, 2^40 experts, 10^12 layers)
+/// used to panic with "capacity overflow" or abort on the allocation instead of being refused.
+pub struct SizeLimits;
+
+impl SizeLimits {
+    /// A width: `d_model`, `d_ff`, intermediate sizes, head and latent dimensions.
+    pub const WIDTH: usize = 1 << 17;
+    /// Attention heads (query or key/value).
+    pub const HEADS: usize = 1 << 10;
+    /// Routed experts per layer (also shared experts, groups, `top_k`).
+    pub const EXPERTS: usize = 1 << 12;
+    /// Transformer blocks (MoE and dense).
+    pub const LAYERS: usize = 1 << 10;
+    /// Positions per training sequence, and sequences per step and worker.
+    pub const SEQUENCE: usize = 1 << 20;
+}
+
+/// `value` of `name` at most `max`, else [`ConfigError::TooLarge`].
+pub(crate) fn at_most(
+    name: &'static str,
+    value: usize,
+    max: usize,
+    what: &'static str,
+) -> Result<(), ConfigError> {
+    if value > max {
+        return Err(ConfigError::TooLarge {
+            name,
+            value,
+            max,
+            what,
+        });
+    }
+    Ok(())
 }
 
 /// The arithmetic of the matrix products in the forward and backward passes (mixed precision).
@@ -254,6 +301,22 @@ impl MoeConfig {
                 return Err(ConfigError::Zero { name });
             }
         }
+        for (name, v, max, what) in [
+            ("d_model", self.d_model, SizeLimits::WIDTH, "a width"),
+            ("d_ff", self.d_ff, SizeLimits::WIDTH, "a width"),
+            ("n_heads", self.n_heads, SizeLimits::HEADS, "heads"),
+            (
+                "experts",
+                self.experts,
+                SizeLimits::EXPERTS,
+                "experts per layer",
+            ),
+            ("n_layers", self.n_layers, SizeLimits::LAYERS, "layers"),
+            ("seq_len", self.seq_len, SizeLimits::SEQUENCE, "positions"),
+            ("batch", self.batch, SizeLimits::SEQUENCE, "sequences"),
+        ] {
+            at_most(name, v, max, what)?;
+        }
         if let Some(hf) = &self.hf {
             hf.validate(self)?;
         } else if !self.d_model.is_multiple_of(self.n_heads) {
@@ -334,5 +397,88 @@ impl MoeConfig {
     /// Bytes of one expert replica's training state in f32: weights plus two AdamW moments.
     pub fn expert_state_bytes(&self) -> usize {
         3 * 4 * self.expert_params()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `tiny`'s `config.json` with `fields` replaced.
+    fn hf(tiny: &str, fields: &[(&str, u64)]) -> Result<MoeConfig, ConfigError> {
+        let mut v: serde_json::Value = serde_json::from_str(tiny).unwrap();
+        for &(k, x) in fields {
+            v[k] = x.into();
+        }
+        MoeConfig::from_hf_config_json(&v.to_string())
+    }
+
+    const DEEPSEEK: &str = include_str!("../../configs/deepseek-v3-tiny.json");
+    const MIXTRAL: &str = include_str!("../../configs/mixtral-tiny.json");
+
+    /// The limits leave room for the models in use: DeepSeek-V3's shape (its `config.json`
+    /// less the YaRN `rope_scaling` this executor refuses) and Mixtral 8x22B's are accepted.
+    #[test]
+    fn the_shapes_of_models_in_use_are_within_the_limits() {
+        let deepseek = [
+            ("vocab_size", 129_280),
+            ("hidden_size", 7_168),
+            ("intermediate_size", 18_432),
+            ("moe_intermediate_size", 2_048),
+            ("num_hidden_layers", 61),
+            ("first_k_dense_replace", 3),
+            ("num_attention_heads", 128),
+            ("num_key_value_heads", 128),
+            ("q_lora_rank", 1_536),
+            ("kv_lora_rank", 512),
+            ("qk_nope_head_dim", 128),
+            ("qk_rope_head_dim", 64),
+            ("v_head_dim", 128),
+            ("n_routed_experts", 256),
+            ("num_experts_per_tok", 8),
+            ("n_group", 8),
+            ("topk_group", 4),
+            ("max_position_embeddings", 163_840),
+        ];
+        let cfg = hf(DEEPSEEK, &deepseek).unwrap();
+        assert_eq!((cfg.experts, cfg.n_layers), (256, 58));
+        // 671 B parameters in all, as published.
+        let total = cfg.dense_params() + cfg.n_layers * cfg.experts * cfg.expert_params();
+        assert!((670e9..673e9).contains(&(total as f64)), "{total}");
+        let mixtral = [
+            ("vocab_size", 32_768),
+            ("hidden_size", 6_144),
+            ("intermediate_size", 16_384),
+            ("num_hidden_layers", 56),
+            ("num_attention_heads", 48),
+            ("num_key_value_heads", 8),
+            ("num_local_experts", 8),
+            ("max_position_embeddings", 65_536),
+        ];
+        hf(MIXTRAL, &mixtral).unwrap();
+    }
+
+    /// Issue 43, item 6: sizes beyond the limits are refused naming the field, before anything
+    /// is computed from them (they overflowed or allocated first).
+    #[test]
+    fn sizes_beyond_the_limits_are_refused_naming_the_field() {
+        for (tiny, field, value) in [
+            (MIXTRAL, "hidden_size", 1u64 << 62),
+            (MIXTRAL, "num_local_experts", 1 << 40),
+            (MIXTRAL, "num_hidden_layers", 1_000_000_000_000),
+            (MIXTRAL, "vocab_size", 1 << 33),
+            (DEEPSEEK, "n_shared_experts", 1 << 62),
+            (DEEPSEEK, "kv_lora_rank", 1 << 62),
+            (DEEPSEEK, "first_k_dense_replace", u64::MAX),
+        ] {
+            let e = hf(tiny, &[(field, value)]).unwrap_err().to_string();
+            assert!(e.contains(&format!("{field}: {value} is more than")), "{e}");
+        }
+        let mut cfg = MoeConfig::tiny();
+        cfg.n_layers = 1 << 40;
+        assert_eq!(
+            cfg.validate().unwrap_err().to_string(),
+            "n_layers 1099511627776 is more than 1024, the most lzrun takes (layers)"
+        );
     }
 }

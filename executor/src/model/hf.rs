@@ -41,7 +41,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use super::config::{ConfigError, MoeConfig};
+use super::config::{ConfigError, MoeConfig, SizeLimits, at_most};
 
 /// The model family of a [`MoeConfig`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -194,6 +194,26 @@ fn err(field: &str, why: impl Into<String>) -> ConfigError {
     }
 }
 
+/// The most a size field of `config.json` may be, and what it counts ([`SizeLimits`]).
+/// Fields that only bound something (`max_position_embeddings`, `sliding_window`) or only
+/// select layers (`decoder_sparse_step`) take any `usize`; `vocab_size` any token id.
+fn size_limit(k: &str) -> (usize, &'static str) {
+    match k {
+        "num_hidden_layers" | "first_k_dense_replace" => (SizeLimits::LAYERS, "layers"),
+        "num_local_experts"
+        | "num_experts"
+        | "n_routed_experts"
+        | "n_shared_experts"
+        | "num_experts_per_tok"
+        | "n_group"
+        | "topk_group" => (SizeLimits::EXPERTS, "experts"),
+        "num_attention_heads" | "num_key_value_heads" => (SizeLimits::HEADS, "heads"),
+        "vocab_size" => (u32::MAX as usize, "token ids are u32"),
+        "max_position_embeddings" | "sliding_window" | "decoder_sparse_step" => (usize::MAX, ""),
+        _ => (SizeLimits::WIDTH, "a width"),
+    }
+}
+
 struct Fields<'a>(&'a Map<String, Value>);
 
 impl Fields<'_> {
@@ -201,12 +221,26 @@ impl Fields<'_> {
         self.0.get(k).filter(|v| !v.is_null())
     }
 
+    /// A size: a non-negative integer within its field's [`size_limit`], so that nothing
+    /// computed from it (`n_shared_experts × moe_intermediate_size`, the list of a billion
+    /// layers) overflows or allocates before [`MoeConfig::validate`] sees it.
     fn usize_req(&self, k: &str) -> Result<usize, ConfigError> {
+        let x = self.u64_req(k)?;
+        let (max, what) = size_limit(k);
+        match usize::try_from(x) {
+            Ok(x) if x <= max => Ok(x),
+            _ => Err(err(
+                k,
+                format!("{x} is more than {max}, the most lzrun takes ({what})"),
+            )),
+        }
+    }
+
+    fn u64_req(&self, k: &str) -> Result<u64, ConfigError> {
         match self.present(k) {
             None => Err(err(k, "missing")),
             Some(v) => v
                 .as_u64()
-                .and_then(|x| usize::try_from(x).ok())
                 .ok_or_else(|| err(k, format!("must be a non-negative integer, got {v}"))),
         }
     }
@@ -576,6 +610,67 @@ impl MoeConfig {
 impl HfModel {
     /// Shape checks of an HF family (called by [`MoeConfig::validate`]).
     pub(crate) fn validate(&self, cfg: &MoeConfig) -> Result<(), ConfigError> {
+        let mla = self.mla.as_ref();
+        for (name, v, max, what) in [
+            (
+                "num_key_value_heads",
+                self.n_kv_heads,
+                SizeLimits::HEADS,
+                "heads",
+            ),
+            ("head_dim", self.head_dim, SizeLimits::WIDTH, "a width"),
+            (
+                "shared expert size",
+                self.shared_ff,
+                SizeLimits::WIDTH * SizeLimits::EXPERTS,
+                "widths",
+            ),
+            (
+                "intermediate_size",
+                self.dense_ff,
+                SizeLimits::WIDTH,
+                "a width",
+            ),
+            (
+                "dense layers",
+                self.dense_layers.len(),
+                SizeLimits::LAYERS,
+                "layers",
+            ),
+            ("n_group", self.n_group, SizeLimits::EXPERTS, "experts"),
+            (
+                "kv_lora_rank",
+                mla.map_or(0, |m| m.kv_lora_rank),
+                SizeLimits::WIDTH,
+                "a width",
+            ),
+            (
+                "q_lora_rank",
+                mla.and_then(|m| m.q_lora_rank).unwrap_or(0),
+                SizeLimits::WIDTH,
+                "a width",
+            ),
+            (
+                "qk_nope_head_dim",
+                mla.map_or(0, |m| m.qk_nope_head_dim),
+                SizeLimits::WIDTH,
+                "a width",
+            ),
+            (
+                "qk_rope_head_dim",
+                mla.map_or(0, |m| m.qk_rope_head_dim),
+                SizeLimits::WIDTH,
+                "a width",
+            ),
+            (
+                "v_head_dim",
+                mla.map_or(0, |m| m.v_head_dim),
+                SizeLimits::WIDTH,
+                "a width",
+            ),
+        ] {
+            at_most(name, v, max, what)?;
+        }
         if self.n_kv_heads == 0 || !cfg.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(err(
                 "num_key_value_heads",

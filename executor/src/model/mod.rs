@@ -36,7 +36,7 @@ mod optim;
 mod shadow;
 mod train;
 
-pub use config::{ConfigError, Family, HfModel, MoeConfig, Precision};
+pub use config::{ConfigError, Family, HfModel, MoeConfig, Precision, SizeLimits};
 pub use data::{ByteTokenizer, Corpus, EMBEDDED_CORPUS};
 pub use dense::{
     DenseModel, MoeOutput, RoutingStats, apply_rope, deinterleave, moe_layer, rms_norm,

@@ -681,6 +681,9 @@ impl<E: Fn(&str) -> Result<()>> Worker<'_, E> {
         });
         let (done, step_data) = match res {
             Ok(r) => r,
+            // A data file that changed under the job fails every try of the step alike: this
+            // worker ends, naming the file (its node is lost, as on any host fault).
+            Err(e) if data_changed(&e) => return Err(e.context(format!("step {}", self.step))),
             // Discard the step and the broken communicator, then wait for the controller.
             Err(e) => return self.failed(&e),
         };
@@ -930,6 +933,16 @@ fn first_line(d: &dyn std::fmt::Display) -> String {
 /// Elapsed milliseconds since `t`.
 pub fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
+}
+
+/// Whether `e` is a training data file that changed under the running job.
+fn data_changed(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        matches!(
+            c.downcast_ref::<crate::dataset::DatasetError>(),
+            Some(crate::dataset::DatasetError::Changed { .. })
+        )
+    })
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
+use lazarus_executor::device::{DeviceChoice, DeviceKind};
 use lazarus_executor::model::{MoeConfig, Precision};
 use lazarus_executor::worker::{CONFIG_NAMES, config_by_name};
 
@@ -83,3 +84,46 @@ pub fn load_config(
         .map_err(|e| anyhow!("model config {spec}: {e}"))?;
     Ok(cfg)
 }
+
+/// Refuses a model whose training state cannot fit one CPU worker of this machine: the dense
+/// weights with their two AdamW moments (f32) and `experts_held` expert replicas each, against
+/// the machine's physical memory. Each size may pass [`MoeConfig::validate`] while their
+/// product does not (a 2^31 vocabulary of width 2^16 is 2^47 embedding weights): the worker
+/// aborted on the allocation. A CUDA worker keeps its state on the GPU: not checked here.
+pub fn check_fits_memory(
+    cfg: &MoeConfig,
+    experts_held: usize,
+    device: &DeviceChoice,
+) -> Result<()> {
+    if device.device != DeviceKind::Cpu {
+        return Ok(());
+    }
+    // SAFETY: sysconf(3) reads system constants; no memory is shared.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let (Ok(pages), Ok(page)) = (u64::try_from(pages), u64::try_from(page)) else {
+        return Ok(());
+    };
+    let memory = pages.saturating_mul(page);
+    // Within `SizeLimits` these products fit in a u64; saturating anyway, as a guard.
+    let dense = (cfg.dense_params() as u64).saturating_mul(12);
+    let experts = (cfg.expert_state_bytes() as u64).saturating_mul(experts_held as u64);
+    let need = dense.saturating_add(experts);
+    ensure!(
+        need <= memory,
+        "the model needs {:.1} GiB of training state per worker (weights and AdamW moments in \
+         f32: {} dense parameters, {experts_held} expert replicas of {} parameters), more than \
+         this machine's {:.1} GiB of memory",
+        need as f64 / GIB,
+        cfg.dense_params(),
+        cfg.expert_params(),
+        memory as f64 / GIB
+    );
+    Ok(())
+}
+
+const GIB: f64 = (1u64 << 30) as f64;

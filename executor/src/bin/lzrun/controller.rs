@@ -25,7 +25,7 @@ pub fn controller(a: ControllerArgs) -> Result<()> {
         let _guard = rt.enter();
         stop_signals()?
     };
-    let (job, recovered) = match &a.recover {
+    let (mut job, recovered) = match &a.recover {
         Some(dir) => {
             let (job, controller) = Job::recover(dir, &a.token)?;
             (job, Some(controller))

@@ -2,14 +2,56 @@
 //! (one batch forward: logits and loss), see `lazarus_executor::interop`.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Component, Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, ensure};
 use clap::Args;
+use lazarus_executor::checkpoint;
 use lazarus_executor::interop::{self, DEFAULT_SHARD_MB, WeightsDir};
 use lazarus_executor::model::MoeConfig;
 
 use crate::config::load_config;
+
+/// Refuses an `--out` in the checkpoint root (`ckpt`, or the root of the `step-*` directory
+/// `ckpt`) or under it: a model directory written there mixes its files with the checkpoints
+/// (a `config.json` and weights beside `latest`), and the job's checkpoint pruning and the
+/// removal of uncommitted parts own that directory.
+fn refuse_out_in_checkpoints(ckpt: &Path, out: &Path) -> Result<()> {
+    let ckpt = ckpt
+        .canonicalize()
+        .with_context(|| format!("{}", ckpt.display()))?;
+    let is_step_dir = ckpt
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| checkpoint::parse_step_dir_name(n).is_some());
+    let root = match ckpt.parent() {
+        Some(parent) if is_step_dir => parent.to_path_buf(),
+        _ => ckpt.clone(),
+    };
+    // `out` need not exist yet: resolved component by component, links where the path
+    // exists (as the kernel would), `..` and `.` by name past that.
+    let absolute = std::path::absolute(out).with_context(|| format!("{}", out.display()))?;
+    let mut resolved = PathBuf::new();
+    for c in absolute.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                resolved.pop();
+            }
+            c => resolved.push(c),
+        }
+        if let Ok(real) = resolved.canonicalize() {
+            resolved = real;
+        }
+    }
+    ensure!(
+        !resolved.starts_with(&root),
+        "--out {} is inside the checkpoint directory {}: export to a directory of its own",
+        out.display(),
+        root.display()
+    );
+    Ok(())
+}
 
 /// `lzrun export CKPT_DIR --out DIR`.
 #[derive(Debug, Args)]
@@ -19,7 +61,7 @@ pub struct ExportArgs {
     #[arg(value_name = "CKPT_DIR")]
     pub ckpt: PathBuf,
     /// The model directory to write (created; refused if it already holds a config.json or
-    /// weights).
+    /// weights, or lies in the checkpoint directory).
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
     /// Largest weights file in MiB: a model above it is written as
@@ -64,6 +106,7 @@ pub fn export(a: ExportArgs) -> Result<()> {
         "{}: no such checkpoint directory",
         a.ckpt.display()
     );
+    refuse_out_in_checkpoints(&a.ckpt, &a.out)?;
     let shard_bytes = a.shard_size_mb.saturating_mul(1 << 20);
     let (step, cfg, w) = interop::export_checkpoint(&a.ckpt, &a.out, shard_bytes)
         .map_err(|e| anyhow!("export {}: {e}", a.ckpt.display()))?;

@@ -29,17 +29,17 @@ pub struct Job {
     pub server: ServerConfig,
     pub params: JobParams,
     /// A checkpoint directory we created (no `--ckpt-dir`), see [`Job::clean_up`].
-    pub temp_ckpt: Option<PathBuf>,
+    temp_ckpt: Option<TempDir>,
     /// The checkpoint of the initial state of `--init-from` without checkpoints: removed at
     /// the end.
-    temp_init: Option<PathBuf>,
+    temp_init: Option<TempDir>,
     /// The lock on the checkpoint directory: never read, held for the whole job (dropping it
     /// releases the directory).
     _ckpt_lock: Option<RootLock>,
     /// Where the controller saves the job state (`--state-dir`).
     pub state_dir: Option<PathBuf>,
     /// A state directory we created (`lzrun local` without `--state-dir`): removed at the end.
-    temp_state: Option<PathBuf>,
+    temp_state: Option<TempDir>,
     /// The lock on the state directory (one controller at a time), held for the whole job.
     _state_lock: Option<RootLock>,
 }
@@ -55,26 +55,26 @@ impl Job {
     /// directory (no `--ckpt-dir`) goes when the job succeeded or was stopped by a signal; when
     /// it failed its checkpoints are what is left of the run, so it stays and its path is
     /// printed.
-    pub fn clean_up(&self, result: &Result<()>) {
+    ///
+    /// A job dropped without it (refused before it ran) removes its temporary directories.
+    pub fn clean_up(&mut self, result: &Result<()>) {
         if let Some(root) = self.ckpt_root() {
             let _ = checkpoint::remove_staging(root);
         }
-        if let Some(dir) = &self.temp_state {
-            let _ = std::fs::remove_dir_all(dir);
-        }
-        if let Some(dir) = &self.temp_init {
-            let _ = std::fs::remove_dir_all(dir);
-        }
-        let Some(dir) = &self.temp_ckpt else {
+        self.temp_state = None;
+        self.temp_init = None;
+        let Some(dir) = self.temp_ckpt.take() else {
             return;
         };
         let interrupted = result
             .as_ref()
             .err()
             .is_some_and(|e| e.downcast_ref::<Interrupted>().is_some());
-        if result.is_ok() || interrupted {
-            let _ = std::fs::remove_dir_all(dir);
-        } else if checkpoint::load_latest(dir, &self.params.config).is_ok() {
+        if result.is_err()
+            && !interrupted
+            && checkpoint::load_latest(&dir.0, &self.params.config).is_ok()
+        {
+            let dir = dir.keep();
             // stderr: the error line goes there too, and stdout may be a summary reader's.
             let _ = writeln!(
                 std::io::stderr(),
@@ -82,8 +82,6 @@ impl Job {
                 dir.display(),
                 dir.display()
             );
-        } else {
-            let _ = std::fs::remove_dir_all(dir);
         }
     }
 }
@@ -137,6 +135,30 @@ impl Job {
     }
 }
 
+/// A directory this job made in the system's temporary directory: removed when dropped, so a
+/// run refused after making it (bad data, a bad batch) leaves nothing behind, unless kept.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    /// `lzrun-<what>-<pid>` in the temporary directory (not created yet).
+    fn for_this_process(what: &str) -> Self {
+        Self(std::env::temp_dir().join(format!("lzrun-{what}-{}", std::process::id())))
+    }
+
+    /// Leaves the directory in place; its path.
+    fn keep(self) -> PathBuf {
+        let dir = self.0.clone();
+        std::mem::forget(self);
+        dir
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Locks `dir` (a checkpoint or state directory) for this job, or says who holds it.
 fn lock_dir(dir: &Path, what: &str) -> Result<RootLock> {
     checkpoint::lock_root(dir, &holder()).map_err(|e| match e {
@@ -164,12 +186,12 @@ fn state_dir(
     a: &JobArgs,
     temp_default: bool,
     ckpt: Option<&Path>,
-) -> Result<(Option<PathBuf>, Option<PathBuf>, Option<RootLock>)> {
+) -> Result<(Option<PathBuf>, Option<TempDir>, Option<RootLock>)> {
     let (dir, temp) = match (&a.state_dir, temp_default) {
         (Some(d), _) => (d.clone(), None),
         (None, true) => {
-            let d = std::env::temp_dir().join(format!("lzrun-state-{}", std::process::id()));
-            (d.clone(), Some(d))
+            let d = TempDir::for_this_process("state");
+            (d.0.clone(), Some(d))
         }
         (None, false) => return Ok((None, None, None)),
     };
@@ -282,9 +304,10 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
             (Some(d), _, _, _) | (None, Some(d), _, _) => d.clone(),
             (None, None, Some(d), _) | (None, None, None, Some(d)) => d.join("ckpt"),
             (None, None, None, None) => {
-                let d = std::env::temp_dir().join(format!("lzrun-ckpt-{}", std::process::id()));
-                temp_ckpt = Some(d.clone());
-                d
+                let d = TempDir::for_this_process("ckpt");
+                let root = d.0.clone();
+                temp_ckpt = Some(d);
+                root
             }
         };
         std::fs::create_dir_all(&root)
@@ -303,9 +326,10 @@ pub fn job_from_args(a: &JobArgs, nodes: usize, token: &str, temp_state: bool) -
             Some(c) => c.root.clone(),
             // Checkpoints off: the initial state still goes through a checkpoint, of its own.
             None => {
-                let d = std::env::temp_dir().join(format!("lzrun-init-{}", std::process::id()));
-                temp_init = Some(d.clone());
-                d
+                let d = TempDir::for_this_process("init");
+                let root = d.0.clone();
+                temp_init = Some(d);
+                root
             }
         };
         init_from(dir, &config, &root)?;

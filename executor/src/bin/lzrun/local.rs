@@ -57,7 +57,11 @@ pub fn local(a: LocalArgs) -> Result<()> {
     // Keeps stray agents of other local runs out; not a secret against local users.
     let token = format!("{:016x}", rand::random::<u64>());
     // The job machine's nodes are workers: G per host.
-    let job = job_from_args(&a.job, schedule.initial_nodes * gpus, &token, true)?;
+    let mut job = job_from_args(&a.job, schedule.initial_nodes * gpus, &token, true)?;
+    // Every worker runs on this machine: one that cannot hold the model is refused here, not
+    // by an allocation abort in each of them.
+    let held = job.params.rules.slots_per_node * job.params.config.n_layers;
+    crate::config::check_fits_memory(&job.params.config, held, &choice)?;
     if let Some(dir) = &a.job.out {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
@@ -301,8 +305,14 @@ impl Hooks for Faults {
         let unfired: Vec<usize> = (0..events.len())
             .filter(|i| events[*i].fault.is_join() && !self.fired.contains(i))
             .collect();
-        // Registered or started, ready or not (a frozen one is fenced, and the job asks again).
+        // Registered or started, ready or not (a frozen one is fenced, and the job asks again);
+        // not one that exited already (its worker died: it will never register again).
         // `live` and `needed` count workers, G per node.
+        for (name, status) in self.nodes.reap_exited() {
+            self.format.say(&format!(
+                "lzrun local: node {name} exited on its own ({status}); it is not waited for"
+            ));
+        }
         let gpus = self.nodes.gpus();
         let coming = live.max(self.nodes.running() * gpus);
         let Some(&first) = unfired.first() else {

@@ -123,9 +123,26 @@ impl Nodes {
         named(&children, name)
     }
 
-    /// Nodes launched and not killed by this launcher (some may be frozen or starting).
-    pub fn running(&self) -> usize {
+    /// Nodes launched, not killed by this launcher and not exited on their own (some may be
+    /// frozen or starting). Reaps the agents that exited first ([`Nodes::reap_exited`]): an
+    /// agent whose worker died exits with it, and counting it as coming left the job waiting
+    /// for a node that would never register.
+    pub fn running(&mut self) -> usize {
+        self.reap_exited();
         self.children.iter().filter(|(_, c)| c.is_some()).count()
+    }
+
+    /// The agents that exited on their own since the last call (a worker that died takes its
+    /// agent with it), with how they ended; they no longer count as running.
+    pub fn reap_exited(&mut self) -> Vec<(String, std::process::ExitStatus)> {
+        let mut exited = Vec::new();
+        for (name, slot) in &mut self.children {
+            if let Some(Ok(Some(status))) = slot.as_mut().map(Child::try_wait) {
+                *slot = None;
+                exited.push((name.clone(), status));
+            }
+        }
+        exited
     }
 
     /// Whether node `i` was launched and not killed by this launcher.

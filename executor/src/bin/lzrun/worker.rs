@@ -106,10 +106,13 @@ pub fn worker(a: WorkerArgs) -> Result<()> {
         a.peers.len()
     );
     ensure!(rank < world, "--rank {rank} is not below --world {world}");
+    let config = load_model(&a.model)?;
+    let slots = lazarus_executor::worker::slots_per_node(config.experts, world);
+    crate::config::check_fits_memory(&config, slots * config.n_layers, &choice)?;
     let opts = WorkerOptions {
         rank,
         peers: a.peers,
-        config: load_model(&a.model)?,
+        config,
         steps: a.model.steps,
         epoch: a.epoch,
         timeout_ms: a.timeout_ms,
