@@ -145,7 +145,7 @@ pub fn repair_held(
     let n = holders.len();
     let c = previous.cluster.slots_per_node;
     let floor = model.f.min(n);
-    let repaired: Vec<Result<(LayerPlacement, Vec<usize>, RepairStats), RepairError>> = (0..layers)
+    let repaired: Vec<Result<RepairedLayer, RepairError>> = (0..layers)
         .into_par_iter()
         .map(|l| {
             let before = previous.allocations.get(l).map(|a| a.replicas.as_slice());
@@ -208,6 +208,9 @@ pub fn repair_held(
     })
 }
 
+/// One repaired layer: the placement, its replica counts and what the repair did.
+type RepairedLayer = (LayerPlacement, Vec<usize>, RepairStats);
+
 /// One layer of [`repair_held`]: the placement, its replica counts and what it did.
 #[allow(clippy::too_many_arguments)]
 fn repair_layer(
@@ -219,7 +222,7 @@ fn repair_layer(
     loads: &[u64],
     before: Option<&[usize]>,
     load_slack: f64,
-) -> Result<(LayerPlacement, Vec<usize>, RepairStats), RepairError> {
+) -> Result<RepairedLayer, RepairError> {
     let n = holders.len();
     let mut cells = vec![FREE; n * c];
     let mut blank: Vec<usize> = Vec::new();

@@ -165,9 +165,9 @@ proptest! {
             // Transfers exactly the slots whose content changed, each from a holder.
             let mut changed = 0usize;
             for (p, node) in physical.iter().enumerate() {
-                for l in 0..layers {
+                for (l, new) in new_rows[p].iter().enumerate() {
                     let old = node.holdings.get(l).map_or(&[][..], Vec::as_slice);
-                    changed += newly_held(&new_rows[p][l], old);
+                    changed += newly_held(new, old);
                 }
             }
             prop_assert_eq!(repaired.migration.transfers.len(), changed);
