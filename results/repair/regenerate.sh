@@ -18,8 +18,7 @@ traces=${1:-../shared/traces}
 loads=$traces/routing/smartmoe/derived/global_expert_counts.csv
 p3=$traces/bamboo/traces/p3-trace.csv
 out=results/repair
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+tmp=${LAZARUS_REPAIR_TMP:-$(mktemp -d)}
 cargo build --release --quiet --bin lzsim
 lzsim=target/release/lzsim
 # A run directory equal to a committed one: every file, and config.json but for the command line
@@ -95,3 +94,4 @@ else
   echo "DIFFERENT: results/scale/replay-54d.json" >> "$out/identical.txt"
 fi
 python3 "$out/summarize.py" scale "$tmp" > "$out/scale.csv"
+rm -rf "$tmp"

@@ -72,9 +72,7 @@ def scale(tmp):
                 w.writerow([run, policy if sysname == "lazarus" else "-", sysname,
                             f'{s["samples_per_s"]:.2f}', f'{s["ettr"]:.4f}', s["recoveries"],
                             s["fallbacks"], s["scale_outs"], s["rebalances"],
-                            f"{mean(rec):.1f}", pct(rec, 0.99), max(rec, default=0),
-                            f"{mean(join):.1f}", pct(join, 0.99), f"{mean(reb):.1f}",
-                            f"{mean(pause):.2f}", f'{t["reconfigure"] / 86400:.3f}',
+                            *cells(rec, join, reb, pause), f'{t["reconfigure"] / 86400:.3f}',
                             f'{t["rebalance"] / 86400:.3f}', s["migrated_replicas"]])
 
 

@@ -231,6 +231,28 @@ def main(root, recovery):
             print(f"| {m} | {t['lazarus']:.1f} | {t['ds-ft']:.1f} | {t['ds']:.1f} | "
                   f"{t['lazarus'] / t['ds']:.2f} |")
 
+    # Both recovery policies (issue 42): the table above is the paper's replan; the same
+    # scenarios with repair-first recovery, from results/repair/paper.csv.
+    both = Path("results/repair/paper.csv")
+    if both.exists():
+        with open(both) as fh:
+            rows2 = [r for r in csv.DictReader(fh) if r["system"] == "lazarus"]
+        by = {(r["scenario"], r["policy"]): r for r in rows2}
+        print()
+        print("Lazarus with either recovery policy (`--recovery replan`, the paper's rule and "
+              "every number above; `--recovery repair`, the default since issue 42; "
+              "`bash results/repair/regenerate.sh`, discussion in `results/repair/README.md`):")
+        print()
+        print("| scenario | samples/s replan | samples/s repair | repair/replan | ETTR replan | "
+              "ETTR repair |")
+        print("|---|---|---|---|---|---|")
+        for name in sorted({r["scenario"] for r in rows2}):
+            a, b = by.get((name, "replan")), by.get((name, "repair"))
+            if a and b:
+                x, y = float(a["samples_per_s"]), float(b["samples_per_s"])
+                print(f"| {name} | {x:.2f} | {y:.2f} | {y / x:.3f} | {a['ettr']} | "
+                      f"{b['ettr']} |")
+
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else "results/replay",
