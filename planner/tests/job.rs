@@ -2692,3 +2692,82 @@ fn a_recovery_during_the_final_checkpoint_is_reported() {
         .collect();
     assert_eq!(reported, vec![(ReconfigKind::InPlace, 6)], "{a:?}");
 }
+
+/// Repair-first recovery (issue 42): a lost node's replicas are copied exactly where their
+/// expert fell below `f` distinct survivors, into slots of over-replicated experts, and nothing
+/// else moves; the same loss under the replan rule re-lays the model.
+#[test]
+fn a_repair_copies_exactly_the_lost_nodes_replicas_under_the_floor() {
+    use lazarus_planner::job::RecoveryPolicy;
+    // 5 nodes × 2 slots for 4 experts, f = 2: some experts have 3 replicas, some 2.
+    let mut cfg = config(2, 20);
+    cfg.recovery = RecoveryPolicy::Repair;
+    let nodes = [0, 1, 2, 3, 4];
+    let (mut j, r) = started(cfg, &nodes, 3);
+    let lost = *r
+        .members()
+        .iter()
+        .find(|&&n| {
+            // A node holding an expert with only 2 replicas: its loss goes under the floor.
+            let row = j.held(n);
+            row.iter().enumerate().any(|(l, es)| {
+                es.iter()
+                    .any(|&e| r.plan.allocations[l].replicas[e as usize] == 2)
+            })
+        })
+        .expect("an expert at the floor");
+    let before: Vec<(NodeId, Vec<Vec<u32>>)> = r
+        .members()
+        .iter()
+        .filter(|&&n| n != lost)
+        .map(|&n| (n, j.held(n)))
+        .collect();
+    // The survivors' distinct holders of each (layer, expert): those under 2 must be copied.
+    let mut under: Vec<(usize, usize)> = Vec::new();
+    for l in 0..2 {
+        for e in 0..4u32 {
+            let holders = before.iter().filter(|(_, h)| h[l].contains(&e)).count();
+            for _ in holders..2 {
+                under.push((l, e as usize));
+            }
+        }
+    }
+    assert!(!under.is_empty());
+    j.at(10).ev(Event::Lost {
+        node: lost,
+        reason: "killed".into(),
+    });
+    let mut a = Vec::new();
+    for (n, _) in &before {
+        a = j.at(20).idle(*n, IdleReason::Failed("peer".into()), 3);
+    }
+    let rr = reconfig(&a).expect("an in-place repair");
+    assert_eq!(rr.kind, ReconfigKind::InPlace);
+    assert!(
+        logs(&a).iter().any(|l| l.starts_with("repair: ")),
+        "{:?}",
+        logs(&a)
+    );
+    let mut moved: Vec<(usize, usize)> = rr.transfers.iter().map(|t| (t.layer, t.expert)).collect();
+    moved.sort_unstable();
+    under.sort_unstable();
+    assert_eq!(
+        moved, under,
+        "the transfers are exactly the under-floor replicas"
+    );
+    // Every survivor keeps its rank's rows but for the slots the copies took.
+    let rows = rr.plan.plan_node_contents();
+    let changed: usize = before
+        .iter()
+        .map(|(n, h)| {
+            let q = rr.members().iter().position(|m| m == n).unwrap();
+            (0..2)
+                .map(|l| h[l].iter().zip(&rows[q][l]).filter(|(a, b)| a != b).count())
+                .sum::<usize>()
+        })
+        .sum();
+    assert_eq!(changed, under.len());
+    for t in &rr.transfers {
+        assert!(!before[t.dst_rank].1[t.layer].contains(&(t.expert as u32)));
+    }
+}
