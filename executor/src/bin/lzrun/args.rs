@@ -407,9 +407,11 @@ pub struct JobArgs {
     /// replan follows as the next rebalance (--rebalance-every, --migration), brought forward
     /// when the repaired layout's busiest replica is over 1.1x the replan's or it survives f
     /// more failures less often. replan: the paper's rule, the whole model re-planned at every
-    /// event. Each reconfiguration's transfers and bytes are in reconfigurations.jsonl, the
-    /// repair's under its kind (in-place, join), the re-optimisation's under rebalance.
-    #[arg(long, value_enum, default_value_t = RecoveryArg::Repair)]
+    /// event (the default of lzrun for now: a repair at the job's last step can ask for one
+    /// more in-place reconfiguration, see results/repair/README.md). Each reconfiguration's
+    /// transfers and bytes are in reconfigurations.jsonl, the repair's under its kind
+    /// (in-place, join), the re-optimisation's under rebalance.
+    #[arg(long, value_enum, default_value_t = RecoveryArg::Replan)]
     pub recovery: RecoveryArg,
     /// --relayout laer: no re-layout before this many steps.
     #[arg(long, value_name = "STEPS", default_value_t = 2)]
