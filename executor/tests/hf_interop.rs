@@ -727,10 +727,14 @@ fn export_refuses_a_missing_checkpoint_and_an_occupied_out() {
     let o = lzrun(&["export", s(&dir.join("nope")), "--out", s(&dir.join("o"))]);
     assert_eq!(o.code, Some(2), "{}", o.show());
     assert_eq!(o.stderr.trim().lines().count(), 1, "{}", o.show());
-    let o = lzrun(&["export", s(&dir), "--out", s(&dir.join("o"))]);
+    // An --out outside the checkpoint directory (one inside it is refused first, by its own
+    // rule: `an_export_into_the_checkpoint_directory_is_refused`).
+    let out = scratch("export-refused-out");
+    let o = lzrun(&["export", s(&dir), "--out", s(&out.join("o"))]);
     assert_eq!(o.code, Some(2), "{}", o.show());
     assert!(o.stderr.contains("no valid checkpoint"), "{}", o.show());
     std::fs::remove_dir_all(&dir).unwrap();
+    let _ = std::fs::remove_dir_all(&out);
 }
 
 #[test]
