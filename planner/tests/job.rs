@@ -1926,27 +1926,34 @@ fn the_job_stops_only_once_the_last_steps_checkpoint_is_committed() {
 /// A last-step checkpoint that failed is written again (after an in-place reconfiguration
 /// that resumes at the last step), and after [`FINAL_CHECKPOINT_TRIES`] failures the job fails
 /// saying its final state is not saved.
+/// Every member writes its parts of the checkpoint after the last step `steps`, the commit
+/// fails, and every member says it finished: the actions of the last report.
+fn final_checkpoint_fails(j: &mut Job, steps: u64) -> Vec<Action> {
+    let epoch = j.m.epoch();
+    for m in j.m.members().to_vec() {
+        j.ev(Event::CheckpointWritten {
+            node: m,
+            epoch,
+            step: steps,
+        });
+    }
+    j.ev(Event::CheckpointFailed {
+        step: steps,
+        error: "No space left on device".into(),
+    });
+    let mut a = Vec::new();
+    for m in j.m.members().to_vec() {
+        a.extend(j.idle(m, IdleReason::Finished, steps));
+    }
+    a
+}
+
 #[test]
 fn a_failed_last_step_checkpoint_is_tried_again_then_fails_the_job() {
     use lazarus_planner::job::FINAL_CHECKPOINT_TRIES;
     let (mut j, _) = started(single_copy_config(6, 4), &[0, 1, 2], 6);
     for attempt in 1..=FINAL_CHECKPOINT_TRIES {
-        let epoch = j.m.epoch();
-        for m in j.m.members().to_vec() {
-            j.ev(Event::CheckpointWritten {
-                node: m,
-                epoch,
-                step: 6,
-            });
-        }
-        j.ev(Event::CheckpointFailed {
-            step: 6,
-            error: "No space left on device".into(),
-        });
-        let mut a = Vec::new();
-        for m in j.m.members().to_vec() {
-            a.extend(j.idle(m, IdleReason::Finished, 6));
-        }
+        let a = final_checkpoint_fails(&mut j, 6);
         if attempt < FINAL_CHECKPOINT_TRIES {
             let r = reconfig(&a).expect("the members write it again");
             assert_eq!(r.resume_step, 6);
@@ -2653,23 +2660,7 @@ fn failing_first_among_other_members_or_at_another_step_starts_the_count_again()
 #[test]
 fn a_recovery_during_the_final_checkpoint_is_reported() {
     let (mut j, _) = started(single_copy_config(6, 4), &[0, 1, 2], 6);
-    let members = j.m.members().to_vec();
-    let epoch = j.m.epoch();
-    for &m in &members {
-        j.ev(Event::CheckpointWritten {
-            node: m,
-            epoch,
-            step: 6,
-        });
-    }
-    j.ev(Event::CheckpointFailed {
-        step: 6,
-        error: "No space left on device".into(),
-    });
-    let mut a = Vec::new();
-    for &m in &members {
-        a.extend(j.idle(m, IdleReason::Finished, 6));
-    }
+    let a = final_checkpoint_fails(&mut j, 6);
     let r = reconfig(&a).expect("the members write it again");
     let mut a = j.migrated_all(&r);
     let epoch = j.m.epoch();
