@@ -1454,16 +1454,12 @@ fn a_worker_that_dies_on_its_own_is_not_waited_for() {
     assert!(o.stderr.contains("starts no more"), "{}", o.show());
 }
 
-/// Issue 43, item 6: the dataset's `.bin` truncated while the job trains (`truncate -s 1000`)
-/// killed every worker with SIGBUS (a read of the mapping past the file's new end), and no line
-/// named the file. The workers check their mapped files before reading a batch: a file that
-/// changed under the job is named, and the job ends with exit 2.
-#[test]
-fn a_data_file_truncated_while_training_is_named_and_the_job_ends_with_exit_2() {
+/// A scratch directory holding the embedded corpus, byte-tokenized, as a flat `u16` token
+/// file (`--data <bin> --data-dtype u16`): the directory and the file.
+fn embedded_corpus_data(name: &str) -> (PathBuf, PathBuf) {
     use lazarus_executor::dataset::{TokenDtype, write_flat};
     use lazarus_executor::model::{ByteTokenizer, EMBEDDED_CORPUS};
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = scratch("truncated-data");
+    let dir = scratch(name);
     let bin = dir.join("train.bin");
     write_flat(
         &bin,
@@ -1471,6 +1467,17 @@ fn a_data_file_truncated_while_training_is_named_and_the_job_ends_with_exit_2() 
         &ByteTokenizer::encode(EMBEDDED_CORPUS),
     )
     .unwrap();
+    (dir, bin)
+}
+
+/// Issue 43, item 6: the dataset's `.bin` truncated while the job trains (`truncate -s 1000`)
+/// killed every worker with SIGBUS (a read of the mapping past the file's new end), and no line
+/// named the file. The workers check their mapped files before reading a batch: a file that
+/// changed under the job is named, and the job ends with exit 2.
+#[test]
+fn a_data_file_truncated_while_training_is_named_and_the_job_ends_with_exit_2() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (dir, bin) = embedded_corpus_data("truncated-data");
     let mut live = Live::start_cmd(
         Command::new(LZRUN)
             .env("LZRUN_TEST_STEP_DELAY", "0:200")
@@ -1506,17 +1513,8 @@ fn a_data_file_truncated_while_training_is_named_and_the_job_ends_with_exit_2() 
 /// job goes on without it.
 #[test]
 fn a_node_that_fails_the_same_step_again_and_again_is_fenced_and_the_job_goes_on() {
-    use lazarus_executor::dataset::{TokenDtype, write_flat};
-    use lazarus_executor::model::{ByteTokenizer, EMBEDDED_CORPUS};
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = scratch("missing-data");
-    let bin = dir.join("train.bin");
-    write_flat(
-        &bin,
-        TokenDtype::U16,
-        &ByteTokenizer::encode(EMBEDDED_CORPUS),
-    )
-    .unwrap();
+    let (dir, bin) = embedded_corpus_data("missing-data");
     let mut live = Live::start_cmd(
         Command::new(LZRUN)
             .env("LZRUN_TEST_STEP_DELAY", "0:200")
